@@ -1,0 +1,24 @@
+//! The idempotency protocol, as pure data in and data out: no sockets, no
+//! store, no clock reads (`now` is always an argument).
+//!
+//! Lifecycle of one key (scoped by client, see [`key::RecordKey`]):
+//!
+//! ```text
+//!             claim (atomic insert)            complete (fenced by token)
+//!   absent ─────────────────────────► in flight ────────────────────────► completed ──► (ttl) absent
+//!     ▲                                │   │  renew (fenced) extends the lease              │
+//!     │      release (fenced): 5xx,    │   │                                                │
+//!     └──────── refused, reset, timeout┘   └─ lease ran out: next claim takes it over       │
+//!     └──────────────────────────────────────────────────────────────── sweep after ttl ───┘
+//! ```
+//!
+//! A response too large to store completes the key as `unstored`: it never
+//! runs twice, and retries get a definite answer instead of a replay.
+
+pub mod decision;
+pub mod fingerprint;
+pub mod key;
+
+pub use decision::{decide, settle, Decision, Settlement};
+pub use fingerprint::Fingerprint;
+pub use key::{IdempotencyKey, KeyError, RecordKey, Scope};

@@ -1,0 +1,260 @@
+//! The `Idempotency-Key` header and the scoped record key derived from it.
+//!
+//! The IETF draft (§2.1) makes the field an RFC 9651 sf-string, i.e. quoted,
+//! but Stripe's clients send it bare. Both forms are accepted and `"abc"` is
+//! the same key as `abc`. Keys are at most 255 printable ASCII characters
+//! (Stripe's limit). Neither the key nor the scope credential is ever stored
+//! or logged raw: the store holds sha256 digests only.
+
+use sha2::{Digest, Sha256};
+use std::fmt;
+
+/// Stripe's documented maximum; the IETF draft gives none.
+pub const MAX_KEY_LEN: usize = 255;
+
+/// A validated idempotency key (the unquoted value).
+#[derive(Clone, PartialEq, Eq)]
+pub struct IdempotencyKey(String);
+
+/// Why a key header was rejected (each is a 400).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum KeyError {
+    #[error("the key is empty")]
+    Empty,
+    #[error("the key is longer than {MAX_KEY_LEN} characters")]
+    TooLong,
+    #[error("the key contains characters other than printable ASCII")]
+    NotPrintable,
+    #[error("the key is a malformed quoted string")]
+    BadQuoting,
+    #[error("the header appears more than once")]
+    Repeated,
+}
+
+impl IdempotencyKey {
+    /// Parses one header value, quoted (sf-string) or bare.
+    pub fn parse(raw: &[u8]) -> Result<Self, KeyError> {
+        let raw = trim_ows(raw);
+        let value = if raw.first() == Some(&b'"') {
+            unquote(raw)?
+        } else {
+            if raw.iter().any(|&b| !(0x20..=0x7e).contains(&b)) {
+                return Err(KeyError::NotPrintable);
+            }
+            String::from_utf8(raw.to_vec()).map_err(|_| KeyError::NotPrintable)?
+        };
+        if value.is_empty() {
+            return Err(KeyError::Empty);
+        }
+        if value.len() > MAX_KEY_LEN {
+            return Err(KeyError::TooLong);
+        }
+        Ok(Self(value))
+    }
+
+    /// Reads the key from `headers`: `Ok(None)` when absent.
+    pub fn from_headers(
+        headers: &http::HeaderMap,
+        name: &http::HeaderName,
+    ) -> Result<Option<Self>, KeyError> {
+        let mut values = headers.get_all(name).iter();
+        let Some(first) = values.next() else {
+            return Ok(None);
+        };
+        if values.next().is_some() {
+            return Err(KeyError::Repeated);
+        }
+        Self::parse(first.as_bytes()).map(Some)
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// Never print the key itself.
+impl fmt::Debug for IdempotencyKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("IdempotencyKey(..)")
+    }
+}
+
+fn trim_ows(mut b: &[u8]) -> &[u8] {
+    while let [b' ' | b'\t', rest @ ..] = b {
+        b = rest;
+    }
+    while let [rest @ .., b' ' | b'\t'] = b {
+        b = rest;
+    }
+    b
+}
+
+/// RFC 9651 §4.2.5: a string is DQUOTE *( unescaped / "\" ( DQUOTE / "\" ) ) DQUOTE.
+fn unquote(raw: &[u8]) -> Result<String, KeyError> {
+    let inner = raw
+        .strip_prefix(b"\"")
+        .and_then(|r| r.strip_suffix(b"\""))
+        .ok_or(KeyError::BadQuoting)?;
+    let mut out = String::with_capacity(inner.len());
+    let mut bytes = inner.iter();
+    while let Some(&b) = bytes.next() {
+        match b {
+            b'\\' => match bytes.next() {
+                Some(&c @ (b'"' | b'\\')) => out.push(c as char),
+                _ => return Err(KeyError::BadQuoting),
+            },
+            b'"' => return Err(KeyError::BadQuoting),
+            0x20..=0x7e => out.push(b as char),
+            _ => return Err(KeyError::NotPrintable),
+        }
+    }
+    Ok(out)
+}
+
+/// Who a key belongs to: the sha256 of the scope header's value, so two
+/// clients using the same key never meet, and no credential is stored.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Scope(pub [u8; 32]);
+
+impl Scope {
+    /// The scope of a request whose scope header is `value` (None = absent,
+    /// which is its own shared "anonymous" scope).
+    pub fn from_header_value(value: Option<&[u8]>) -> Self {
+        let mut h = Sha256::new();
+        h.update(b"idemgate/scope/v1\0");
+        match value {
+            Some(v) => {
+                h.update([1]);
+                h.update(v);
+            }
+            None => h.update([0]),
+        }
+        Self(h.finalize().into())
+    }
+
+    pub fn to_hex(&self) -> String {
+        hex::encode(self.0)
+    }
+}
+
+impl fmt::Debug for Scope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Scope({})", &self.to_hex()[..12])
+    }
+}
+
+/// The store's primary key: `(scope, sha256(key))`.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RecordKey {
+    pub scope: Scope,
+    pub key: [u8; 32],
+}
+
+impl RecordKey {
+    pub fn new(scope: Scope, key: &IdempotencyKey) -> Self {
+        Self {
+            scope,
+            key: hash_key(key.as_str()),
+        }
+    }
+
+    /// A short, non-reversible id for logs: the first 8 bytes of
+    /// sha256(scope || key digest), so it reveals neither.
+    pub fn log_id(&self) -> String {
+        let mut h = Sha256::new();
+        h.update(self.scope.0);
+        h.update(self.key);
+        hex::encode(&h.finalize()[..8])
+    }
+}
+
+impl fmt::Debug for RecordKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "RecordKey({})", self.log_id())
+    }
+}
+
+/// sha256 of a key's text, as stored.
+pub fn hash_key(key: &str) -> [u8; 32] {
+    let mut h = Sha256::new();
+    h.update(b"idemgate/key/v1\0");
+    h.update(key.as_bytes());
+    h.finalize().into()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_parsing_table() {
+        let long = "a".repeat(MAX_KEY_LEN);
+        let too_long = "a".repeat(MAX_KEY_LEN + 1);
+        let cases: Vec<(&[u8], Result<&str, KeyError>)> = vec![
+            (b"abc", Ok("abc")),
+            (b"\"abc\"", Ok("abc")),
+            (b"  abc\t", Ok("abc")),
+            (b"8e03978e-40d5-43e8-bc93-6894a57f9324", Ok("8e03978e-40d5-43e8-bc93-6894a57f9324")),
+            (b"\"a \\\"q\\\" \\\\ b\"", Ok("a \"q\" \\ b")),
+            (b"with space", Ok("with space")),
+            (long.as_bytes(), Ok(long.as_str())),
+            (too_long.as_bytes(), Err(KeyError::TooLong)),
+            (b"", Err(KeyError::Empty)),
+            (b"\"\"", Err(KeyError::Empty)),
+            (b"   ", Err(KeyError::Empty)),
+            (b"caf\xc3\xa9", Err(KeyError::NotPrintable)),
+            (b"a\x01b", Err(KeyError::NotPrintable)),
+            (b"a\x7fb", Err(KeyError::NotPrintable)),
+            (b"\"abc", Err(KeyError::BadQuoting)),
+            (b"\"a\\nb\"", Err(KeyError::BadQuoting)),
+            (b"\"a\"b\"", Err(KeyError::BadQuoting)),
+        ];
+        for (raw, want) in cases {
+            let got = IdempotencyKey::parse(raw);
+            assert_eq!(
+                got.as_ref().map(|k| k.as_str()).map_err(Clone::clone),
+                want,
+                "{:?}",
+                String::from_utf8_lossy(raw)
+            );
+        }
+    }
+
+    #[test]
+    fn quoted_and_bare_forms_are_the_same_record() {
+        let scope = Scope::from_header_value(Some(b"Bearer t"));
+        let a = RecordKey::new(scope, &IdempotencyKey::parse(b"k-1").unwrap());
+        let b = RecordKey::new(scope, &IdempotencyKey::parse(b"\"k-1\"").unwrap());
+        assert_eq!(a, b);
+    }
+
+    #[test]
+    fn scopes_separate_clients_and_absence() {
+        let a = Scope::from_header_value(Some(b"Bearer a"));
+        let b = Scope::from_header_value(Some(b"Bearer b"));
+        let empty = Scope::from_header_value(Some(b""));
+        let absent = Scope::from_header_value(None);
+        assert_ne!(a, b);
+        assert_ne!(empty, absent);
+        assert_eq!(a, Scope::from_header_value(Some(b"Bearer a")));
+    }
+
+    #[test]
+    fn repeated_header_is_rejected() {
+        let name = http::HeaderName::from_static("idempotency-key");
+        let mut h = http::HeaderMap::new();
+        assert_eq!(IdempotencyKey::from_headers(&h, &name), Ok(None));
+        h.append(&name, "a".parse().unwrap());
+        assert!(IdempotencyKey::from_headers(&h, &name).unwrap().is_some());
+        h.append(&name, "b".parse().unwrap());
+        assert_eq!(IdempotencyKey::from_headers(&h, &name), Err(KeyError::Repeated));
+    }
+
+    #[test]
+    fn debug_output_never_shows_the_key() {
+        let k = IdempotencyKey::parse(b"secret-key").unwrap();
+        assert!(!format!("{k:?}").contains("secret"));
+        let rk = RecordKey::new(Scope::from_header_value(None), &k);
+        assert!(!format!("{rk:?}").contains("secret"));
+    }
+}
