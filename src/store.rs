@@ -161,12 +161,15 @@ pub trait Store: Send + Sync + 'static {
         locked_until: UnixMillis,
     ) -> Result<Fence, StoreError>;
 
-    /// Marks the holder's record completed (the ttl set at claim time stays).
+    /// Marks the holder's record completed. `expires_at` is the claim's
+    /// (`Claim::expires_at`): the ttl counts from the claim, and a cache in
+    /// front of the store needs it to expire its copy at the same moment.
     async fn complete(
         &self,
         key: &RecordKey,
         token: &LeaseToken,
         completion: &Completion,
+        expires_at: UnixMillis,
     ) -> Result<Fence, StoreError>;
 
     /// Deletes the holder's in-flight record so a retry runs again.

@@ -90,6 +90,7 @@ impl Store for MemoryStore {
         key: &RecordKey,
         token: &LeaseToken,
         completion: &Completion,
+        expires_at: UnixMillis,
     ) -> Result<Fence, StoreError> {
         Ok(self.with(|map| {
             if !owns(map.get(key), token) {
@@ -101,6 +102,7 @@ impl Store for MemoryStore {
                 Completion::Unstored { status } => RecordState::Unstored { status: *status },
             };
             e.token = None;
+            e.record.expires_at = expires_at;
             Fence::Held
         }))
     }

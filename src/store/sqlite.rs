@@ -260,6 +260,7 @@ impl Store for SqliteStore {
         key: &RecordKey,
         token: &LeaseToken,
         completion: &Completion,
+        expires_at: UnixMillis,
     ) -> Result<Fence, StoreError> {
         let (key, token, completion) = (*key, *token, completion.clone());
         self.call(move |conn| {
@@ -275,7 +276,7 @@ impl Store for SqliteStore {
             let n = conn
                 .prepare_cached(&format!(
                     "UPDATE idempotency_records SET state = ?4, status = ?5, headers = ?6, body = ?7, \
-                     token = NULL, locked_until = 0 WHERE {OWNED}"
+                     token = NULL, locked_until = 0, expires_at = ?8 WHERE {OWNED}"
                 ))
                 .map_err(db_err)?
                 .execute(params![
@@ -285,7 +286,8 @@ impl Store for SqliteStore {
                     state,
                     status,
                     headers,
-                    body
+                    body,
+                    expires_at
                 ])
                 .map_err(db_err)?;
             Ok(fence(n))
