@@ -1,5 +1,76 @@
-//! idemgate: an idempotency reverse proxy.
+//! idemgate: an idempotency reverse proxy. It sits in front of an unmodified
+//! HTTP API and makes the configured routes safe to retry: a repeated
+//! request with the same `Idempotency-Key` gets the stored response instead
+//! of a second execution.
+//!
+//! # Layout
+//! - [`config`]: the TOML file, parsed strictly into typed settings.
+//! - [`route`]: path patterns and the protected-route table.
+//! - [`idempotency`]: the protocol as pure functions: key parsing, scope,
+//!   fingerprint, and the decision from a stored record.
+//! - [`store`]: the storage trait and its backends (memory, SQLite, ...).
+//! - [`proxy`]: the request path: protected requests, forwarding, headers.
+//! - [`problem`]: RFC 9457 responses, the one error-to-response mapping.
+//! - [`server`]: listeners, connection limits, sweeper, graceful shutdown.
+//! - [`admin`], [`metrics`], [`telemetry`]: health, Prometheus, logs.
+//! - [`demo`]: a small orders API to try idemgate against.
+
+pub mod admin;
+pub mod body;
+pub mod cli;
 pub mod config;
+pub mod demo;
+pub mod error;
 pub mod idempotency;
+pub mod metrics;
+pub mod problem;
+pub mod proxy;
 pub mod route;
+pub mod server;
+pub mod shutdown;
 pub mod store;
+pub mod telemetry;
+
+use anyhow::Context;
+use config::Config;
+use std::sync::Arc;
+
+/// `idemgate serve`: opens the store, binds, runs until SIGTERM/SIGINT.
+pub async fn run(config: Config) -> anyhow::Result<()> {
+    let store = store::open(&config)
+        .await
+        .context("cannot open the store")?;
+    let listeners = server::Listeners::bind(&config).await?;
+    let metrics = Arc::new(metrics::Metrics::new());
+    server::serve(config, store, metrics, listeners, shutdown::signal()).await
+}
+
+/// `idemgate demo`: the demo orders API on an ephemeral port, the proxy in
+/// front of it on `listen`, SQLite at `db`.
+pub async fn run_demo(listen: std::net::SocketAddr, db: std::path::PathBuf) -> anyhow::Result<()> {
+    let api = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let api_addr = api.local_addr()?;
+    tokio::spawn(demo::serve_orders_api(api));
+    let text = demo::demo_config(listen, api_addr, &db);
+    let config = Config::parse(&text, "<demo>")?;
+    let store = store::open(&config)
+        .await
+        .context("cannot open the store")?;
+    let listeners = server::Listeners::bind(&config).await?;
+    println!("{}", demo::walkthrough(listeners.proxy.local_addr()?));
+    let metrics = Arc::new(metrics::Metrics::new());
+    server::serve(config, store, metrics, listeners, shutdown::signal()).await
+}
+
+/// `idemgate demo-upstream`: only the demo orders API.
+pub async fn run_demo_upstream(listen: std::net::SocketAddr) -> anyhow::Result<()> {
+    let api = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("cannot listen on {listen}"))?;
+    tracing::info!(addr = %listen, "demo orders API listening");
+    tokio::select! {
+        _ = demo::serve_orders_api(api) => {}
+        _ = shutdown::signal() => {}
+    }
+    Ok(())
+}

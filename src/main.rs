@@ -1,1 +1,60 @@
-fn main() {}
+//! The `idemgate` binary: parse arguments, load config, hand over to the library.
+
+use clap::Parser;
+use idemgate::cli::{Cli, Command};
+use idemgate::config::Config;
+use std::process::ExitCode;
+
+/// sysexits.h EX_USAGE: a bad config is the operator's input error.
+const EX_USAGE: u8 = 64;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::CheckConfig { config } => match Config::load(&config) {
+            Ok(cfg) => {
+                println!("{}: ok\n{}", config.display(), cfg.describe());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("invalid configuration: {e}");
+                ExitCode::from(EX_USAGE)
+            }
+        },
+        Command::Serve { config } => {
+            let cfg = match Config::load(&config) {
+                Ok(cfg) => cfg,
+                Err(e) => {
+                    eprintln!("invalid configuration: {e}");
+                    return ExitCode::from(EX_USAGE);
+                }
+            };
+            idemgate::telemetry::init(&cfg.log);
+            exit(runtime().and_then(|rt| rt.block_on(idemgate::run(cfg))))
+        }
+        Command::Demo { listen, db } => {
+            idemgate::telemetry::init(&Default::default());
+            exit(runtime().and_then(|rt| rt.block_on(idemgate::run_demo(listen, db))))
+        }
+        Command::DemoUpstream { listen } => {
+            idemgate::telemetry::init(&Default::default());
+            exit(runtime().and_then(|rt| rt.block_on(idemgate::run_demo_upstream(listen))))
+        }
+    }
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?)
+}
+
+fn exit(result: anyhow::Result<()>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("idemgate: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -241,6 +241,31 @@ pub fn array_from<const N: usize>(bytes: &[u8], what: &str) -> Result<[u8; N], S
         .map_err(|_| StoreError::Corrupt(format!("{what} has {} bytes, expected {N}", bytes.len())))
 }
 
+/// Opens the backend the config names (and the Redis fast path in front of
+/// it, when configured).
+pub async fn open(cfg: &crate::config::Config) -> Result<std::sync::Arc<dyn Store>, StoreError> {
+    use crate::config::Backend;
+    use std::sync::Arc;
+    let store: Arc<dyn Store> = match cfg.store.backend {
+        Backend::Memory => Arc::new(memory::MemoryStore::new()),
+        Backend::Sqlite => {
+            let path = cfg.store.path.clone();
+            let sync = cfg.store.synchronous;
+            Arc::new(
+                tokio::task::spawn_blocking(move || sqlite::SqliteStore::open(&path, sync))
+                    .await
+                    .map_err(|e| StoreError::Unavailable(e.to_string()))??,
+            )
+        }
+        Backend::Postgres => {
+            return Err(StoreError::Unavailable(
+                "postgres backend is being merged".into(),
+            ))
+        }
+    };
+    Ok(store)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,0 +1,65 @@
+//! The admin listener, separate from proxied traffic: `GET /healthz` (the
+//! process is up), `GET /readyz` (the store answers) and `GET /metrics`
+//! (Prometheus text format).
+
+use crate::body::{full, ProxyBody};
+use crate::metrics::Metrics;
+use crate::store::Store;
+use http::{header, HeaderValue, Method, Request, Response, StatusCode};
+use hyper::body::Incoming;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Readiness must answer before a kubelet's 1 s probe timeout.
+const READY_TIMEOUT: Duration = Duration::from_millis(800);
+
+pub struct Admin {
+    pub store: Arc<dyn Store>,
+    pub metrics: Arc<Metrics>,
+}
+
+impl Admin {
+    pub async fn handle(&self, req: Request<Incoming>) -> Response<ProxyBody> {
+        if req.method() != Method::GET && req.method() != Method::HEAD {
+            return text(StatusCode::METHOD_NOT_ALLOWED, "use GET\n");
+        }
+        match req.uri().path() {
+            "/healthz" => text(StatusCode::OK, "ok\n"),
+            "/readyz" => match tokio::time::timeout(READY_TIMEOUT, self.store.ping()).await {
+                Ok(Ok(())) => text(StatusCode::OK, "ready\n"),
+                Ok(Err(e)) => text(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    &format!("not ready: {e}\n"),
+                ),
+                Err(_) => text(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "not ready: store timed out\n",
+                ),
+            },
+            "/metrics" => {
+                let mut resp = text(StatusCode::OK, &self.metrics.encode());
+                resp.headers_mut().insert(
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static(
+                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                    ),
+                );
+                resp
+            }
+            _ => text(
+                StatusCode::NOT_FOUND,
+                "not found: try /healthz, /readyz or /metrics\n",
+            ),
+        }
+    }
+}
+
+fn text(status: StatusCode, body: &str) -> Response<ProxyBody> {
+    let mut resp = Response::new(full(body.to_string()));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    resp
+}

@@ -1,0 +1,128 @@
+//! Body types and bounded reading.
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, Full};
+use std::collections::VecDeque;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Every body the proxy sends, to clients and to the upstream.
+pub type ProxyBody = UnsyncBoxBody<Bytes, BoxError>;
+
+pub fn full(bytes: impl Into<Bytes>) -> ProxyBody {
+    Full::new(bytes.into())
+        .map_err(|never| match never {})
+        .boxed_unsync()
+}
+
+pub fn boxed<B>(body: B) -> ProxyBody
+where
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    body.map_err(Into::into).boxed_unsync()
+}
+
+/// Why a bounded read stopped early.
+#[derive(Debug)]
+pub enum ReadError {
+    TooLarge,
+    Failed(BoxError),
+}
+
+/// Reads `body` whole, failing as soon as it passes `limit` bytes.
+pub async fn read_limited<B>(body: B, limit: u64) -> Result<Bytes, ReadError>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    let mut body = body;
+    let mut buf = Vec::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| ReadError::Failed(e.into()))?;
+        if let Ok(data) = frame.into_data() {
+            if (buf.len() + data.len()) as u64 > limit {
+                return Err(ReadError::TooLarge);
+            }
+            buf.extend_from_slice(&data);
+        }
+    }
+    Ok(Bytes::from(buf))
+}
+
+/// Chunks already read from a body, followed by the rest of it: lets the
+/// proxy look at the start of an upstream response (to store it) and still
+/// stream all of it when it turns out too large to keep.
+pub struct Prefixed<B> {
+    head: VecDeque<Bytes>,
+    rest: B,
+}
+
+impl<B> Prefixed<B> {
+    pub fn new(head: Vec<Bytes>, rest: B) -> Self {
+        Self {
+            head: head.into(),
+            rest,
+        }
+    }
+}
+
+impl<B> Body for Prefixed<B>
+where
+    B: Body<Data = Bytes> + Unpin,
+{
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        if let Some(chunk) = self.head.pop_front() {
+            return Poll::Ready(Some(Ok(Frame::data(chunk))));
+        }
+        Pin::new(&mut self.rest).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.head.is_empty() && self.rest.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        let head: u64 = self.head.iter().map(|b| b.len() as u64).sum();
+        let rest = self.rest.size_hint();
+        let mut hint = SizeHint::new();
+        hint.set_lower(rest.lower() + head);
+        if let Some(upper) = rest.upper() {
+            hint.set_upper(upper + head);
+        }
+        hint
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn read_limited_accepts_the_limit_and_rejects_one_more_byte() {
+        let ok = read_limited(Full::new(Bytes::from_static(b"12345")), 5).await;
+        assert_eq!(ok.unwrap(), Bytes::from_static(b"12345"));
+        let over = read_limited(Full::new(Bytes::from_static(b"123456")), 5).await;
+        assert!(matches!(over, Err(ReadError::TooLarge)));
+    }
+
+    #[tokio::test]
+    async fn prefixed_body_yields_head_then_rest() {
+        let body = Prefixed::new(
+            vec![Bytes::from_static(b"ab"), Bytes::from_static(b"c")],
+            Full::new(Bytes::from_static(b"def")),
+        );
+        let all = body.collect().await.unwrap().to_bytes();
+        assert_eq!(all, Bytes::from_static(b"abcdef"));
+    }
+}

@@ -1,0 +1,193 @@
+//! The demo: a tiny in-process orders API to put idemgate in front of.
+//!
+//! - `POST /orders` creates an order (201, `Location`, JSON body with a
+//!   fresh id, so a second execution is visible as a new id).
+//! - `?slow=SECONDS` (at most 60) delays the answer, to try a retry while
+//!   the first request is in flight.
+//! - `?fail=1` answers 503, to see the key released and the retry run again.
+//! - `GET /orders` lists what was created, i.e. how often the upstream ran.
+
+use crate::body::{full, ProxyBody};
+use http::{header, HeaderValue, Method, Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use std::convert::Infallible;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::net::TcpListener;
+
+/// The demo API's request body cap.
+const MAX_DEMO_BODY: usize = 64 * 1024;
+const MAX_DEMO_DELAY_SECS: u64 = 60;
+
+#[derive(Default)]
+struct Orders {
+    created: Mutex<Vec<serde_json::Value>>,
+}
+
+/// Serves the demo orders API on `listener` until the task is dropped.
+pub async fn serve_orders_api(listener: TcpListener) {
+    let orders = Arc::new(Orders::default());
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        };
+        let orders = orders.clone();
+        tokio::spawn(async move {
+            let svc = service_fn(move |req| {
+                let orders = orders.clone();
+                async move { Ok::<_, Infallible>(handle(&orders, req).await) }
+            });
+            let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                .serve_connection(TokioIo::new(stream), svc)
+                .await;
+        });
+    }
+}
+
+async fn handle(orders: &Orders, req: Request<Incoming>) -> Response<ProxyBody> {
+    let query = req.uri().query().unwrap_or("").to_string();
+    let param = |name: &str| {
+        query
+            .split('&')
+            .filter_map(|kv| kv.split_once('='))
+            .find(|(k, _)| *k == name)
+            .map(|(_, v)| v.to_string())
+    };
+    match (req.method().clone(), req.uri().path()) {
+        (Method::POST, "/orders") => {
+            if let Some(secs) = param("slow").and_then(|s| s.parse::<u64>().ok()) {
+                tokio::time::sleep(Duration::from_secs(secs.min(MAX_DEMO_DELAY_SECS))).await;
+            }
+            if param("fail").is_some() {
+                return json(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    serde_json::json!({"error": "the demo API failed on purpose"}),
+                    None,
+                );
+            }
+            let body = match req.into_body().collect().await {
+                Ok(b) => b.to_bytes(),
+                Err(_) => {
+                    return json(
+                        StatusCode::BAD_REQUEST,
+                        serde_json::json!({"error": "unreadable body"}),
+                        None,
+                    )
+                }
+            };
+            if body.len() > MAX_DEMO_BODY {
+                return json(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    serde_json::json!({"error": "too large"}),
+                    None,
+                );
+            }
+            let Ok(input) = serde_json::from_slice::<serde_json::Value>(&body) else {
+                return json(
+                    StatusCode::BAD_REQUEST,
+                    serde_json::json!({"error": "the body must be JSON, e.g. {\"item\":\"book\",\"qty\":1}"}),
+                    None,
+                );
+            };
+            let mut created = orders.created.lock().unwrap_or_else(|p| p.into_inner());
+            let id = format!("ord_{}", created.len() + 1);
+            let order = serde_json::json!({"id": id, "order": input, "status": "created"});
+            created.push(order.clone());
+            json(StatusCode::CREATED, order, Some(&format!("/orders/{id}")))
+        }
+        (Method::GET, "/orders") => {
+            let created = orders
+                .created
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone();
+            json(
+                StatusCode::OK,
+                serde_json::json!({"count": created.len(), "orders": created}),
+                None,
+            )
+        }
+        _ => json(
+            StatusCode::NOT_FOUND,
+            serde_json::json!({"error": "not found"}),
+            None,
+        ),
+    }
+}
+
+fn json(
+    status: StatusCode,
+    body: serde_json::Value,
+    location: Option<&str>,
+) -> Response<ProxyBody> {
+    let mut resp = Response::new(full(format!("{body}\n")));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    if let Some(loc) = location.and_then(|l| HeaderValue::from_str(l).ok()) {
+        resp.headers_mut().insert(header::LOCATION, loc);
+    }
+    resp
+}
+
+/// The demo proxy's config, in front of the demo API at `upstream`.
+pub fn demo_config(
+    listen: std::net::SocketAddr,
+    upstream: std::net::SocketAddr,
+    db: &std::path::Path,
+) -> String {
+    format!(
+        r#"[server]
+listen = "{listen}"
+upstream = "http://{upstream}"
+
+[store]
+backend = "sqlite"
+path = {db:?}
+sweep_interval = "10s"
+
+[defaults]
+ttl = "1h"
+lease = "10s"
+
+[[route]]
+methods = ["POST"]
+path = "/orders"
+require_key = true
+scope_header = "Authorization"
+"#,
+        db = db.display().to_string()
+    )
+}
+
+/// The walkthrough the demo prints.
+pub fn walkthrough(proxy: std::net::SocketAddr) -> String {
+    let u = format!("http://{proxy}");
+    format!(
+        r#"
+idemgate demo: proxy on {u}, in front of a demo orders API.
+
+1. Create an order (new key: forwarded, stored, 201):
+   curl -i -X POST {u}/orders -H 'Authorization: Bearer demo' -H 'Idempotency-Key: order-1' -H 'Content-Type: application/json' -d '{{"item":"book","qty":1}}'
+2. Retry it (same key, same body: replayed, Idempotent-Replayed: true, same order id):
+   curl -i -X POST {u}/orders -H 'Authorization: Bearer demo' -H 'Idempotency-Key: order-1' -H 'Content-Type: application/json' -d '{{"item":"book","qty":1}}'
+3. Change the body under the same key (422):
+   curl -i -X POST {u}/orders -H 'Authorization: Bearer demo' -H 'Idempotency-Key: order-1' -H 'Content-Type: application/json' -d '{{"item":"pen","qty":9}}'
+4. Start a slow request, and retry it while it runs (409 with Retry-After):
+   curl -s -X POST '{u}/orders?slow=5' -H 'Authorization: Bearer demo' -H 'Idempotency-Key: order-2' -d '{{"item":"lamp"}}' &
+   sleep 1; curl -i -X POST '{u}/orders?slow=5' -H 'Authorization: Bearer demo' -H 'Idempotency-Key: order-2' -d '{{"item":"lamp"}}'
+5. Forget the key (400):
+   curl -i -X POST {u}/orders -H 'Authorization: Bearer demo' -d '{{"item":"book"}}'
+6. See how many orders the API really created:
+   curl -s {u}/orders
+
+Ctrl-C stops the demo.
+"#
+    )
+}

@@ -1,0 +1,81 @@
+//! The proxy's error type: every way a protected request can end without an
+//! upstream response of its own. Each variant knows where it came from
+//! ([`Origin`], pingora's `ErrorSource` idea); `problem.rs` is the one place
+//! that turns them into responses.
+
+use crate::idempotency::KeyError;
+use crate::store::StoreError;
+use http::HeaderName;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    #[error("the {header} header is required on this route")]
+    MissingKey { header: HeaderName },
+    #[error("invalid {header} header: {reason}")]
+    InvalidKey {
+        header: HeaderName,
+        reason: KeyError,
+    },
+    #[error("the request body is larger than {limit} bytes")]
+    BodyTooLarge { limit: u64 },
+    #[error("the request body could not be read: {0}")]
+    BodyRead(String),
+    #[error("a request with this key is still being processed")]
+    InFlight { retry_after_secs: u64 },
+    #[error("this key was already used for a different request")]
+    Mismatch,
+    #[error("the original response (status {status}) was too large to store")]
+    NotReplayable { status: u16 },
+    #[error("the idempotency store is unavailable: {0}")]
+    Store(#[from] StoreError),
+    /// Nothing reached the upstream (refused, connect timeout).
+    #[error("the upstream could not be reached: {reason}")]
+    UpstreamUnreachable { reason: String, released: bool },
+    #[error("the upstream did not answer in time")]
+    UpstreamTimeout { released: bool },
+    /// The connection failed after the request may have been sent.
+    #[error("the upstream connection failed: {reason}")]
+    UpstreamFailed { reason: String, released: bool },
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+/// Who is at fault, which decides logging level and metrics.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Origin {
+    Client,
+    Upstream,
+    Store,
+    Internal,
+}
+
+impl ProxyError {
+    pub fn origin(&self) -> Origin {
+        match self {
+            ProxyError::MissingKey { .. }
+            | ProxyError::InvalidKey { .. }
+            | ProxyError::BodyTooLarge { .. }
+            | ProxyError::BodyRead(_)
+            | ProxyError::InFlight { .. }
+            | ProxyError::Mismatch
+            | ProxyError::NotReplayable { .. } => Origin::Client,
+            ProxyError::Store(_) => Origin::Store,
+            ProxyError::UpstreamUnreachable { .. }
+            | ProxyError::UpstreamTimeout { .. }
+            | ProxyError::UpstreamFailed { .. } => Origin::Upstream,
+            ProxyError::Internal(_) => Origin::Internal,
+        }
+    }
+}
+
+impl ProxyError {
+    /// Whether a protected request's key was released by this failure.
+    pub fn released_key(&self) -> bool {
+        match self {
+            ProxyError::UpstreamUnreachable { released, .. }
+            | ProxyError::UpstreamTimeout { released }
+            | ProxyError::UpstreamFailed { released, .. } => *released,
+            _ => false,
+        }
+    }
+}

@@ -1,0 +1,320 @@
+//! Prometheus metrics, built once and passed down (no globals), served on
+//! the admin port. Names are prefixed `idemgate_`; label values come from
+//! enums' `as_str`, never from request data.
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// How a request ended, as counted and logged.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Outcome {
+    /// Claimed and forwarded; the upstream's answer was stored.
+    Forwarded,
+    /// Answered from the store without calling the upstream.
+    Replayed,
+    /// 409: another request holds the key.
+    Conflict,
+    /// 422: the key was used for a different request.
+    Mismatch,
+    /// 400: a required key was absent.
+    MissingKey,
+    /// 400: the key was malformed.
+    InvalidKey,
+    /// 400: the request body was unreadable.
+    InvalidRequest,
+    /// 413: the request body was over the route's limit.
+    TooLarge,
+    /// 410: executed once, response too large to replay.
+    NotReplayable,
+    /// 503: the store could not answer; nothing forwarded.
+    StoreError,
+    /// The store could not answer and the route forwards unguarded.
+    Unguarded,
+    /// Upstream 5xx, refused, reset or timed out; the key was released.
+    UpstreamError,
+    /// Not a protected request (no route, or no key where optional).
+    Passthrough,
+    Internal,
+}
+
+impl Outcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Forwarded => "forwarded",
+            Outcome::Replayed => "replayed",
+            Outcome::Conflict => "conflict",
+            Outcome::Mismatch => "mismatch",
+            Outcome::MissingKey => "missing_key",
+            Outcome::InvalidKey => "invalid_key",
+            Outcome::InvalidRequest => "invalid_request",
+            Outcome::TooLarge => "too_large",
+            Outcome::NotReplayable => "not_replayable",
+            Outcome::StoreError => "store_error",
+            Outcome::Unguarded => "unguarded",
+            Outcome::UpstreamError => "upstream_error",
+            Outcome::Passthrough => "passthrough",
+            Outcome::Internal => "internal",
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RequestLabels {
+    route: Arc<String>,
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RouteLabels {
+    route: Arc<String>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OpLabels {
+    op: &'static str,
+}
+
+/// Counters the Redis fast path keeps itself; read at scrape time.
+#[derive(Debug, Default)]
+pub struct FastPathCounters {
+    pub hits: AtomicU64,
+    pub misses: AtomicU64,
+    pub errors: AtomicU64,
+}
+
+pub struct Metrics {
+    registry: Registry,
+    requests: Family<RequestLabels, Counter>,
+    takeovers: Family<RouteLabels, Counter>,
+    lost_fences: Family<RouteLabels, Counter>,
+    store_latency: Family<OpLabels, Histogram>,
+    upstream_latency: Family<RouteLabels, Histogram>,
+    in_flight: Gauge,
+    swept: Counter,
+    fast_path: Arc<FastPathCollector>,
+}
+
+fn latency_histogram() -> Histogram {
+    // 0.5 ms .. ~16 s
+    Histogram::new(exponential_buckets(0.0005, 2.0, 16))
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("idemgate");
+        let requests = Family::default();
+        registry.register(
+            "requests",
+            "Requests by route and outcome",
+            requests.clone(),
+        );
+        let takeovers = Family::default();
+        registry.register(
+            "lease_takeovers",
+            "In-flight claims taken over after their holder's lease ran out",
+            takeovers.clone(),
+        );
+        let lost_fences = Family::default();
+        registry.register(
+            "lost_fences",
+            "Completions or releases refused because the claim had been taken over",
+            lost_fences.clone(),
+        );
+        let store_latency =
+            Family::<OpLabels, Histogram>::new_with_constructor(latency_histogram as fn() -> _);
+        registry.register(
+            "store_duration_seconds",
+            "Store operation latency",
+            store_latency.clone(),
+        );
+        let upstream_latency =
+            Family::<RouteLabels, Histogram>::new_with_constructor(latency_histogram as fn() -> _);
+        registry.register(
+            "upstream_duration_seconds",
+            "Upstream latency of protected requests, to the end of the stored body",
+            upstream_latency.clone(),
+        );
+        let in_flight = Gauge::default();
+        registry.register(
+            "in_flight",
+            "Protected requests currently executing upstream",
+            in_flight.clone(),
+        );
+        let swept = Counter::default();
+        registry.register(
+            "swept_records",
+            "Expired records deleted by the sweeper",
+            swept.clone(),
+        );
+        let fast_path = Arc::new(FastPathCollector::default());
+        registry.register_collector(Box::new(fast_path.clone()));
+        Self {
+            registry,
+            requests,
+            takeovers,
+            lost_fences,
+            store_latency,
+            upstream_latency,
+            in_flight,
+            swept,
+            fast_path,
+        }
+    }
+
+    pub fn request(&self, route: &Arc<String>, outcome: Outcome) {
+        self.requests
+            .get_or_create(&RequestLabels {
+                route: route.clone(),
+                outcome: outcome.as_str(),
+            })
+            .inc();
+    }
+
+    pub fn takeover(&self, route: &Arc<String>) {
+        self.takeovers
+            .get_or_create(&RouteLabels {
+                route: route.clone(),
+            })
+            .inc();
+    }
+
+    pub fn lost_fence(&self, route: &Arc<String>) {
+        self.lost_fences
+            .get_or_create(&RouteLabels {
+                route: route.clone(),
+            })
+            .inc();
+    }
+
+    pub fn store_op(&self, op: &'static str, took: Duration) {
+        self.store_latency
+            .get_or_create(&OpLabels { op })
+            .observe(took.as_secs_f64());
+    }
+
+    pub fn upstream(&self, route: &Arc<String>, took: Duration) {
+        self.upstream_latency
+            .get_or_create(&RouteLabels {
+                route: route.clone(),
+            })
+            .observe(took.as_secs_f64());
+    }
+
+    pub fn in_flight(&self) -> &Gauge {
+        &self.in_flight
+    }
+
+    pub fn swept(&self, n: u64) {
+        self.swept.inc_by(n);
+    }
+
+    /// Attaches the Redis fast path's counters.
+    pub fn attach_fast_path(&self, counters: Arc<FastPathCounters>) {
+        *self
+            .fast_path
+            .counters
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(counters);
+    }
+
+    /// The text exposition format.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
+            out.clear();
+        }
+        out
+    }
+
+    /// Current value of `idemgate_requests_total{route,outcome}` (for tests).
+    pub fn request_count(&self, route: &str, outcome: Outcome) -> u64 {
+        self.requests
+            .get_or_create(&RequestLabels {
+                route: Arc::new(route.to_string()),
+                outcome: outcome.as_str(),
+            })
+            .get()
+    }
+}
+
+#[derive(Debug, Default)]
+struct FastPathCollector {
+    counters: Mutex<Option<Arc<FastPathCounters>>>,
+}
+
+impl Collector for FastPathCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let counters = self
+            .counters
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let Some(c) = counters else {
+            return Ok(());
+        };
+        for (name, help, value) in [
+            (
+                "redis_fast_path_hits",
+                "Requests answered from Redis without asking the authoritative store",
+                &c.hits,
+            ),
+            (
+                "redis_fast_path_misses",
+                "Requests that Redis could not answer and went to the authoritative store",
+                &c.misses,
+            ),
+            (
+                "redis_fast_path_errors",
+                "Redis failures or timeouts that fell back to the authoritative store",
+                &c.errors,
+            ),
+        ] {
+            let counter = ConstCounter::new(value.load(Ordering::Relaxed));
+            let metric = encoder.encode_descriptor(name, help, None, counter.metric_type())?;
+            counter.encode(metric)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exposition_has_prefixed_names_and_labels() {
+        let m = Metrics::new();
+        let route = Arc::new("/orders".to_string());
+        m.request(&route, Outcome::Replayed);
+        m.request(&route, Outcome::Replayed);
+        m.takeover(&route);
+        let fp = Arc::new(FastPathCounters::default());
+        fp.hits.fetch_add(3, Ordering::Relaxed);
+        m.attach_fast_path(fp);
+        let text = m.encode();
+        assert!(
+            text.contains(r#"idemgate_requests_total{route="/orders",outcome="replayed"} 2"#),
+            "{text}"
+        );
+        assert!(text.contains("idemgate_lease_takeovers_total{route=\"/orders\"} 1"));
+        assert!(
+            text.contains("idemgate_redis_fast_path_hits_total 3"),
+            "{text}"
+        );
+        assert_eq!(m.request_count("/orders", Outcome::Replayed), 2);
+    }
+}

@@ -1,0 +1,228 @@
+//! RFC 9457 problem details (`application/problem+json`): the only place a
+//! [`ProxyError`] becomes a response. The match is exhaustive on purpose.
+//!
+//! Status codes follow the IETF Idempotency-Key draft §2.7 (400 missing,
+//! 409 in flight, 422 reused with another request) and RFC 9110 for the rest.
+
+use crate::body::{full, ProxyBody};
+use crate::error::ProxyError;
+use crate::metrics::Outcome;
+use http::{header, HeaderValue, Response, StatusCode};
+
+/// Base of the `type` URIs; each problem's page section in the README.
+const TYPE_BASE: &str = "https://github.com/idemgate/idemgate#problem-";
+
+/// How long a client should wait before retrying when the store is down.
+const STORE_RETRY_AFTER_SECS: u64 = 2;
+
+pub struct Problem {
+    pub status: StatusCode,
+    pub slug: &'static str,
+    pub title: &'static str,
+    pub detail: String,
+    pub retry_after_secs: Option<u64>,
+    pub outcome: Outcome,
+}
+
+impl Problem {
+    pub fn from_error(err: &ProxyError) -> Self {
+        let detail = err.to_string();
+        let p = |status, slug, title, outcome| Problem {
+            status,
+            slug,
+            title,
+            detail: detail.clone(),
+            retry_after_secs: None,
+            outcome,
+        };
+        match err {
+            ProxyError::MissingKey { .. } => p(
+                StatusCode::BAD_REQUEST,
+                "key-missing",
+                "Idempotency-Key is missing",
+                Outcome::MissingKey,
+            ),
+            ProxyError::InvalidKey { .. } => p(
+                StatusCode::BAD_REQUEST,
+                "key-invalid",
+                "Idempotency-Key is invalid",
+                Outcome::InvalidKey,
+            ),
+            ProxyError::BodyTooLarge { .. } => p(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "body-too-large",
+                "Request body too large",
+                Outcome::TooLarge,
+            ),
+            ProxyError::BodyRead(_) => p(
+                StatusCode::BAD_REQUEST,
+                "body-unreadable",
+                "Request body could not be read",
+                Outcome::InvalidRequest,
+            ),
+            ProxyError::InFlight { retry_after_secs } => Problem {
+                retry_after_secs: Some(*retry_after_secs),
+                ..p(
+                    StatusCode::CONFLICT,
+                    "in-flight",
+                    "A request is outstanding for this Idempotency-Key",
+                    Outcome::Conflict,
+                )
+            },
+            ProxyError::Mismatch => p(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "key-reused",
+                "Idempotency-Key is already used",
+                Outcome::Mismatch,
+            ),
+            ProxyError::NotReplayable { .. } => Problem {
+                detail: format!(
+                    "{detail}; the request was executed once and will not be executed again. \
+                     Use a new key for a new request."
+                ),
+                ..p(
+                    StatusCode::GONE,
+                    "response-not-stored",
+                    "The original response cannot be replayed",
+                    Outcome::NotReplayable,
+                )
+            },
+            ProxyError::Store(_) => Problem {
+                retry_after_secs: Some(STORE_RETRY_AFTER_SECS),
+                detail: "the idempotency store is unavailable; the request was not forwarded"
+                    .to_string(),
+                ..p(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "store-unavailable",
+                    "Idempotency store unavailable",
+                    Outcome::StoreError,
+                )
+            },
+            ProxyError::UpstreamUnreachable { .. } | ProxyError::UpstreamFailed { .. } => Problem {
+                detail: released_hint(err, detail.clone()),
+                ..p(
+                    StatusCode::BAD_GATEWAY,
+                    "upstream-failed",
+                    "Upstream failed",
+                    Outcome::UpstreamError,
+                )
+            },
+            ProxyError::UpstreamTimeout { .. } => Problem {
+                detail: released_hint(err, detail.clone()),
+                ..p(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    "upstream-timeout",
+                    "Upstream timed out",
+                    Outcome::UpstreamError,
+                )
+            },
+            ProxyError::Internal(_) => Problem {
+                detail: "internal error".to_string(),
+                ..p(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "internal",
+                    "Internal error",
+                    Outcome::Internal,
+                )
+            },
+        }
+    }
+
+    /// The response for `err`.
+    pub fn response(err: &ProxyError) -> Response<ProxyBody> {
+        Self::from_error(err).into_response()
+    }
+
+    pub fn into_response(self) -> Response<ProxyBody> {
+        let body = serde_json::json!({
+            "type": format!("{TYPE_BASE}{}", self.slug),
+            "title": self.title,
+            "status": self.status.as_u16(),
+            "detail": self.detail,
+        });
+        let mut resp = Response::new(full(body.to_string()));
+        *resp.status_mut() = self.status;
+        let h = resp.headers_mut();
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        h.insert(header::CONTENT_LANGUAGE, HeaderValue::from_static("en"));
+        h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+        if let Some(secs) = self.retry_after_secs {
+            h.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        resp
+    }
+}
+
+fn released_hint(err: &ProxyError, detail: String) -> String {
+    if err.released_key() {
+        format!(
+            "{detail}; the idempotency key was released, so a retry with the same key runs again"
+        )
+    } else {
+        detail
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::idempotency::KeyError;
+    use crate::store::StoreError;
+    use http::HeaderName;
+
+    /// Pins the IETF draft's status codes and the headers each problem carries.
+    #[test]
+    fn errors_map_to_documented_statuses() {
+        let h = HeaderName::from_static("idempotency-key");
+        let cases: Vec<(ProxyError, u16, Option<&str>)> = vec![
+            (ProxyError::MissingKey { header: h.clone() }, 400, None),
+            (
+                ProxyError::InvalidKey {
+                    header: h,
+                    reason: KeyError::TooLong,
+                },
+                400,
+                None,
+            ),
+            (ProxyError::BodyTooLarge { limit: 10 }, 413, None),
+            (
+                ProxyError::InFlight {
+                    retry_after_secs: 7,
+                },
+                409,
+                Some("7"),
+            ),
+            (ProxyError::Mismatch, 422, None),
+            (ProxyError::NotReplayable { status: 200 }, 410, None),
+            (ProxyError::Store(StoreError::Timeout), 503, Some("2")),
+            (
+                ProxyError::UpstreamUnreachable {
+                    reason: "refused".into(),
+                    released: true,
+                },
+                502,
+                None,
+            ),
+            (ProxyError::UpstreamTimeout { released: true }, 504, None),
+            (ProxyError::Internal("x".into()), 500, None),
+        ];
+        for (err, status, retry_after) in cases {
+            let resp = Problem::from_error(&err).into_response();
+            assert_eq!(resp.status().as_u16(), status, "{err}");
+            assert_eq!(
+                resp.headers()[header::CONTENT_TYPE],
+                "application/problem+json"
+            );
+            assert_eq!(
+                resp.headers()
+                    .get(header::RETRY_AFTER)
+                    .map(|v| v.to_str().unwrap()),
+                retry_after,
+                "{err}"
+            );
+        }
+    }
+}

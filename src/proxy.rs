@@ -1,0 +1,527 @@
+//! The request path. [`Proxy::handle`] always produces a response (hyper
+//! would abort the connection on an error); the protected path uses `?`
+//! freely and `problem.rs` maps whatever it returns.
+//!
+//! A claimed request runs in a task of its own ([`Proxy::execute_detached`]):
+//! if the client hangs up, hyper drops the handler, but the upstream call,
+//! the lease renewal and the storing of the response carry on, so the
+//! client's retry gets the replay instead of a second execution.
+
+pub mod forward;
+pub mod headers;
+
+use crate::body::{boxed, full, read_limited, Prefixed, ProxyBody, ReadError};
+use crate::config::{OnStoreError, RouteConfig};
+use crate::error::ProxyError;
+use crate::idempotency::{
+    decide, settle, Decision, Fingerprint, IdempotencyKey, RecordKey, Scope, Settlement,
+};
+use crate::metrics::{Metrics, Outcome};
+use crate::problem::Problem;
+use crate::route::RouteTable;
+use crate::store::{
+    now_millis, Claim, ClaimOutcome, Completion, Fence, LeaseToken, Store, StoreError,
+    StoredResponse,
+};
+use bytes::Bytes;
+use forward::{ForwardError, Forwarder};
+use http::{header, request, HeaderName, HeaderValue, Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::time::Instant;
+use tokio_util::task::TaskTracker;
+use tracing::{debug, error, info, warn};
+
+/// The replay marker Stripe uses (and IETF httpapi issue #46 asks for).
+pub const REPLAYED_HEADER: HeaderName = HeaderName::from_static("idempotent-replayed");
+
+/// How often a completion or release is tried before giving up on the store.
+const STORE_WRITE_ATTEMPTS: u32 = 4;
+const STORE_WRITE_BACKOFF: Duration = Duration::from_millis(100);
+/// Renewing more often than this would only load the store.
+const MIN_RENEW_INTERVAL: Duration = Duration::from_millis(100);
+
+static UNROUTED: std::sync::LazyLock<Arc<String>> =
+    std::sync::LazyLock::new(|| Arc::new("unrouted".to_string()));
+
+pub struct Proxy {
+    routes: RouteTable,
+    store: Arc<dyn Store>,
+    store_timeout: Duration,
+    forwarder: Forwarder,
+    metrics: Arc<Metrics>,
+    /// Detached upstream executions; shutdown waits for them.
+    tasks: TaskTracker,
+}
+
+type Served = (Outcome, Response<ProxyBody>);
+
+impl Proxy {
+    pub fn new(
+        routes: RouteTable,
+        store: Arc<dyn Store>,
+        store_timeout: Duration,
+        forwarder: Forwarder,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        Self {
+            routes,
+            store,
+            store_timeout,
+            forwarder,
+            metrics,
+            tasks: TaskTracker::new(),
+        }
+    }
+
+    pub fn tasks(&self) -> &TaskTracker {
+        &self.tasks
+    }
+
+    /// Serves one request; never fails.
+    pub async fn handle(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+        peer: SocketAddr,
+    ) -> Response<ProxyBody> {
+        let started = Instant::now();
+        let method = req.method().clone();
+        let path = req.uri().path().to_string();
+        let route = self.routes.find(&method, &path).cloned();
+        let mut key_id = None;
+        let (outcome, resp) = match &route {
+            None => self.passthrough(req.map(boxed), peer).await,
+            Some(route) => match self.protected(route, req, peer, &mut key_id).await {
+                Ok(served) => served,
+                Err(err) => {
+                    let problem = Problem::from_error(&err);
+                    match err.origin() {
+                        crate::error::Origin::Client => debug!(error = %err, "request refused"),
+                        _ => warn!(error = %err, "request failed"),
+                    }
+                    (problem.outcome, problem.into_response())
+                }
+            },
+        };
+        let label = route.as_ref().map(|r| &r.label).unwrap_or(&UNROUTED);
+        self.metrics.request(label, outcome);
+        info!(
+            target: "idemgate::access",
+            method = %method,
+            path = %path,
+            route = %label,
+            outcome = outcome.as_str(),
+            status = resp.status().as_u16(),
+            latency_ms = started.elapsed().as_secs_f64() * 1000.0,
+            key.id = key_id.as_deref().unwrap_or("-"),
+            client.addr = %peer,
+            "request"
+        );
+        resp
+    }
+
+    async fn protected(
+        self: &Arc<Self>,
+        route: &Arc<RouteConfig>,
+        req: Request<Incoming>,
+        peer: SocketAddr,
+        key_id: &mut Option<String>,
+    ) -> Result<Served, ProxyError> {
+        let key =
+            IdempotencyKey::from_headers(req.headers(), &route.key_header).map_err(|reason| {
+                ProxyError::InvalidKey {
+                    header: route.key_header.clone(),
+                    reason,
+                }
+            })?;
+        let Some(key) = key else {
+            if route.require_key {
+                return Err(ProxyError::MissingKey {
+                    header: route.key_header.clone(),
+                });
+            }
+            return Ok(self.passthrough(req.map(boxed), peer).await);
+        };
+        let too_large = ProxyError::BodyTooLarge {
+            limit: route.max_request_body,
+        };
+        if content_length(req.headers()).is_some_and(|n| n > route.max_request_body) {
+            return Err(too_large);
+        }
+        let (parts, body) = req.into_parts();
+        let body = read_limited(body, route.max_request_body)
+            .await
+            .map_err(|e| match e {
+                ReadError::TooLarge => too_large,
+                ReadError::Failed(e) => ProxyError::BodyRead(e.to_string()),
+            })?;
+
+        let fingerprint = fingerprint_of(&parts, route, &body);
+        let scope = Scope::from_header_value(
+            parts
+                .headers
+                .get(&route.scope_header)
+                .map(HeaderValue::as_bytes),
+        );
+        let record_key = RecordKey::new(scope, &key);
+        *key_id = Some(record_key.log_id());
+        let claim = Claim {
+            key: record_key,
+            fingerprint,
+            token: LeaseToken::random(),
+            now: now_millis(),
+            lease_ms: route.lease.as_millis() as i64,
+            ttl_ms: route.ttl.as_millis() as i64,
+        };
+
+        let claimed = match self.timed("claim", self.store.claim(&claim)).await {
+            Ok(outcome) => outcome,
+            Err(e) => return self.on_store_error(route, e, parts, body, peer).await,
+        };
+        match claimed {
+            ClaimOutcome::Existing(record) => match decide(&record, &fingerprint, now_millis()) {
+                Decision::Replay(stored) => Ok((Outcome::Replayed, replay_response(stored))),
+                Decision::InFlight { retry_after_secs } => {
+                    Err(ProxyError::InFlight { retry_after_secs })
+                }
+                Decision::Mismatch => Err(ProxyError::Mismatch),
+                Decision::NotReplayable { status } => Err(ProxyError::NotReplayable { status }),
+            },
+            ClaimOutcome::Claimed { takeover } => {
+                if takeover {
+                    self.metrics.takeover(&route.label);
+                    info!(key.id = %record_key.log_id(), route = %route.label, "took over a claim whose lease ran out");
+                }
+                self.execute_detached(route.clone(), parts, body, claim, peer)
+                    .await
+            }
+        }
+    }
+
+    async fn on_store_error(
+        &self,
+        route: &RouteConfig,
+        err: StoreError,
+        parts: request::Parts,
+        body: Bytes,
+        peer: SocketAddr,
+    ) -> Result<Served, ProxyError> {
+        match route.on_store_error {
+            OnStoreError::Reject => Err(ProxyError::Store(err)),
+            OnStoreError::Forward => {
+                warn!(error = %err, route = %route.label, "store unavailable; forwarding unguarded (on_store_error = \"forward\")");
+                let (_, resp) = self
+                    .passthrough(Request::from_parts(parts, full(body)), peer)
+                    .await;
+                Ok((Outcome::Unguarded, resp))
+            }
+        }
+    }
+
+    /// Runs the claimed request in its own task so a client hang-up cannot
+    /// cancel it.
+    async fn execute_detached(
+        self: &Arc<Self>,
+        route: Arc<RouteConfig>,
+        parts: request::Parts,
+        body: Bytes,
+        claim: Claim,
+        peer: SocketAddr,
+    ) -> Result<Served, ProxyError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let this = Arc::clone(self);
+        self.tasks.spawn(async move {
+            let result = this.execute(&route, parts, body, &claim, peer).await;
+            if tx.send(result).is_err() {
+                debug!(key.id = %claim.key.log_id(), "client left before the response; it is stored for the retry");
+            }
+        });
+        rx.await.unwrap_or_else(|_| {
+            Err(ProxyError::Internal(
+                "the request task ended without an answer".into(),
+            ))
+        })
+    }
+
+    async fn execute(
+        &self,
+        route: &RouteConfig,
+        parts: request::Parts,
+        body: Bytes,
+        claim: &Claim,
+        peer: SocketAddr,
+    ) -> Result<Served, ProxyError> {
+        self.metrics.in_flight().inc();
+        let started = Instant::now();
+        let keeper = self.keep_lease(route, claim);
+        tokio::pin!(keeper);
+        let result = tokio::select! {
+            r = self.forward_and_settle(route, parts, body, claim, peer, started) => r,
+            never = &mut keeper => match never {},
+        };
+        self.metrics.upstream(&route.label, started.elapsed());
+        self.metrics.in_flight().dec();
+        result
+    }
+
+    /// Renews the lease every third of its length until dropped.
+    async fn keep_lease(&self, route: &RouteConfig, claim: &Claim) -> Infallible {
+        let every = (route.lease / 3).max(MIN_RENEW_INTERVAL);
+        let mut tick = tokio::time::interval_at(Instant::now() + every, every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let until = now_millis() + route.lease.as_millis() as i64;
+            match self
+                .timed("renew", self.store.renew(&claim.key, &claim.token, until))
+                .await
+            {
+                Ok(Fence::Held) => {}
+                Ok(Fence::Lost) => {
+                    // The completion will be refused too; that is where it is counted.
+                    debug!(key.id = %claim.key.log_id(), "lease lost");
+                    return std::future::pending().await;
+                }
+                Err(e) => warn!(key.id = %claim.key.log_id(), error = %e, "lease renewal failed"),
+            }
+        }
+    }
+
+    async fn forward_and_settle(
+        &self,
+        route: &RouteConfig,
+        mut parts: request::Parts,
+        body: Bytes,
+        claim: &Claim,
+        peer: SocketAddr,
+        started: Instant,
+    ) -> Result<Served, ProxyError> {
+        parts.headers.remove(header::TRANSFER_ENCODING);
+        parts
+            .headers
+            .insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
+        let req = Request::from_parts(parts, full(body));
+        let resp = match self.forwarder.send(req, peer).await {
+            Ok(resp) => resp,
+            Err(e) => {
+                self.release(route, claim).await;
+                return Err(forward_error(e, true));
+            }
+        };
+        let status = resp.status().as_u16();
+        match settle(status) {
+            Settlement::Release => {
+                self.release(route, claim).await;
+                Ok((Outcome::UpstreamError, resp.map(boxed)))
+            }
+            Settlement::Store => {
+                let deadline = started + self.forwarder.timeout();
+                self.store_response(route, claim, resp, deadline).await
+            }
+        }
+    }
+
+    /// Reads the upstream body (bounded in size and time) and records it.
+    async fn store_response(
+        &self,
+        route: &RouteConfig,
+        claim: &Claim,
+        resp: Response<Incoming>,
+        deadline: Instant,
+    ) -> Result<Served, ProxyError> {
+        let (parts, mut body) = resp.into_parts();
+        let status = parts.status.as_u16();
+        let mut chunks: Vec<Bytes> = Vec::new();
+        let mut size: u64 = 0;
+        loop {
+            let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
+                Err(_) => {
+                    self.release(route, claim).await;
+                    return Err(ProxyError::UpstreamTimeout { released: true });
+                }
+                Ok(None) => break,
+                Ok(Some(Err(e))) => {
+                    self.release(route, claim).await;
+                    return Err(ProxyError::UpstreamFailed {
+                        reason: forward::error_chain(&e),
+                        released: true,
+                    });
+                }
+                Ok(Some(Ok(frame))) => frame,
+            };
+            // Trailers are not stored; replays carry none.
+            let Ok(data) = frame.into_data() else {
+                continue;
+            };
+            size += data.len() as u64;
+            chunks.push(data);
+            if size > route.max_response_body {
+                // The side effect happened: the key must never run again,
+                // but this response cannot be kept. Record that, then stream.
+                warn!(key.id = %claim.key.log_id(), route = %route.label, limit = route.max_response_body,
+                    "response larger than max_response_body; key completed without a stored body");
+                self.finish(route, claim, Completion::Unstored { status })
+                    .await;
+                let body = Prefixed::new(chunks, body);
+                return Ok((Outcome::Forwarded, Response::from_parts(parts, boxed(body))));
+            }
+        }
+        let body = concat(chunks);
+        let stored = StoredResponse {
+            status,
+            headers: headers::stored_headers(&parts.headers, route),
+            body: body.clone(),
+        };
+        self.finish(route, claim, Completion::Stored(stored)).await;
+        Ok((Outcome::Forwarded, Response::from_parts(parts, full(body))))
+    }
+
+    /// Records the completion, retrying briefly: giving up leaves the key in
+    /// flight until its lease runs out, which is what makes a retry run twice.
+    async fn finish(&self, route: &RouteConfig, claim: &Claim, completion: Completion) {
+        for attempt in 1..=STORE_WRITE_ATTEMPTS {
+            let write =
+                self.store
+                    .complete(&claim.key, &claim.token, &completion, claim.expires_at());
+            match self.timed("complete", write).await {
+                Ok(Fence::Held) => return,
+                Ok(Fence::Lost) => {
+                    self.metrics.lost_fence(&route.label);
+                    warn!(key.id = %claim.key.log_id(), route = %route.label,
+                        "completion refused: the lease ran out and another request took the key over");
+                    return;
+                }
+                Err(e) if attempt < STORE_WRITE_ATTEMPTS => {
+                    warn!(key.id = %claim.key.log_id(), attempt, error = %e, "could not record completion; retrying");
+                    tokio::time::sleep(STORE_WRITE_BACKOFF * attempt).await;
+                }
+                Err(e) => error!(key.id = %claim.key.log_id(), error = %e,
+                    "could not record completion; the key stays in flight until its lease runs out"),
+            }
+        }
+    }
+
+    /// Gives the key back so a retry runs again.
+    async fn release(&self, route: &RouteConfig, claim: &Claim) {
+        for attempt in 1..=STORE_WRITE_ATTEMPTS {
+            match self
+                .timed("release", self.store.release(&claim.key, &claim.token))
+                .await
+            {
+                Ok(Fence::Held) => return,
+                Ok(Fence::Lost) => {
+                    self.metrics.lost_fence(&route.label);
+                    warn!(key.id = %claim.key.log_id(), "release refused: the claim had been taken over");
+                    return;
+                }
+                Err(e) if attempt < STORE_WRITE_ATTEMPTS => {
+                    warn!(key.id = %claim.key.log_id(), attempt, error = %e, "could not release key; retrying");
+                    tokio::time::sleep(STORE_WRITE_BACKOFF * attempt).await;
+                }
+                Err(e) => error!(key.id = %claim.key.log_id(), error = %e,
+                    "could not release key; a retry gets 409 until the lease runs out"),
+            }
+        }
+    }
+
+    /// Forwards without protection, streaming both ways.
+    async fn passthrough(&self, req: Request<ProxyBody>, peer: SocketAddr) -> Served {
+        match self.forwarder.send(req, peer).await {
+            Ok(resp) => (Outcome::Passthrough, resp.map(boxed)),
+            Err(e) => {
+                let err = forward_error(e, false);
+                warn!(error = %err, "upstream failed");
+                let problem = Problem::from_error(&err);
+                (problem.outcome, problem.into_response())
+            }
+        }
+    }
+
+    /// A store call bounded by the store timeout, with its latency recorded.
+    async fn timed<T>(
+        &self,
+        op: &'static str,
+        fut: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let started = Instant::now();
+        let result = match tokio::time::timeout(self.store_timeout, fut).await {
+            Ok(r) => r,
+            Err(_) => Err(StoreError::Timeout),
+        };
+        self.metrics.store_op(op, started.elapsed());
+        result
+    }
+}
+
+fn forward_error(e: ForwardError, released: bool) -> ProxyError {
+    match e {
+        ForwardError::Connect(reason) => ProxyError::UpstreamUnreachable { reason, released },
+        ForwardError::Timeout => ProxyError::UpstreamTimeout { released },
+        ForwardError::Failed(reason) => ProxyError::UpstreamFailed { reason, released },
+    }
+}
+
+fn content_length(headers: &http::HeaderMap) -> Option<u64> {
+    headers
+        .get(header::CONTENT_LENGTH)?
+        .to_str()
+        .ok()?
+        .parse()
+        .ok()
+}
+
+fn fingerprint_of(parts: &request::Parts, route: &RouteConfig, body: &[u8]) -> Fingerprint {
+    let headers: Vec<(&HeaderName, Vec<&[u8]>)> = route
+        .fingerprint_headers
+        .iter()
+        .map(|name| {
+            let values = parts
+                .headers
+                .get_all(name)
+                .iter()
+                .map(HeaderValue::as_bytes)
+                .collect();
+            (name, values)
+        })
+        .collect();
+    Fingerprint::compute(
+        &parts.method,
+        parts.uri.path(),
+        parts.uri.query(),
+        &headers,
+        body,
+    )
+}
+
+fn concat(chunks: Vec<Bytes>) -> Bytes {
+    match chunks.len() {
+        0 => Bytes::new(),
+        1 => chunks.into_iter().next().expect("one chunk"),
+        _ => Bytes::from(chunks.concat()),
+    }
+}
+
+/// The stored response, byte for byte, plus the replay marker.
+fn replay_response(stored: StoredResponse) -> Response<ProxyBody> {
+    let mut resp = Response::new(full(stored.body));
+    *resp.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::OK);
+    let headers = resp.headers_mut();
+    for (name, value) in stored.headers {
+        match (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_maybe_shared(value),
+        ) {
+            (Ok(n), Ok(v)) => {
+                headers.append(n, v);
+            }
+            _ => warn!("skipping an invalid stored header"),
+        }
+    }
+    headers.insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
+    resp
+}

@@ -1,0 +1,127 @@
+//! The upstream client: a pooled keep-alive hyper-util client, request
+//! rewriting (URI, `Host`, hop-by-hop, `X-Forwarded-*`) and timeouts.
+
+use super::headers::{add_forwarded, strip_hop_by_hop};
+use crate::body::ProxyBody;
+use crate::config::ServerConfig;
+use http::uri::{PathAndQuery, Uri};
+use http::{header, HeaderValue, Request, Response};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// Why the upstream gave no response head.
+#[derive(Debug, thiserror::Error)]
+pub enum ForwardError {
+    /// Nothing was sent: connection refused, DNS, connect timeout.
+    #[error("cannot connect to upstream: {0}")]
+    Connect(String),
+    /// No response head within the upstream timeout.
+    #[error("upstream timed out")]
+    Timeout,
+    /// Sent (maybe), then the connection failed: reset, closed, protocol error.
+    #[error("upstream request failed: {0}")]
+    Failed(String),
+}
+
+#[derive(Clone)]
+pub struct Forwarder {
+    client: Client<HttpConnector, ProxyBody>,
+    upstream: Uri,
+    timeout: Duration,
+    preserve_host: bool,
+}
+
+impl Forwarder {
+    /// The one place server config becomes client builders.
+    pub fn new(cfg: &ServerConfig) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(cfg.upstream_connect_timeout));
+        connector.set_nodelay(true);
+        connector.set_keepalive(Some(Duration::from_secs(60)));
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(cfg.upstream_pool_idle_timeout)
+            .pool_max_idle_per_host(cfg.upstream_pool_max_idle)
+            .pool_timer(TokioTimer::new())
+            .timer(TokioTimer::new())
+            .build(connector);
+        Self {
+            client,
+            upstream: cfg.upstream.clone(),
+            timeout: cfg.upstream_timeout,
+            preserve_host: cfg.preserve_host,
+        }
+    }
+
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Sends `req` upstream and waits (bounded) for the response head.
+    pub async fn send(
+        &self,
+        mut req: Request<ProxyBody>,
+        peer: SocketAddr,
+    ) -> Result<Response<Incoming>, ForwardError> {
+        let original_host = req.headers().get(header::HOST).cloned().or_else(|| {
+            req.uri()
+                .authority()
+                .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+        });
+        *req.uri_mut() = self.upstream_uri(req.uri())?;
+        // The upstream sees HTTP/1.1 whatever the client spoke.
+        *req.version_mut() = http::Version::HTTP_11;
+        let headers = req.headers_mut();
+        strip_hop_by_hop(headers);
+        add_forwarded(headers, peer, original_host.clone());
+        if !self.preserve_host || original_host.is_none() {
+            if let Some(auth) = self.upstream.authority() {
+                if let Ok(v) = HeaderValue::from_str(auth.as_str()) {
+                    headers.insert(header::HOST, v);
+                }
+            }
+        } else if let Some(host) = original_host {
+            headers.insert(header::HOST, host);
+        }
+        match tokio::time::timeout(self.timeout, self.client.request(req)).await {
+            Err(_) => Err(ForwardError::Timeout),
+            Ok(Ok(mut resp)) => {
+                strip_hop_by_hop(resp.headers_mut());
+                Ok(resp)
+            }
+            Ok(Err(e)) if e.is_connect() => Err(ForwardError::Connect(error_chain(&e))),
+            Ok(Err(e)) => Err(ForwardError::Failed(error_chain(&e))),
+        }
+    }
+
+    fn upstream_uri(&self, original: &Uri) -> Result<Uri, ForwardError> {
+        let base = self.upstream.path().trim_end_matches('/');
+        let pq = original
+            .path_and_query()
+            .map(PathAndQuery::as_str)
+            .unwrap_or("/");
+        let joined = format!("{base}{pq}");
+        let mut parts = self.upstream.clone().into_parts();
+        parts.path_and_query = Some(
+            joined
+                .parse()
+                .map_err(|e| ForwardError::Failed(format!("bad request path: {e}")))?,
+        );
+        Uri::from_parts(parts).map_err(|e| ForwardError::Failed(format!("bad upstream URI: {e}")))
+    }
+}
+
+/// "a: b: c" from an error and its sources: hyper's Display is one level only.
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut cur = e.source();
+    while let Some(s) = cur {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        cur = s.source();
+    }
+    out
+}

@@ -1,0 +1,229 @@
+//! Listeners and lifecycles: the bounded accept loop (HTTP/1.1 keep-alive
+//! and h2c via hyper-util's auto builder), the admin listener, the sweeper,
+//! and graceful shutdown (stop accepting, drain connections and detached
+//! upstream executions within the grace period).
+
+use crate::admin::Admin;
+use crate::config::Config;
+use crate::metrics::Metrics;
+use crate::proxy::forward::Forwarder;
+use crate::proxy::Proxy;
+use crate::store::{now_millis, Store};
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+/// Accept errors (EMFILE and friends) back off instead of spinning.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+
+/// Already-bound sockets, so tests can bind port 0 and read the address.
+pub struct Listeners {
+    pub proxy: TcpListener,
+    pub admin: Option<TcpListener>,
+}
+
+impl Listeners {
+    /// Binds the addresses the config names.
+    pub async fn bind(config: &Config) -> std::io::Result<Self> {
+        let proxy = TcpListener::bind(config.server.listen).await.map_err(|e| {
+            std::io::Error::new(
+                e.kind(),
+                format!("cannot listen on {}: {e}", config.server.listen),
+            )
+        })?;
+        let admin = match &config.admin {
+            Some(a) => Some(TcpListener::bind(a.listen).await.map_err(|e| {
+                std::io::Error::new(
+                    e.kind(),
+                    format!("cannot listen on {} (admin): {e}", a.listen),
+                )
+            })?),
+            None => None,
+        };
+        Ok(Self { proxy, admin })
+    }
+}
+
+/// Runs the proxy until `shutdown` resolves, then drains.
+pub async fn serve(
+    config: Config,
+    store: Arc<dyn Store>,
+    metrics: Arc<Metrics>,
+    listeners: Listeners,
+    shutdown: impl Future<Output = ()>,
+) -> anyhow::Result<()> {
+    let forwarder = Forwarder::new(&config.server);
+    let proxy = Arc::new(Proxy::new(
+        config.routes.clone(),
+        store.clone(),
+        config.store.timeout,
+        forwarder,
+        metrics.clone(),
+    ));
+    let stop = CancellationToken::new();
+
+    let sweeper = tokio::spawn(sweep_loop(
+        store.clone(),
+        metrics.clone(),
+        config.store.sweep_interval,
+        config.store.sweep_batch,
+        stop.clone(),
+    ));
+    let admin_task = listeners.admin.map(|listener| {
+        let admin = Arc::new(Admin {
+            store: store.clone(),
+            metrics: metrics.clone(),
+        });
+        info!(addr = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(), "admin listening");
+        tokio::spawn(admin_loop(listener, admin, stop.clone()))
+    });
+
+    info!(
+        addr = %listeners.proxy.local_addr()?,
+        upstream = %config.server.upstream,
+        store = store.backend(),
+        routes = config.routes.iter().count(),
+        "idemgate listening"
+    );
+    let graceful = GracefulShutdown::new();
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(config.server.header_read_timeout)
+        .keep_alive(true);
+    builder.http2().timer(TokioTimer::new());
+    let connections = Arc::new(Semaphore::new(config.server.max_connections));
+    let listener = listeners.proxy;
+    tokio::pin!(shutdown);
+    loop {
+        let permit = tokio::select! {
+            p = connections.clone().acquire_owned() => p?,
+            _ = &mut shutdown => break,
+        };
+        let (stream, peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    warn!(error = %e, "accept failed");
+                    tokio::time::sleep(ACCEPT_BACKOFF).await;
+                    continue;
+                }
+            },
+            _ = &mut shutdown => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let proxy = proxy.clone();
+        let svc = service_fn(move |req| {
+            let proxy = proxy.clone();
+            async move { Ok::<_, Infallible>(proxy.handle(req, peer).await) }
+        });
+        let conn = graceful.watch(
+            builder
+                .serve_connection(TokioIo::new(stream), svc)
+                .into_owned(),
+        );
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                debug!(error = %e, client.addr = %peer, "connection ended with an error");
+            }
+            drop(permit);
+        });
+    }
+    drop(listener);
+    info!(grace = ?config.server.shutdown_grace, "shutting down: no new connections, draining");
+    let deadline = tokio::time::Instant::now() + config.server.shutdown_grace;
+    if tokio::time::timeout_at(deadline, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        warn!("grace period over with connections still open; closing them");
+    }
+    // Upstream calls already made must still get their results recorded.
+    proxy.tasks().close();
+    if tokio::time::timeout_at(deadline, proxy.tasks().wait())
+        .await
+        .is_err()
+    {
+        warn!("grace period over with upstream requests still running; their keys recover when the lease runs out");
+    }
+    stop.cancel();
+    let _ = sweeper.await;
+    if let Some(t) = admin_task {
+        let _ = t.await;
+    }
+    info!("stopped");
+    Ok(())
+}
+
+async fn admin_loop(listener: TcpListener, admin: Arc<Admin>, stop: CancellationToken) {
+    loop {
+        let (stream, _) = tokio::select! {
+            a = listener.accept() => match a {
+                Ok(a) => a,
+                Err(e) => {
+                    warn!(error = %e, "admin accept failed");
+                    tokio::time::sleep(ACCEPT_BACKOFF).await;
+                    continue;
+                }
+            },
+            _ = stop.cancelled() => return,
+        };
+        let admin = admin.clone();
+        tokio::spawn(async move {
+            let svc = service_fn(move |req| {
+                let admin = admin.clone();
+                async move { Ok::<_, Infallible>(admin.handle(req).await) }
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), svc)
+                .await;
+        });
+    }
+}
+
+/// Deletes expired records in small batches every `interval`.
+async fn sweep_loop(
+    store: Arc<dyn Store>,
+    metrics: Arc<Metrics>,
+    interval: Duration,
+    batch: u32,
+    stop: CancellationToken,
+) {
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.cancelled() => return,
+        }
+        loop {
+            match store.sweep(now_millis(), batch).await {
+                Ok(n) => {
+                    metrics.swept(n);
+                    if n > 0 {
+                        debug!(deleted = n, "swept expired records");
+                    }
+                    if n < u64::from(batch) || stop.is_cancelled() {
+                        break;
+                    }
+                    // Let live traffic in between batches.
+                    tokio::task::yield_now().await;
+                }
+                Err(e) => {
+                    warn!(error = %e, "sweep failed; retrying next interval");
+                    break;
+                }
+            }
+        }
+    }
+}

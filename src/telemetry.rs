@@ -1,0 +1,24 @@
+//! Logging: `tracing` with an `EnvFilter` (`RUST_LOG` wins over
+//! `log.level`), as text or JSON. Nothing logs raw keys, credentials or
+//! bodies: requests are identified by `key.id`, a truncated hash.
+
+use crate::config::{LogConfig, LogFormat};
+use tracing_subscriber::EnvFilter;
+
+/// Installs the global subscriber once; later calls are ignored.
+pub fn init(cfg: &LogConfig) {
+    let filter = EnvFilter::try_from_default_env()
+        .or_else(|_| EnvFilter::try_new(&cfg.level))
+        .unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = match cfg.format {
+        LogFormat::Json => builder
+            .json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .try_init(),
+        LogFormat::Text => builder.try_init(),
+    };
+}
