@@ -230,7 +230,7 @@ mod tests {
 
     #[test]
     fn formatting_round_trips() {
-        for d in ["500ms", "30s", "2m", "24h", "2d", "1500ms"] {
+        for d in ["500ms", "30s", "2m", "25h", "2d", "1500ms"] {
             assert_eq!(format_duration(parse_duration(d).unwrap()), d);
         }
         for s in ["1MiB", "64KiB", "1000"] {
