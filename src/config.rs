@@ -427,7 +427,13 @@ impl Config {
         text: &str,
         env: &BTreeMap<String, String>,
     ) -> Result<Self, String> {
-        let line_of = |offset: usize| text[..offset.min(text.len())].lines().count().max(1);
+        let line_of = |offset: usize| {
+            text.as_bytes()[..offset.min(text.len())]
+                .iter()
+                .filter(|&&b| b == b'\n')
+                .count()
+                + 1
+        };
         let env_get = |k: &str| env.get(k).filter(|v| !v.is_empty()).cloned();
 
         let server = {
@@ -665,9 +671,12 @@ impl Config {
         let st = &self.store;
         let store_line = match st.backend {
             Backend::Sqlite => format!(
-                "sqlite {} (synchronous = {:?})",
+                "sqlite {} (synchronous = {})",
                 st.path.display(),
-                st.synchronous
+                match st.synchronous {
+                    SqliteSync::Full => "full",
+                    SqliteSync::Normal => "normal",
+                }
             ),
             Backend::Memory => "memory (not durable: records are lost on restart)".to_string(),
             Backend::Postgres => format!(
@@ -692,7 +701,7 @@ impl Config {
         }
         for r in routes {
             out.push_str(&format!(
-                "  #{} {} {}  key={} required={} scope={} ttl={} lease={} max_request_body={} max_response_body={} on_store_error={:?}\n",
+                "  #{} {} {}  key={} required={} scope={} ttl={} lease={} max_request_body={} max_response_body={} on_store_error={}\n",
                 r.index,
                 join_methods(&r.methods),
                 r.path,
@@ -703,7 +712,10 @@ impl Config {
                 d(r.lease),
                 sz(r.max_request_body),
                 sz(r.max_response_body),
-                r.on_store_error,
+                match r.on_store_error {
+                    OnStoreError::Reject => "reject",
+                    OnStoreError::Forward => "forward",
+                },
             ));
         }
         out

@@ -1,1 +1,211 @@
+use super::*;
 
+const MINIMAL: &str = "[server]\nupstream = \"http://127.0.0.1:3000\"\n";
+
+fn parse(text: &str) -> Result<Config, ConfigError> {
+    Config::parse(text, "test.toml")
+}
+
+fn err(text: &str) -> String {
+    parse(text)
+        .expect_err("config should be rejected")
+        .to_string()
+}
+
+fn with_route(route: &str) -> String {
+    format!("{MINIMAL}[[route]]\nmethods = [\"POST\"]\npath = \"/orders\"\n{route}")
+}
+
+#[test]
+fn shipped_example_parses_and_uses_every_default() {
+    let text = include_str!("../../config/idemgate.toml");
+    let cfg = parse(text).expect("config/idemgate.toml must parse");
+    assert_eq!(cfg.server.listen.to_string(), DEFAULT_LISTEN);
+    assert_eq!(cfg.server.upstream_timeout, DEFAULT_UPSTREAM_TIMEOUT);
+    assert_eq!(cfg.server.max_connections, DEFAULT_MAX_CONNECTIONS);
+    assert_eq!(cfg.server.shutdown_grace, DEFAULT_SHUTDOWN_GRACE);
+    assert_eq!(cfg.store.backend, Backend::Sqlite);
+    assert_eq!(cfg.store.path, PathBuf::from(DEFAULT_SQLITE_PATH));
+    assert_eq!(cfg.store.timeout, DEFAULT_STORE_TIMEOUT);
+    assert_eq!(cfg.store.sweep_batch, DEFAULT_SWEEP_BATCH);
+    let routes: Vec<_> = cfg.routes.iter().collect();
+    assert_eq!(routes.len(), 2);
+    let r = &routes[0];
+    assert_eq!(r.ttl, DEFAULT_TTL);
+    assert_eq!(r.lease, DEFAULT_LEASE);
+    assert_eq!(r.key_header.as_str(), "idempotency-key");
+    assert_eq!(r.scope_header.as_str(), "authorization");
+    assert_eq!(r.max_request_body, DEFAULT_MAX_REQUEST_BODY);
+    assert_eq!(r.max_response_body, DEFAULT_MAX_RESPONSE_BODY);
+    assert!(r.require_key);
+    assert_eq!(r.on_store_error, OnStoreError::Reject);
+    assert_eq!(routes[1].ttl, Duration::from_secs(48 * 3600));
+}
+
+#[test]
+fn the_file_without_its_examples_is_the_built_in_defaults() {
+    let cfg = parse(MINIMAL).unwrap();
+    assert!(cfg.admin.is_none());
+    assert!(cfg.redis.is_none());
+    assert_eq!(cfg.log.format, LogFormat::Text);
+    assert_eq!(cfg.routes.iter().count(), 0);
+}
+
+#[test]
+fn defaults_apply_to_routes_and_routes_override_them() {
+    let text = format!(
+        "{MINIMAL}[defaults]\nttl = \"2h\"\nlease = \"5s\"\nrequire_key = false\n\
+         [[route]]\nmethods = [\"POST\"]\npath = \"/a\"\n\
+         [[route]]\nmethods = [\"POST\"]\npath = \"/b\"\nttl = \"3h\"\nrequire_key = true\n"
+    );
+    let cfg = parse(&text).unwrap();
+    let r: Vec<_> = cfg.routes.iter().collect();
+    assert_eq!(
+        (r[0].ttl, r[0].lease, r[0].require_key),
+        (Duration::from_secs(7200), Duration::from_secs(5), false)
+    );
+    assert_eq!(
+        (r[1].ttl, r[1].require_key),
+        (Duration::from_secs(3 * 3600), true)
+    );
+}
+
+/// Each bad input names the file and the field or line.
+#[test]
+fn errors_name_file_line_and_field() {
+    let cases: &[(&str, &[&str])] = &[
+        (
+            &format!("{MINIMAL}colour = \"blue\"\n"),
+            &["test.toml", "line 3", "colour"],
+        ),
+        (
+            "[server]\nupstream = \"ftp://x\"\n",
+            &["test.toml", "line 2", "ftp"],
+        ),
+        (
+            "[server]\nupstream = \"not a url\"\n",
+            &["line 2", "upstream URL"],
+        ),
+        (
+            "[server]\nlisten = \"127.0.0.1:8080\"\n",
+            &["server.upstream is required"],
+        ),
+        (
+            &with_route("ttl = \"30\"\n"),
+            &["line 6", "unit is required"],
+        ),
+        (
+            &with_route("lease = \"5 parsecs\"\n"),
+            &["line 6", "parsecs"],
+        ),
+        (
+            &with_route("max_request_body = \"lots\"\n"),
+            &["line 6", "invalid size"],
+        ),
+        (
+            &with_route("require_key = \"yes\"\n"),
+            &["line 6", "require_key"],
+        ),
+        (
+            &with_route("on_store_error = \"panic\"\n"),
+            &["line 6", "panic"],
+        ),
+        (
+            &format!("{MINIMAL}[[route]]\nmethods = [\"post\"]\npath = \"/o\"\n"),
+            &["line 4", "invalid method"],
+        ),
+        (
+            &format!("{MINIMAL}[[route]]\nmethods = [\"POST\"]\npath = \"orders\"\n"),
+            &["line 5", "must start with '/'"],
+        ),
+        (
+            &format!("{MINIMAL}[[route]]\npath = \"/o\"\n"),
+            &["route #1", "`methods` is required"],
+        ),
+        (
+            &format!(
+                "{MINIMAL}[[route]]\nmethods = [\"POST\"]\npath = \"/o/{{id}}\"\n\
+                 [[route]]\nmethods = [\"PUT\", \"POST\"]\npath = \"/o/{{x}}\"\n"
+            ),
+            &["line 6", "route #2", "duplicate route", "route #1"],
+        ),
+        (
+            &with_route("lease = \"100ms\"\n"),
+            &["route #1", "too short"],
+        ),
+        (
+            &with_route("ttl = \"10s\"\nlease = \"30s\"\n"),
+            &["ttl", "at least the lease"],
+        ),
+        (
+            &with_route("scope_header = \"bad header\"\n"),
+            &["invalid header name"],
+        ),
+        (
+            &format!("{MINIMAL}[defaults]\npath = \"/x\"\n"),
+            &["defaults", "belong in a [[route]]"],
+        ),
+        (
+            &format!("{MINIMAL}[store]\nbackend = \"postgres\"\n"),
+            &["store.url is required"],
+        ),
+        (
+            &format!("{MINIMAL}[store]\nbackend = \"sqlite\"\nurl = \"postgres://x\"\n"),
+            &["line 5", "store.url only applies"],
+        ),
+        (
+            &format!("{MINIMAL}[store]\nbackend = \"mysql\"\n"),
+            &["line 4", "mysql"],
+        ),
+        (
+            &format!("{MINIMAL}[redis]\nurl = \"redis://127.0.0.1\"\n"),
+            &["needs store.backend = \"postgres\""],
+        ),
+        (
+            &format!("{MINIMAL}[log]\nformat = \"xml\"\n"),
+            &["line 4", "xml"],
+        ),
+        ("[server\n", &["test.toml", "line 1"]),
+    ];
+    for (text, needles) in cases {
+        let msg = err(text);
+        for needle in *needles {
+            assert!(
+                msg.contains(needle),
+                "{needle:?} not in error for\n{text}\n--> {msg}"
+            );
+        }
+    }
+}
+
+#[test]
+fn environment_overrides_urls_and_addresses() {
+    let text = format!("{MINIMAL}[store]\nbackend = \"postgres\"\n");
+    let env: BTreeMap<String, String> = [
+        ("IDEMGATE_STORE_URL", "postgres://u:hunter2@db:5432/app"),
+        ("IDEMGATE_REDIS_URL", "redis://cache:6379"),
+        ("IDEMGATE_UPSTREAM", "http://app:9000"),
+        ("IDEMGATE_LISTEN", "0.0.0.0:8081"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+    let cfg = Config::parse_with_env(&text, "t.toml", &env).unwrap();
+    assert_eq!(
+        cfg.store.url.as_deref(),
+        Some("postgres://u:hunter2@db:5432/app")
+    );
+    assert_eq!(cfg.redis.as_ref().unwrap().url, "redis://cache:6379");
+    assert_eq!(cfg.server.upstream.to_string(), "http://app:9000/");
+    assert_eq!(cfg.server.listen.to_string(), "0.0.0.0:8081");
+    let shown = cfg.describe();
+    assert!(shown.contains("postgres://u:****@db:5432/app"), "{shown}");
+    assert!(!shown.contains("hunter2"));
+}
+
+#[test]
+fn passwords_are_masked() {
+    assert_eq!(mask_url("postgres://u:pw@h/db"), "postgres://u:****@h/db");
+    assert_eq!(mask_url("redis://h:6379"), "redis://h:6379");
+    assert_eq!(mask_url("redis://:pw@h:6379"), "redis://:****@h:6379");
+}
