@@ -13,6 +13,7 @@
 //! - [`problem`]: RFC 9457 responses, the one error-to-response mapping.
 //! - [`server`]: listeners, connection limits, sweeper, graceful shutdown.
 //! - [`admin`], [`metrics`], [`telemetry`]: health, Prometheus, logs.
+//! - [`keys`]: the `keys` commands that inspect and repair records.
 //! - [`demo`]: a small orders API to try idemgate against.
 
 pub mod admin;
@@ -22,6 +23,7 @@ pub mod config;
 pub mod demo;
 pub mod error;
 pub mod idempotency;
+pub mod keys;
 pub mod metrics;
 pub mod problem;
 pub mod proxy;
@@ -72,5 +74,56 @@ pub async fn run_demo_upstream(listen: std::net::SocketAddr) -> anyhow::Result<(
         _ = demo::serve_orders_api(api) => {}
         _ = shutdown::signal() => {}
     }
+    Ok(())
+}
+
+/// What `idemgate keys` was asked to do.
+pub enum KeysAction {
+    Show(keys::ScopeArg, String),
+    Delete(keys::ScopeArg, String),
+    PurgeExpired,
+}
+
+/// `idemgate keys ...` against the configured store.
+pub async fn run_keys(config: Config, action: KeysAction) -> anyhow::Result<()> {
+    if config.store.backend == config::Backend::Memory {
+        anyhow::bail!(
+            "the memory store lives inside the proxy process; nothing outside it can inspect its keys"
+        );
+    }
+    let store = store::open(&config)
+        .await
+        .context("cannot open the store")?;
+    match action {
+        KeysAction::Show(scope, key) => {
+            let key = keys::record_key(&key, &scope).map_err(anyhow::Error::msg)?;
+            print!("{}", keys::show(store.as_ref(), &key).await?);
+        }
+        KeysAction::Delete(scope, key) => {
+            let key = keys::record_key(&key, &scope).map_err(anyhow::Error::msg)?;
+            if store.delete(&key).await? {
+                println!("deleted key id {}", key.log_id());
+            } else {
+                println!("no record for key id {}", key.log_id());
+            }
+        }
+        KeysAction::PurgeExpired => {
+            let n = keys::purge_expired(store.as_ref(), config.store.sweep_batch).await?;
+            println!("deleted {n} expired records");
+        }
+    }
+    Ok(())
+}
+
+/// `idemgate migrate`: applies the PostgreSQL migrations.
+pub async fn run_migrate(config: Config) -> anyhow::Result<()> {
+    if config.store.backend != config::Backend::Postgres {
+        println!(
+            "store.backend = \"{}\": its schema is created when it is opened; nothing to migrate",
+            config.store.backend.as_str()
+        );
+        return Ok(());
+    }
+    store::migrate(&config).await?;
     Ok(())
 }

@@ -1,7 +1,7 @@
 //! The `idemgate` binary: parse arguments, load config, hand over to the library.
 
 use clap::Parser;
-use idemgate::cli::{Cli, Command};
+use idemgate::cli::{Cli, Command, KeysCommand};
 use idemgate::config::Config;
 use std::process::ExitCode;
 
@@ -32,6 +32,26 @@ fn main() -> ExitCode {
             idemgate::telemetry::init(&cfg.log);
             exit(runtime().and_then(|rt| rt.block_on(idemgate::run(cfg))))
         }
+        Command::Migrate { config } => {
+            let Some(cfg) = load(&config) else {
+                return ExitCode::from(EX_USAGE);
+            };
+            idemgate::telemetry::init(&cfg.log);
+            exit(runtime().and_then(|rt| rt.block_on(idemgate::run_migrate(cfg))))
+        }
+        Command::Keys { config, command } => {
+            let Some(cfg) = load(&config) else {
+                return ExitCode::from(EX_USAGE);
+            };
+            let action = match command {
+                KeysCommand::Show { scope, key } => idemgate::KeysAction::Show(scope.to_arg(), key),
+                KeysCommand::Delete { scope, key } => {
+                    idemgate::KeysAction::Delete(scope.to_arg(), key)
+                }
+                KeysCommand::PurgeExpired => idemgate::KeysAction::PurgeExpired,
+            };
+            exit(runtime().and_then(|rt| rt.block_on(idemgate::run_keys(cfg, action))))
+        }
         Command::Demo { listen, db } => {
             idemgate::telemetry::init(&Default::default());
             exit(runtime().and_then(|rt| rt.block_on(idemgate::run_demo(listen, db))))
@@ -39,6 +59,16 @@ fn main() -> ExitCode {
         Command::DemoUpstream { listen } => {
             idemgate::telemetry::init(&Default::default());
             exit(runtime().and_then(|rt| rt.block_on(idemgate::run_demo_upstream(listen))))
+        }
+    }
+}
+
+fn load(path: &std::path::Path) -> Option<Config> {
+    match Config::load(path) {
+        Ok(cfg) => Some(cfg),
+        Err(e) => {
+            eprintln!("invalid configuration: {e}");
+            None
         }
     }
 }

@@ -266,6 +266,14 @@ pub async fn open(cfg: &crate::config::Config) -> Result<std::sync::Arc<dyn Stor
     Ok(store)
 }
 
+/// Applies the PostgreSQL migrations (`idemgate migrate`).
+pub async fn migrate(cfg: &crate::config::Config) -> Result<(), StoreError> {
+    let _ = cfg;
+    Err(StoreError::Unavailable(
+        "postgres backend is being merged".into(),
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
