@@ -209,3 +209,40 @@ fn passwords_are_masked() {
     assert_eq!(mask_url("redis://h:6379"), "redis://h:6379");
     assert_eq!(mask_url("redis://:pw@h:6379"), "redis://:****@h:6379");
 }
+
+/// The deployment examples must stay valid configs.
+#[test]
+fn deployment_configs_parse() {
+    let env: BTreeMap<String, String> = [
+        (
+            "IDEMGATE_STORE_URL",
+            "postgres://idemgate:pw@postgres:5432/idemgate",
+        ),
+        ("IDEMGATE_REDIS_URL", "redis://redis:6379"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+    let compose = include_str!("../../config/compose.toml");
+    let cfg = Config::parse_with_env(compose, "config/compose.toml", &env).unwrap();
+    assert_eq!(cfg.store.backend, Backend::Postgres);
+    assert!(cfg.redis.is_some());
+    Config::parse(
+        include_str!("../../config/docker.toml"),
+        "config/docker.toml",
+    )
+    .unwrap();
+
+    let manifest = include_str!("../../deploy/kubernetes/sidecar.yaml");
+    let start =
+        manifest.find("idemgate.toml: |").expect("ConfigMap entry") + "idemgate.toml: |".len();
+    let end = start + manifest[start..].find("\n---").expect("end of ConfigMap");
+    let embedded: String = manifest[start..end]
+        .lines()
+        .map(|l| l.strip_prefix("    ").unwrap_or(l))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let cfg = Config::parse_with_env(&embedded, "deploy/kubernetes/sidecar.yaml", &env).unwrap();
+    assert_eq!(cfg.routes.iter().count(), 2);
+    assert!(cfg.admin.is_some());
+}

@@ -1,0 +1,36 @@
+# syntax=docker/dockerfile:1
+# Multi-stage build: compile with cargo (dependencies cached in their own
+# layer), run from a slim image as a non-root user.
+
+FROM rust:1-slim-bookworm AS build
+WORKDIR /src
+# Dependency layer: build against stub sources so this layer is reused
+# until Cargo.toml/Cargo.lock change.
+COPY Cargo.toml Cargo.lock ./
+RUN mkdir src && echo 'fn main() {}' > src/main.rs && touch src/lib.rs \
+    && cargo build --release --locked \
+    && rm -rf src target/release/deps/*idemgate* target/release/.fingerprint/idemgate-* target/release/idemgate*
+COPY src ./src
+COPY config ./config
+RUN cargo build --release --locked && strip target/release/idemgate
+
+FROM debian:bookworm-slim AS runtime
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends ca-certificates curl \
+    && rm -rf /var/lib/apt/lists/* \
+    && groupadd --system --gid 10001 idemgate \
+    && useradd --system --uid 10001 --gid idemgate --home-dir /var/lib/idemgate --create-home idemgate \
+    && mkdir -p /etc/idemgate /var/lib/idemgate/data \
+    && chown -R idemgate:idemgate /var/lib/idemgate
+COPY --from=build /src/target/release/idemgate /usr/local/bin/idemgate
+COPY config/docker.toml /etc/idemgate/idemgate.toml
+USER idemgate
+WORKDIR /var/lib/idemgate
+ENV IDEMGATE_CONFIG=/etc/idemgate/idemgate.toml
+# 8080: proxied traffic. 9901: admin (/healthz, /readyz, /metrics).
+EXPOSE 8080 9901
+HEALTHCHECK --interval=10s --timeout=2s --start-period=5s --retries=3 \
+    CMD curl -fsS http://127.0.0.1:9901/healthz || exit 1
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["idemgate"]
+CMD ["serve", "--config", "/etc/idemgate/idemgate.toml"]
