@@ -1,0 +1,4 @@
+//! Shared helpers for integration tests.
+#![allow(dead_code)]
+
+pub mod services;
