@@ -199,7 +199,11 @@ async fn takeover_after_lease_fences_old_holder(store: &dyn Store) {
         store.release(&old.key, &old.token).await.unwrap(),
         Fence::Lost
     );
-    let r = store.get(&new.key).await.unwrap().expect("new holder's record");
+    let r = store
+        .get(&new.key)
+        .await
+        .unwrap()
+        .expect("new holder's record");
     assert_eq!(r.fingerprint, new.fingerprint);
     assert_eq!(
         r.state,
@@ -257,10 +261,7 @@ async fn complete_stores_exactly(store: &dyn Store) {
         );
     }
     // Completed: the token no longer fences anything.
-    assert_eq!(
-        store.release(&c.key, &c.token).await.unwrap(),
-        Fence::Lost
-    );
+    assert_eq!(store.release(&c.key, &c.token).await.unwrap(), Fence::Lost);
     assert_eq!(store.get(&c.key).await.unwrap(), Some(want));
 }
 
@@ -340,7 +341,10 @@ async fn sweep_deletes_only_expired_and_respects_batch(store: &dyn Store) {
     assert!(store.get(&live_lease.key).await.unwrap().is_some());
     assert!(store.get(&fresh.key).await.unwrap().is_some());
     assert_eq!(
-        store.release(&live_lease.key, &live_lease.token).await.unwrap(),
+        store
+            .release(&live_lease.key, &live_lease.token)
+            .await
+            .unwrap(),
         Fence::Held
     );
 }
@@ -517,7 +521,10 @@ async fn redis_answers_completed_keys_and_postgres_answers_the_rest() {
     // A fingerprint mismatch is still reported from Redis (the caller 422s).
     let mut other = again(&c);
     other.fingerprint = Fingerprint(rand::random());
-    assert_eq!(existing(fast.claim(&other).await.unwrap()).fingerprint, c.fingerprint);
+    assert_eq!(
+        existing(fast.claim(&other).await.unwrap()).fingerprint,
+        c.fingerprint
+    );
 
     // Values are keyed by digests only.
     let name = fast.redis_key(&c.key);
@@ -653,7 +660,9 @@ async fn postgres_cut_fails_fast_and_recovers() {
     relay.cut();
     for _ in 0..3 {
         let started = Instant::now();
-        let res = store.claim(&claim_for(record_key(), LEASE_MS, TTL_MS)).await;
+        let res = store
+            .claim(&claim_for(record_key(), LEASE_MS, TTL_MS))
+            .await;
         assert!(res.is_err(), "claim while cut: {res:?}");
         let res = store.get(&c.key).await;
         assert!(res.is_err(), "get while cut: {res:?}");

@@ -77,9 +77,11 @@ pub fn parse_size(input: &str) -> Result<u64, String> {
         "KiB" => 1 << 10,
         "MiB" => 1 << 20,
         "GiB" => 1 << 30,
-        other => return Err(format!(
+        other => {
+            return Err(format!(
             "invalid size {input:?}: unknown unit {other:?} (use B, KiB, MiB, GiB, KB, MB or GB)"
-        )),
+        ))
+        }
     };
     n.checked_mul(factor)
         .ok_or_else(|| format!("invalid size {input:?}: too large"))

@@ -333,8 +333,9 @@ fn fence(rows: u64) -> Fence {
     }
 }
 
-/// Could `c` claim `record` right now? (A record read back after a failed
-/// claim may have changed in between.)
+/// Whether a claim at `now` would take `record` over. A record read back
+/// after a claim found a live one may have changed in between; then the
+/// claim is retried rather than reporting a record that is no longer live.
 fn claimable(record: &Record, now: UnixMillis) -> bool {
     record.expires_at <= now
         || matches!(record.state, RecordState::InFlight { locked_until } if locked_until <= now)

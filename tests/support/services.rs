@@ -81,13 +81,13 @@ pub async fn require_postgres(url: &str) {
 /// Panics with a clear message unless Redis answers PING at `url`
 /// (`redis://host:port` only).
 pub fn require_redis(url: &str) {
-    let addr = url
+    // redis://[user:pass@]host:port[/db]
+    let authority = url
         .trim_start_matches("redis://")
-        .trim_end_matches('/')
-        .rsplit('@')
+        .split('/')
         .next()
-        .unwrap_or_default()
-        .to_string();
+        .unwrap_or_default();
+    let addr = authority.rsplit('@').next().unwrap_or_default().to_string();
     if !redis_answers(&addr) {
         panic!(
             "Redis is not reachable at {}: start it (see README) or set IDEMGATE_TEST_REDIS_URL",
@@ -299,7 +299,11 @@ impl Drop for TcpRelay {
     }
 }
 
-async fn relay_one(mut inbound: TcpStream, target: SocketAddr, mut rx: watch::Receiver<RelayState>) {
+async fn relay_one(
+    mut inbound: TcpStream,
+    target: SocketAddr,
+    mut rx: watch::Receiver<RelayState>,
+) {
     if *rx.borrow_and_update() != RelayState::Open {
         // Stall: hold the socket, say nothing, until the relay opens or closes.
         let _ = rx.wait_for(|s| *s != RelayState::Cut).await;
