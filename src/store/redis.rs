@@ -557,3 +557,79 @@ impl Store for RedisFastPath {
         self.inner.backend()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::idempotency::Scope;
+
+    fn claim() -> Claim {
+        Claim {
+            key: RecordKey {
+                scope: Scope([1; 32]),
+                key: [2; 32],
+            },
+            fingerprint: Fingerprint([3; 32]),
+            token: LeaseToken([4; 16]),
+            now: 1_000,
+            lease_ms: 30_000,
+            ttl_ms: 86_400_000,
+        }
+    }
+
+    #[test]
+    fn lock_layout_matches_the_lua_offsets() {
+        let c = claim();
+        let v = encode_lock(&c);
+        assert_eq!(v[0], TAG_LOCK);
+        // Lua's string.sub(v, 50, 65) is bytes 49..65 here.
+        assert_eq!(&v[49..65], &c.token.0);
+        // Lua's string.sub(v, 2, 9) and (18, 49): created_at and fingerprint.
+        assert_eq!(&v[1..9], &c.now.to_be_bytes());
+        assert_eq!(&v[17..49], &c.fingerprint.0);
+        assert_eq!(
+            decode(&v).unwrap(),
+            Cached::Lock {
+                token: c.token,
+                fingerprint: c.fingerprint,
+                created_at: c.now,
+                expires_at: c.expires_at(),
+            }
+        );
+    }
+
+    #[test]
+    fn records_round_trip_and_garbage_is_corrupt() {
+        let completed = Record {
+            fingerprint: Fingerprint([9; 32]),
+            state: RecordState::Completed(StoredResponse {
+                status: 201,
+                headers: vec![
+                    ("x-a".into(), Bytes::from_static(b"1")),
+                    ("x-a".into(), Bytes::from_static(b"\xff")),
+                ],
+                body: Bytes::from_static(b"\x00body\xff"),
+            }),
+            created_at: 5,
+            expires_at: 6,
+        };
+        let unstored = Record {
+            state: RecordState::Unstored { status: 200 },
+            ..completed.clone()
+        };
+        for r in [completed, unstored] {
+            let v = encode_record(&r).unwrap();
+            assert_eq!(decode(&v).unwrap(), Cached::Record(r));
+            assert!(decode(&v[..HEAD_LEN + 1]).is_err());
+        }
+        let in_flight = Record {
+            fingerprint: Fingerprint([0; 32]),
+            state: RecordState::InFlight { locked_until: 1 },
+            created_at: 0,
+            expires_at: 1,
+        };
+        assert_eq!(encode_record(&in_flight), None);
+        assert!(decode(b"").is_err());
+        assert!(decode(&[7; HEAD_LEN + 2]).is_err());
+    }
+}
