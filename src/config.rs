@@ -302,9 +302,7 @@ struct UpstreamUri(Uri);
 impl<'de> Deserialize<'de> for UpstreamUri {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let s = String::deserialize(d)?;
-        parse_upstream(&s)
-            .map(UpstreamUri)
-            .map_err(serde::de::Error::custom)
+        parse_upstream(&s).map(UpstreamUri).map_err(serde::de::Error::custom)
     }
 }
 
@@ -319,11 +317,7 @@ fn parse_upstream(s: &str) -> Result<Uri, String> {
                 "invalid upstream URL {s:?}: scheme {other:?} is not supported (use http://)"
             ))
         }
-        None => {
-            return Err(format!(
-                "invalid upstream URL {s:?}: expected http://host:port"
-            ))
-        }
+        None => return Err(format!("invalid upstream URL {s:?}: expected http://host:port")),
     }
     if uri.authority().is_none() {
         return Err(format!("invalid upstream URL {s:?}: missing host"));
@@ -431,9 +425,10 @@ impl Config {
             };
             let upstream = match env_get("IDEMGATE_UPSTREAM") {
                 Some(v) => parse_upstream(&v).map_err(|e| format!("IDEMGATE_UPSTREAM: {e}"))?,
-                None => s.upstream.map(|u| u.0).ok_or(
-                    "server.upstream is required, e.g. upstream = \"http://127.0.0.1:3000\"",
-                )?,
+                None => s
+                    .upstream
+                    .map(|u| u.0)
+                    .ok_or("server.upstream is required, e.g. upstream = \"http://127.0.0.1:3000\"")?,
             };
             let max_connections = s.max_connections.unwrap_or(DEFAULT_MAX_CONNECTIONS);
             if max_connections == 0 {
@@ -504,9 +499,7 @@ impl Config {
                 }
             }
             if backend != Backend::Sqlite && (s.path.is_some() || s.synchronous.is_some()) {
-                return Err(
-                    "store.path and store.synchronous only apply to backend = \"sqlite\"".into(),
-                );
+                return Err("store.path and store.synchronous only apply to backend = \"sqlite\"".into());
             }
             if backend != Backend::Postgres
                 && (s.pool_size.is_some()
@@ -563,13 +556,10 @@ impl Config {
             (None, None) => None,
             (r, env_url) => {
                 let r = r.unwrap_or_default();
-                let url = env_url.or(r.url).ok_or(
-                    "redis.url is required when [redis] is present (or set IDEMGATE_REDIS_URL)",
-                )?;
-                if !(url.starts_with("redis://")
-                    || url.starts_with("rediss://")
-                    || url.starts_with("unix://"))
-                {
+                let url = env_url
+                    .or(r.url)
+                    .ok_or("redis.url is required when [redis] is present (or set IDEMGATE_REDIS_URL)")?;
+                if !(url.starts_with("redis://") || url.starts_with("rediss://") || url.starts_with("unix://")) {
                     return Err(format!(
                         "redis.url: expected redis://host:port, got {}",
                         mask_url(&url)
@@ -598,9 +588,7 @@ impl Config {
             .map_err(|e| format!("log.level {:?}: {e}", log.level))?;
 
         if raw.defaults.methods.is_some() || raw.defaults.path.is_some() {
-            return Err(
-                "defaults: `methods` and `path` belong in a [[route]], not in [defaults]".into(),
-            );
+            return Err("defaults: `methods` and `path` belong in a [[route]], not in [defaults]".into());
         }
         let mut routes: Vec<RouteConfig> = Vec::with_capacity(raw.route.len());
         for (i, spanned) in raw.route.into_iter().enumerate() {
@@ -610,8 +598,7 @@ impl Config {
             let at = |msg: String| format!("line {line}: route #{index}: {msg}");
             let route = resolve_route(index, r, &raw.defaults).map_err(at)?;
             if let Some(prev) = routes.iter().find(|p| {
-                p.path.same_shape(&route.path)
-                    && p.methods.iter().any(|m| route.methods.contains(m))
+                p.path.same_shape(&route.path) && p.methods.iter().any(|m| route.methods.contains(m))
             }) {
                 return Err(at(format!(
                     "duplicate route: {} {} is already route #{}",
@@ -769,11 +756,7 @@ fn resolve_route(
         require_key: r.require_key.or(defaults.require_key).unwrap_or(true),
         ttl,
         lease,
-        scope_header: pick_header(
-            &r.scope_header,
-            &defaults.scope_header,
-            DEFAULT_SCOPE_HEADER,
-        ),
+        scope_header: pick_header(&r.scope_header, &defaults.scope_header, DEFAULT_SCOPE_HEADER),
         fingerprint_headers: headers(r.fingerprint_headers, &defaults.fingerprint_headers),
         max_request_body,
         max_response_body,

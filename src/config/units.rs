@@ -79,8 +79,8 @@ pub fn parse_size(input: &str) -> Result<u64, String> {
         "GiB" => 1 << 30,
         other => {
             return Err(format!(
-            "invalid size {input:?}: unknown unit {other:?} (use B, KiB, MiB, GiB, KB, MB or GB)"
-        ))
+                "invalid size {input:?}: unknown unit {other:?} (use B, KiB, MiB, GiB, KB, MB or GB)"
+            ))
         }
     };
     n.checked_mul(factor)
@@ -90,12 +90,7 @@ pub fn parse_size(input: &str) -> Result<u64, String> {
 /// Formats a duration the way the config accepts it, for `check-config`.
 pub fn format_duration(d: Duration) -> String {
     let ms = d.as_millis();
-    for (unit, per) in [
-        ("d", 86_400_000u128),
-        ("h", 3_600_000),
-        ("m", 60_000),
-        ("s", 1_000),
-    ] {
+    for (unit, per) in [("d", 86_400_000u128), ("h", 3_600_000), ("m", 60_000), ("s", 1_000)] {
         if ms >= per && ms % per == 0 {
             return format!("{}{unit}", ms / per);
         }
@@ -189,16 +184,7 @@ mod tests {
                 "{input}"
             );
         }
-        for bad in [
-            "",
-            "30",
-            "s",
-            "1.5s",
-            "-1s",
-            "10 parsecs",
-            "5sec",
-            "99999999999999999999s",
-        ] {
+        for bad in ["", "30", "s", "1.5s", "-1s", "10 parsecs", "5sec", "99999999999999999999s"] {
             assert!(parse_duration(bad).is_err(), "{bad:?} should be rejected");
         }
     }

@@ -83,69 +83,25 @@ mod tests {
         let same = Fingerprint([1; 32]);
         let now = 10_000;
         let cases = [
+            (record(1, RecordState::Completed(resp(201))), Decision::Replay(resp(201))),
+            (record(1, RecordState::Completed(resp(404))), Decision::Replay(resp(404))),
+            (record(2, RecordState::Completed(resp(201))), Decision::Mismatch),
             (
-                record(1, RecordState::Completed(resp(201))),
-                Decision::Replay(resp(201)),
+                record(1, RecordState::InFlight { locked_until: now + 29_001 }),
+                Decision::InFlight { retry_after_secs: 30 },
             ),
             (
-                record(1, RecordState::Completed(resp(404))),
-                Decision::Replay(resp(404)),
-            ),
-            (
-                record(2, RecordState::Completed(resp(201))),
-                Decision::Mismatch,
-            ),
-            (
-                record(
-                    1,
-                    RecordState::InFlight {
-                        locked_until: now + 29_001,
-                    },
-                ),
-                Decision::InFlight {
-                    retry_after_secs: 30,
-                },
-            ),
-            (
-                record(
-                    1,
-                    RecordState::InFlight {
-                        locked_until: now + 1,
-                    },
-                ),
-                Decision::InFlight {
-                    retry_after_secs: 1,
-                },
+                record(1, RecordState::InFlight { locked_until: now + 1 }),
+                Decision::InFlight { retry_after_secs: 1 },
             ),
             (
                 // A lease that ran out between claim and read still says "retry soon".
-                record(
-                    1,
-                    RecordState::InFlight {
-                        locked_until: now - 5,
-                    },
-                ),
-                Decision::InFlight {
-                    retry_after_secs: 1,
-                },
+                record(1, RecordState::InFlight { locked_until: now - 5 }),
+                Decision::InFlight { retry_after_secs: 1 },
             ),
-            (
-                record(
-                    2,
-                    RecordState::InFlight {
-                        locked_until: now + 5_000,
-                    },
-                ),
-                Decision::Mismatch,
-            ),
-            (
-                record(1, RecordState::Unstored { status: 200 }),
-                Decision::NotReplayable { status: 200 },
-            ),
-            (
-                record(2, RecordState::Unstored { status: 200 }),
-                Decision::Mismatch,
-            ),
+            (record(2, RecordState::InFlight { locked_until: now + 5_000 }), Decision::Mismatch),
+            (record(1, RecordState::Unstored { status: 200 }), Decision::NotReplayable { status: 200 }),
+            (record(2, RecordState::Unstored { status: 200 }), Decision::Mismatch),
         ];
         for (i, (rec, want)) in cases.into_iter().enumerate() {
             assert_eq!(decide(&rec, &same, now), want, "case {i}");

@@ -85,10 +85,7 @@ mod tests {
     #[test]
     fn boundaries_between_parts_matter() {
         // Without length prefixes "/ab" + "c" and "/a" + "bc" could collide.
-        assert_ne!(
-            fp("POST", "/ab", Some("c"), b""),
-            fp("POST", "/a", Some("bc"), b"")
-        );
+        assert_ne!(fp("POST", "/ab", Some("c"), b""), fp("POST", "/a", Some("bc"), b""));
         assert_ne!(fp("POST", "/a", None, b"bc"), fp("POST", "/ab", None, b"c"));
     }
 

@@ -194,10 +194,7 @@ mod tests {
             (b"abc", Ok("abc")),
             (b"\"abc\"", Ok("abc")),
             (b"  abc\t", Ok("abc")),
-            (
-                b"8e03978e-40d5-43e8-bc93-6894a57f9324",
-                Ok("8e03978e-40d5-43e8-bc93-6894a57f9324"),
-            ),
+            (b"8e03978e-40d5-43e8-bc93-6894a57f9324", Ok("8e03978e-40d5-43e8-bc93-6894a57f9324")),
             (b"\"a \\\"q\\\" \\\\ b\"", Ok("a \"q\" \\ b")),
             (b"with space", Ok("with space")),
             (long.as_bytes(), Ok(long.as_str())),
@@ -250,10 +247,7 @@ mod tests {
         h.append(&name, "a".parse().unwrap());
         assert!(IdempotencyKey::from_headers(&h, &name).unwrap().is_some());
         h.append(&name, "b".parse().unwrap());
-        assert_eq!(
-            IdempotencyKey::from_headers(&h, &name),
-            Err(KeyError::Repeated)
-        );
+        assert_eq!(IdempotencyKey::from_headers(&h, &name), Err(KeyError::Repeated));
     }
 
     #[test]

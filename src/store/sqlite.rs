@@ -8,8 +8,8 @@
 //! is called.
 
 use super::{
-    array_from, decode_headers, encode_headers, Claim, ClaimOutcome, Completion, Fence, LeaseToken,
-    Record, RecordState, Store, StoreError, StoredResponse, UnixMillis,
+    array_from, decode_headers, encode_headers, Claim, ClaimOutcome, Completion, Fence,
+    LeaseToken, Record, RecordState, Store, StoreError, StoredResponse, UnixMillis,
 };
 use crate::config::SqliteSync;
 use crate::idempotency::{Fingerprint, RecordKey};
@@ -63,8 +63,7 @@ WHERE idempotency_records.expires_at <= ?6
 RETURNING takeover
 "#;
 
-const SELECT_SQL: &str =
-    "SELECT fingerprint, state, locked_until, created_at, expires_at, status, headers, body \
+const SELECT_SQL: &str = "SELECT fingerprint, state, locked_until, created_at, expires_at, status, headers, body \
      FROM idempotency_records WHERE scope = ?1 AND key = ?2";
 
 const OWNED: &str = "scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in_flight'";
@@ -82,8 +81,9 @@ impl SqliteStore {
                 StoreError::Unavailable(format!("cannot create {}: {e}", dir.display()))
             })?;
         }
-        let conn = Connection::open(path)
-            .map_err(|e| StoreError::Unavailable(format!("cannot open {}: {e}", path.display())))?;
+        let conn = Connection::open(path).map_err(|e| {
+            StoreError::Unavailable(format!("cannot open {}: {e}", path.display()))
+        })?;
         Self::init(conn, sync, path.to_path_buf())
     }
 
@@ -169,7 +169,8 @@ fn read_record(conn: &Connection, key: &RecordKey) -> Result<Option<Record>, Sto
         })
         .optional()
         .map_err(db_err)?;
-    let Some((fp, state, locked_until, created_at, expires_at, status, headers, body)) = row else {
+    let Some((fp, state, locked_until, created_at, expires_at, status, headers, body)) = row
+    else {
         return Ok(None);
     };
     let status_u16 = || -> Result<u16, StoreError> {
@@ -247,12 +248,7 @@ impl Store for SqliteStore {
                     "UPDATE idempotency_records SET locked_until = ?4 WHERE {OWNED}"
                 ))
                 .map_err(db_err)?
-                .execute(params![
-                    &key.scope.0[..],
-                    &key.key[..],
-                    &token.0[..],
-                    locked_until
-                ])
+                .execute(params![&key.scope.0[..], &key.key[..], &token.0[..], locked_until])
                 .map_err(db_err)?;
             Ok(fence(n))
         })
@@ -349,8 +345,11 @@ impl Store for SqliteStore {
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
-        self.call(|conn| conn.query_row("SELECT 1", [], |_| Ok(())).map_err(db_err))
-            .await
+        self.call(|conn| {
+            conn.query_row("SELECT 1", [], |_| Ok(()))
+                .map_err(db_err)
+        })
+        .await
     }
 
     fn backend(&self) -> &'static str {
