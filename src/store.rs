@@ -13,6 +13,8 @@
 //!   with the proxy's clock and tests control it.
 
 pub mod memory;
+pub mod postgres;
+pub mod redis;
 pub mod sqlite;
 
 use crate::idempotency::{Fingerprint, RecordKey};

@@ -5,8 +5,8 @@
 //! [`backend_tests!`] turns them into one `#[tokio::test]` per backend.
 #![allow(dead_code)]
 
-// PostgreSQL/Redis helpers (containers or CI services) go here:
-// pub mod services;
+// PostgreSQL/Redis helpers: URLs, private redis-server, TCP relay.
+pub mod services;
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode, Version};

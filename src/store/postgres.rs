@@ -1,0 +1,571 @@
+//! The shared authoritative store: PostgreSQL through a deadpool pool.
+//!
+//! `PRIMARY KEY (scope, key)` is the guard. A claim is one autocommit
+//! `INSERT ... ON CONFLICT ... DO UPDATE ... WHERE <expired or lease over>
+//! RETURNING`: a concurrent claimer blocks on the first one's row lock for
+//! the length of that tiny statement, then sees its row and gets no row
+//! back, never a second claim. No transaction is ever held across calls.
+//!
+//! This module owns the schema (embedded, versioned migrations run under an
+//! advisory lock), the pool (lazy: a proxy may start before the database and
+//! heals by itself), and the mapping of every failure to [`StoreError`].
+//! Claims commit with the server's `synchronous_commit` (durable): the
+//! upstream is only called after the claim is remembered.
+
+use super::{
+    array_from, decode_headers, encode_headers, Claim, ClaimOutcome, Completion, Fence, LeaseToken,
+    Record, RecordState, Store, StoreError, StoredResponse, UnixMillis,
+};
+use crate::config::StoreConfig;
+use crate::idempotency::{Fingerprint, RecordKey};
+use async_trait::async_trait;
+use bytes::Bytes;
+use deadpool_postgres::{
+    Manager, ManagerConfig, Object, Pool, PoolError, RecyclingMethod, Runtime,
+};
+use std::str::FromStr;
+use std::time::Duration;
+use tokio::sync::OnceCell;
+use tokio::time::Instant;
+use tokio_postgres::error::SqlState;
+use tokio_postgres::NoTls;
+
+/// Ordered schema migrations; `{schema}` is replaced by the quoted schema
+/// name. Never edit an entry that shipped: append a new one.
+pub const MIGRATIONS: &[&str] = &[r#"
+CREATE TABLE {schema}.idempotency_records (
+    scope        bytea   NOT NULL,
+    key          bytea   NOT NULL,
+    fingerprint  bytea   NOT NULL,
+    state        text    NOT NULL CHECK (state IN ('in_flight', 'completed', 'unstored')),
+    token        bytea,
+    locked_until bigint  NOT NULL,
+    created_at   bigint  NOT NULL,
+    expires_at   bigint  NOT NULL,
+    status       int,
+    headers      bytea,
+    body         bytea,
+    -- Set by the claim's ON CONFLICT branch from the old row: RETURNING only
+    -- sees new values (before PostgreSQL 18), so this carries "was a takeover".
+    takeover     boolean NOT NULL DEFAULT false,
+    PRIMARY KEY (scope, key)
+);
+CREATE INDEX idempotency_records_expires_at ON {schema}.idempotency_records (expires_at);
+"#];
+
+/// First key of the two-int advisory locks; the second is `hashtext(schema)`
+/// so replicas sharing a database but not a schema do not serialize.
+const MIGRATION_LOCK: i32 = 0x1de6_0001;
+const SWEEP_LOCK: i32 = 0x1de6_0002;
+
+/// A claim that loses a race with a release or sweep between its two
+/// statements retries; more than this many losses in a row is pathological.
+const CLAIM_ATTEMPTS: usize = 5;
+
+/// Detects a half-open connection (peer vanished without FIN) well before
+/// the kernel's default of ~15 minutes of retransmissions.
+const TCP_USER_TIMEOUT: Duration = Duration::from_secs(10);
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
+
+pub struct PostgresStore {
+    pool: Pool,
+    /// Set once migrations are known to be current; until then every
+    /// operation tries them first, so a proxy started while PostgreSQL was
+    /// down creates its tables when the database comes back.
+    migrated: OnceCell<()>,
+    schema: String,
+    /// Whole-call deadline: pool wait, connect and the statements together.
+    timeout: Duration,
+    sql: Sql,
+}
+
+/// Statement texts, schema-qualified once at connect.
+struct Sql {
+    claim: String,
+    select: String,
+    renew: String,
+    complete: String,
+    release: String,
+    delete: String,
+    sweep: String,
+}
+
+impl Sql {
+    fn new(table: &str) -> Self {
+        const OWNED: &str = "scope = $1 AND key = $2 AND token = $3 AND state = 'in_flight'";
+        Self {
+            claim: format!(
+                "INSERT INTO {table} AS r \
+                   (scope, key, fingerprint, state, token, locked_until, created_at, expires_at, takeover) \
+                 VALUES ($1, $2, $3, 'in_flight', $4, $5, $6, $7, false) \
+                 ON CONFLICT (scope, key) DO UPDATE SET \
+                   fingerprint = EXCLUDED.fingerprint, state = 'in_flight', token = EXCLUDED.token, \
+                   locked_until = EXCLUDED.locked_until, created_at = EXCLUDED.created_at, \
+                   expires_at = EXCLUDED.expires_at, status = NULL, headers = NULL, body = NULL, \
+                   takeover = (r.expires_at > $6) \
+                 WHERE r.expires_at <= $6 OR (r.state = 'in_flight' AND r.locked_until <= $6) \
+                 RETURNING takeover"
+            ),
+            select: format!(
+                "SELECT fingerprint, state, locked_until, created_at, expires_at, status, headers, body \
+                 FROM {table} WHERE scope = $1 AND key = $2"
+            ),
+            renew: format!("UPDATE {table} SET locked_until = $4 WHERE {OWNED}"),
+            complete: format!(
+                "UPDATE {table} SET state = $4, status = $5, headers = $6, body = $7, \
+                 token = NULL, locked_until = 0, expires_at = $8 WHERE {OWNED}"
+            ),
+            release: format!("DELETE FROM {table} WHERE {OWNED}"),
+            delete: format!("DELETE FROM {table} WHERE scope = $1 AND key = $2"),
+            sweep: format!(
+                "DELETE FROM {table} WHERE ctid = ANY(ARRAY( \
+                   SELECT ctid FROM {table} \
+                   WHERE expires_at <= $1 AND NOT (state = 'in_flight' AND locked_until > $1) \
+                   ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED))"
+            ),
+        }
+    }
+}
+
+/// `"name"` with embedded quotes doubled (config already restricts the
+/// charset; this keeps the SQL correct regardless).
+fn quote_ident(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+impl PostgresStore {
+    /// Builds the pool without connecting: PostgreSQL being down at start is
+    /// not an error, operations fail with [`StoreError`] until it answers.
+    /// Only a missing or malformed `store.url` fails here.
+    pub async fn connect(cfg: &StoreConfig) -> Result<Self, StoreError> {
+        let url = cfg
+            .url
+            .as_deref()
+            .ok_or_else(|| StoreError::Unavailable("store.url is not set".into()))?;
+        // The parser's messages name the bad part, never the password.
+        let mut pg = tokio_postgres::Config::from_str(url)
+            .map_err(|e| StoreError::Unavailable(format!("invalid store.url: {e}")))?;
+        let statement_timeout = format!(
+            "-c statement_timeout={}",
+            cfg.statement_timeout.as_millis().max(1)
+        );
+        let options = match pg.get_options() {
+            Some(o) if !o.trim().is_empty() => format!("{o} {statement_timeout}"),
+            _ => statement_timeout,
+        };
+        pg.options(options)
+            .connect_timeout(cfg.connect_timeout)
+            .keepalives(true)
+            .keepalives_idle(KEEPALIVE_IDLE)
+            .tcp_user_timeout(TCP_USER_TIMEOUT);
+        if pg.get_application_name().is_none() {
+            pg.application_name("idemgate");
+        }
+        let manager = Manager::from_config(
+            pg,
+            NoTls,
+            // Fast: only `is_closed()` on checkout, so a claim stays one round
+            // trip; a connection that dies mid-call is discarded by `settle`.
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(manager)
+            .max_size(cfg.pool_size)
+            .runtime(Runtime::Tokio1)
+            // Bounded so a dead database answers within seconds, not after
+            // TCP's own timeouts.
+            .wait_timeout(Some(cfg.timeout))
+            .create_timeout(Some(cfg.connect_timeout))
+            .recycle_timeout(Some(cfg.connect_timeout))
+            .build()
+            .map_err(|e| StoreError::Unavailable(format!("cannot build postgres pool: {e}")))?;
+        let table = format!("{}.idempotency_records", quote_ident(&cfg.schema));
+        Ok(Self {
+            pool,
+            migrated: OnceCell::new(),
+            schema: cfg.schema.clone(),
+            timeout: cfg.timeout,
+            sql: Sql::new(&table),
+        })
+    }
+
+    /// The schema this store lives in.
+    pub fn schema(&self) -> &str {
+        &self.schema
+    }
+
+    /// Applies pending migrations; returns how many ran now (0 when current).
+    /// Safe to run from several replicas at once: one transaction under
+    /// `pg_advisory_xact_lock`, so the others wait and then find it done.
+    pub async fn migrate(&self) -> Result<u32, StoreError> {
+        let applied = self.run_migrations().await?;
+        let _ = self.migrated.set(());
+        Ok(applied)
+    }
+
+    async fn run_migrations(&self) -> Result<u32, StoreError> {
+        let mut client = self.pool.get().await.map_err(pool_err)?;
+        let schema = quote_ident(&self.schema);
+        let tx = client.transaction().await.map_err(pg_err)?;
+        tx.execute(
+            "SELECT pg_advisory_xact_lock($1, hashtext($2))",
+            &[&MIGRATION_LOCK, &self.schema],
+        )
+        .await
+        .map_err(pg_err)?;
+        // Checked first: CREATE SCHEMA IF NOT EXISTS still needs the CREATE
+        // privilege, which a role given a ready-made schema may lack.
+        let exists = tx
+            .query_opt(
+                "SELECT 1 FROM pg_namespace WHERE nspname = $1",
+                &[&self.schema],
+            )
+            .await
+            .map_err(pg_err)?
+            .is_some();
+        if !exists {
+            tx.batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {schema}"))
+                .await
+                .map_err(pg_err)?;
+        }
+        tx.batch_execute(&format!(
+            "CREATE TABLE IF NOT EXISTS {schema}.idemgate_migrations (\
+               version int PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
+        ))
+        .await
+        .map_err(pg_err)?;
+        let current: i32 = tx
+            .query_one(
+                &format!("SELECT coalesce(max(version), 0) FROM {schema}.idemgate_migrations"),
+                &[],
+            )
+            .await
+            .map_err(pg_err)?
+            .get(0);
+        let mut applied = 0;
+        for (i, sql) in MIGRATIONS.iter().enumerate() {
+            let version = i as i32 + 1;
+            if version <= current {
+                continue;
+            }
+            tx.batch_execute(&sql.replace("{schema}", &schema))
+                .await
+                .map_err(pg_err)?;
+            tx.execute(
+                &format!(
+                    "INSERT INTO {schema}.idemgate_migrations (version, applied_at) VALUES ($1, now())"
+                ),
+                &[&version],
+            )
+            .await
+            .map_err(pg_err)?;
+            applied += 1;
+        }
+        tx.commit().await.map_err(pg_err)?;
+        if applied > 0 {
+            tracing::info!(schema = %self.schema, applied, "postgres migrations applied");
+        }
+        Ok(applied)
+    }
+
+    /// Migrates (once per process) and checks a connection out, all before
+    /// `deadline`.
+    async fn checkout(&self, deadline: Instant) -> Result<Object, StoreError> {
+        let ready = async {
+            self.migrated
+                .get_or_try_init(|| async { self.run_migrations().await.map(|_| ()) })
+                .await?;
+            self.pool.get().await.map_err(pool_err)
+        };
+        tokio::time::timeout_at(deadline, ready)
+            .await
+            .map_err(|_| StoreError::Timeout)?
+    }
+
+    fn deadline(&self) -> Instant {
+        Instant::now() + self.timeout
+    }
+}
+
+/// Ends a call: on a timeout the connection may be wedged mid-statement, so
+/// it leaves the pool instead of going back to it.
+fn settle<T>(
+    client: Object,
+    res: Result<Result<T, tokio_postgres::Error>, tokio::time::error::Elapsed>,
+) -> Result<T, StoreError> {
+    match res {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(pg_err(e)),
+        Err(_) => {
+            drop(Object::take(client));
+            Err(StoreError::Timeout)
+        }
+    }
+}
+
+fn pg_err(e: tokio_postgres::Error) -> StoreError {
+    if e.code() == Some(&SqlState::QUERY_CANCELED) {
+        // statement_timeout fired.
+        return StoreError::Timeout;
+    }
+    match e.as_db_error() {
+        Some(db) => {
+            StoreError::Unavailable(format!("postgres: {} ({})", db.message(), db.code().code()))
+        }
+        None => StoreError::Unavailable(format!("postgres: {e}")),
+    }
+}
+
+fn pool_err(e: PoolError) -> StoreError {
+    match e {
+        PoolError::Timeout(_) => StoreError::Timeout,
+        PoolError::Backend(e) => pg_err(e),
+        other => StoreError::Unavailable(format!("postgres pool: {other}")),
+    }
+}
+
+fn fence(rows: u64) -> Fence {
+    if rows == 1 {
+        Fence::Held
+    } else {
+        Fence::Lost
+    }
+}
+
+/// Whether a claim at `now` would take `record` over. A record read back
+/// after a claim found a live one may have changed in between; then the
+/// claim is retried rather than reporting a record that is no longer live.
+fn claimable(record: &Record, now: UnixMillis) -> bool {
+    record.expires_at <= now
+        || matches!(record.state, RecordState::InFlight { locked_until } if locked_until <= now)
+}
+
+fn decode_row(row: &tokio_postgres::Row) -> Result<Record, StoreError> {
+    let e = |e: tokio_postgres::Error| StoreError::Corrupt(format!("postgres row: {e}"));
+    let fp: Vec<u8> = row.try_get(0).map_err(e)?;
+    let state: String = row.try_get(1).map_err(e)?;
+    let locked_until: i64 = row.try_get(2).map_err(e)?;
+    let created_at: i64 = row.try_get(3).map_err(e)?;
+    let expires_at: i64 = row.try_get(4).map_err(e)?;
+    let status: Option<i32> = row.try_get(5).map_err(e)?;
+    let headers: Option<Vec<u8>> = row.try_get(6).map_err(e)?;
+    let body: Option<Vec<u8>> = row.try_get(7).map_err(e)?;
+    let status_u16 = || -> Result<u16, StoreError> {
+        status
+            .and_then(|s| u16::try_from(s).ok())
+            .ok_or_else(|| StoreError::Corrupt("record has no valid status".into()))
+    };
+    let state = match state.as_str() {
+        "in_flight" => RecordState::InFlight { locked_until },
+        "completed" => RecordState::Completed(StoredResponse {
+            status: status_u16()?,
+            headers: decode_headers(headers.as_deref().unwrap_or_default())?,
+            body: Bytes::from(body.unwrap_or_default()),
+        }),
+        "unstored" => RecordState::Unstored {
+            status: status_u16()?,
+        },
+        other => return Err(StoreError::Corrupt(format!("unknown state {other:?}"))),
+    };
+    Ok(Record {
+        fingerprint: Fingerprint(array_from(&fp, "fingerprint")?),
+        state,
+        created_at,
+        expires_at,
+    })
+}
+
+#[async_trait]
+impl Store for PostgresStore {
+    async fn claim(&self, c: &Claim) -> Result<ClaimOutcome, StoreError> {
+        let deadline = self.deadline();
+        let client = self.checkout(deadline).await?;
+        let (scope, key) = (&c.key.scope.0[..], &c.key.key[..]);
+        let res = tokio::time::timeout_at(deadline, async {
+            for _ in 0..CLAIM_ATTEMPTS {
+                let stmt = client.prepare_cached(&self.sql.claim).await?;
+                let row = client
+                    .query_opt(
+                        &stmt,
+                        &[
+                            &scope,
+                            &key,
+                            &&c.fingerprint.0[..],
+                            &&c.token.0[..],
+                            &c.locked_until(),
+                            &c.now,
+                            &c.expires_at(),
+                        ],
+                    )
+                    .await?;
+                if let Some(row) = row {
+                    return Ok(Ok(ClaimOutcome::Claimed {
+                        takeover: row.get(0),
+                    }));
+                }
+                // A live record is there. This SELECT is a new snapshot, so it
+                // sees the row the claim conflicted with, unless that was
+                // released or swept in between: then claim again.
+                let stmt = client.prepare_cached(&self.sql.select).await?;
+                if let Some(row) = client.query_opt(&stmt, &[&scope, &key]).await? {
+                    match decode_row(&row) {
+                        Ok(record) if claimable(&record, c.now) => continue,
+                        Ok(record) => return Ok(Ok(ClaimOutcome::Existing(record))),
+                        Err(e) => return Ok(Err(e)),
+                    }
+                }
+            }
+            Ok(Err(StoreError::Unavailable(format!(
+                "claim raced with concurrent deletes {CLAIM_ATTEMPTS} times"
+            ))))
+        })
+        .await;
+        settle(client, res)?
+    }
+
+    async fn renew(
+        &self,
+        key: &RecordKey,
+        token: &LeaseToken,
+        locked_until: UnixMillis,
+    ) -> Result<Fence, StoreError> {
+        let deadline = self.deadline();
+        let client = self.checkout(deadline).await?;
+        let res = tokio::time::timeout_at(deadline, async {
+            let stmt = client.prepare_cached(&self.sql.renew).await?;
+            client
+                .execute(
+                    &stmt,
+                    &[
+                        &&key.scope.0[..],
+                        &&key.key[..],
+                        &&token.0[..],
+                        &locked_until,
+                    ],
+                )
+                .await
+        })
+        .await;
+        settle(client, res).map(fence)
+    }
+
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        token: &LeaseToken,
+        completion: &Completion,
+        expires_at: UnixMillis,
+    ) -> Result<Fence, StoreError> {
+        let (state, status, headers, body): (&str, u16, Option<Vec<u8>>, Option<&[u8]>) =
+            match completion {
+                Completion::Stored(r) => (
+                    "completed",
+                    r.status,
+                    Some(encode_headers(&r.headers)),
+                    Some(&r.body[..]),
+                ),
+                Completion::Unstored { status } => ("unstored", *status, None, None),
+            };
+        let status = i32::from(status);
+        let deadline = self.deadline();
+        let client = self.checkout(deadline).await?;
+        let res = tokio::time::timeout_at(deadline, async {
+            let stmt = client.prepare_cached(&self.sql.complete).await?;
+            client
+                .execute(
+                    &stmt,
+                    &[
+                        &&key.scope.0[..],
+                        &&key.key[..],
+                        &&token.0[..],
+                        &state,
+                        &status,
+                        &headers,
+                        &body,
+                        &expires_at,
+                    ],
+                )
+                .await
+        })
+        .await;
+        settle(client, res).map(fence)
+    }
+
+    async fn release(&self, key: &RecordKey, token: &LeaseToken) -> Result<Fence, StoreError> {
+        let deadline = self.deadline();
+        let client = self.checkout(deadline).await?;
+        let res = tokio::time::timeout_at(deadline, async {
+            let stmt = client.prepare_cached(&self.sql.release).await?;
+            client
+                .execute(&stmt, &[&&key.scope.0[..], &&key.key[..], &&token.0[..]])
+                .await
+        })
+        .await;
+        settle(client, res).map(fence)
+    }
+
+    async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+        let deadline = self.deadline();
+        let client = self.checkout(deadline).await?;
+        let res = tokio::time::timeout_at(deadline, async {
+            let stmt = client.prepare_cached(&self.sql.select).await?;
+            client
+                .query_opt(&stmt, &[&&key.scope.0[..], &&key.key[..]])
+                .await
+        })
+        .await;
+        settle(client, res)?.as_ref().map(decode_row).transpose()
+    }
+
+    async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
+        let deadline = self.deadline();
+        let client = self.checkout(deadline).await?;
+        let res = tokio::time::timeout_at(deadline, async {
+            let stmt = client.prepare_cached(&self.sql.delete).await?;
+            client
+                .execute(&stmt, &[&&key.scope.0[..], &&key.key[..]])
+                .await
+        })
+        .await;
+        settle(client, res).map(|n| n > 0)
+    }
+
+    async fn sweep(&self, now: UnixMillis, batch: u32) -> Result<u64, StoreError> {
+        let deadline = self.deadline();
+        let mut client = self.checkout(deadline).await?;
+        let res = tokio::time::timeout_at(deadline, async {
+            let tx = client.transaction().await?;
+            // One sweeper at a time across replicas; the others skip this
+            // round instead of queueing behind it.
+            let got: bool = tx
+                .query_one(
+                    "SELECT pg_try_advisory_xact_lock($1, hashtext($2))",
+                    &[&SWEEP_LOCK, &self.schema],
+                )
+                .await?
+                .get(0);
+            if !got {
+                tx.rollback().await?;
+                return Ok(0);
+            }
+            let stmt = tx.prepare_cached(&self.sql.sweep).await?;
+            let n = tx.execute(&stmt, &[&now, &i64::from(batch)]).await?;
+            tx.commit().await?;
+            Ok(n)
+        })
+        .await;
+        settle(client, res)
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        let deadline = self.deadline();
+        let client = self.checkout(deadline).await?;
+        let res = tokio::time::timeout_at(deadline, client.simple_query("SELECT 1")).await;
+        settle(client, res).map(|_| ())
+    }
+
+    fn backend(&self) -> &'static str {
+        "postgres"
+    }
+}

@@ -1,0 +1,635 @@
+//! The Redis fast path in front of the authoritative store.
+//!
+//! Redis is a **hint**, never the guard: replication is asynchronous and
+//! TTLs lapse on their own, so every claim that Redis does not answer
+//! outright still goes to the inner store (PostgreSQL), whose primary key
+//! decides. What Redis answers alone:
+//! - a completed or unstored record cached after the inner store recorded
+//!   it (replay, or 422 on a fingerprint mismatch, without a database trip);
+//! - a live lock held by another claimant (an early 409).
+//!
+//! Writes follow the truth: a completion is cached only after the inner
+//! store returned [`Fence::Held`], and a lock is removed whenever the inner
+//! store says the claim is not ours. Every Redis call is bounded by
+//! `redis.timeout`; on a failure the fast path steps aside for
+//! [`BACKOFF`] and the inner store answers alone, then it probes again, so
+//! Redis coming back needs no restart.
+//!
+//! Key names are `{prefix}:{hex(scope)}:{hex(key)}`: digests only, never a
+//! raw credential or idempotency key.
+
+use super::{
+    decode_headers, encode_headers, now_millis, Claim, ClaimOutcome, Completion, Fence, LeaseToken,
+    Record, RecordState, Store, StoreError, StoredResponse, UnixMillis,
+};
+use crate::config::RedisConfig;
+use crate::idempotency::{Fingerprint, RecordKey};
+use async_trait::async_trait;
+use bytes::Bytes;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{RedisError, Script, Value};
+use std::future::Future;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How long the fast path stays out of the way after a connection-level
+/// failure, so a dead Redis costs one timeout per second, not one per request.
+pub const BACKOFF: Duration = Duration::from_secs(1);
+
+/// Reconnect attempts per failed connection inside the connection manager;
+/// further attempts happen on later calls, after [`BACKOFF`].
+const RECONNECT_RETRIES: usize = 1;
+
+/// Fast-path counters, for metrics.
+#[derive(Debug, Default)]
+pub struct FastPathCounters {
+    /// Claims answered from Redis alone.
+    pub hits: AtomicU64,
+    /// Claims that went to the inner store because Redis had no answer.
+    pub misses: AtomicU64,
+    /// Redis calls that failed, timed out, or were skipped during
+    /// [`BACKOFF`]; the inner store answered alone.
+    pub errors: AtomicU64,
+}
+
+pub struct RedisFastPath {
+    inner: Arc<dyn Store>,
+    conn: ConnectionManager,
+    prefix: String,
+    timeout: Duration,
+    counters: Arc<FastPathCounters>,
+    /// Unix millis until which Redis is skipped (see [`BACKOFF`]).
+    down_until: AtomicI64,
+    scripts: Scripts,
+}
+
+struct Scripts {
+    /// Deletes the key only if it holds the caller's lock.
+    unlock: Script,
+    /// Re-arms the caller's lock with a new PX.
+    extend: Script,
+    /// Replaces the caller's lock with the completed value, carrying the
+    /// lock's `created_at` and fingerprint over (a completion carries
+    /// neither). Without our lock there it writes nothing: the next claim
+    /// reads the record from the inner store and caches it then.
+    complete: Script,
+}
+
+// ===== value encoding =====
+//
+// Every value starts `tag:u8, created_at:i64, expires_at:i64, fingerprint:[32]`
+// (big-endian), so the Lua scripts can find the fields at fixed offsets:
+//   lock:      + token:[16]
+//   completed: + status:u16, headers_len:u32, headers, body
+//   unstored:  + status:u16
+
+const TAG_LOCK: u8 = 1;
+const TAG_COMPLETED: u8 = 2;
+const TAG_UNSTORED: u8 = 3;
+const HEAD_LEN: usize = 1 + 8 + 8 + 32;
+
+// Lua strings are 1-based: the token is bytes 50..65 of a lock.
+const UNLOCK_LUA: &str = r#"
+local v = redis.call('GET', KEYS[1])
+if v and string.byte(v, 1) == 1 and string.sub(v, 50, 65) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"#;
+
+const EXTEND_LUA: &str = r#"
+local v = redis.call('GET', KEYS[1])
+if v and string.byte(v, 1) == 1 and string.sub(v, 50, 65) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"#;
+
+const COMPLETE_LUA: &str = r#"
+local v = redis.call('GET', KEYS[1])
+if v and string.byte(v, 1) == 1 and string.sub(v, 50, 65) == ARGV[1] then
+  local val = string.sub(ARGV[2], 1, 1) .. string.sub(v, 2, 9) .. string.sub(ARGV[2], 10, 17)
+    .. string.sub(v, 18, 49) .. string.sub(ARGV[2], 50)
+  redis.call('SET', KEYS[1], val, 'PX', ARGV[3])
+  return 1
+end
+return 0
+"#;
+
+/// A decoded Redis value.
+#[derive(Debug, PartialEq, Eq)]
+enum Cached {
+    Lock {
+        token: LeaseToken,
+        fingerprint: Fingerprint,
+        created_at: UnixMillis,
+        expires_at: UnixMillis,
+    },
+    Record(Record),
+}
+
+fn head(tag: u8, created_at: i64, expires_at: i64, fp: &Fingerprint, extra: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(HEAD_LEN + extra);
+    out.push(tag);
+    out.extend_from_slice(&created_at.to_be_bytes());
+    out.extend_from_slice(&expires_at.to_be_bytes());
+    out.extend_from_slice(&fp.0);
+    out
+}
+
+fn encode_lock(c: &Claim) -> Vec<u8> {
+    let mut out = head(TAG_LOCK, c.now, c.expires_at(), &c.fingerprint, 16);
+    out.extend_from_slice(&c.token.0);
+    out
+}
+
+/// Encodes a completed or unstored record; `None` for in-flight (never cached).
+fn encode_record(r: &Record) -> Option<Vec<u8>> {
+    match &r.state {
+        RecordState::InFlight { .. } => None,
+        RecordState::Completed(resp) => {
+            let headers = encode_headers(&resp.headers);
+            let mut out = head(
+                TAG_COMPLETED,
+                r.created_at,
+                r.expires_at,
+                &r.fingerprint,
+                6 + headers.len() + resp.body.len(),
+            );
+            out.extend_from_slice(&resp.status.to_be_bytes());
+            out.extend_from_slice(&(headers.len() as u32).to_be_bytes());
+            out.extend_from_slice(&headers);
+            out.extend_from_slice(&resp.body);
+            Some(out)
+        }
+        RecordState::Unstored { status } => {
+            let mut out = head(TAG_UNSTORED, r.created_at, r.expires_at, &r.fingerprint, 2);
+            out.extend_from_slice(&status.to_be_bytes());
+            Some(out)
+        }
+    }
+}
+
+fn decode(buf: &[u8]) -> Result<Cached, StoreError> {
+    let corrupt = |what: &str| StoreError::Corrupt(format!("redis value: {what}"));
+    if buf.len() < HEAD_LEN {
+        return Err(corrupt("truncated"));
+    }
+    let i64_at = |at: usize| i64::from_be_bytes(buf[at..at + 8].try_into().expect("8 bytes"));
+    let created_at = i64_at(1);
+    let expires_at = i64_at(9);
+    let fingerprint = Fingerprint(buf[17..HEAD_LEN].try_into().expect("32 bytes"));
+    let rest = &buf[HEAD_LEN..];
+    let status = || -> Result<u16, StoreError> {
+        rest.get(..2)
+            .map(|s| u16::from_be_bytes([s[0], s[1]]))
+            .ok_or_else(|| corrupt("no status"))
+    };
+    let record = |state| {
+        Cached::Record(Record {
+            fingerprint,
+            state,
+            created_at,
+            expires_at,
+        })
+    };
+    match buf[0] {
+        TAG_LOCK => {
+            let token: [u8; 16] = rest.try_into().map_err(|_| corrupt("bad lock"))?;
+            Ok(Cached::Lock {
+                token: LeaseToken(token),
+                fingerprint,
+                created_at,
+                expires_at,
+            })
+        }
+        TAG_COMPLETED => {
+            let status = status()?;
+            let hlen = rest
+                .get(2..6)
+                .map(|s| u32::from_be_bytes([s[0], s[1], s[2], s[3]]) as usize)
+                .ok_or_else(|| corrupt("no header length"))?;
+            let headers = rest
+                .get(6..6 + hlen)
+                .ok_or_else(|| corrupt("truncated headers"))?;
+            Ok(record(RecordState::Completed(StoredResponse {
+                status,
+                headers: decode_headers(headers)?,
+                body: Bytes::copy_from_slice(&rest[6 + hlen..]),
+            })))
+        }
+        TAG_UNSTORED if rest.len() == 2 => Ok(record(RecordState::Unstored { status: status()? })),
+        _ => Err(corrupt("unknown tag")),
+    }
+}
+
+/// Whether a Redis error means the connection is gone (step aside) rather
+/// than a server-side answer to one command.
+fn is_connection_error(e: &RedisError) -> bool {
+    e.is_io_error() || e.is_connection_dropped() || e.is_timeout() || e.is_unrecoverable_error()
+}
+
+impl RedisFastPath {
+    /// Wraps `inner`. Connects lazily: Redis being down here is not an error
+    /// (the fast path stays out of the way until it answers). Only a
+    /// malformed `redis.url` fails.
+    pub async fn new(inner: Arc<dyn Store>, cfg: &RedisConfig) -> Result<Self, StoreError> {
+        // redis-rs parse errors do not echo the URL, so no password leaks.
+        let client = redis::Client::open(cfg.url.as_str())
+            .map_err(|e| StoreError::Unavailable(format!("invalid redis.url: {e}")))?;
+        let config = ConnectionManagerConfig::new()
+            .set_response_timeout(Some(cfg.timeout))
+            .set_connection_timeout(Some(cfg.timeout))
+            .set_number_of_retries(RECONNECT_RETRIES)
+            .set_min_delay(Duration::from_millis(50))
+            .set_max_delay(Duration::from_millis(500));
+        let conn = ConnectionManager::new_lazy_with_config(client, config)
+            .map_err(|e| StoreError::Unavailable(format!("redis connection manager: {e}")))?;
+        // Connect in the background so the first request does not pay for it.
+        let mut warm = conn.clone();
+        let timeout = cfg.timeout;
+        tokio::spawn(async move {
+            let ping = redis::cmd("PING");
+            let _ = tokio::time::timeout(timeout, ping.query_async::<Value>(&mut warm)).await;
+        });
+        Ok(Self {
+            inner,
+            conn,
+            prefix: cfg.prefix.clone(),
+            timeout: cfg.timeout,
+            counters: Arc::new(FastPathCounters::default()),
+            down_until: AtomicI64::new(0),
+            scripts: Scripts {
+                unlock: Script::new(UNLOCK_LUA),
+                extend: Script::new(EXTEND_LUA),
+                complete: Script::new(COMPLETE_LUA),
+            },
+        })
+    }
+
+    pub fn counters(&self) -> Arc<FastPathCounters> {
+        self.counters.clone()
+    }
+
+    /// The Redis key for `key` (for tests and operators).
+    pub fn redis_key(&self, key: &RecordKey) -> String {
+        format!(
+            "{}:{}:{}",
+            self.prefix,
+            hex::encode(key.scope.0),
+            hex::encode(key.key)
+        )
+    }
+
+    /// Runs one Redis call under the timeout. `None` means "no answer":
+    /// counted as an error, and a connection-level failure starts [`BACKOFF`].
+    async fn run<T, F>(&self, fut: F) -> Option<T>
+    where
+        F: Future<Output = redis::RedisResult<T>>,
+    {
+        let res = tokio::time::timeout(self.timeout, fut).await;
+        let failure = match res {
+            Ok(Ok(v)) => return Some(v),
+            Ok(Err(e)) => {
+                let conn_level = is_connection_error(&e);
+                (e.to_string(), conn_level)
+            }
+            Err(_) => ("timed out".to_string(), true),
+        };
+        self.counters.errors.fetch_add(1, Ordering::Relaxed);
+        let (message, conn_level) = failure;
+        if conn_level {
+            let until = now_millis() + BACKOFF.as_millis() as i64;
+            let prev = self.down_until.swap(until, Ordering::Relaxed);
+            // Log the transition, not every request during an outage.
+            if prev < now_millis() - BACKOFF.as_millis() as i64 {
+                tracing::warn!(error = %message, "redis fast path unavailable; using the store alone");
+            }
+        } else {
+            tracing::warn!(error = %message, "redis fast path command failed");
+        }
+        None
+    }
+
+    /// False while in [`BACKOFF`]; such skips count as errors.
+    fn enabled(&self) -> bool {
+        if self.down_until.load(Ordering::Relaxed) > now_millis() {
+            self.counters.errors.fetch_add(1, Ordering::Relaxed);
+            false
+        } else {
+            true
+        }
+    }
+
+    /// `SET k lock NX PX lease`: `Some(true)` when set, `Some(false)` when
+    /// something is there, `None` when Redis did not answer.
+    async fn try_lock(&self, k: &str, c: &Claim) -> Option<bool> {
+        let mut conn = self.conn.clone();
+        let cmd = redis::cmd("SET")
+            .arg(k)
+            .arg(encode_lock(c))
+            .arg("NX")
+            .arg("PX")
+            .arg(c.lease_ms.max(1))
+            .to_owned();
+        let v: Value = self.run(cmd.query_async(&mut conn)).await?;
+        Some(!matches!(v, Value::Nil))
+    }
+
+    async fn peek(&self, k: &str) -> Option<(Option<Vec<u8>>, i64)> {
+        let mut conn = self.conn.clone();
+        let pipe = redis::pipe()
+            .cmd("GET")
+            .arg(k)
+            .cmd("PTTL")
+            .arg(k)
+            .to_owned();
+        self.run(pipe.query_async(&mut conn)).await
+    }
+
+    async fn unlock(&self, k: &str, token: &LeaseToken) {
+        let mut conn = self.conn.clone();
+        let mut inv = self.scripts.unlock.prepare_invoke();
+        inv.key(k).arg(&token.0[..]);
+        let _: Option<i64> = self.run(inv.invoke_async(&mut conn)).await;
+    }
+
+    /// Caches a completed/unstored record the inner store reported.
+    async fn cache(&self, k: &str, record: &Record) {
+        let ttl = record.expires_at - now_millis();
+        let Some(value) = encode_record(record) else {
+            return;
+        };
+        if ttl <= 0 {
+            return;
+        }
+        let mut conn = self.conn.clone();
+        let cmd = redis::cmd("SET")
+            .arg(k)
+            .arg(value)
+            .arg("PX")
+            .arg(ttl)
+            .to_owned();
+        let _: Option<Value> = self.run(cmd.query_async(&mut conn)).await;
+    }
+
+    /// After the inner store answered a claim: make Redis agree with it.
+    /// `locked` says whether our lock went into Redis.
+    async fn follow(&self, k: &str, c: &Claim, locked: bool, outcome: &ClaimOutcome) {
+        match outcome {
+            ClaimOutcome::Claimed { .. } => {}
+            ClaimOutcome::Existing(
+                record @ Record {
+                    state: RecordState::Completed(_) | RecordState::Unstored { .. },
+                    ..
+                },
+            ) => self.cache(k, record).await,
+            ClaimOutcome::Existing(_) if locked => self.unlock(k, &c.token).await,
+            ClaimOutcome::Existing(_) => {}
+        }
+    }
+
+    /// Answers a claim from what Redis holds, if it can.
+    fn answer(c: &Claim, value: &[u8], pttl: i64) -> Option<ClaimOutcome> {
+        match decode(value).ok()? {
+            Cached::Record(r) if r.expires_at > c.now => Some(ClaimOutcome::Existing(r)),
+            Cached::Lock {
+                token,
+                fingerprint,
+                created_at,
+                expires_at,
+            } if token != c.token && pttl > 0 => Some(ClaimOutcome::Existing(Record {
+                fingerprint,
+                state: RecordState::InFlight {
+                    locked_until: c.now + pttl,
+                },
+                created_at,
+                expires_at,
+            })),
+            _ => None,
+        }
+    }
+}
+
+#[async_trait]
+impl Store for RedisFastPath {
+    async fn claim(&self, c: &Claim) -> Result<ClaimOutcome, StoreError> {
+        if !self.enabled() {
+            return self.inner.claim(c).await;
+        }
+        let k = self.redis_key(&c.key);
+        let locked = match self.try_lock(&k, c).await {
+            // No answer: the inner store decides alone.
+            None => return self.inner.claim(c).await,
+            Some(true) => true,
+            Some(false) => {
+                match self.peek(&k).await {
+                    None => return self.inner.claim(c).await,
+                    Some((Some(value), pttl)) => {
+                        if let Some(outcome) = Self::answer(c, &value, pttl) {
+                            self.counters.hits.fetch_add(1, Ordering::Relaxed);
+                            return Ok(outcome);
+                        }
+                    }
+                    // Expired between SET and GET.
+                    Some((None, _)) => {}
+                }
+                false
+            }
+        };
+        self.counters.misses.fetch_add(1, Ordering::Relaxed);
+        // Redis is never the only guard: a lock we just set still goes to
+        // the inner store, whose answer wins.
+        match self.inner.claim(c).await {
+            Ok(outcome) => {
+                self.follow(&k, c, locked, &outcome).await;
+                Ok(outcome)
+            }
+            Err(e) => {
+                if locked {
+                    // The claim is unknown; a lock left behind would 409
+                    // the client's retry for a whole lease.
+                    self.unlock(&k, &c.token).await;
+                }
+                Err(e)
+            }
+        }
+    }
+
+    async fn renew(
+        &self,
+        key: &RecordKey,
+        token: &LeaseToken,
+        locked_until: UnixMillis,
+    ) -> Result<Fence, StoreError> {
+        let fence = self.inner.renew(key, token, locked_until).await?;
+        if self.enabled() {
+            let k = self.redis_key(key);
+            match fence {
+                Fence::Held => {
+                    let mut conn = self.conn.clone();
+                    let mut inv = self.scripts.extend.prepare_invoke();
+                    inv.key(&k)
+                        .arg(&token.0[..])
+                        .arg((locked_until - now_millis()).max(1));
+                    let _: Option<i64> = self.run(inv.invoke_async(&mut conn)).await;
+                }
+                Fence::Lost => self.unlock(&k, token).await,
+            }
+        }
+        Ok(fence)
+    }
+
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        token: &LeaseToken,
+        completion: &Completion,
+        expires_at: UnixMillis,
+    ) -> Result<Fence, StoreError> {
+        // The inner store records it first: Redis never knows more than it.
+        let fence = self
+            .inner
+            .complete(key, token, completion, expires_at)
+            .await?;
+        if !self.enabled() {
+            return Ok(fence);
+        }
+        let k = self.redis_key(key);
+        let ttl = expires_at - now_millis();
+        if fence == Fence::Lost || ttl <= 0 {
+            self.unlock(&k, token).await;
+            return Ok(fence);
+        }
+        let record = Record {
+            // Placeholders: the script takes both from our lock.
+            fingerprint: Fingerprint([0; 32]),
+            state: match completion {
+                Completion::Stored(r) => RecordState::Completed(r.clone()),
+                Completion::Unstored { status } => RecordState::Unstored { status: *status },
+            },
+            created_at: 0,
+            expires_at,
+        };
+        if let Some(value) = encode_record(&record) {
+            let mut conn = self.conn.clone();
+            let mut inv = self.scripts.complete.prepare_invoke();
+            inv.key(&k).arg(&token.0[..]).arg(value).arg(ttl);
+            let _: Option<i64> = self.run(inv.invoke_async(&mut conn)).await;
+        }
+        Ok(fence)
+    }
+
+    async fn release(&self, key: &RecordKey, token: &LeaseToken) -> Result<Fence, StoreError> {
+        let fence = self.inner.release(key, token).await?;
+        if self.enabled() {
+            self.unlock(&self.redis_key(key), token).await;
+        }
+        Ok(fence)
+    }
+
+    async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+        self.inner.get(key).await
+    }
+
+    async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
+        let deleted = self.inner.delete(key).await?;
+        if self.enabled() {
+            let mut conn = self.conn.clone();
+            let cmd = redis::cmd("DEL").arg(self.redis_key(key)).to_owned();
+            let _: Option<i64> = self.run(cmd.query_async(&mut conn)).await;
+        }
+        Ok(deleted)
+    }
+
+    async fn sweep(&self, now: UnixMillis, batch: u32) -> Result<u64, StoreError> {
+        // Redis expires its own copies (PX); only the inner store needs sweeping.
+        self.inner.sweep(now, batch).await
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        // Readiness reflects the authority, not the hint.
+        self.inner.ping().await
+    }
+
+    fn backend(&self) -> &'static str {
+        self.inner.backend()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::idempotency::Scope;
+
+    fn claim() -> Claim {
+        Claim {
+            key: RecordKey {
+                scope: Scope([1; 32]),
+                key: [2; 32],
+            },
+            fingerprint: Fingerprint([3; 32]),
+            token: LeaseToken([4; 16]),
+            now: 1_000,
+            lease_ms: 30_000,
+            ttl_ms: 86_400_000,
+        }
+    }
+
+    #[test]
+    fn lock_layout_matches_the_lua_offsets() {
+        let c = claim();
+        let v = encode_lock(&c);
+        assert_eq!(v[0], TAG_LOCK);
+        // Lua's string.sub(v, 50, 65) is bytes 49..65 here.
+        assert_eq!(&v[49..65], &c.token.0);
+        // Lua's string.sub(v, 2, 9) and (18, 49): created_at and fingerprint.
+        assert_eq!(&v[1..9], &c.now.to_be_bytes());
+        assert_eq!(&v[17..49], &c.fingerprint.0);
+        assert_eq!(
+            decode(&v).unwrap(),
+            Cached::Lock {
+                token: c.token,
+                fingerprint: c.fingerprint,
+                created_at: c.now,
+                expires_at: c.expires_at(),
+            }
+        );
+    }
+
+    #[test]
+    fn records_round_trip_and_garbage_is_corrupt() {
+        let completed = Record {
+            fingerprint: Fingerprint([9; 32]),
+            state: RecordState::Completed(StoredResponse {
+                status: 201,
+                headers: vec![
+                    ("x-a".into(), Bytes::from_static(b"1")),
+                    ("x-a".into(), Bytes::from_static(b"\xff")),
+                ],
+                body: Bytes::from_static(b"\x00body\xff"),
+            }),
+            created_at: 5,
+            expires_at: 6,
+        };
+        let unstored = Record {
+            state: RecordState::Unstored { status: 200 },
+            ..completed.clone()
+        };
+        for r in [completed, unstored] {
+            let v = encode_record(&r).unwrap();
+            assert_eq!(decode(&v).unwrap(), Cached::Record(r));
+            assert!(decode(&v[..HEAD_LEN + 1]).is_err());
+        }
+        let in_flight = Record {
+            fingerprint: Fingerprint([0; 32]),
+            state: RecordState::InFlight { locked_until: 1 },
+            created_at: 0,
+            expires_at: 1,
+        };
+        assert_eq!(encode_record(&in_flight), None);
+        assert!(decode(b"").is_err());
+        assert!(decode(&[7; HEAD_LEN + 2]).is_err());
+    }
+}

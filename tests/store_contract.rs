@@ -1,0 +1,723 @@
+//! The store contract: one body, run against every backend (memory, SQLite,
+//! PostgreSQL, PostgreSQL behind the Redis fast path), plus the failure
+//! behaviour of the networked backends (Redis killed and restarted,
+//! PostgreSQL cut off by a relay and restored).
+//!
+//! Time is the real clock with short leases and ttls, because Redis expires
+//! its copies on its own clock; every wait is bounded.
+
+mod support;
+
+use bytes::Bytes;
+use idemgate::config::{RedisConfig, SqliteSync};
+use idemgate::idempotency::{Fingerprint, RecordKey, Scope};
+use idemgate::store::memory::MemoryStore;
+use idemgate::store::postgres::PostgresStore;
+use idemgate::store::redis::{FastPathCounters, RedisFastPath};
+use idemgate::store::sqlite::SqliteStore;
+use idemgate::store::{
+    now_millis, Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, RecordState, Store,
+    StoreError, StoredResponse,
+};
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use support::services::{
+    database_url, drop_schema, pg_store_config, redis_url, require_postgres, require_redis,
+    unique_schema, PrivateRedis, TcpRelay,
+};
+
+const LEASE_MS: i64 = 10_000;
+const TTL_MS: i64 = 60_000;
+
+// ===== helpers =====
+
+fn record_key() -> RecordKey {
+    RecordKey {
+        scope: Scope(rand::random()),
+        key: rand::random(),
+    }
+}
+
+fn claim_for(key: RecordKey, lease_ms: i64, ttl_ms: i64) -> Claim {
+    Claim {
+        key,
+        fingerprint: Fingerprint(rand::random()),
+        token: LeaseToken::random(),
+        now: now_millis(),
+        lease_ms,
+        ttl_ms,
+    }
+}
+
+/// A fresh claim on the same key (new token, same fingerprint, now).
+fn again(c: &Claim) -> Claim {
+    Claim {
+        token: LeaseToken::random(),
+        now: now_millis(),
+        ..c.clone()
+    }
+}
+
+fn response() -> StoredResponse {
+    StoredResponse {
+        status: 201,
+        headers: vec![
+            ("location".into(), Bytes::from_static(b"/orders/7")),
+            ("set-cookie".into(), Bytes::from_static(b"a=1")),
+            ("set-cookie".into(), Bytes::from_static(b"b=2")),
+            ("x-bin".into(), Bytes::from_static(b"\xff\x00\x80")),
+        ],
+        body: Bytes::from_static(b"{\"id\":7}\x00\xff\xfe binary tail"),
+    }
+}
+
+fn claimed(outcome: &ClaimOutcome) -> bool {
+    matches!(outcome, ClaimOutcome::Claimed { .. })
+}
+
+fn existing(outcome: ClaimOutcome) -> Record {
+    match outcome {
+        ClaimOutcome::Existing(r) => r,
+        other => panic!("expected an existing record, got {other:?}"),
+    }
+}
+
+async fn sleep_ms(ms: u64) {
+    tokio::time::sleep(Duration::from_millis(ms)).await;
+}
+
+// ===== the contract =====
+
+async fn run_contract(store: Arc<dyn Store>) {
+    // Sweep first: it is store-wide, so the other cases' records must not count.
+    sweep_deletes_only_expired_and_respects_batch(&*store).await;
+    new_key_claims(&*store).await;
+    duplicate_claim_reports_in_flight(&*store).await;
+    concurrent_claims_have_one_winner(store.clone()).await;
+    takeover_after_lease_fences_old_holder(&*store).await;
+    complete_stores_exactly(&*store).await;
+    release_frees_the_key(&*store).await;
+    expired_record_is_claimable_again(&*store).await;
+    unstored_completion(&*store).await;
+    delete_removes_any_record(&*store).await;
+    store.ping().await.expect("ping");
+}
+
+async fn new_key_claims(store: &dyn Store) {
+    let c = claim_for(record_key(), LEASE_MS, TTL_MS);
+    assert_eq!(
+        store.claim(&c).await.unwrap(),
+        ClaimOutcome::Claimed { takeover: false }
+    );
+    let r = store.get(&c.key).await.unwrap().expect("claimed record");
+    assert_eq!(r.fingerprint, c.fingerprint);
+    assert_eq!(
+        r.state,
+        RecordState::InFlight {
+            locked_until: c.locked_until()
+        }
+    );
+    assert_eq!(r.created_at, c.now);
+    assert_eq!(r.expires_at, c.expires_at());
+}
+
+async fn duplicate_claim_reports_in_flight(store: &dyn Store) {
+    let first = claim_for(record_key(), LEASE_MS, TTL_MS);
+    assert!(claimed(&store.claim(&first).await.unwrap()));
+    let mut second = again(&first);
+    second.fingerprint = Fingerprint(rand::random());
+    let r = existing(store.claim(&second).await.unwrap());
+    // The record's fingerprint is the holder's, so the caller can 422.
+    assert_eq!(r.fingerprint, first.fingerprint);
+    match r.state {
+        // A cache may derive locked_until from its own ttl: allow clock slack.
+        RecordState::InFlight { locked_until } => assert!(
+            locked_until > second.now && locked_until <= first.locked_until() + 50,
+            "locked_until {locked_until} vs {}",
+            first.locked_until()
+        ),
+        other => panic!("expected in flight, got {other:?}"),
+    }
+}
+
+async fn concurrent_claims_have_one_winner(store: Arc<dyn Store>) {
+    let key = record_key();
+    let base = claim_for(key, LEASE_MS, TTL_MS);
+    let barrier = Arc::new(tokio::sync::Barrier::new(24));
+    let tasks: Vec<_> = (0..24)
+        .map(|_| {
+            let (store, barrier, c) = (store.clone(), barrier.clone(), again(&base));
+            tokio::spawn(async move {
+                barrier.wait().await;
+                store.claim(&c).await
+            })
+        })
+        .collect();
+    let mut winners = 0;
+    for t in tasks {
+        match t.await.unwrap().unwrap() {
+            ClaimOutcome::Claimed { takeover } => {
+                assert!(!takeover);
+                winners += 1;
+            }
+            ClaimOutcome::Existing(r) => {
+                assert!(matches!(r.state, RecordState::InFlight { .. }), "{r:?}");
+                assert_eq!(r.fingerprint, base.fingerprint);
+            }
+        }
+    }
+    assert_eq!(winners, 1, "exactly one of 24 concurrent claims wins");
+}
+
+async fn takeover_after_lease_fences_old_holder(store: &dyn Store) {
+    let old = claim_for(record_key(), 300, TTL_MS);
+    assert!(claimed(&store.claim(&old).await.unwrap()));
+    sleep_ms(450).await;
+    let new = claim_for(old.key, LEASE_MS, TTL_MS);
+    assert_eq!(
+        store.claim(&new).await.unwrap(),
+        ClaimOutcome::Claimed { takeover: true }
+    );
+    let done = Completion::Stored(response());
+    assert_eq!(
+        store
+            .complete(&old.key, &old.token, &done, old.expires_at())
+            .await
+            .unwrap(),
+        Fence::Lost
+    );
+    assert_eq!(
+        store
+            .renew(&old.key, &old.token, now_millis() + LEASE_MS)
+            .await
+            .unwrap(),
+        Fence::Lost
+    );
+    assert_eq!(
+        store.release(&old.key, &old.token).await.unwrap(),
+        Fence::Lost
+    );
+    let r = store
+        .get(&new.key)
+        .await
+        .unwrap()
+        .expect("new holder's record");
+    assert_eq!(r.fingerprint, new.fingerprint);
+    assert_eq!(
+        r.state,
+        RecordState::InFlight {
+            locked_until: new.locked_until()
+        }
+    );
+    // The new holder's own fence still holds, and a duplicate still sees it.
+    assert_eq!(
+        store
+            .renew(&new.key, &new.token, new.locked_until() + 1000)
+            .await
+            .unwrap(),
+        Fence::Held
+    );
+    let dup = existing(store.claim(&again(&new)).await.unwrap());
+    assert!(matches!(dup.state, RecordState::InFlight { .. }));
+}
+
+async fn complete_stores_exactly(store: &dyn Store) {
+    let c = claim_for(record_key(), LEASE_MS, TTL_MS);
+    assert!(claimed(&store.claim(&c).await.unwrap()));
+    assert_eq!(
+        store
+            .renew(&c.key, &c.token, c.locked_until() + 500)
+            .await
+            .unwrap(),
+        Fence::Held
+    );
+    let resp = response();
+    assert_eq!(
+        store
+            .complete(
+                &c.key,
+                &c.token,
+                &Completion::Stored(resp.clone()),
+                c.expires_at()
+            )
+            .await
+            .unwrap(),
+        Fence::Held
+    );
+    let want = Record {
+        fingerprint: c.fingerprint,
+        state: RecordState::Completed(resp),
+        created_at: c.now,
+        expires_at: c.expires_at(),
+    };
+    assert_eq!(store.get(&c.key).await.unwrap(), Some(want.clone()));
+    // A retry sees the same record (from a cache, if there is one).
+    for _ in 0..2 {
+        assert_eq!(
+            store.claim(&again(&c)).await.unwrap(),
+            ClaimOutcome::Existing(want.clone())
+        );
+    }
+    // Completed: the token no longer fences anything.
+    assert_eq!(store.release(&c.key, &c.token).await.unwrap(), Fence::Lost);
+    assert_eq!(store.get(&c.key).await.unwrap(), Some(want));
+}
+
+async fn release_frees_the_key(store: &dyn Store) {
+    let c = claim_for(record_key(), LEASE_MS, TTL_MS);
+    assert!(claimed(&store.claim(&c).await.unwrap()));
+    assert_eq!(store.release(&c.key, &c.token).await.unwrap(), Fence::Held);
+    assert_eq!(store.get(&c.key).await.unwrap(), None);
+    assert_eq!(store.release(&c.key, &c.token).await.unwrap(), Fence::Lost);
+    assert_eq!(
+        store.claim(&again(&c)).await.unwrap(),
+        ClaimOutcome::Claimed { takeover: false }
+    );
+}
+
+async fn expired_record_is_claimable_again(store: &dyn Store) {
+    let c = claim_for(record_key(), 200, 400);
+    assert!(claimed(&store.claim(&c).await.unwrap()));
+    assert_eq!(
+        store
+            .complete(
+                &c.key,
+                &c.token,
+                &Completion::Stored(response()),
+                c.expires_at()
+            )
+            .await
+            .unwrap(),
+        Fence::Held
+    );
+    sleep_ms(550).await;
+    let next = claim_for(c.key, LEASE_MS, TTL_MS);
+    assert_eq!(
+        store.claim(&next).await.unwrap(),
+        ClaimOutcome::Claimed { takeover: false }
+    );
+    let r = store.get(&c.key).await.unwrap().unwrap();
+    assert_eq!(r.fingerprint, next.fingerprint);
+    assert!(matches!(r.state, RecordState::InFlight { .. }));
+}
+
+async fn sweep_deletes_only_expired_and_respects_batch(store: &dyn Store) {
+    // Sweeping takes `now` as an argument: sweep "in the future" instead of waiting.
+    let future = now_millis() + 5_000;
+    while store.sweep(future, 1000).await.unwrap() > 0 {}
+    let mut doomed = Vec::new();
+    for _ in 0..3 {
+        let c = claim_for(record_key(), 100, 1000);
+        assert!(claimed(&store.claim(&c).await.unwrap()));
+        let done = Completion::Stored(response());
+        assert_eq!(
+            store
+                .complete(&c.key, &c.token, &done, c.expires_at())
+                .await
+                .unwrap(),
+            Fence::Held
+        );
+        doomed.push(c.key);
+    }
+    // In flight, ttl and lease both over by then.
+    let dead = claim_for(record_key(), 500, 1000);
+    assert!(claimed(&store.claim(&dead).await.unwrap()));
+    doomed.push(dead.key);
+    // In flight past its ttl, but its lease is still live then: never swept.
+    let live_lease = claim_for(record_key(), 60_000, 1000);
+    assert!(claimed(&store.claim(&live_lease).await.unwrap()));
+    // Not expired.
+    let fresh = claim_for(record_key(), LEASE_MS, TTL_MS);
+    assert!(claimed(&store.claim(&fresh).await.unwrap()));
+
+    assert_eq!(store.sweep(future, 3).await.unwrap(), 3);
+    assert_eq!(store.sweep(future, 10).await.unwrap(), 1);
+    assert_eq!(store.sweep(future, 10).await.unwrap(), 0);
+    for k in &doomed {
+        assert_eq!(store.get(k).await.unwrap(), None);
+    }
+    assert!(store.get(&live_lease.key).await.unwrap().is_some());
+    assert!(store.get(&fresh.key).await.unwrap().is_some());
+    assert_eq!(
+        store
+            .release(&live_lease.key, &live_lease.token)
+            .await
+            .unwrap(),
+        Fence::Held
+    );
+}
+
+async fn unstored_completion(store: &dyn Store) {
+    let c = claim_for(record_key(), LEASE_MS, TTL_MS);
+    assert!(claimed(&store.claim(&c).await.unwrap()));
+    let done = Completion::Unstored { status: 200 };
+    assert_eq!(
+        store
+            .complete(&c.key, &c.token, &done, c.expires_at())
+            .await
+            .unwrap(),
+        Fence::Held
+    );
+    let want = Record {
+        fingerprint: c.fingerprint,
+        state: RecordState::Unstored { status: 200 },
+        created_at: c.now,
+        expires_at: c.expires_at(),
+    };
+    assert_eq!(store.get(&c.key).await.unwrap(), Some(want.clone()));
+    for _ in 0..2 {
+        assert_eq!(
+            store.claim(&again(&c)).await.unwrap(),
+            ClaimOutcome::Existing(want.clone())
+        );
+    }
+}
+
+async fn delete_removes_any_record(store: &dyn Store) {
+    let c = claim_for(record_key(), LEASE_MS, TTL_MS);
+    assert!(claimed(&store.claim(&c).await.unwrap()));
+    let done = Completion::Stored(response());
+    store
+        .complete(&c.key, &c.token, &done, c.expires_at())
+        .await
+        .unwrap();
+    // Read it once so a cache holds it too.
+    existing(store.claim(&again(&c)).await.unwrap());
+    assert!(store.delete(&c.key).await.unwrap());
+    assert_eq!(store.get(&c.key).await.unwrap(), None);
+    assert!(!store.delete(&c.key).await.unwrap());
+    assert_eq!(
+        store.claim(&again(&c)).await.unwrap(),
+        ClaimOutcome::Claimed { takeover: false }
+    );
+    // An in-flight record can be deleted too (operator repair).
+    assert!(store.delete(&c.key).await.unwrap());
+    assert_eq!(store.get(&c.key).await.unwrap(), None);
+}
+
+// ===== backends =====
+
+async fn postgres(schema: &str) -> Arc<PostgresStore> {
+    let url = database_url();
+    require_postgres(&url).await;
+    Arc::new(
+        PostgresStore::connect(&pg_store_config(&url, schema))
+            .await
+            .expect("postgres store"),
+    )
+}
+
+fn redis_config(url: String, prefix: &str) -> RedisConfig {
+    RedisConfig {
+        url,
+        timeout: Duration::from_millis(250),
+        prefix: prefix.to_string(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn contract_memory() {
+    run_contract(Arc::new(MemoryStore::new())).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn contract_sqlite() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(&dir.path().join("idemgate.db"), SqliteSync::Full).unwrap();
+    run_contract(Arc::new(store)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn contract_postgres() {
+    let schema = unique_schema("t");
+    run_contract(postgres(&schema).await).await;
+    drop_schema(&database_url(), &schema).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn contract_postgres_redis() {
+    let schema = unique_schema("t");
+    let url = redis_url();
+    require_redis(&url);
+    let pg: Arc<dyn Store> = postgres(&schema).await;
+    let fast = RedisFastPath::new(pg, &redis_config(url, &schema))
+        .await
+        .unwrap();
+    let counters = fast.counters();
+    run_contract(Arc::new(fast)).await;
+    assert!(counters.hits.load(Ordering::Relaxed) > 0);
+    assert_eq!(counters.errors.load(Ordering::Relaxed), 0);
+    drop_schema(&database_url(), &schema).await;
+}
+
+// ===== Redis fast path =====
+
+fn snapshot(c: &FastPathCounters) -> (u64, u64, u64) {
+    (
+        c.hits.load(Ordering::Relaxed),
+        c.misses.load(Ordering::Relaxed),
+        c.errors.load(Ordering::Relaxed),
+    )
+}
+
+/// Claims and completes a fresh key; returns the claim.
+async fn complete_one(store: &dyn Store) -> Claim {
+    let c = claim_for(record_key(), LEASE_MS, TTL_MS);
+    assert!(claimed(&store.claim(&c).await.unwrap()));
+    let done = Completion::Stored(response());
+    assert_eq!(
+        store
+            .complete(&c.key, &c.token, &done, c.expires_at())
+            .await
+            .unwrap(),
+        Fence::Held
+    );
+    c
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_answers_completed_keys_and_postgres_answers_the_rest() {
+    let schema = unique_schema("t");
+    let url = redis_url();
+    require_redis(&url);
+    let pg = postgres(&schema).await;
+    let fast = RedisFastPath::new(pg.clone(), &redis_config(url.clone(), &schema))
+        .await
+        .unwrap();
+    let counters = fast.counters();
+
+    // Completed through the fast path: the retry is a Redis hit.
+    let c = complete_one(&fast).await;
+    let (h0, m0, _) = snapshot(&counters);
+    let r = existing(fast.claim(&again(&c)).await.unwrap());
+    assert!(matches!(r.state, RecordState::Completed(_)));
+    assert_eq!(snapshot(&counters).0, h0 + 1);
+
+    // Redis lost it (flush): PostgreSQL answers, and Redis learns it again.
+    let client = redis::Client::open(url.as_str()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let _: i64 = redis::cmd("DEL")
+        .arg(fast.redis_key(&c.key))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(
+        existing(fast.claim(&again(&c)).await.unwrap()),
+        r,
+        "answered from postgres"
+    );
+    let (h1, m1, _) = snapshot(&counters);
+    assert_eq!((h1, m1), (h0 + 1, m0 + 1));
+    assert_eq!(existing(fast.claim(&again(&c)).await.unwrap()), r);
+    assert_eq!(snapshot(&counters).0, h1 + 1, "cached again after the miss");
+
+    // Stored while Redis never saw it (straight into PostgreSQL).
+    let direct = complete_one(&*pg).await;
+    let from_pg = existing(fast.claim(&again(&direct)).await.unwrap());
+    assert_eq!(Some(from_pg), pg.get(&direct.key).await.unwrap());
+
+    // A fingerprint mismatch is still reported from Redis (the caller 422s).
+    let mut other = again(&c);
+    other.fingerprint = Fingerprint(rand::random());
+    assert_eq!(
+        existing(fast.claim(&other).await.unwrap()).fingerprint,
+        c.fingerprint
+    );
+
+    // Values are keyed by digests only.
+    let name = fast.redis_key(&c.key);
+    assert!(name.starts_with(&format!("{schema}:")));
+    assert_eq!(name.len(), schema.len() + 1 + 64 + 1 + 64);
+    assert_eq!(snapshot(&counters).2, 0);
+    drop_schema(&database_url(), &schema).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_outage_falls_back_to_postgres_and_recovers() {
+    let schema = unique_schema("t");
+    let mut redis = PrivateRedis::start();
+    let pg = postgres(&schema).await;
+    let fast = RedisFastPath::new(pg.clone(), &redis_config(redis.url(), "rt"))
+        .await
+        .unwrap();
+    let counters = fast.counters();
+
+    let c = complete_one(&fast).await;
+    existing(fast.claim(&again(&c)).await.unwrap());
+    assert_eq!(snapshot(&counters).0, 1, "hit while Redis is up");
+
+    redis.kill();
+    let errors_before = snapshot(&counters).2;
+    for _ in 0..5 {
+        let started = Instant::now();
+        let k = claim_for(record_key(), LEASE_MS, TTL_MS);
+        assert!(claimed(&fast.claim(&k).await.unwrap()));
+        let done = Completion::Stored(response());
+        assert_eq!(
+            fast.complete(&k.key, &k.token, &done, k.expires_at())
+                .await
+                .unwrap(),
+            Fence::Held
+        );
+        let r = existing(fast.claim(&again(&c)).await.unwrap());
+        assert!(matches!(r.state, RecordState::Completed(_)));
+        let took = started.elapsed();
+        assert!(
+            took < Duration::from_millis(1500),
+            "three calls took {took:?} with Redis down"
+        );
+    }
+    assert!(snapshot(&counters).2 > errors_before, "errors counted");
+
+    redis.restart();
+    // Redis restarted empty: the next claims refill it and then hit.
+    let hits_before = snapshot(&counters).0;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while snapshot(&counters).0 == hits_before {
+        assert!(Instant::now() < deadline, "fast path did not resume");
+        existing(fast.claim(&again(&c)).await.unwrap());
+        sleep_ms(100).await;
+    }
+    drop_schema(&database_url(), &schema).await;
+}
+
+#[tokio::test]
+async fn redis_down_at_start_is_not_an_error() {
+    let schema = unique_schema("t");
+    let mut redis = PrivateRedis::start();
+    redis.kill();
+    let pg = postgres(&schema).await;
+    let fast = RedisFastPath::new(pg, &redis_config(redis.url(), "rd"))
+        .await
+        .unwrap();
+    let c = complete_one(&fast).await;
+    existing(fast.claim(&again(&c)).await.unwrap());
+    assert!(snapshot(&fast.counters()).2 > 0);
+    assert!(RedisFastPath::new(
+        Arc::new(MemoryStore::new()),
+        &redis_config("not a url".into(), "x")
+    )
+    .await
+    .is_err());
+    drop_schema(&database_url(), &schema).await;
+}
+
+// ===== PostgreSQL failure and migrations =====
+
+fn pg_target() -> SocketAddr {
+    let url = database_url();
+    let cfg: tokio_postgres::Config = url.parse().expect("IDEMGATE_TEST_DATABASE_URL parses");
+    let host = match cfg.get_hosts().first() {
+        Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
+        _ => "127.0.0.1".into(),
+    };
+    let port = cfg.get_ports().first().copied().unwrap_or(5432);
+    use std::net::ToSocketAddrs;
+    (host.as_str(), port)
+        .to_socket_addrs()
+        .unwrap()
+        .next()
+        .unwrap()
+}
+
+/// The test database URL, pointed at `addr` instead.
+fn url_via(addr: SocketAddr) -> String {
+    let url = database_url();
+    let cfg: tokio_postgres::Config = url.parse().unwrap();
+    let user = cfg.get_user().unwrap_or("postgres");
+    let db = cfg.get_dbname().unwrap_or("test");
+    let password = cfg
+        .get_password()
+        .map(|p| format!(":{}", String::from_utf8_lossy(p)))
+        .unwrap_or_default();
+    format!("postgres://{user}{password}@{addr}/{db}")
+}
+
+async fn until_ok<T>(what: &str, mut f: impl AsyncFnMut() -> Result<T, StoreError>) -> T {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        match f().await {
+            Ok(v) => return v,
+            Err(e) => assert!(Instant::now() < deadline, "{what} did not recover: {e}"),
+        }
+        sleep_ms(100).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_cut_fails_fast_and_recovers() {
+    require_postgres(&database_url()).await;
+    let relay = TcpRelay::start(pg_target()).await;
+    let schema = unique_schema("t");
+    let store = PostgresStore::connect(&pg_store_config(&url_via(relay.addr()), &schema))
+        .await
+        .unwrap();
+    let c = complete_one(&store).await;
+    let before = store.get(&c.key).await.unwrap();
+
+    relay.cut();
+    for _ in 0..3 {
+        let started = Instant::now();
+        let res = store
+            .claim(&claim_for(record_key(), LEASE_MS, TTL_MS))
+            .await;
+        assert!(res.is_err(), "claim while cut: {res:?}");
+        let res = store.get(&c.key).await;
+        assert!(res.is_err(), "get while cut: {res:?}");
+        assert!(store.ping().await.is_err());
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "calls while cut took {:?}",
+            started.elapsed()
+        );
+    }
+
+    relay.restore();
+    let after = until_ok("get after restore", async || store.get(&c.key).await).await;
+    assert_eq!(after, before, "records survive the outage");
+    let fresh = claim_for(record_key(), LEASE_MS, TTL_MS);
+    assert!(claimed(&store.claim(&fresh).await.unwrap()));
+    drop_schema(&database_url(), &schema).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_down_at_start_heals_and_migrates() {
+    require_postgres(&database_url()).await;
+    let relay = TcpRelay::start(pg_target()).await;
+    relay.cut();
+    let schema = unique_schema("t");
+    let store = PostgresStore::connect(&pg_store_config(&url_via(relay.addr()), &schema))
+        .await
+        .expect("connect does not need the database");
+    let c = claim_for(record_key(), LEASE_MS, TTL_MS);
+    let started = Instant::now();
+    assert!(store.claim(&c).await.is_err());
+    assert!(started.elapsed() < Duration::from_secs(10));
+    relay.restore();
+    let outcome = until_ok("claim after start", async || store.claim(&c).await).await;
+    assert!(claimed(&outcome));
+    assert_eq!(store.migrate().await.unwrap(), 0, "already current");
+    drop_schema(&database_url(), &schema).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_migrations_are_idempotent_and_safe_concurrently() {
+    let schema = unique_schema("t");
+    let stores: Vec<_> = futures_util::future::join_all((0..4).map(|_| postgres(&schema))).await;
+    let applied: Vec<u32> = futures_util::future::join_all(stores.iter().map(|s| s.migrate()))
+        .await
+        .into_iter()
+        .map(|r| r.expect("migrate"))
+        .collect();
+    assert_eq!(
+        applied.iter().sum::<u32>(),
+        idemgate::store::postgres::MIGRATIONS.len() as u32,
+        "each migration ran exactly once: {applied:?}"
+    );
+    for s in &stores {
+        assert_eq!(s.migrate().await.unwrap(), 0);
+    }
+    drop_schema(&database_url(), &schema).await;
+}

@@ -1,0 +1,319 @@
+//! External services for integration tests: where PostgreSQL and Redis are,
+//! a fresh schema per test, private `redis-server` instances that can be
+//! killed and restarted, and a TCP relay that can cut a connection to
+//! PostgreSQL without stopping the shared server.
+//!
+//! Tests never skip: a missing service is a panic that says how to fix it.
+
+use idemgate::config::{Backend, SqliteSync, StoreConfig};
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener as StdListener, TcpStream as StdStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
+pub const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
+
+/// `IDEMGATE_TEST_DATABASE_URL`, or the local default.
+pub fn database_url() -> String {
+    std::env::var("IDEMGATE_TEST_DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.into())
+}
+
+/// `IDEMGATE_TEST_REDIS_URL`, or the local default.
+pub fn redis_url() -> String {
+    std::env::var("IDEMGATE_TEST_REDIS_URL").unwrap_or_else(|_| DEFAULT_REDIS_URL.into())
+}
+
+/// A schema (or Redis prefix) name no other test or run uses:
+/// `<prefix>_<pid>_<counter>_<random>`, valid for `store.schema`.
+pub fn unique_schema(prefix: &str) -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    format!(
+        "{prefix}_{}_{}_{:08x}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed),
+        rand::random::<u32>()
+    )
+}
+
+/// The URL without its password, for panic messages.
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => {
+            let creds = &url[s + 3..at];
+            match creds.find(':') {
+                Some(c) => format!("{}{}:***{}", &url[..s + 3], &creds[..c], &url[at..]),
+                None => url.to_string(),
+            }
+        }
+        _ => url.to_string(),
+    }
+}
+
+/// Panics with a clear message unless PostgreSQL answers at `url`.
+pub async fn require_postgres(url: &str) {
+    let attempt = async {
+        let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls).await?;
+        let task = tokio::spawn(conn);
+        let res = client.simple_query("SELECT 1").await.map(|_| ());
+        drop(client);
+        let _ = task.await;
+        res
+    };
+    match tokio::time::timeout(Duration::from_secs(5), attempt).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => panic!(
+            "PostgreSQL is not reachable at {}: {e}: start it (see README) or set IDEMGATE_TEST_DATABASE_URL",
+            redact(url)
+        ),
+        Err(_) => panic!(
+            "PostgreSQL is not reachable at {} (timed out): start it (see README) or set IDEMGATE_TEST_DATABASE_URL",
+            redact(url)
+        ),
+    }
+}
+
+/// Panics with a clear message unless Redis answers PING at `url`
+/// (`redis://host:port` only).
+pub fn require_redis(url: &str) {
+    // redis://[user:pass@]host:port[/db]
+    let authority = url
+        .trim_start_matches("redis://")
+        .split('/')
+        .next()
+        .unwrap_or_default();
+    let addr = authority.rsplit('@').next().unwrap_or_default().to_string();
+    if !redis_answers(&addr) {
+        panic!(
+            "Redis is not reachable at {}: start it (see README) or set IDEMGATE_TEST_REDIS_URL",
+            redact(url)
+        );
+    }
+}
+
+/// Drops a test schema (best effort, for cleanup at the end of a test).
+pub async fn drop_schema(url: &str, schema: &str) {
+    let Ok(Ok((client, conn))) = tokio::time::timeout(
+        Duration::from_secs(5),
+        tokio_postgres::connect(url, tokio_postgres::NoTls),
+    )
+    .await
+    else {
+        return;
+    };
+    let task = tokio::spawn(conn);
+    let _ = client
+        .batch_execute(&format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"))
+        .await;
+    drop(client);
+    let _ = task.await;
+}
+
+/// A PostgreSQL `StoreConfig` with short timeouts, as tests want them.
+pub fn pg_store_config(url: &str, schema: &str) -> StoreConfig {
+    StoreConfig {
+        backend: Backend::Postgres,
+        path: "unused.db".into(),
+        synchronous: SqliteSync::Full,
+        url: Some(url.to_string()),
+        schema: schema.to_string(),
+        pool_size: 8,
+        connect_timeout: Duration::from_secs(1),
+        statement_timeout: Duration::from_secs(2),
+        timeout: Duration::from_secs(2),
+        sweep_interval: Duration::from_secs(60),
+        sweep_batch: 500,
+    }
+}
+
+fn free_port() -> u16 {
+    StdListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("bind an ephemeral port")
+}
+
+/// One blocking PING round trip.
+fn redis_answers(addr: &str) -> bool {
+    let Ok(sock_addr) = addr.parse::<SocketAddr>().or_else(|_| {
+        use std::net::ToSocketAddrs;
+        addr.to_socket_addrs()
+            .ok()
+            .and_then(|mut a| a.next())
+            .ok_or(())
+    }) else {
+        return false;
+    };
+    let Ok(mut s) = StdStream::connect_timeout(&sock_addr, Duration::from_millis(300)) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_millis(300)));
+    if s.write_all(b"PING\r\n").is_err() {
+        return false;
+    }
+    let mut buf = [0u8; 7];
+    s.read_exact(&mut buf).is_ok() && &buf == b"+PONG\r\n"
+}
+
+/// A `redis-server` of our own on a free port: no persistence, killed on drop.
+pub struct PrivateRedis {
+    port: u16,
+    child: Option<Child>,
+}
+
+impl PrivateRedis {
+    pub fn start() -> Self {
+        let mut r = Self {
+            port: free_port(),
+            child: None,
+        };
+        r.spawn();
+        r
+    }
+
+    fn spawn(&mut self) {
+        let child = Command::new("redis-server")
+            .args([
+                "--port",
+                &self.port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn redis-server (is it installed and on PATH?)");
+        self.child = Some(child);
+        let addr = format!("127.0.0.1:{}", self.port);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !redis_answers(&addr) {
+            if let Some(Ok(Some(status))) = self.child.as_mut().map(|c| c.try_wait()) {
+                panic!("redis-server on port {} exited: {status}", self.port);
+            }
+            assert!(
+                Instant::now() < deadline,
+                "redis-server on port {} did not answer within 10 s",
+                self.port
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Kills the server (SIGKILL) and waits for it to exit.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts a fresh, empty server on the same port.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+}
+
+impl Drop for PrivateRedis {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum RelayState {
+    Open,
+    /// Current connections dropped; new ones accepted and then stalled
+    /// (a black hole: the client's own timeouts must fire).
+    Cut,
+    Closed,
+}
+
+/// A TCP relay on 127.0.0.1:0 forwarding to `target`, that can be cut and
+/// restored; stops when dropped (or with its runtime).
+pub struct TcpRelay {
+    addr: SocketAddr,
+    state: Arc<watch::Sender<RelayState>>,
+    accept: JoinHandle<()>,
+}
+
+impl TcpRelay {
+    pub async fn start(target: SocketAddr) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind relay");
+        let addr = listener.local_addr().expect("relay address");
+        let (tx, _) = watch::channel(RelayState::Open);
+        let state = Arc::new(tx);
+        let st = state.clone();
+        let accept = tokio::spawn(async move {
+            loop {
+                let Ok((inbound, _)) = listener.accept().await else {
+                    continue;
+                };
+                let rx = st.subscribe();
+                tokio::spawn(relay_one(inbound, target, rx));
+            }
+        });
+        Self {
+            addr,
+            state,
+            accept,
+        }
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Drops every relayed connection and stalls new ones.
+    pub fn cut(&self) {
+        self.state.send_replace(RelayState::Cut);
+    }
+
+    /// Relays new connections again.
+    pub fn restore(&self) {
+        self.state.send_replace(RelayState::Open);
+    }
+}
+
+impl Drop for TcpRelay {
+    fn drop(&mut self) {
+        self.state.send_replace(RelayState::Closed);
+        self.accept.abort();
+    }
+}
+
+async fn relay_one(
+    mut inbound: TcpStream,
+    target: SocketAddr,
+    mut rx: watch::Receiver<RelayState>,
+) {
+    if *rx.borrow_and_update() != RelayState::Open {
+        // Stall: hold the socket, say nothing, until the relay opens or closes.
+        let _ = rx.wait_for(|s| *s != RelayState::Cut).await;
+        return;
+    }
+    let Ok(mut outbound) = TcpStream::connect(target).await else {
+        return;
+    };
+    tokio::select! {
+        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+        _ = rx.wait_for(|s| *s != RelayState::Open) => {}
+    }
+}
