@@ -577,6 +577,7 @@ impl Drop for Proxy {
 
 /// Generates one `#[tokio::test]` per backend for each `async fn name(Backend)`
 /// in the invoking file. Adding a backend is one line here.
+#[allow(unused_macros)]
 macro_rules! backend_tests {
     ($($name:ident),* $(,)?) => {
         $crate::support::backend_tests!(@on memory, Memory; $($name),*);
@@ -593,6 +594,7 @@ macro_rules! backend_tests {
         }
     };
 }
+#[allow(unused_imports)]
 pub(crate) use backend_tests;
 
 // ===== the client =====
