@@ -39,11 +39,11 @@ use std::sync::Arc;
 
 /// `idemgate serve`: opens the store, binds, runs until SIGTERM/SIGINT.
 pub async fn run(config: Config) -> anyhow::Result<()> {
-    let store = store::open(&config)
+    let metrics = Arc::new(metrics::Metrics::new());
+    let store = store::open_with_metrics(&config, &metrics)
         .await
         .context("cannot open the store")?;
     let listeners = server::Listeners::bind(&config).await?;
-    let metrics = Arc::new(metrics::Metrics::new());
     server::serve(config, store, metrics, listeners, shutdown::signal()).await
 }
 
@@ -124,6 +124,10 @@ pub async fn run_migrate(config: Config) -> anyhow::Result<()> {
         );
         return Ok(());
     }
-    store::migrate(&config).await?;
+    let applied = store::migrate(&config).await?;
+    println!(
+        "schema {:?} is current ({applied} migration(s) applied now)",
+        config.store.schema
+    );
     Ok(())
 }

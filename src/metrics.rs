@@ -2,6 +2,7 @@
 //! the admin port. Names are prefixed `idemgate_`; label values come from
 //! enums' `as_str`, never from request data.
 
+pub use crate::store::redis::FastPathCounters;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
@@ -9,7 +10,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -80,14 +81,6 @@ struct RouteLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct OpLabels {
     op: &'static str,
-}
-
-/// Counters the Redis fast path keeps itself; read at scrape time.
-#[derive(Debug, Default)]
-pub struct FastPathCounters {
-    pub hits: AtomicU64,
-    pub misses: AtomicU64,
-    pub errors: AtomicU64,
 }
 
 pub struct Metrics {

@@ -243,9 +243,14 @@ pub fn array_from<const N: usize>(bytes: &[u8], what: &str) -> Result<[u8; N], S
         .map_err(|_| StoreError::Corrupt(format!("{what} has {} bytes, expected {N}", bytes.len())))
 }
 
-/// Opens the backend the config names (and the Redis fast path in front of
-/// it, when configured).
-pub async fn open(cfg: &crate::config::Config) -> Result<std::sync::Arc<dyn Store>, StoreError> {
+/// Opens the backend the config names, with the Redis fast path in front
+/// of PostgreSQL when `[redis]` is set (its counters go to `metrics`).
+/// Neither PostgreSQL nor Redis has to be up yet: both connect lazily and
+/// recover by themselves.
+pub async fn open_with_metrics(
+    cfg: &crate::config::Config,
+    metrics: &crate::metrics::Metrics,
+) -> Result<std::sync::Arc<dyn Store>, StoreError> {
     use crate::config::Backend;
     use std::sync::Arc;
     let store: Arc<dyn Store> = match cfg.store.backend {
@@ -260,20 +265,42 @@ pub async fn open(cfg: &crate::config::Config) -> Result<std::sync::Arc<dyn Stor
             )
         }
         Backend::Postgres => {
-            return Err(StoreError::Unavailable(
-                "postgres backend is being merged".into(),
-            ))
+            let pg = postgres::PostgresStore::connect(&cfg.store).await?;
+            // Migrate now when the database answers; otherwise the first
+            // store call does it, so a proxy started before its database
+            // heals by itself.
+            match pg.migrate().await {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(applied = n, schema = pg.schema(), "applied migrations"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "postgres not ready at start-up; will retry on first use")
+                }
+            }
+            let pg: Arc<dyn Store> = Arc::new(pg);
+            match &cfg.redis {
+                None => pg,
+                Some(redis_cfg) => {
+                    let fast = redis::RedisFastPath::new(pg, redis_cfg).await?;
+                    metrics.attach_fast_path(fast.counters());
+                    Arc::new(fast)
+                }
+            }
         }
     };
     Ok(store)
 }
 
-/// Applies the PostgreSQL migrations (`idemgate migrate`).
-pub async fn migrate(cfg: &crate::config::Config) -> Result<(), StoreError> {
-    let _ = cfg;
-    Err(StoreError::Unavailable(
-        "postgres backend is being merged".into(),
-    ))
+/// [`open_with_metrics`] for callers that do not export metrics.
+pub async fn open(cfg: &crate::config::Config) -> Result<std::sync::Arc<dyn Store>, StoreError> {
+    open_with_metrics(cfg, &crate::metrics::Metrics::new()).await
+}
+
+/// Applies the PostgreSQL migrations (`idemgate migrate`); returns how many ran.
+pub async fn migrate(cfg: &crate::config::Config) -> Result<u32, StoreError> {
+    postgres::PostgresStore::connect(&cfg.store)
+        .await?
+        .migrate()
+        .await
 }
 
 #[cfg(test)]

@@ -7,8 +7,9 @@ use tracing_subscriber::EnvFilter;
 
 /// Installs the global subscriber once; later calls are ignored.
 pub fn init(cfg: &LogConfig) {
+    // tokio_postgres logs every server NOTICE at info; keep those quiet.
     let filter = EnvFilter::try_from_default_env()
-        .or_else(|_| EnvFilter::try_new(&cfg.level))
+        .or_else(|_| EnvFilter::try_new(format!("{},tokio_postgres=warn", cfg.level)))
         .unwrap_or_else(|_| EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
