@@ -36,7 +36,9 @@ async fn unrouted_requests_pass_through_with_method_path_query_body_and_headers_
     assert_eq!(seen.headers["authorization"], "Bearer t");
     assert_eq!(seen.headers["idempotency-key"], "passed-along");
     assert_eq!(
-        proxy.metrics.request_count("unrouted", Outcome::Passthrough),
+        proxy
+            .metrics
+            .request_count("unrouted", Outcome::Passthrough),
         1
     );
 }
@@ -58,7 +60,9 @@ async fn another_method_on_a_protected_path_is_not_protected() {
 async fn large_bodies_stream_both_ways() {
     let (up, proxy) = start().await;
     let size = 5 * 1024 * 1024;
-    let chunks: Vec<Bytes> = (0..80).map(|_| Bytes::from(vec![b'u'; 64 * 1024])).collect();
+    let chunks: Vec<Bytes> = (0..80)
+        .map(|_| Bytes::from(vec![b'u'; 64 * 1024]))
+        .collect();
     let r = proxy
         .request(Method::PUT, "/upload")
         .chunked(chunks)
@@ -97,7 +101,11 @@ async fn hop_by_hop_headers_are_stripped_both_ways() {
         "te",
         "transfer-encoding",
     ] {
-        assert!(!seen.headers.contains_key(name), "{name}: {:?}", seen.headers);
+        assert!(
+            !seen.headers.contains_key(name),
+            "{name}: {:?}",
+            seen.headers
+        );
     }
     if let Some(c) = seen.headers.get("connection") {
         assert!(!c.to_str().unwrap().contains("x-client-hop"), "{c:?}");
@@ -150,6 +158,7 @@ async fn h2c_prior_knowledge_requests_are_served() {
     assert_eq!(seen.version, Version::HTTP_11, "the upstream sees HTTP/1.1");
     assert_eq!(seen.query.as_deref(), Some("x=1"));
     assert_eq!(seen.headers["host"], up.addr.to_string());
+    assert_eq!(seen.headers["x-forwarded-host"], proxy.addr.to_string());
 
     let first = h2.send(proxy.post(ORDERS).key("h2-key").body("{}")).await;
     assert_eq!(first.status(), 201);
@@ -178,4 +187,36 @@ async fn several_requests_share_one_kept_alive_connection() {
     assert_eq!(last.status(), 200);
     assert_eq!(up.total_hits(), 5);
     conn.close();
+}
+
+#[tokio::test]
+async fn preserve_host_forwards_the_clients_host() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::builder(Backend::Memory, up.addr)
+        .server("preserve_host = true")
+        .start()
+        .await;
+    proxy
+        .get("/host")
+        .header("host", "api.example")
+        .send()
+        .await;
+    let seen = up.last();
+    assert_eq!(seen.headers["host"], "api.example");
+    assert_eq!(seen.headers["x-forwarded-host"], "api.example");
+}
+
+#[tokio::test]
+async fn an_upstream_base_path_prefixes_every_request() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::builder(Backend::Memory, up.addr)
+        .server(&format!("upstream = \"http://{}/api/\"", up.addr))
+        .start()
+        .await;
+    let r = proxy.get("/things?x=1").send().await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(up.last().path, "/api/things");
+    assert_eq!(up.last().query.as_deref(), Some("x=1"));
+    proxy.post(ORDERS).key("base").body("{}").send().await;
+    assert_eq!(up.last().path, "/api/orders");
 }

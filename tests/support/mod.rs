@@ -416,10 +416,22 @@ impl ProxyBuilder {
     }
 
     pub fn config_text(&self, sqlite_path: &Path) -> String {
-        let mut t = format!(
-            "[server]\nlisten = \"127.0.0.1:0\"\nupstream = \"http://{}\"\nshutdown_grace = \"10s\"\n",
-            self.upstream
-        );
+        let overridden = |key: &str| {
+            self.server_extra
+                .iter()
+                .any(|l| l.split('=').next().map(str::trim) == Some(key))
+        };
+        let mut t = String::from("[server]\n");
+        let upstream = format!("\"http://{}\"", self.upstream);
+        for (key, value) in [
+            ("listen", "\"127.0.0.1:0\""),
+            ("upstream", upstream.as_str()),
+            ("shutdown_grace", "\"10s\""),
+        ] {
+            if !overridden(key) {
+                t.push_str(&format!("{key} = {value}\n"));
+            }
+        }
         for l in &self.server_extra {
             t.push_str(l);
             t.push('\n');
