@@ -220,3 +220,24 @@ async fn an_upstream_base_path_prefixes_every_request() {
     proxy.post(ORDERS).key("base").body("{}").send().await;
     assert_eq!(up.last().path, "/api/orders");
 }
+
+#[tokio::test]
+async fn unprotected_requests_get_problem_responses_when_the_upstream_fails() {
+    let refused = Proxy::start(Backend::Memory, Upstream::refusing_addr(), &[]).await;
+    refused.get("/down").send().await.assert_problem(502);
+    assert_eq!(
+        refused
+            .metrics
+            .request_count("unrouted", Outcome::UpstreamError),
+        1
+    );
+
+    let up = Upstream::start().await;
+    let proxy = Proxy::builder(Backend::Memory, up.addr)
+        .server("upstream_timeout = \"300ms\"")
+        .start()
+        .await;
+    up.push(support::Action::Delay(std::time::Duration::from_secs(3)));
+    proxy.get("/slow").send().await.assert_problem(504);
+    assert_eq!(proxy.get("/fast").send().await.status(), 200);
+}

@@ -477,6 +477,19 @@ async fn oversized_request_body_is_rejected_with_413_and_not_forwarded(backend: 
         .send()
         .await;
     assert_eq!(fits.status(), 201);
+    // A chunked body within the limit reaches the upstream with a length.
+    let chunks = vec![Bytes::from(vec![b'z'; 500]), Bytes::from(vec![b'z'; 500])];
+    let ok = proxy
+        .post(ORDERS)
+        .key("k-chunked-ok")
+        .chunked(chunks)
+        .send()
+        .await;
+    assert_eq!(ok.status(), 201);
+    let seen = up.last();
+    assert_eq!(seen.headers["content-length"], "1000");
+    assert!(!seen.headers.contains_key("transfer-encoding"));
+    assert_eq!(seen.body.len(), 1000);
 }
 
 async fn oversized_response_is_streamed_in_full_and_the_retry_gets_410(backend: Backend) {
