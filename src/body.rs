@@ -34,13 +34,13 @@ pub enum ReadError {
     Failed(BoxError),
 }
 
-/// Reads `body` whole, failing as soon as it passes `limit` bytes.
-pub async fn read_limited<B>(body: B, limit: u64) -> Result<Bytes, ReadError>
+/// Reads `body` whole, failing as soon as it passes `limit` bytes (the rest
+/// stays unread in `body`, for [`drain`]).
+pub async fn read_limited<B>(body: &mut B, limit: u64) -> Result<Bytes, ReadError>
 where
     B: Body<Data = Bytes> + Unpin,
     B::Error: Into<BoxError>,
 {
-    let mut body = body;
     let mut buf = Vec::new();
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| ReadError::Failed(e.into()))?;
@@ -52,6 +52,33 @@ where
         }
     }
     Ok(Bytes::from(buf))
+}
+
+/// Reads and discards what is left of a refused request body, at most
+/// `max_bytes` and `max_time`. Answering while the client is still sending
+/// and then closing makes its kernel see a reset, which can destroy the
+/// response before the client reads it (nginx's "lingering close").
+/// Returns whether the body was read to its end.
+pub async fn drain<B>(body: &mut B, max_bytes: u64, max_time: std::time::Duration) -> bool
+where
+    B: Body<Data = Bytes> + Unpin,
+{
+    let discard = async {
+        let mut seen: u64 = 0;
+        while let Some(frame) = body.frame().await {
+            let Ok(frame) = frame else { return false };
+            if let Ok(data) = frame.into_data() {
+                seen += data.len() as u64;
+                if seen > max_bytes {
+                    return false;
+                }
+            }
+        }
+        true
+    };
+    tokio::time::timeout(max_time, discard)
+        .await
+        .unwrap_or(false)
 }
 
 /// Chunks already read from a body, followed by the rest of it: lets the
@@ -110,9 +137,9 @@ mod tests {
 
     #[tokio::test]
     async fn read_limited_accepts_the_limit_and_rejects_one_more_byte() {
-        let ok = read_limited(Full::new(Bytes::from_static(b"12345")), 5).await;
+        let ok = read_limited(&mut Full::new(Bytes::from_static(b"12345")), 5).await;
         assert_eq!(ok.unwrap(), Bytes::from_static(b"12345"));
-        let over = read_limited(Full::new(Bytes::from_static(b"123456")), 5).await;
+        let over = read_limited(&mut Full::new(Bytes::from_static(b"123456")), 5).await;
         assert!(matches!(over, Err(ReadError::TooLarge)));
     }
 

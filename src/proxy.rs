@@ -10,7 +10,7 @@
 pub mod forward;
 pub mod headers;
 
-use crate::body::{boxed, full, read_limited, Prefixed, ProxyBody, ReadError};
+use crate::body::{boxed, drain, full, read_limited, Prefixed, ProxyBody, ReadError};
 use crate::config::{OnStoreError, RouteConfig};
 use crate::error::ProxyError;
 use crate::idempotency::{
@@ -43,6 +43,10 @@ pub const REPLAYED_HEADER: HeaderName = HeaderName::from_static("idempotent-repl
 /// How often a completion or release is tried before giving up on the store.
 const STORE_WRITE_ATTEMPTS: u32 = 4;
 const STORE_WRITE_BACKOFF: Duration = Duration::from_millis(100);
+/// A refused (413) body is read and discarded up to this much, so the client
+/// sees the 413 instead of a reset; past it the connection is just closed.
+const DRAIN_MAX_BYTES: u64 = 16 << 20;
+const DRAIN_MAX_TIME: Duration = Duration::from_secs(2);
 /// Renewing more often than this would only load the store.
 const MIN_RENEW_INTERVAL: Duration = Duration::from_millis(100);
 
@@ -150,16 +154,22 @@ impl Proxy {
         let too_large = ProxyError::BodyTooLarge {
             limit: route.max_request_body,
         };
-        if content_length(req.headers()).is_some_and(|n| n > route.max_request_body) {
+        let (parts, mut body) = req.into_parts();
+        let declared = content_length(&parts.headers);
+        if declared.is_some_and(|n| n > route.max_request_body) {
+            if declared.is_some_and(|n| n <= DRAIN_MAX_BYTES) {
+                drain(&mut body, DRAIN_MAX_BYTES, DRAIN_MAX_TIME).await;
+            }
             return Err(too_large);
         }
-        let (parts, body) = req.into_parts();
-        let body = read_limited(body, route.max_request_body)
-            .await
-            .map_err(|e| match e {
-                ReadError::TooLarge => too_large,
-                ReadError::Failed(e) => ProxyError::BodyRead(e.to_string()),
-            })?;
+        let body = match read_limited(&mut body, route.max_request_body).await {
+            Ok(bytes) => bytes,
+            Err(ReadError::TooLarge) => {
+                drain(&mut body, DRAIN_MAX_BYTES, DRAIN_MAX_TIME).await;
+                return Err(too_large);
+            }
+            Err(ReadError::Failed(e)) => return Err(ProxyError::BodyRead(e.to_string())),
+        };
 
         let fingerprint = fingerprint_of(&parts, route, &body);
         let scope = Scope::from_header_value(
@@ -489,9 +499,10 @@ fn fingerprint_of(parts: &request::Parts, route: &RouteConfig, body: &[u8]) -> F
             (name, values)
         })
         .collect();
+    // The normalized path: the spelling that matched the route is the resource.
     Fingerprint::compute(
         &parts.method,
-        parts.uri.path(),
+        &crate::route::normalize_path(parts.uri.path()),
         parts.uri.query(),
         &headers,
         body,

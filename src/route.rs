@@ -41,12 +41,8 @@ impl PathPattern {
             None => (source, false),
         };
         let mut segments = Vec::new();
-        for seg in body.split('/').skip(1) {
-            if seg.is_empty() && !(body.is_empty() || body == "/") {
-                // "/orders/" keeps its trailing empty segment: it is a distinct path.
-                segments.push(Segment::Literal(String::new()));
-                continue;
-            }
+        let normalized = normalize_path(body);
+        for seg in normalized.split('/').skip(1) {
             if seg.contains('*') {
                 return Err(format!(
                     "path {source:?}: '*' is only allowed as a trailing \"/*\""
@@ -69,9 +65,10 @@ impl PathPattern {
         })
     }
 
-    /// Whether `path` (no query) matches.
+    /// Whether the normalized `path` (no query) matches.
     pub fn matches(&self, path: &str) -> bool {
-        let rest = path.strip_prefix('/').unwrap_or(path);
+        let path = normalize_path(path);
+        let rest = path.strip_prefix('/').unwrap_or(&path);
         let mut parts = if rest.is_empty() {
             Vec::new()
         } else {
@@ -110,6 +107,61 @@ impl fmt::Display for PathPattern {
     }
 }
 
+/// The form of a path that route matching and fingerprints use: percent-
+/// encoded unreserved characters decoded (RFC 3986 §6.2.2.2), `.` and `..`
+/// segments resolved (§5.2.4), repeated slashes collapsed and a trailing
+/// slash dropped. Other percent-encodings (such as `%2F`) are kept.
+pub fn normalize_path(path: &str) -> std::borrow::Cow<'_, str> {
+    let clean = !path.contains('%')
+        && !path.contains("//")
+        && !path.contains("/.")
+        && (path.len() <= 1 || !path.ends_with('/'));
+    if clean && path.starts_with('/') {
+        return std::borrow::Cow::Borrowed(path);
+    }
+    let decoded = decode_unreserved(path);
+    let mut out: Vec<&str> = Vec::new();
+    for seg in decoded.split('/') {
+        match seg {
+            "" | "." => {}
+            ".." => {
+                out.pop();
+            }
+            s => out.push(s),
+        }
+    }
+    let mut normalized = String::with_capacity(decoded.len() + 1);
+    for seg in out {
+        normalized.push('/');
+        normalized.push_str(seg);
+    }
+    if normalized.is_empty() {
+        normalized.push('/');
+    }
+    std::borrow::Cow::Owned(normalized)
+}
+
+fn decode_unreserved(path: &str) -> String {
+    let bytes = path.as_bytes();
+    let mut out = String::with_capacity(path.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' && i + 2 < bytes.len() {
+            let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).ok();
+            if let Some(b) = hex.and_then(|h| u8::from_str_radix(h, 16).ok()) {
+                if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
+                    out.push(b as char);
+                    i += 3;
+                    continue;
+                }
+            }
+        }
+        out.push(bytes[i] as char);
+        i += 1;
+    }
+    out
+}
+
 /// The protected routes, in config order.
 #[derive(Clone, Debug)]
 pub struct RouteTable {
@@ -143,7 +195,14 @@ mod tests {
     fn patterns_match_as_documented() {
         let cases: &[(&str, &str, bool)] = &[
             ("/orders", "/orders", true),
-            ("/orders", "/orders/", false),
+            ("/orders", "/orders/", true),
+            ("/orders", "//orders", true),
+            ("/orders", "/./orders", true),
+            ("/orders", "/x/../orders", true),
+            ("/orders", "/%6Frders", true),
+            ("/orders", "/%6frders", true),
+            ("/orders", "/orders%2F", false),
+            ("/orders", "/Orders", false),
             ("/orders", "/orders/1", false),
             ("/orders", "/order", false),
             ("/payments/{id}/capture", "/payments/p_1/capture", true),
@@ -161,6 +220,24 @@ mod tests {
         for (pattern, path, want) in cases {
             let p = PathPattern::parse(pattern).unwrap();
             assert_eq!(p.matches(path), *want, "{pattern} vs {path}");
+        }
+    }
+
+    #[test]
+    fn normalization_table() {
+        for (raw, want) in [
+            ("/", "/"),
+            ("", "/"),
+            ("/a/b", "/a/b"),
+            ("/a/b/", "/a/b"),
+            ("/a//b", "/a/b"),
+            ("/a/./b/../c", "/a/c"),
+            ("/../a", "/a"),
+            ("/%41%7e%2F", "/A~%2F"),
+            ("/100%", "/100%"),
+            ("/%zz", "/%zz"),
+        ] {
+            assert_eq!(normalize_path(raw), want, "{raw}");
         }
     }
 
