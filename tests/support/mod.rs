@@ -8,6 +8,10 @@
 // PostgreSQL/Redis helpers: URLs, private redis-server, TCP relay.
 pub mod services;
 
+use services::{database_url, redis_url, require_postgres, require_redis};
+#[allow(unused_imports)]
+pub use services::{database_url_via, TestSchema};
+
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode, Version};
 use http_body_util::{BodyExt, StreamBody};
@@ -371,12 +375,23 @@ async fn upstream_handle(
 
 // ===== the proxy =====
 
-/// Where the proxy keeps its records. PostgreSQL variants come later; each
-/// semantics test runs once per variant through [`backend_tests!`].
+/// Where the proxy keeps its records; each semantics test runs once per
+/// variant through [`backend_tests!`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Backend {
     Memory,
     Sqlite,
+    /// PostgreSQL at `IDEMGATE_TEST_DATABASE_URL`, a schema of the test's own.
+    Postgres,
+    /// PostgreSQL plus the Redis fast path at `IDEMGATE_TEST_REDIS_URL`,
+    /// with a key prefix of the test's own.
+    PostgresRedis,
+}
+
+impl Backend {
+    pub fn is_postgres(self) -> bool {
+        matches!(self, Backend::Postgres | Backend::PostgresRedis)
+    }
 }
 
 /// Builds a config around the test upstream and starts `serve` on it.
@@ -385,8 +400,13 @@ pub struct ProxyBuilder {
     upstream: SocketAddr,
     server_extra: Vec<String>,
     route_extra: Vec<String>,
+    store_extra: Vec<String>,
     routes: Option<String>,
     sqlite_path: Option<PathBuf>,
+    schema: Option<Arc<TestSchema>>,
+    store_url: Option<String>,
+    redis_url: Option<String>,
+    admin: bool,
 }
 
 impl ProxyBuilder {
@@ -413,6 +433,46 @@ impl ProxyBuilder {
         self.backend = Backend::Sqlite;
         self.sqlite_path = Some(path.to_path_buf());
         self
+    }
+
+    /// A line inside `[store]`, e.g. `timeout = "1s"`.
+    pub fn store(mut self, line: &str) -> Self {
+        self.store_extra.push(line.to_string());
+        self
+    }
+
+    /// Shares this schema (and Redis prefix) with other proxies: replicas.
+    /// Without it each PostgreSQL proxy gets a fresh one, dropped with it.
+    pub fn schema(mut self, schema: &Arc<TestSchema>) -> Self {
+        self.schema = Some(schema.clone());
+        self
+    }
+
+    /// Reaches PostgreSQL at this URL (e.g. [`database_url_via`] a
+    /// [`services::TcpRelay`]) instead of `IDEMGATE_TEST_DATABASE_URL`.
+    pub fn store_url(mut self, url: &str) -> Self {
+        self.store_url = Some(url.to_string());
+        self
+    }
+
+    /// Uses this Redis (a [`services::PrivateRedis`], or a closed port)
+    /// instead of `IDEMGATE_TEST_REDIS_URL`; implies the fast path.
+    pub fn redis_url(mut self, url: &str) -> Self {
+        self.backend = Backend::PostgresRedis;
+        self.redis_url = Some(url.to_string());
+        self
+    }
+
+    /// Starts the admin listener (`/healthz`, `/readyz`, `/metrics`) too.
+    pub fn admin(mut self) -> Self {
+        self.admin = true;
+        self
+    }
+
+    fn schema_or_new(&mut self) -> Arc<TestSchema> {
+        self.schema
+            .get_or_insert_with(|| Arc::new(TestSchema::new()))
+            .clone()
     }
 
     pub fn config_text(&self, sqlite_path: &Path) -> String {
@@ -442,6 +502,45 @@ impl ProxyBuilder {
                 "\n[store]\nbackend = \"sqlite\"\npath = {:?}\nsynchronous = \"normal\"\n",
                 sqlite_path.display().to_string()
             )),
+            Backend::Postgres | Backend::PostgresRedis => {
+                let schema = self
+                    .schema
+                    .as_ref()
+                    .expect("config_text: a postgres builder has a schema");
+                let url = self.store_url.clone().unwrap_or_else(database_url);
+                t.push_str(&format!(
+                    "\n[store]\nbackend = \"postgres\"\nurl = {url:?}\nschema = {:?}\n",
+                    schema.schema
+                ));
+                for (key, value) in [
+                    ("pool_size", "8"),
+                    ("connect_timeout", "\"1s\""),
+                    ("timeout", "\"2s\""),
+                ] {
+                    if !self
+                        .store_extra
+                        .iter()
+                        .any(|l| l.split('=').next().map(str::trim) == Some(key))
+                    {
+                        t.push_str(&format!("{key} = {value}\n"));
+                    }
+                }
+            }
+        }
+        for l in &self.store_extra {
+            t.push_str(l);
+            t.push('\n');
+        }
+        if self.backend == Backend::PostgresRedis {
+            let schema = self
+                .schema
+                .as_ref()
+                .expect("config_text: a redis builder has a prefix");
+            let url = self.redis_url.clone().unwrap_or_else(redis_url);
+            t.push_str(&format!(
+                "\n[redis]\nurl = {url:?}\nprefix = {:?}\ntimeout = \"250ms\"\n",
+                schema.prefix
+            ));
         }
         match &self.routes {
             Some(routes) => {
@@ -464,22 +563,39 @@ impl ProxyBuilder {
         t
     }
 
-    pub async fn start(self) -> Proxy {
+    pub async fn start(mut self) -> Proxy {
         trace_init();
         let dir = Arc::new(tempfile::TempDir::new().expect("tempdir"));
         let sqlite_path = self
             .sqlite_path
             .clone()
             .unwrap_or_else(|| dir.path().join("idemgate.db"));
+        let schema = if self.backend.is_postgres() {
+            // Never skip: a missing server fails the test saying what to start.
+            require_postgres(&database_url()).await;
+            if self.backend == Backend::PostgresRedis && self.redis_url.is_none() {
+                require_redis(&redis_url());
+            }
+            Some(self.schema_or_new())
+        } else {
+            None
+        };
         let text = self.config_text(&sqlite_path);
         let config = Config::parse(&text, "test.toml")
             .unwrap_or_else(|e| panic!("test config does not parse: {e}\n{text}"));
-        let store = idemgate::store::open(&config)
+        let metrics = Arc::new(Metrics::new());
+        // With metrics, so the fast-path counters reach `/metrics`.
+        let store = idemgate::store::open_with_metrics(&config, &metrics)
             .await
             .expect("open the store");
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
         let addr = listener.local_addr().expect("proxy addr");
-        let metrics = Arc::new(Metrics::new());
+        let admin = if self.admin {
+            Some(TcpListener::bind("127.0.0.1:0").await.expect("bind admin"))
+        } else {
+            None
+        };
+        let admin_addr = admin.as_ref().map(|l| l.local_addr().expect("admin addr"));
         let (tx, rx) = oneshot::channel::<()>();
         let task = tokio::spawn(serve(
             config,
@@ -487,7 +603,7 @@ impl ProxyBuilder {
             metrics.clone(),
             Listeners {
                 proxy: listener,
-                admin: None,
+                admin,
             },
             async move {
                 let _ = rx.await;
@@ -495,8 +611,10 @@ impl ProxyBuilder {
         ));
         Proxy {
             addr,
+            admin_addr,
             metrics,
             sqlite_path,
+            schema,
             shutdown_tx: Some(tx),
             task: Some(task),
             _dir: dir,
@@ -507,9 +625,14 @@ impl ProxyBuilder {
 /// A running proxy.
 pub struct Proxy {
     pub addr: SocketAddr,
+    /// The admin listener, when the builder asked for it.
+    pub admin_addr: Option<SocketAddr>,
     pub metrics: Arc<Metrics>,
-    /// The SQLite file (unused with the memory backend).
+    /// The SQLite file (unused with the other backends).
     pub sqlite_path: PathBuf,
+    /// The PostgreSQL schema and Redis prefix (postgres backends); dropped
+    /// from the database when the last proxy holding it goes.
+    pub schema: Option<Arc<TestSchema>>,
     shutdown_tx: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<anyhow::Result<()>>>,
     _dir: Arc<tempfile::TempDir>,
@@ -522,8 +645,13 @@ impl Proxy {
             upstream,
             server_extra: Vec::new(),
             route_extra: Vec::new(),
+            store_extra: Vec::new(),
             routes: None,
             sqlite_path: None,
+            schema: None,
+            store_url: None,
+            redis_url: None,
+            admin: false,
         }
     }
 
@@ -551,6 +679,30 @@ impl Proxy {
 
     pub fn request(&self, method: Method, path_and_query: &str) -> Req {
         Req::new(method, self.url(path_and_query))
+    }
+
+    /// `GET` on the admin listener (the builder must have asked for it).
+    pub fn admin_get(&self, path: &str) -> Req {
+        let admin = self
+            .admin_addr
+            .expect("start the proxy with .admin() to use the admin listener");
+        Req::new(Method::GET, format!("http://{admin}{path}"))
+    }
+
+    /// `idemgate_redis_fast_path_hits_total`, as `/metrics` shows it.
+    pub fn fast_path_hits(&self) -> u64 {
+        metric_value(
+            &self.metrics.encode(),
+            "idemgate_redis_fast_path_hits_total",
+        )
+    }
+
+    /// `idemgate_redis_fast_path_errors_total`, as `/metrics` shows it.
+    pub fn fast_path_errors(&self) -> u64 {
+        metric_value(
+            &self.metrics.encode(),
+            "idemgate_redis_fast_path_errors_total",
+        )
     }
 
     /// Counter value for the default protected route.
@@ -594,6 +746,8 @@ macro_rules! backend_tests {
     ($($name:ident),* $(,)?) => {
         $crate::support::backend_tests!(@on memory, Memory; $($name),*);
         $crate::support::backend_tests!(@on sqlite, Sqlite; $($name),*);
+        $crate::support::backend_tests!(@on postgres, Postgres; $($name),*);
+        $crate::support::backend_tests!(@on postgres_redis, PostgresRedis; $($name),*);
     };
     (@on $module:ident, $variant:ident; $($name:ident),*) => {
         mod $module {
@@ -862,4 +1016,91 @@ pub async fn wait_listening(addr: SocketAddr) {
         TcpStream::connect(addr).await.ok().map(|_| ())
     })
     .await
+}
+
+/// The value of an unlabelled sample `name` in Prometheus/OpenMetrics text
+/// (0 when absent).
+pub fn metric_value(text: &str, name: &str) -> u64 {
+    text.lines()
+        .find_map(|l| {
+            let (n, v) = l.split_once(' ')?;
+            (n == name).then(|| v.trim().parse::<f64>().ok())?
+        })
+        .map(|v| v as u64)
+        .unwrap_or(0)
+}
+
+/// A process of the real binary (`idemgate serve`), killed on drop so a
+/// failing test leaves nothing behind.
+pub struct ServeProcess {
+    pub listen: SocketAddr,
+    pub admin: SocketAddr,
+    child: Option<std::process::Child>,
+    _config: tempfile::NamedTempFile,
+}
+
+impl ServeProcess {
+    /// Writes `config` (which must listen on `listen` and `admin`) to a
+    /// temporary file and runs `serve --config` on it; returns once the
+    /// proxy port accepts connections.
+    pub async fn start(listen: SocketAddr, admin: SocketAddr, config: &str) -> Self {
+        use std::io::Write;
+        let mut file = tempfile::Builder::new()
+            .suffix(".toml")
+            .tempfile()
+            .expect("config tempfile");
+        file.write_all(config.as_bytes()).expect("write config");
+        let child = binary()
+            .arg("serve")
+            .arg("--config")
+            .arg(file.path())
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::inherit())
+            .spawn()
+            .expect("start idemgate serve");
+        let mut p = Self {
+            listen,
+            admin,
+            child: Some(child),
+            _config: file,
+        };
+        let deadline = tokio::time::Instant::now() + DEADLINE;
+        while TcpStream::connect(listen).await.is_err() {
+            if let Some(Ok(Some(status))) = p.child.as_mut().map(|c| c.try_wait()) {
+                panic!("idemgate serve exited before listening: {status}\n{config}");
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "idemgate serve did not listen on {listen} in time"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        p
+    }
+
+    pub fn post(&self, path_and_query: &str) -> Req {
+        Req::new(
+            Method::POST,
+            format!("http://{}{path_and_query}", self.listen),
+        )
+    }
+
+    pub fn admin_get(&self, path: &str) -> Req {
+        Req::new(Method::GET, format!("http://{}{path}", self.admin))
+    }
+
+    /// SIGKILL, then reaps it.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for ServeProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
 }

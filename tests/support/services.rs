@@ -108,7 +108,9 @@ pub async fn drop_schema(url: &str, schema: &str) {
     };
     let task = tokio::spawn(conn);
     let _ = client
-        .batch_execute(&format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"))
+        .batch_execute(&format!(
+            "SET lock_timeout = '5s'; DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"
+        ))
         .await;
     drop(client);
     let _ = task.await;
@@ -316,4 +318,103 @@ async fn relay_one(
         _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
         _ = rx.wait_for(|s| *s != RelayState::Open) => {}
     }
+}
+
+/// The `host:port` of the PostgreSQL server `database_url()` names (to put
+/// a [`TcpRelay`] in front of it).
+pub fn postgres_addr() -> SocketAddr {
+    let url = database_url();
+    let cfg: tokio_postgres::Config = url
+        .parse()
+        .unwrap_or_else(|e| panic!("IDEMGATE_TEST_DATABASE_URL does not parse: {e}"));
+    let host = match cfg.get_hosts().first() {
+        Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
+        _ => "127.0.0.1".into(),
+    };
+    let port = cfg.get_ports().first().copied().unwrap_or(5432);
+    use std::net::ToSocketAddrs;
+    (host.as_str(), port)
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut a| a.next())
+        .unwrap_or_else(|| panic!("cannot resolve the PostgreSQL host {host:?}"))
+}
+
+/// `database_url()` with its host and port replaced by `addr` (a relay).
+pub fn database_url_via(addr: SocketAddr) -> String {
+    let cfg: tokio_postgres::Config = database_url().parse().expect("database url parses");
+    let user = cfg.get_user().unwrap_or("postgres");
+    let db = cfg.get_dbname().unwrap_or("test");
+    let password = cfg
+        .get_password()
+        .map(|p| format!(":{}", String::from_utf8_lossy(p)))
+        .unwrap_or_default();
+    format!("postgres://{user}{password}@{addr}/{db}")
+}
+
+/// A PostgreSQL schema and a Redis prefix of one test's own (both named by
+/// [`unique_schema`]); dropping it drops the schema and deletes the Redis
+/// keys under the prefix on the shared Redis (best effort). Replicas share
+/// one through an `Arc`.
+pub struct TestSchema {
+    pub schema: String,
+    pub prefix: String,
+}
+
+impl TestSchema {
+    pub fn new() -> Self {
+        let schema = unique_schema("t");
+        Self {
+            prefix: schema.clone(),
+            schema,
+        }
+    }
+}
+
+impl Default for TestSchema {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for TestSchema {
+    fn drop(&mut self) {
+        let schema = self.schema.clone();
+        let prefix = self.prefix.clone();
+        // Drop runs inside the test's runtime (possibly a current-thread one):
+        // do the async cleanup on a thread with a runtime of its own.
+        let cleanup = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            rt.block_on(async {
+                drop_schema(&database_url(), &schema).await;
+                let _ = tokio::time::timeout(Duration::from_secs(3), delete_redis_prefix(&prefix))
+                    .await;
+            });
+        });
+        let _ = cleanup.join();
+    }
+}
+
+/// Deletes `{prefix}:*` on the shared Redis (test cleanup; errors ignored).
+async fn delete_redis_prefix(prefix: &str) {
+    let Ok(client) = redis::Client::open(redis_url().as_str()) else {
+        return;
+    };
+    let Ok(mut conn) = client.get_multiplexed_async_connection().await else {
+        return;
+    };
+    let script = redis::Script::new(
+        "local n = 0 for _, k in ipairs(redis.call('KEYS', ARGV[1])) do \
+         redis.call('DEL', k) n = n + 1 end return n",
+    );
+    let _: redis::RedisResult<i64> = script
+        .prepare_invoke()
+        .arg(format!("{prefix}:*"))
+        .invoke_async(&mut conn)
+        .await;
 }
