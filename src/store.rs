@@ -236,6 +236,50 @@ pub fn decode_headers(mut buf: &[u8]) -> Result<Vec<(String, Bytes)>, StoreError
     Ok(headers)
 }
 
+/// A record's columns as the SQL backends keep them; [`RecordRow::into_record`]
+/// is the one place they become a [`Record`].
+pub struct RecordRow {
+    pub fingerprint: Vec<u8>,
+    pub state: String,
+    pub locked_until: i64,
+    pub created_at: i64,
+    pub expires_at: i64,
+    pub status: Option<i64>,
+    pub headers: Option<Vec<u8>>,
+    pub body: Option<Vec<u8>>,
+}
+
+impl RecordRow {
+    pub fn into_record(self) -> Result<Record, StoreError> {
+        let status = || -> Result<u16, StoreError> {
+            self.status
+                .and_then(|s| u16::try_from(s).ok())
+                .ok_or_else(|| StoreError::Corrupt("record has no valid status".into()))
+        };
+        let state = match self.state.as_str() {
+            "in_flight" => RecordState::InFlight {
+                locked_until: self.locked_until,
+            },
+            "completed" => RecordState::Completed(StoredResponse {
+                status: status()?,
+                headers: decode_headers(self.headers.as_deref().unwrap_or_default())?,
+                body: Bytes::from(self.body.unwrap_or_default()),
+            }),
+            "unstored" => RecordState::Unstored { status: status()? },
+            other => return Err(StoreError::Corrupt(format!("unknown state {other:?}"))),
+        };
+        Ok(Record {
+            fingerprint: crate::idempotency::Fingerprint(array_from(
+                &self.fingerprint,
+                "fingerprint",
+            )?),
+            state,
+            created_at: self.created_at,
+            expires_at: self.expires_at,
+        })
+    }
+}
+
 /// Fixed-size byte columns read back from a backend.
 pub fn array_from<const N: usize>(bytes: &[u8], what: &str) -> Result<[u8; N], StoreError> {
     bytes

@@ -8,13 +8,12 @@
 //! is called.
 
 use super::{
-    array_from, decode_headers, encode_headers, Claim, ClaimOutcome, Completion, Fence, LeaseToken,
-    Record, RecordState, Store, StoreError, StoredResponse, UnixMillis,
+    encode_headers, Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, RecordRow, Store,
+    StoreError, UnixMillis,
 };
 use crate::config::SqliteSync;
-use crate::idempotency::{Fingerprint, RecordKey};
+use crate::idempotency::RecordKey;
 use async_trait::async_trait;
-use bytes::Bytes;
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -142,59 +141,24 @@ fn db_err(e: rusqlite::Error) -> StoreError {
 }
 
 fn read_record(conn: &Connection, key: &RecordKey) -> Result<Option<Record>, StoreError> {
-    type Row = (
-        Vec<u8>,
-        String,
-        i64,
-        i64,
-        i64,
-        Option<i64>,
-        Option<Vec<u8>>,
-        Option<Vec<u8>>,
-    );
-    let row: Option<Row> = conn
-        .prepare_cached(SELECT_SQL)
+    conn.prepare_cached(SELECT_SQL)
         .map_err(db_err)?
         .query_row(params![&key.scope.0[..], &key.key[..]], |r| {
-            Ok((
-                r.get(0)?,
-                r.get(1)?,
-                r.get(2)?,
-                r.get(3)?,
-                r.get(4)?,
-                r.get(5)?,
-                r.get(6)?,
-                r.get(7)?,
-            ))
+            Ok(RecordRow {
+                fingerprint: r.get(0)?,
+                state: r.get(1)?,
+                locked_until: r.get(2)?,
+                created_at: r.get(3)?,
+                expires_at: r.get(4)?,
+                status: r.get(5)?,
+                headers: r.get(6)?,
+                body: r.get(7)?,
+            })
         })
         .optional()
-        .map_err(db_err)?;
-    let Some((fp, state, locked_until, created_at, expires_at, status, headers, body)) = row else {
-        return Ok(None);
-    };
-    let status_u16 = || -> Result<u16, StoreError> {
-        status
-            .and_then(|s| u16::try_from(s).ok())
-            .ok_or_else(|| StoreError::Corrupt("record has no valid status".into()))
-    };
-    let state = match state.as_str() {
-        "in_flight" => RecordState::InFlight { locked_until },
-        "completed" => RecordState::Completed(StoredResponse {
-            status: status_u16()?,
-            headers: decode_headers(headers.as_deref().unwrap_or_default())?,
-            body: Bytes::from(body.unwrap_or_default()),
-        }),
-        "unstored" => RecordState::Unstored {
-            status: status_u16()?,
-        },
-        other => return Err(StoreError::Corrupt(format!("unknown state {other:?}"))),
-    };
-    Ok(Some(Record {
-        fingerprint: Fingerprint(array_from(&fp, "fingerprint")?),
-        state,
-        created_at,
-        expires_at,
-    }))
+        .map_err(db_err)?
+        .map(RecordRow::into_record)
+        .transpose()
 }
 
 #[async_trait]
