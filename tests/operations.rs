@@ -1,0 +1,976 @@
+//! Operations: the real `idemgate` binary as an operator runs it. The admin
+//! port (`/healthz`, `/readyz`, `/metrics`) after real traffic, readiness
+//! following the store, the `keys` commands against a running proxy's
+//! store, environment overrides, JSON access logs and SIGTERM.
+
+mod support;
+
+use http::Method;
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Stdio};
+use std::time::Duration;
+use support::services::{database_url, drop_schema, require_postgres, unique_schema, TcpRelay};
+use support::{binary, bounded, free_port, wait_for, Action, Req, Resp, Upstream, ORDERS};
+use tokio::net::TcpStream;
+
+const BODY: &str = r#"{"item":"lamp","qty":1}"#;
+const CREDENTIAL: &str = "Bearer t-ops-credential-5d1c";
+
+// ===== the binary as a child process =====
+
+/// A running `idemgate serve`; killed on drop so a failing test leaves no
+/// process behind. Its stderr goes to a file the test can read.
+struct Gate {
+    child: Option<Child>,
+    listen: SocketAddr,
+    admin: SocketAddr,
+    stderr: PathBuf,
+}
+
+impl Gate {
+    /// Starts `serve --config <config>` with `env` added to a clean
+    /// `IDEMGATE_*` environment and waits until both ports accept.
+    async fn start(
+        config: &Path,
+        listen: SocketAddr,
+        admin: SocketAddr,
+        env: &[(&str, &str)],
+    ) -> Gate {
+        Self::start_with(config, listen, admin, env, |_| {}).await
+    }
+
+    async fn start_with(
+        config: &Path,
+        listen: SocketAddr,
+        admin: SocketAddr,
+        env: &[(&str, &str)],
+        tweak: impl FnOnce(&mut std::process::Command),
+    ) -> Gate {
+        let stderr = config.with_extension(format!("{}.stderr", listen.port()));
+        let file = std::fs::File::create(&stderr).expect("create the stderr file");
+        let mut cmd = binary();
+        cmd.arg("serve")
+            .arg("--config")
+            .arg(config)
+            .envs(env.iter().copied())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(file);
+        tweak(&mut cmd);
+        let child = cmd.spawn().expect("start idemgate serve");
+        let mut gate = Gate {
+            child: Some(child),
+            listen,
+            admin,
+            stderr,
+        };
+        gate.wait_accepting(listen).await;
+        gate.wait_accepting(admin).await;
+        gate
+    }
+
+    /// Waits for `addr` to accept, failing fast (with the log) if the
+    /// process exits instead.
+    async fn wait_accepting(&mut self, addr: SocketAddr) {
+        let deadline = tokio::time::Instant::now() + support::DEADLINE;
+        loop {
+            if TcpStream::connect(addr).await.is_ok() {
+                return;
+            }
+            if let Some(status) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                panic!(
+                    "idemgate exited ({status}) before listening on {addr}:\n{}",
+                    self.log()
+                );
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "idemgate did not listen on {addr} in time:\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
+    /// Everything the process wrote to stderr so far.
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+
+    fn url(&self, path_and_query: &str) -> String {
+        format!("http://{}{}", self.listen, path_and_query)
+    }
+
+    fn post(&self, path_and_query: &str) -> Req {
+        Req::new(Method::POST, self.url(path_and_query))
+    }
+
+    fn order(&self, key: &str) -> Req {
+        self.post(ORDERS)
+            .header("authorization", CREDENTIAL)
+            .key(key)
+            .body(BODY)
+    }
+
+    async fn admin_get(&self, path: &str) -> Resp {
+        Req::new(Method::GET, format!("http://{}{}", self.admin, path))
+            .send()
+            .await
+    }
+
+    /// Sends SIGTERM (what Kubernetes and `docker stop` send).
+    fn terminate(&self) {
+        let status = std::process::Command::new("kill")
+            .args(["-TERM", &self.pid().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -TERM failed: {status}");
+    }
+
+    /// Waits (bounded) for the process to exit and returns its exit code.
+    async fn exited(&mut self) -> Option<i32> {
+        let child = self.child.as_mut().expect("running");
+        let status = wait_for("idemgate to exit", || {
+            let s = child.try_wait().expect("try_wait");
+            async move { s }
+        })
+        .await;
+        self.child = None;
+        status.code()
+    }
+}
+
+impl Drop for Gate {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// A config file in a temporary directory.
+struct Setup {
+    _dir: tempfile::TempDir,
+    listen: SocketAddr,
+    admin: SocketAddr,
+    config: PathBuf,
+}
+
+/// `POST /orders` (small body limit) and `POST /payments` (keys expire after 1 s).
+const ROUTES: &str = "[[route]]\nmethods = [\"POST\"]\npath = \"/orders\"\nmax_request_body = \"1KiB\"\n\n\
+                      [[route]]\nmethods = [\"POST\"]\npath = \"/payments\"\nttl = \"1s\"\nlease = \"1s\"\n";
+
+impl Setup {
+    /// Writes a config: the proxy and admin on free ports in front of
+    /// `upstream`, the given `[store]` table, [`ROUTES`] and `extra` TOML.
+    fn new(upstream: SocketAddr, store: impl FnOnce(&Path) -> String, extra: &str) -> Setup {
+        let dir = tempfile::TempDir::new().expect("tempdir");
+        let listen = free_port();
+        let admin = free_port();
+        let config = dir.path().join("idemgate.toml");
+        let text = format!(
+            "[server]\nlisten = \"{listen}\"\nupstream = \"http://{upstream}\"\nshutdown_grace = \"10s\"\n\n\
+             [admin]\nlisten = \"{admin}\"\n\n{}\n{extra}\n{ROUTES}",
+            store(dir.path())
+        );
+        std::fs::write(&config, text).expect("write config");
+        Setup {
+            _dir: dir,
+            listen,
+            admin,
+            config,
+        }
+    }
+
+    fn sqlite(upstream: SocketAddr, extra: &str) -> Setup {
+        Self::new(upstream, sqlite_store, extra)
+    }
+
+    async fn start(&self) -> Gate {
+        Gate::start(&self.config, self.listen, self.admin, &[]).await
+    }
+}
+
+fn sqlite_store(dir: &Path) -> String {
+    format!(
+        "[store]\nbackend = \"sqlite\"\npath = {:?}\nsweep_interval = \"1h\"\n",
+        dir.join("ops.db").display().to_string()
+    )
+}
+
+fn postgres_store(url: &str, schema: &str) -> String {
+    format!(
+        "[store]\nbackend = \"postgres\"\nurl = {url:?}\nschema = \"{schema}\"\npool_size = 4\n\
+         connect_timeout = \"1s\"\nstatement_timeout = \"1s\"\ntimeout = \"1s\"\nsweep_interval = \"1h\"\n"
+    )
+}
+
+/// One run of the binary to completion.
+struct Run {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+/// Runs `idemgate <args>` with `env` added to a clean `IDEMGATE_*` environment.
+async fn idemgate(args: &[&str], env: &[(&str, &str)]) -> Run {
+    let mut cmd = binary();
+    cmd.args(args)
+        .envs(env.iter().copied())
+        .stdin(Stdio::null());
+    let mut cmd = tokio::process::Command::from(cmd);
+    cmd.kill_on_drop(true);
+    let out = bounded(&format!("idemgate {args:?}"), cmd.output())
+        .await
+        .expect("run idemgate");
+    Run {
+        code: out.status.code().expect("exit code"),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+/// `idemgate keys <args> --config <config>`, expected to succeed; its stdout.
+async fn keys(config: &Path, args: &[&str]) -> String {
+    let mut all = vec!["keys", "--config", config.to_str().expect("utf-8 path")];
+    all.extend_from_slice(args);
+    let run = idemgate(&all, &[]).await;
+    assert_eq!(run.code, 0, "keys {args:?}: {}{}", run.stdout, run.stderr);
+    run.stdout
+}
+
+/// `idemgate keys show --scope-header-value CREDENTIAL <key>`.
+async fn show(config: &Path, key: &str) -> String {
+    keys(config, &["show", "--scope-header-value", CREDENTIAL, key]).await
+}
+
+/// The value of the `field` line in `keys show` output.
+fn show_field<'a>(out: &'a str, field: &str) -> &'a str {
+    out.lines()
+        .find_map(|l| l.strip_prefix(field).filter(|rest| rest.starts_with(' ')))
+        .unwrap_or_else(|| panic!("no {field:?} line in:\n{out}"))
+        .trim()
+}
+
+/// Every `idemgate_requests_total` sample: series → value.
+fn request_counters(metrics: &str) -> BTreeMap<String, String> {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with("idemgate_requests_total{"))
+        .map(|l| {
+            let (series, value) = l.rsplit_once(' ').expect("sample line");
+            (series.to_string(), value.to_string())
+        })
+        .collect()
+}
+
+fn requests_series(route: &str, outcome: &str) -> String {
+    format!("idemgate_requests_total{{route=\"{route}\",outcome=\"{outcome}\"}}")
+}
+
+/// The PostgreSQL server the test URL names.
+fn pg_target() -> SocketAddr {
+    let cfg: tokio_postgres::Config = database_url()
+        .parse()
+        .expect("IDEMGATE_TEST_DATABASE_URL parses");
+    let host = match cfg.get_hosts().first() {
+        Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
+        _ => "127.0.0.1".into(),
+    };
+    let port = cfg.get_ports().first().copied().unwrap_or(5432);
+    use std::net::ToSocketAddrs;
+    (host.as_str(), port)
+        .to_socket_addrs()
+        .expect("resolve the database host")
+        .next()
+        .expect("a database address")
+}
+
+/// The test database URL, pointed at `addr` instead.
+fn url_via(addr: SocketAddr) -> String {
+    let cfg: tokio_postgres::Config = database_url().parse().expect("database URL parses");
+    let user = cfg.get_user().unwrap_or("postgres");
+    let db = cfg.get_dbname().unwrap_or("test");
+    let password = cfg
+        .get_password()
+        .map(|p| format!(":{}", String::from_utf8_lossy(p)))
+        .unwrap_or_default();
+    format!("postgres://{user}{password}@{addr}/{db}")
+}
+
+// ===== admin endpoints =====
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_each_outcome_of_real_traffic_exactly_once() {
+    let up = Upstream::start().await;
+    let setup = Setup::sqlite(up.addr, "");
+    let gate = setup.start().await;
+
+    let health = gate.admin_get("/healthz").await;
+    assert_eq!(health.status(), 200, "{}", health.text());
+    let ready = gate.admin_get("/readyz").await;
+    assert_eq!(ready.status(), 200, "{}", ready.text());
+
+    // forwarded, then replayed
+    let first = gate.order("k-new").send().await;
+    assert_eq!(first.status(), 201, "{}", first.text());
+    let retry = gate.order("k-new").send().await;
+    assert!(retry.replayed(), "{retry:?}");
+    // mismatch: the same key on another body
+    gate.order("k-new")
+        .body(r#"{"item":"pen"}"#)
+        .send()
+        .await
+        .assert_problem(422);
+    // conflict: a duplicate while the first is still upstream; that first
+    // one then fails with a 5xx (upstream_error, key released)
+    up.push(Action::Delay(Duration::from_secs(3)));
+    let slow = tokio::spawn(
+        gate.post("/orders?status=503")
+            .header("authorization", CREDENTIAL)
+            .key("k-slow")
+            .body(BODY)
+            .send(),
+    );
+    up.wait_hits(ORDERS, 2).await;
+    gate.post("/orders?status=503")
+        .header("authorization", CREDENTIAL)
+        .key("k-slow")
+        .body(BODY)
+        .send()
+        .await
+        .assert_problem(409);
+    assert_eq!(slow.await.unwrap().status(), 503);
+    // missing_key, invalid_key, too_large
+    gate.post(ORDERS)
+        .body(BODY)
+        .send()
+        .await
+        .assert_problem(400);
+    gate.post(ORDERS)
+        .key(&"k".repeat(300))
+        .body(BODY)
+        .send()
+        .await
+        .assert_problem(400);
+    gate.post(ORDERS)
+        .key("k-big")
+        .body(vec![b'x'; 2048])
+        .send()
+        .await
+        .assert_problem(413);
+    // passthrough: the proxy port does not serve idemgate's /metrics, it
+    // forwards the request to the upstream like any unprotected request
+    let proxied = Req::new(Method::GET, gate.url("/metrics")).send().await;
+    assert_eq!(proxied.status(), 200, "{}", proxied.text());
+    assert_eq!(proxied.header("x-upstream"), Some("test"));
+    assert_eq!(proxied.json()["path"], "/metrics");
+    assert!(!proxied.text().contains("idemgate_"), "{}", proxied.text());
+    assert_eq!(up.hits("/metrics"), 1);
+    assert_eq!(up.hits(ORDERS), 2, "only the new key and the slow one ran");
+
+    let metrics = wait_for("in_flight to drop to 0", || async {
+        let m = gate.admin_get("/metrics").await;
+        m.text()
+            .lines()
+            .any(|l| l == "idemgate_in_flight 0")
+            .then_some(m)
+    })
+    .await;
+    assert_eq!(metrics.status(), 200);
+    let content_type = metrics.header("content-type").unwrap_or_default();
+    assert!(
+        content_type.starts_with("application/openmetrics-text")
+            || content_type.starts_with("text/plain"),
+        "{content_type}"
+    );
+    let text = metrics.text();
+    for line in text.lines() {
+        if line.starts_with('#') {
+            assert!(
+                line.starts_with("# HELP idemgate_")
+                    || line.starts_with("# TYPE idemgate_")
+                    || line.starts_with("# UNIT idemgate_")
+                    || line == "# EOF",
+                "unexpected comment line {line:?}"
+            );
+        } else {
+            let (series, value) = line.rsplit_once(' ').expect("`series value`");
+            assert!(series.starts_with("idemgate_"), "{line}");
+            value
+                .parse::<f64>()
+                .unwrap_or_else(|e| panic!("{line}: value is not a number: {e}"));
+        }
+    }
+    let expected: BTreeMap<String, String> = [
+        (ORDERS, "forwarded"),
+        (ORDERS, "replayed"),
+        (ORDERS, "conflict"),
+        (ORDERS, "mismatch"),
+        (ORDERS, "missing_key"),
+        (ORDERS, "invalid_key"),
+        (ORDERS, "too_large"),
+        (ORDERS, "upstream_error"),
+        ("unrouted", "passthrough"),
+    ]
+    .into_iter()
+    .map(|(route, outcome)| (requests_series(route, outcome), "1".to_string()))
+    .collect();
+    assert_eq!(request_counters(&text), expected, "{text}");
+    for family in [
+        "idemgate_store_duration_seconds",
+        "idemgate_upstream_duration_seconds",
+    ] {
+        assert!(
+            text.contains(&format!("# TYPE {family} histogram")),
+            "{family} is not a histogram:\n{text}"
+        );
+        assert!(text.contains(&format!("{family}_bucket{{")), "{text}");
+        assert!(text.contains(&format!("{family}_count{{")), "{text}");
+    }
+    assert!(
+        text.contains("idemgate_upstream_duration_seconds_count{route=\"/orders\"} 2"),
+        "the new key and the slow 5xx were timed:\n{text}"
+    );
+    // Families without labels are always exposed; per-route ones such as
+    // lease_takeovers appear with their first event.
+    assert!(
+        text.contains("# TYPE idemgate_swept_records counter"),
+        "{text}"
+    );
+    assert!(
+        text.lines().any(|l| l == "idemgate_swept_records_total 0"),
+        "{text}"
+    );
+    assert!(text.contains("# TYPE idemgate_in_flight gauge"), "{text}");
+
+    // The admin port serves only its own paths; nothing reaches the upstream.
+    let unknown = gate.admin_get("/nope").await;
+    assert_eq!(unknown.status(), 404, "{}", unknown.text());
+    assert_eq!(gate.admin_get(ORDERS).await.status(), 404);
+    let post = Req::new(Method::POST, format!("http://{}/metrics", gate.admin))
+        .send()
+        .await;
+    assert_eq!(post.status(), 405);
+    assert_eq!(up.hits(ORDERS), 2);
+    assert_eq!(up.total_hits(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_turns_503_while_postgres_is_cut_off_and_200_when_it_returns() {
+    require_postgres(&database_url()).await;
+    let relay = TcpRelay::start(pg_target()).await;
+    let schema = unique_schema("ops");
+    let up = Upstream::start().await;
+    let url = url_via(relay.addr());
+    let setup = Setup::new(up.addr, |_| postgres_store(&url, &schema), "");
+    let gate = setup.start().await;
+
+    let ready = |want: u16| {
+        let gate = &gate;
+        async move {
+            wait_for(&format!("/readyz to answer {want}"), || async {
+                let r = gate.admin_get("/readyz").await;
+                (r.status() == want).then_some(r)
+            })
+            .await
+        }
+    };
+    ready(200).await;
+    assert_eq!(gate.order("k-before").send().await.status(), 201);
+
+    relay.cut();
+    let down = ready(503).await;
+    assert!(down.text().starts_with("not ready"), "{}", down.text());
+    assert_eq!(
+        gate.admin_get("/healthz").await.status(),
+        200,
+        "still alive"
+    );
+    let refused = gate.order("k-during").send().await;
+    refused.assert_problem(503);
+    assert!(refused.header("retry-after").is_some(), "{refused:?}");
+    assert_eq!(up.hits(ORDERS), 1, "nothing forwarded unguarded");
+
+    relay.restore();
+    ready(200).await;
+    let after = wait_for("a protected request to succeed again", || async {
+        let r = gate.order("k-after").send().await;
+        (r.status() != 503).then_some(r)
+    })
+    .await;
+    assert_eq!(after.status(), 201, "{}", after.text());
+    assert!(gate.order("k-before").send().await.replayed());
+    drop(gate);
+    drop_schema(&database_url(), &schema).await;
+}
+
+// ===== keys commands =====
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_show_describes_a_stored_key_without_printing_the_key_or_credential() {
+    let up = Upstream::start().await;
+    let setup = Setup::sqlite(up.addr, "");
+    let gate = setup.start().await;
+    let key = "raw-key-0b5e7a";
+    let stored = gate
+        .post("/orders?headers=1")
+        .header("authorization", CREDENTIAL)
+        .key(key)
+        .body(BODY)
+        .send()
+        .await;
+    assert_eq!(stored.status(), 201, "{}", stored.text());
+
+    let out = show(&setup.config, key).await;
+    assert!(out.contains("state        completed\n"), "{out}");
+    assert!(out.contains("status       201\n"), "{out}");
+    assert!(
+        out.contains(&format!("body         {} bytes\n", stored.body.len())),
+        "{out}"
+    );
+    for header in [
+        "  location: /orders/1\n",
+        "  x-multi: a, b\n",
+        "  x-multi: c\n",
+        "  x-after: z\n",
+        "  x-upstream: test\n",
+        "  content-type: application/json\n",
+    ] {
+        assert!(out.contains(header), "missing {header:?} in:\n{out}");
+    }
+    assert!(!out.to_ascii_lowercase().contains("set-cookie"), "{out}");
+    for field in ["key id", "scope", "fingerprint", "created", "expires"] {
+        assert!(!show_field(&out, field).is_empty(), "{field}: {out}");
+    }
+    let created =
+        humantime::parse_rfc3339(show_field(&out, "created")).expect("created is RFC 3339");
+    let expires_field = show_field(&out, "expires");
+    let expires = humantime::parse_rfc3339(expires_field.split(' ').next().unwrap())
+        .expect("expires is RFC 3339");
+    assert!(expires > created, "{out}");
+    assert!(expires_field.contains("(in "), "{out}");
+    assert!(!out.contains(key), "the raw key is printed:\n{out}");
+    assert!(
+        !out.contains(CREDENTIAL),
+        "the credential is printed:\n{out}"
+    );
+    assert!(!out.contains("t-ops-credential"), "{out}");
+
+    // The same record named by its scope hash; the anonymous scope has none.
+    let scope = show_field(&out, "scope").to_string();
+    let by_hash = keys(&setup.config, &["show", "--scope", &scope, key]).await;
+    assert_eq!(by_hash, out);
+    let anonymous = keys(&setup.config, &["show", "--anonymous", key]).await;
+    assert!(anonymous.starts_with("no record for key id"), "{anonymous}");
+    let unknown = show(&setup.config, "never-sent").await;
+    assert!(unknown.starts_with("no record for key id"), "{unknown}");
+    assert!(!unknown.contains("never-sent"), "{unknown}");
+    assert_eq!(up.hits(ORDERS), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_delete_makes_the_next_request_with_that_key_execute_again() {
+    let up = Upstream::start().await;
+    let setup = Setup::sqlite(up.addr, "");
+    let gate = setup.start().await;
+    let first = gate.order("k-delete").send().await;
+    assert_eq!(first.status(), 201);
+    assert!(gate.order("k-delete").send().await.replayed());
+    assert_eq!(up.hits(ORDERS), 1);
+
+    let deleted = keys(
+        &setup.config,
+        &["delete", "--scope-header-value", CREDENTIAL, "k-delete"],
+    )
+    .await;
+    assert!(deleted.starts_with("deleted key id "), "{deleted}");
+    assert!(!deleted.contains("k-delete"), "{deleted}");
+    assert!(show(&setup.config, "k-delete")
+        .await
+        .starts_with("no record"));
+    let again = keys(
+        &setup.config,
+        &["delete", "--scope-header-value", CREDENTIAL, "k-delete"],
+    )
+    .await;
+    assert!(again.starts_with("no record for key id "), "{again}");
+
+    let rerun = gate.order("k-delete").send().await;
+    assert_eq!(rerun.status(), 201, "{}", rerun.text());
+    assert!(!rerun.replayed(), "the deleted key executes as new");
+    assert_eq!(rerun.json()["hits"], 2);
+    assert_eq!(up.hits(ORDERS), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_show_reports_a_key_stuck_in_flight_with_its_lease() {
+    let up = Upstream::start().await;
+    let setup = Setup::sqlite(up.addr, "");
+    let gate = setup.start().await;
+    up.push(Action::Delay(Duration::from_secs(30)));
+    let stuck = tokio::spawn(gate.order("k-stuck").try_send());
+    up.wait_hits(ORDERS, 1).await;
+
+    let out = show(&setup.config, "k-stuck").await;
+    assert!(out.contains("state        in_flight\n"), "{out}");
+    let lease = show_field(&out, "lease until");
+    humantime::parse_rfc3339(lease.split(' ').next().unwrap()).expect("lease is RFC 3339");
+    assert!(
+        lease.contains("(in "),
+        "a live lease is in the future: {out}"
+    );
+    assert!(!out.contains("status "), "{out}");
+    gate.order("k-stuck").send().await.assert_problem(409);
+    stuck.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_purge_expired_reports_how_many_records_it_deleted() {
+    let up = Upstream::start().await;
+    let setup = Setup::sqlite(up.addr, "");
+    let gate = setup.start().await;
+    // /payments keys live 1 s; /orders keys a day.
+    for key in ["p-1", "p-2"] {
+        let r = gate
+            .post("/payments")
+            .header("authorization", CREDENTIAL)
+            .key(key)
+            .body(BODY)
+            .send()
+            .await;
+        assert_eq!(r.status(), 200, "{}", r.text());
+    }
+    assert_eq!(gate.order("k-kept").send().await.status(), 201);
+    assert_eq!(
+        keys(&setup.config, &["purge-expired"]).await,
+        "deleted 0 expired records\n"
+    );
+    for key in ["p-1", "p-2"] {
+        wait_for("the payment key to expire", || async {
+            show(&setup.config, key)
+                .await
+                .contains("(expired")
+                .then_some(())
+        })
+        .await;
+    }
+    assert_eq!(
+        keys(&setup.config, &["purge-expired"]).await,
+        "deleted 2 expired records\n"
+    );
+    assert!(show(&setup.config, "p-1").await.starts_with("no record"));
+    assert!(show(&setup.config, "k-kept")
+        .await
+        .contains("state        completed"));
+    assert_eq!(
+        keys(&setup.config, &["purge-expired"]).await,
+        "deleted 0 expired records\n"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_show_and_delete_work_against_a_postgres_backed_proxy() {
+    require_postgres(&database_url()).await;
+    let schema = unique_schema("ops");
+    let up = Upstream::start().await;
+    let url = database_url();
+    let setup = Setup::new(up.addr, |_| postgres_store(&url, &schema), "");
+    let gate = setup.start().await;
+    let stored = gate
+        .post("/orders?headers=1")
+        .header("authorization", CREDENTIAL)
+        .key("pg-key-1")
+        .body(BODY)
+        .send()
+        .await;
+    assert_eq!(stored.status(), 201, "{}", stored.text());
+
+    let out = show(&setup.config, "pg-key-1").await;
+    assert!(out.contains("state        completed\n"), "{out}");
+    assert!(out.contains("status       201\n"), "{out}");
+    assert!(out.contains("  location: /orders/1\n"), "{out}");
+    assert!(out.contains("  x-multi: a, b\n  x-multi: c\n"), "{out}");
+    assert!(
+        !out.contains("pg-key-1") && !out.contains(CREDENTIAL),
+        "{out}"
+    );
+    assert!(show(&setup.config, "pg-unknown")
+        .await
+        .starts_with("no record"));
+
+    let deleted = keys(
+        &setup.config,
+        &["delete", "--scope-header-value", CREDENTIAL, "pg-key-1"],
+    )
+    .await;
+    assert!(deleted.starts_with("deleted key id "), "{deleted}");
+    let rerun = gate
+        .post("/orders?headers=1")
+        .header("authorization", CREDENTIAL)
+        .key("pg-key-1")
+        .body(BODY)
+        .send()
+        .await;
+    assert!(!rerun.replayed());
+    assert_eq!(up.hits(ORDERS), 2);
+    drop(gate);
+    drop_schema(&database_url(), &schema).await;
+}
+
+// ===== environment overrides =====
+
+/// A postgres config without `store.url`.
+const PG_NO_URL: &str =
+    "[server]\nlisten = \"127.0.0.1:18080\"\nupstream = \"http://127.0.0.1:3000\"\n\n\
+                         [store]\nbackend = \"postgres\"\n\n\
+                         [[route]]\nmethods = [\"POST\"]\npath = \"/orders\"\n";
+
+async fn check_config(text: &str, env: &[(&str, &str)]) -> Run {
+    let dir = tempfile::TempDir::new().unwrap();
+    let file = dir.path().join("env.toml");
+    std::fs::write(&file, text).unwrap();
+    idemgate(&["check-config", "--config", file.to_str().unwrap()], env).await
+}
+
+#[tokio::test]
+async fn check_config_takes_the_store_url_from_the_environment_and_masks_its_password() {
+    let without = check_config(PG_NO_URL, &[]).await;
+    assert_eq!(without.code, 64, "{}{}", without.stdout, without.stderr);
+    assert!(
+        without.stderr.contains("IDEMGATE_STORE_URL"),
+        "{}",
+        without.stderr
+    );
+
+    let run = check_config(
+        PG_NO_URL,
+        &[(
+            "IDEMGATE_STORE_URL",
+            "postgres://u:secret@127.0.0.1:5432/test",
+        )],
+    )
+    .await;
+    assert_eq!(run.code, 0, "{}{}", run.stdout, run.stderr);
+    assert!(
+        run.stdout.contains("postgres://u:****@127.0.0.1:5432/test"),
+        "{}",
+        run.stdout
+    );
+    assert!(!run.stdout.contains("secret"), "{}", run.stdout);
+    assert!(!run.stderr.contains("secret"), "{}", run.stderr);
+}
+
+#[tokio::test]
+async fn check_config_prints_the_upstream_and_listen_address_from_the_environment() {
+    let file_only = check_config(PG_NO_URL, &[("IDEMGATE_STORE_URL", "postgres://u@h/db")]).await;
+    assert_eq!(file_only.code, 0, "{}", file_only.stderr);
+    assert!(
+        file_only.stdout.contains("listen     127.0.0.1:18080"),
+        "{}",
+        file_only.stdout
+    );
+    assert!(
+        file_only.stdout.contains("http://127.0.0.1:3000"),
+        "{}",
+        file_only.stdout
+    );
+
+    let run = check_config(
+        PG_NO_URL,
+        &[
+            ("IDEMGATE_STORE_URL", "postgres://u@h/db"),
+            ("IDEMGATE_UPSTREAM", "http://127.0.0.1:4999"),
+            ("IDEMGATE_LISTEN", "127.0.0.1:4998"),
+        ],
+    )
+    .await;
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    assert!(
+        run.stdout.contains("listen     127.0.0.1:4998\n"),
+        "{}",
+        run.stdout
+    );
+    assert!(
+        run.stdout.contains("upstream   http://127.0.0.1:4999"),
+        "{}",
+        run.stdout
+    );
+    assert!(
+        !run.stdout.contains("18080") && !run.stdout.contains(":3000"),
+        "{}",
+        run.stdout
+    );
+}
+
+#[tokio::test]
+async fn a_bad_listen_address_in_the_environment_is_exit_64_naming_the_variable() {
+    let run = check_config(
+        PG_NO_URL,
+        &[
+            ("IDEMGATE_STORE_URL", "postgres://u@h/db"),
+            ("IDEMGATE_LISTEN", "not-an-address"),
+        ],
+    )
+    .await;
+    assert_eq!(run.code, 64, "{}{}", run.stdout, run.stderr);
+    assert!(run.stderr.contains("IDEMGATE_LISTEN"), "{}", run.stderr);
+    assert!(run.stderr.contains("not-an-address"), "{}", run.stderr);
+
+    let bad_upstream = check_config(
+        PG_NO_URL,
+        &[
+            ("IDEMGATE_STORE_URL", "postgres://u@h/db"),
+            ("IDEMGATE_UPSTREAM", "ftp://example"),
+        ],
+    )
+    .await;
+    assert_eq!(bad_upstream.code, 64, "{}", bad_upstream.stderr);
+    assert!(
+        bad_upstream.stderr.contains("IDEMGATE_UPSTREAM"),
+        "{}",
+        bad_upstream.stderr
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_sends_requests_to_the_upstream_and_listens_where_the_environment_says() {
+    let up = Upstream::start().await;
+    let nowhere = Upstream::refusing_addr();
+    // The file names an upstream nothing listens on, and another port.
+    let setup = Setup::sqlite(nowhere, "");
+    let listen = free_port();
+    let upstream = format!("http://{}", up.addr);
+    let env_listen = listen.to_string();
+    let gate = Gate::start(
+        &setup.config,
+        listen,
+        setup.admin,
+        &[
+            ("IDEMGATE_UPSTREAM", &upstream),
+            ("IDEMGATE_LISTEN", &env_listen),
+        ],
+    )
+    .await;
+    let r = gate.order("k-env").send().await;
+    assert_eq!(r.status(), 201, "{}\n{}", r.text(), gate.log());
+    assert_eq!(up.hits(ORDERS), 1);
+    assert!(
+        TcpStream::connect(setup.listen).await.is_err(),
+        "the file's listen address is not used"
+    );
+}
+
+// ===== logs and signals =====
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_access_logs_carry_outcome_status_route_and_key_id_but_no_secrets() {
+    let up = Upstream::start().await;
+    let setup = Setup::sqlite(
+        up.addr,
+        "[log]\nformat = \"json\"\nlevel = \"idemgate=debug\"\n",
+    );
+    let gate = Gate::start_with(&setup.config, setup.listen, setup.admin, &[], |cmd| {
+        cmd.env_remove("RUST_LOG");
+    })
+    .await;
+    let key = "raw-key-3c9d41";
+    let body = r#"{"card":"body-marker-77aa"}"#;
+    let send = |body: &'static str| {
+        gate.post(ORDERS)
+            .header("authorization", CREDENTIAL)
+            .key(key)
+            .body(body)
+            .send()
+    };
+    assert_eq!(send(body).await.status(), 201);
+    assert!(send(body).await.replayed());
+    send(r#"{"card":"other-body-marker-88bb"}"#)
+        .await
+        .assert_problem(422);
+    gate.post(ORDERS)
+        .header("authorization", CREDENTIAL)
+        .key("\"unterminated-quoting-key-5e")
+        .body(body)
+        .send()
+        .await
+        .assert_problem(400);
+
+    let lines = wait_for("four access log lines", || async {
+        let log = gate.log();
+        let access: Vec<serde_json::Value> = log
+            .lines()
+            .filter(|l| l.contains("idemgate::access"))
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+            .collect();
+        (access.len() >= 4).then_some(access)
+    })
+    .await;
+    let log = gate.log();
+    for line in log.lines() {
+        let v: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+        assert!(v.is_object(), "{line}");
+    }
+    let outcomes: Vec<_> = lines.iter().map(|l| l["outcome"].clone()).collect();
+    assert_eq!(
+        outcomes,
+        ["forwarded", "replayed", "mismatch", "invalid_key"],
+        "{log}"
+    );
+    let statuses: Vec<_> = lines.iter().map(|l| l["status"].clone()).collect();
+    assert_eq!(statuses, [201, 201, 422, 400], "{log}");
+    for l in &lines {
+        assert_eq!(l["route"], ORDERS, "{l}");
+        assert_eq!(l["method"], "POST", "{l}");
+        assert!(l["key.id"].is_string(), "{l}");
+    }
+    let id = lines[0]["key.id"].as_str().unwrap();
+    assert!(id != "-" && !id.is_empty(), "{log}");
+    assert_eq!(lines[1]["key.id"], id, "the retry names the same key id");
+    assert_eq!(lines[2]["key.id"], id);
+    for secret in [
+        key,
+        CREDENTIAL,
+        "t-ops-credential",
+        "quoting-key-5e",
+        "body-marker-77aa",
+        "other-body-marker-88bb",
+    ] {
+        assert!(!log.contains(secret), "{secret:?} is in the log:\n{log}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_lets_an_in_flight_request_finish_and_exits_0() {
+    let up = Upstream::start().await;
+    let setup = Setup::sqlite(up.addr, "");
+    let mut gate = setup.start().await;
+    up.push(Action::Delay(Duration::from_millis(800)));
+    let slow = tokio::spawn(gate.order("k-term").send());
+    up.wait_hits(ORDERS, 1).await;
+    gate.terminate();
+    let r = slow.await.unwrap();
+    assert_eq!(r.status(), 201, "{}", r.text());
+    assert!(!r.replayed());
+    assert_eq!(gate.exited().await, Some(0), "{}", gate.log());
+    assert!(TcpStream::connect(gate.listen).await.is_err());
+
+    // The drained request was recorded: a restart replays it.
+    let again = setup.start().await;
+    let retry = again.order("k-term").send().await;
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(retry.body, r.body);
+    assert_eq!(up.hits(ORDERS), 1);
+}
