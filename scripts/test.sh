@@ -76,5 +76,5 @@ if ! answers "$phost" "$pport" && [ -z "${IDEMGATE_IN_PG_VIRTUALENV:-}" ]; then
   fi
 fi
 
-say "PostgreSQL: ${IDEMGATE_TEST_DATABASE_URL%%@*}@… Redis: $IDEMGATE_TEST_REDIS_URL"
+say "PostgreSQL: $(echo "$IDEMGATE_TEST_DATABASE_URL" | sed -E 's#(://[^:/@]+):[^@]*@#\1:****@#'), Redis: $IDEMGATE_TEST_REDIS_URL"
 cargo test --all-targets "$@"
