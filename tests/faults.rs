@@ -1,0 +1,278 @@
+//! Faults in the services behind the proxy: Redis killed and restarted,
+//! PostgreSQL cut off through a relay, Redis missing at start-up. The
+//! shared servers are never stopped: Redis faults use a private
+//! `redis-server`, PostgreSQL faults a TCP relay in front of it.
+
+mod support;
+
+use std::future::Future;
+use std::time::Duration;
+use support::services::{postgres_addr, require_postgres, PrivateRedis, TcpRelay};
+use support::{database_url_via, wait_for, Action, Backend, Proxy, Resp, Upstream, ORDERS};
+
+const BODY: &str = r#"{"item":"book","qty":1}"#;
+
+/// A generous "it returned" bound: store.timeout is 2 s, redis.timeout
+/// 250 ms. Not a performance number.
+const ANSWERED_WITHIN: Duration = Duration::from_secs(5);
+
+async fn answered<T>(what: &str, fut: impl Future<Output = T>) -> T {
+    tokio::time::timeout(ANSWERED_WITHIN, fut)
+        .await
+        .unwrap_or_else(|_| panic!("{what} was not answered within {ANSWERED_WITHIN:?}"))
+}
+
+/// Sends `n` identical requests at once; the first to reach the upstream is
+/// slow so the others overlap it. Returns the answers.
+async fn storm(proxy: &Proxy, up: &Upstream, key: &str, n: usize) -> Vec<Resp> {
+    up.push(Action::Delay(Duration::from_millis(400)));
+    let sends = (0..n).map(|_| tokio::spawn(proxy.post(ORDERS).key(key).body(BODY).send()));
+    let answers = answered(
+        "a burst of duplicates",
+        futures_util::future::join_all(sends),
+    )
+    .await;
+    answers
+        .into_iter()
+        .map(|r| r.expect("request task"))
+        .collect()
+}
+
+/// Every answer is the one execution, a replay of it, or a 409.
+fn assert_ran_once(answers: &[Resp]) {
+    let ok: Vec<&Resp> = answers.iter().filter(|r| r.status() == 201).collect();
+    assert_eq!(
+        ok.iter().filter(|r| !r.replayed()).count(),
+        1,
+        "{answers:?}"
+    );
+    for r in answers {
+        if r.status() != 201 {
+            r.assert_problem(409);
+        }
+        assert!(
+            r.status() != 201 || r.body == ok[0].body,
+            "every 2xx body is identical: {answers:?}"
+        );
+    }
+}
+
+// ===== Redis =====
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_redis_killed_mid_run_duplicates_still_run_once_and_stored_keys_replay_without_stalling(
+) {
+    let mut redis = PrivateRedis::start();
+    let up = Upstream::start().await;
+    let proxy = Proxy::builder(Backend::PostgresRedis, up.addr)
+        .redis_url(&redis.url())
+        .start()
+        .await;
+    let stored = proxy.post(ORDERS).key("k-before").body(BODY).send().await;
+    assert_eq!(stored.status(), 201, "{}", stored.text());
+    let replay = proxy.post(ORDERS).key("k-before").body(BODY).send().await;
+    assert!(replay.replayed());
+    assert!(proxy.fast_path_hits() >= 1, "{}", proxy.metrics.encode());
+
+    // A request is in flight when Redis dies.
+    up.push(Action::Delay(Duration::from_millis(800)));
+    let in_flight = tokio::spawn(proxy.post(ORDERS).key("k-during").body(BODY).send());
+    up.wait_hits(ORDERS, 2).await;
+    redis.kill();
+    let dup = answered(
+        "a duplicate of the in-flight request",
+        proxy.post(ORDERS).key("k-during").body(BODY).send(),
+    )
+    .await;
+    dup.assert_problem(409);
+    let first = answered("the in-flight request", in_flight)
+        .await
+        .expect("request task");
+    assert_eq!(first.status(), 201, "{}", first.text());
+    assert!(!first.replayed());
+    assert_eq!(up.hits(ORDERS), 2);
+
+    // Stored keys replay from PostgreSQL, old and new.
+    for (key, original) in [("k-before", &stored), ("k-during", &first)] {
+        let r = answered(
+            "a replay with Redis down",
+            proxy.post(ORDERS).key(key).body(BODY).send(),
+        )
+        .await;
+        assert_eq!(r.status(), 201, "{}", r.text());
+        assert!(r.replayed());
+        assert_eq!(r.body, original.body);
+    }
+
+    // A burst of duplicates on a new key still runs once.
+    let answers = storm(&proxy, &up, "k-storm", 12).await;
+    assert_ran_once(&answers);
+    assert_eq!(up.hits(ORDERS), 3);
+    assert!(proxy.fast_path_errors() > 0, "{}", proxy.metrics.encode());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_redis_restarts_the_fast_path_resumes_without_restarting_the_proxy() {
+    let mut redis = PrivateRedis::start();
+    let up = Upstream::start().await;
+    let proxy = Proxy::builder(Backend::PostgresRedis, up.addr)
+        .redis_url(&redis.url())
+        .start()
+        .await;
+    let stored = proxy.post(ORDERS).key("k-resume").body(BODY).send().await;
+    assert_eq!(stored.status(), 201);
+
+    redis.kill();
+    for _ in 0..3 {
+        let r = answered(
+            "a replay with Redis down",
+            proxy.post(ORDERS).key("k-resume").body(BODY).send(),
+        )
+        .await;
+        assert!(r.replayed());
+    }
+    let errors_while_down = proxy.fast_path_errors();
+    assert!(errors_while_down > 0, "{}", proxy.metrics.encode());
+
+    // An empty Redis on the same port: the first replay refills it from
+    // PostgreSQL, later ones are fast-path hits again.
+    redis.restart();
+    let hits_before = proxy.fast_path_hits();
+    wait_for("fast-path hits to increase after the restart", || async {
+        let r = answered(
+            "a replay after the restart",
+            proxy.post(ORDERS).key("k-resume").body(BODY).send(),
+        )
+        .await;
+        assert!(r.replayed(), "{r:?}");
+        assert_eq!(r.body, stored.body);
+        (proxy.fast_path_hits() > hits_before).then_some(())
+    })
+    .await;
+    // And a new key is still guarded once (Redis lock + PostgreSQL claim).
+    let answers = storm(&proxy, &up, "k-after", 8).await;
+    assert_ran_once(&answers);
+    assert_eq!(up.hits(ORDERS), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_redis_down_at_start_requests_work_on_postgres_alone() {
+    let closed = Upstream::refusing_addr();
+    let up = Upstream::start().await;
+    let proxy = Proxy::builder(Backend::PostgresRedis, up.addr)
+        .redis_url(&format!("redis://{closed}"))
+        .start()
+        .await;
+    let first = answered(
+        "a new key",
+        proxy.post(ORDERS).key("k-alone").body(BODY).send(),
+    )
+    .await;
+    assert_eq!(first.status(), 201, "{}", first.text());
+    let replay = answered(
+        "a replay",
+        proxy.post(ORDERS).key("k-alone").body(BODY).send(),
+    )
+    .await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, first.body);
+    let other = answered(
+        "a different body",
+        proxy.post(ORDERS).key("k-alone").body("{}").send(),
+    )
+    .await;
+    other.assert_problem(422);
+    let answers = storm(&proxy, &up, "k-alone-storm", 8).await;
+    assert_ran_once(&answers);
+    assert_eq!(up.hits(ORDERS), 2);
+    assert_eq!(proxy.fast_path_hits(), 0);
+    assert!(proxy.fast_path_errors() > 0, "{}", proxy.metrics.encode());
+}
+
+// ===== PostgreSQL =====
+
+const CUT_ROUTES: &str = "[[route]]\nmethods = [\"POST\"]\npath = \"/orders\"\n\n\
+                          [[route]]\nmethods = [\"POST\"]\npath = \"/webhooks\"\n\
+                          on_store_error = \"forward\"\n";
+
+async fn postgres_cut_rejects_protected_requests_and_recovers(backend: Backend) {
+    require_postgres(&support::services::database_url()).await;
+    let relay = TcpRelay::start(postgres_addr()).await;
+    let up = Upstream::start().await;
+    let proxy = Proxy::builder(backend, up.addr)
+        .store_url(&database_url_via(relay.addr()))
+        .routes(CUT_ROUTES)
+        .admin()
+        .start()
+        .await;
+    let old = proxy.post(ORDERS).key("k-old").body(BODY).send().await;
+    assert_eq!(old.status(), 201, "{}", old.text());
+    assert_eq!(proxy.admin_get("/readyz").send().await.status(), 200);
+
+    relay.cut();
+    let hits = up.hits(ORDERS);
+    for key in ["k-new", "k-new", "k-other"] {
+        let r = answered(
+            "a protected request with PostgreSQL cut",
+            proxy.post(ORDERS).key(key).body(BODY).send(),
+        )
+        .await;
+        let problem = r.assert_problem(503);
+        assert!(
+            problem["type"]
+                .as_str()
+                .unwrap_or_default()
+                .ends_with("#problem-store-unavailable"),
+            "{problem}"
+        );
+        assert!(r.header("retry-after").is_some(), "{r:?}");
+    }
+    assert_eq!(up.hits(ORDERS), hits, "nothing was forwarded unguarded");
+
+    // Unprotected traffic keeps flowing.
+    let pass = answered("an unprotected request", proxy.get("/catalog").send()).await;
+    assert_eq!(pass.status(), 200);
+    assert_eq!(up.hits("/catalog"), 1);
+    // A route that chose availability is forwarded, unguarded.
+    let hook = answered(
+        "an on_store_error = \"forward\" request",
+        proxy.post("/webhooks").key("k-hook").body(BODY).send(),
+    )
+    .await;
+    assert_eq!(hook.status(), 200, "{}", hook.text());
+    assert!(!hook.replayed());
+    assert_eq!(up.hits("/webhooks"), 1);
+
+    let ready = answered("/readyz while cut", proxy.admin_get("/readyz").send()).await;
+    assert_eq!(ready.status(), 503, "{}", ready.text());
+
+    relay.restore();
+    wait_for("/readyz to answer 200 after the restore", || async {
+        let r = proxy.admin_get("/readyz").send().await;
+        (r.status() == 200).then_some(())
+    })
+    .await;
+    // Recovered by itself: old keys replay, new keys run once.
+    let replay = proxy.post(ORDERS).key("k-old").body(BODY).send().await;
+    assert_eq!(replay.status(), 201, "{}", replay.text());
+    assert!(replay.replayed());
+    assert_eq!(replay.body, old.body);
+    let fresh = proxy.post(ORDERS).key("k-new").body(BODY).send().await;
+    assert_eq!(fresh.status(), 201, "{}", fresh.text());
+    assert!(!fresh.replayed());
+    let again = proxy.post(ORDERS).key("k-new").body(BODY).send().await;
+    assert!(again.replayed());
+    assert_eq!(up.hits(ORDERS), hits + 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_postgres_cut_protected_requests_get_503_and_nothing_is_forwarded_until_it_is_restored(
+) {
+    postgres_cut_rejects_protected_requests_and_recovers(Backend::Postgres).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_postgres_cut_behind_redis_new_keys_get_503_and_nothing_is_forwarded_until_it_is_restored(
+) {
+    postgres_cut_rejects_protected_requests_and_recovers(Backend::PostgresRedis).await;
+}
