@@ -454,6 +454,10 @@ async fn metrics_count_each_outcome_of_real_traffic_exactly_once() {
         "{text}"
     );
     assert!(text.contains("# TYPE idemgate_in_flight gauge"), "{text}");
+    assert!(
+        !text.contains("redis_fast_path"),
+        "no Redis, no fast-path counters:\n{text}"
+    );
 
     // The admin port serves only its own paths; nothing reaches the upstream.
     let unknown = gate.admin_get("/nope").await;
@@ -973,4 +977,158 @@ async fn sigterm_lets_an_in_flight_request_finish_and_exits_0() {
     assert!(retry.replayed(), "{retry:?}");
     assert_eq!(retry.body, r.body);
     assert_eq!(up.hits(ORDERS), 1);
+}
+
+#[tokio::test]
+async fn idemgate_config_in_the_environment_names_the_file_when_no_flag_is_given() {
+    let dir = tempfile::TempDir::new().unwrap();
+    let file = dir.path().join("from-env.toml");
+    std::fs::write(
+        &file,
+        "[server]\nupstream = \"http://127.0.0.1:3000\"\n\n[store]\nbackend = \"memory\"\n",
+    )
+    .unwrap();
+    let path = file.to_str().unwrap();
+    let run = idemgate(&["check-config"], &[("IDEMGATE_CONFIG", path)]).await;
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    assert!(
+        run.stdout.starts_with(&format!("{path}: ok")),
+        "{}",
+        run.stdout
+    );
+    assert!(run.stdout.contains("store      memory"), "{}", run.stdout);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_enables_the_redis_fast_path_from_the_environment_and_counts_its_hits() {
+    require_postgres(&database_url()).await;
+    support::services::require_redis(&support::services::redis_url());
+    let schema = unique_schema("ops");
+    let up = Upstream::start().await;
+    let url = database_url();
+    let prefix = format!("[redis]\nprefix = \"{schema}\"\n");
+    let setup = Setup::new(up.addr, |_| postgres_store(&url, &schema), &prefix);
+    let redis = support::services::redis_url();
+    let gate = Gate::start(
+        &setup.config,
+        setup.listen,
+        setup.admin,
+        &[("IDEMGATE_REDIS_URL", &redis)],
+    )
+    .await;
+    assert_eq!(gate.order("k-fast").send().await.status(), 201);
+    let replay = gate.order("k-fast").send().await;
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(up.hits(ORDERS), 1);
+
+    let text = gate.admin_get("/metrics").await.text();
+    for (series, value) in [
+        ("idemgate_redis_fast_path_hits_total", "1"),
+        ("idemgate_redis_fast_path_misses_total", "1"),
+        ("idemgate_redis_fast_path_errors_total", "0"),
+    ] {
+        assert!(
+            text.lines().any(|l| l == format!("{series} {value}")),
+            "{series} {value}:\n{text}"
+        );
+    }
+    drop(gate);
+    drop_schema(&database_url(), &schema).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_applies_the_schema_once_and_then_reports_it_current() {
+    require_postgres(&database_url()).await;
+    let schema = unique_schema("ops");
+    let url = database_url();
+    let setup = Setup::new(
+        Upstream::refusing_addr(),
+        |_| postgres_store(&url, &schema),
+        "",
+    );
+    let config = setup.config.to_str().unwrap();
+    let first = idemgate(&["migrate", "--config", config], &[]).await;
+    assert_eq!(first.code, 0, "{}", first.stderr);
+    assert!(
+        first
+            .stdout
+            .contains(&format!("schema {schema:?} is current")),
+        "{}",
+        first.stdout
+    );
+    assert!(
+        !first.stdout.contains("(0 migration(s)"),
+        "{}",
+        first.stdout
+    );
+    let second = idemgate(&["migrate", "--config", config], &[]).await;
+    assert_eq!(second.code, 0, "{}", second.stderr);
+    assert!(
+        second.stdout.contains("(0 migration(s) applied now)"),
+        "{}",
+        second.stdout
+    );
+    // keys works on the migrated schema without a proxy running.
+    assert!(show(&setup.config, "nothing-yet")
+        .await
+        .starts_with("no record"));
+    drop_schema(&database_url(), &schema).await;
+
+    let sqlite = Setup::sqlite(Upstream::refusing_addr(), "");
+    let run = idemgate(
+        &["migrate", "--config", sqlite.config.to_str().unwrap()],
+        &[],
+    )
+    .await;
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    assert!(run.stdout.contains("nothing to migrate"), "{}", run.stdout);
+}
+
+#[tokio::test]
+async fn keys_commands_refuse_the_memory_store_and_malformed_keys_with_a_reason() {
+    let dir = tempfile::TempDir::new().unwrap();
+    let memory = dir.path().join("memory.toml");
+    std::fs::write(
+        &memory,
+        "[server]\nupstream = \"http://127.0.0.1:3000\"\n\n[store]\nbackend = \"memory\"\n",
+    )
+    .unwrap();
+    let run = idemgate(
+        &[
+            "keys",
+            "--config",
+            memory.to_str().unwrap(),
+            "show",
+            "--anonymous",
+            "k",
+        ],
+        &[],
+    )
+    .await;
+    assert_ne!(run.code, 0, "{}", run.stdout);
+    assert!(run.stderr.contains("memory store"), "{}", run.stderr);
+
+    let sqlite = Setup::sqlite(Upstream::refusing_addr(), "");
+    let config = sqlite.config.to_str().unwrap();
+    let run = idemgate(
+        &[
+            "keys",
+            "--config",
+            config,
+            "show",
+            "--anonymous",
+            "\"unterminated",
+        ],
+        &[],
+    )
+    .await;
+    assert_ne!(run.code, 0, "{}", run.stdout);
+    assert!(run.stderr.contains("invalid key"), "{}", run.stderr);
+    let run = idemgate(
+        &["keys", "--config", config, "show", "--scope", "zz", "k"],
+        &[],
+    )
+    .await;
+    assert_ne!(run.code, 0, "{}", run.stdout);
+    assert!(run.stderr.contains("64 hex characters"), "{}", run.stderr);
 }
