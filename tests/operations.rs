@@ -776,6 +776,23 @@ async fn check_config_takes_the_store_url_from_the_environment_and_masks_its_pas
     assert!(!run.stderr.contains("secret"), "{}", run.stderr);
 }
 
+/// PostgreSQL (libpq and tokio-postgres alike) also takes the password as a
+/// query parameter; `mask_url` only masks `user:password@`.
+#[tokio::test]
+#[ignore = "bug in src/config.rs mask_url: a ?password= query parameter is printed in clear"]
+async fn check_config_masks_a_password_given_as_a_query_parameter() {
+    let run = check_config(
+        PG_NO_URL,
+        &[(
+            "IDEMGATE_STORE_URL",
+            "postgres://u@127.0.0.1:5432/test?password=secret",
+        )],
+    )
+    .await;
+    assert_eq!(run.code, 0, "{}{}", run.stdout, run.stderr);
+    assert!(!run.stdout.contains("secret"), "{}", run.stdout);
+}
+
 #[tokio::test]
 async fn check_config_prints_the_upstream_and_listen_address_from_the_environment() {
     let file_only = check_config(PG_NO_URL, &[("IDEMGATE_STORE_URL", "postgres://u@h/db")]).await;
