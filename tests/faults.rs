@@ -276,3 +276,97 @@ async fn with_postgres_cut_behind_redis_new_keys_get_503_and_nothing_is_forwarde
 ) {
     postgres_cut_rejects_protected_requests_and_recovers(Backend::PostgresRedis).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_redis_frozen_requests_are_answered_by_postgres_and_no_reply_goes_to_the_wrong_key() {
+    let redis = PrivateRedis::start();
+    let up = Upstream::start().await;
+    let proxy = Proxy::builder(Backend::PostgresRedis, up.addr)
+        .redis_url(&redis.url())
+        .start()
+        .await;
+    let a = proxy.post("/orders?v=a").key("k-a").body(BODY).send().await;
+    let b = proxy.post("/orders?v=b").key("k-b").body(BODY).send().await;
+    assert_eq!((a.status(), b.status()), (201, 201));
+    assert_ne!(a.body, b.body);
+
+    // Connections stay open, nothing answers: every Redis call times out.
+    redis.pause();
+    for _ in 0..3 {
+        let r = answered(
+            "a replay with Redis frozen",
+            proxy.post("/orders?v=a").key("k-a").body(BODY).send(),
+        )
+        .await;
+        assert!(r.replayed());
+        assert_eq!(r.body, a.body);
+    }
+    let fresh = answered(
+        "a new key with Redis frozen",
+        proxy.post(ORDERS).key("k-frozen").body(BODY).send(),
+    )
+    .await;
+    assert_eq!(fresh.status(), 201, "{}", fresh.text());
+    assert!(proxy.fast_path_errors() > 0);
+
+    // Thawed, Redis delivers the replies the proxy gave up on; none of them
+    // may be taken for the answer to a later call.
+    redis.resume();
+    let hits_before = proxy.fast_path_hits();
+    wait_for("the fast path to answer again after the thaw", || async {
+        let rb = proxy.post("/orders?v=b").key("k-b").body(BODY).send().await;
+        assert!(rb.replayed(), "{rb:?}");
+        assert_eq!(rb.body, b.body, "k-b replays its own response");
+        let ra = proxy.post("/orders?v=a").key("k-a").body(BODY).send().await;
+        assert!(ra.replayed(), "{ra:?}");
+        assert_eq!(ra.body, a.body, "k-a replays its own response");
+        (proxy.fast_path_hits() > hits_before + 1).then_some(())
+    })
+    .await;
+    let again = proxy.post(ORDERS).key("k-frozen").body(BODY).send().await;
+    assert!(again.replayed());
+    assert_eq!(again.body, fresh.body);
+    assert_eq!(up.hits(ORDERS), 3);
+}
+
+async fn postgres_blip_during_the_upstream_call_still_records_the_response(backend: Backend) {
+    require_postgres(&support::services::database_url()).await;
+    let relay = TcpRelay::start(postgres_addr()).await;
+    let up = Upstream::start().await;
+    let proxy = Proxy::builder(backend, up.addr)
+        .store_url(&database_url_via(relay.addr()))
+        .start()
+        .await;
+    up.push(Action::Delay(Duration::from_millis(800)));
+    let pending = tokio::spawn(proxy.post(ORDERS).key("k-blip").body(BODY).send());
+    up.wait_hits(ORDERS, 1).await;
+    // Claimed and forwarded; PostgreSQL goes away before the completion.
+    relay.cut();
+    support::wait_until("the upstream to answer", || up.completed(ORDERS) == 1).await;
+    // Let the first attempt to record the completion fail, then come back
+    // within the proxy's completion retries.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    relay.restore();
+    let first = pending.await.expect("request task");
+    assert_eq!(first.status(), 201, "{}", first.text());
+    assert!(!first.replayed());
+    let retry = proxy.post(ORDERS).key("k-blip").body(BODY).send().await;
+    assert_eq!(retry.status(), 201, "{}", retry.text());
+    assert!(
+        retry.replayed(),
+        "the completion was recorded after the blip"
+    );
+    assert_eq!(retry.body, first.body);
+    assert_eq!(up.hits(ORDERS), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgres_blip_while_the_upstream_runs_still_records_the_response_for_the_retry() {
+    postgres_blip_during_the_upstream_call_still_records_the_response(Backend::Postgres).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgres_blip_while_the_upstream_runs_behind_redis_still_records_the_response_for_the_retry(
+) {
+    postgres_blip_during_the_upstream_call_still_records_the_response(Backend::PostgresRedis).await;
+}

@@ -226,6 +226,30 @@ impl PrivateRedis {
         }
     }
 
+    /// Freezes the server (SIGSTOP): connections stay open, nothing answers
+    /// (a slow or hung Redis). [`PrivateRedis::resume`] thaws it.
+    pub fn pause(&self) {
+        self.signal("-STOP");
+    }
+
+    /// Thaws a [`PrivateRedis::pause`]d server (SIGCONT).
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, sig: &str) {
+        let pid = self
+            .child
+            .as_ref()
+            .expect("redis-server is not running")
+            .id();
+        let status = Command::new("kill")
+            .args([sig, &pid.to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill {sig} {pid}: {status}");
+    }
+
     /// Starts a fresh, empty server on the same port.
     pub fn restart(&mut self) {
         self.kill();
