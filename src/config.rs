@@ -828,18 +828,39 @@ fn join_methods(methods: &[Method]) -> String {
         .join(",")
 }
 
-/// Hides the password of a `scheme://user:password@host` URL.
+/// Hides the password of a `scheme://user:password@host` URL, and the value
+/// of a `password=` query parameter (libpq and tokio-postgres accept both).
 pub fn mask_url(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_string();
+    let (base, query) = match url.split_once('?') {
+        Some((b, q)) => (b, Some(q)),
+        None => (url, None),
     };
-    match rest.rsplit_once('@') {
-        Some((userinfo, host)) => match userinfo.split_once(':') {
-            Some((user, _)) => format!("{scheme}://{user}:****@{host}"),
-            None => url.to_string(),
+    let mut out = match base.split_once("://") {
+        Some((scheme, rest)) => match rest.rsplit_once('@') {
+            Some((userinfo, host)) => match userinfo.split_once(':') {
+                Some((user, _)) => format!("{scheme}://{user}:****@{host}"),
+                None => base.to_string(),
+            },
+            None => base.to_string(),
         },
-        None => url.to_string(),
+        None => base.to_string(),
+    };
+    if let Some(q) = query {
+        let masked: Vec<String> = q
+            .split('&')
+            .map(|kv| match kv.split_once('=') {
+                Some((k, _))
+                    if k.eq_ignore_ascii_case("password") || k.eq_ignore_ascii_case("pass") =>
+                {
+                    format!("{k}=****")
+                }
+                _ => kv.to_string(),
+            })
+            .collect();
+        out.push('?');
+        out.push_str(&masked.join("&"));
     }
+    out
 }
 
 #[cfg(test)]

@@ -79,8 +79,8 @@ pub async fn run_demo_upstream(listen: std::net::SocketAddr) -> anyhow::Result<(
 
 /// What `idemgate keys` was asked to do.
 pub enum KeysAction {
-    Show(keys::ScopeArg, String),
-    Delete(keys::ScopeArg, String),
+    Show(idempotency::RecordKey),
+    Delete(idempotency::RecordKey),
     PurgeExpired,
 }
 
@@ -95,12 +95,10 @@ pub async fn run_keys(config: Config, action: KeysAction) -> anyhow::Result<()> 
         .await
         .context("cannot open the store")?;
     match action {
-        KeysAction::Show(scope, key) => {
-            let key = keys::record_key(&key, &scope).map_err(anyhow::Error::msg)?;
+        KeysAction::Show(key) => {
             print!("{}", keys::show(store.as_ref(), &key).await?);
         }
-        KeysAction::Delete(scope, key) => {
-            let key = keys::record_key(&key, &scope).map_err(anyhow::Error::msg)?;
+        KeysAction::Delete(key) => {
             if store.delete(&key).await? {
                 println!("deleted key id {}", key.log_id());
             } else {

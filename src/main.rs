@@ -43,12 +43,24 @@ fn main() -> ExitCode {
             let Some(cfg) = load(&config) else {
                 return ExitCode::from(EX_USAGE);
             };
+            let named = |scope: idemgate::cli::ScopeArgs, key: String| {
+                idemgate::keys::record_key(&key, &scope.to_arg())
+            };
             let action = match command {
-                KeysCommand::Show { scope, key } => idemgate::KeysAction::Show(scope.to_arg(), key),
-                KeysCommand::Delete { scope, key } => {
-                    idemgate::KeysAction::Delete(scope.to_arg(), key)
+                KeysCommand::Show { scope, key } => {
+                    named(scope, key).map(idemgate::KeysAction::Show)
                 }
-                KeysCommand::PurgeExpired => idemgate::KeysAction::PurgeExpired,
+                KeysCommand::Delete { scope, key } => {
+                    named(scope, key).map(idemgate::KeysAction::Delete)
+                }
+                KeysCommand::PurgeExpired => Ok(idemgate::KeysAction::PurgeExpired),
+            };
+            let action = match action {
+                Ok(a) => a,
+                Err(e) => {
+                    eprintln!("idemgate keys: {e}");
+                    return ExitCode::from(EX_USAGE);
+                }
             };
             exit(runtime().and_then(|rt| rt.block_on(idemgate::run_keys(cfg, action))))
         }

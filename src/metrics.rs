@@ -177,6 +177,18 @@ impl Metrics {
             .inc();
     }
 
+    /// Creates every route's series at zero, so dashboards and "absent"
+    /// alerts see them before the first event.
+    pub fn register_routes<'a>(&self, labels: impl IntoIterator<Item = &'a Arc<String>>) {
+        for route in labels {
+            let l = RouteLabels {
+                route: route.clone(),
+            };
+            drop(self.takeovers.get_or_create(&l));
+            drop(self.lost_fences.get_or_create(&l));
+        }
+    }
+
     pub fn takeover(&self, route: &Arc<String>) {
         self.takeovers
             .get_or_create(&RouteLabels {

@@ -61,6 +61,7 @@ pub async fn serve(
     listeners: Listeners,
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
+    metrics.register_routes(config.routes.iter().map(|r| &r.label));
     let forwarder = Forwarder::new(&config.server);
     let proxy = Arc::new(Proxy::new(
         config.routes.clone(),

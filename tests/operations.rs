@@ -779,7 +779,6 @@ async fn check_config_takes_the_store_url_from_the_environment_and_masks_its_pas
 /// PostgreSQL (libpq and tokio-postgres alike) also takes the password as a
 /// query parameter; `mask_url` only masks `user:password@`.
 #[tokio::test]
-#[ignore = "bug in src/config.rs mask_url: a ?password= query parameter is printed in clear"]
 async fn check_config_masks_a_password_given_as_a_query_parameter() {
     let run = check_config(
         PG_NO_URL,

@@ -208,6 +208,11 @@ fn passwords_are_masked() {
     assert_eq!(mask_url("postgres://u:pw@h/db"), "postgres://u:****@h/db");
     assert_eq!(mask_url("redis://h:6379"), "redis://h:6379");
     assert_eq!(mask_url("redis://:pw@h:6379"), "redis://:****@h:6379");
+    assert_eq!(
+        mask_url("postgres://u@h/db?sslmode=disable&password=pw"),
+        "postgres://u@h/db?sslmode=disable&password=****"
+    );
+    assert_eq!(mask_url("postgres://u:a@b@h/db"), "postgres://u:****@h/db");
 }
 
 /// The deployment examples must stay valid configs.
