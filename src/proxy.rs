@@ -47,6 +47,9 @@ const STORE_WRITE_BACKOFF: Duration = Duration::from_millis(100);
 /// sees the 413 instead of a reset; past it the connection is just closed.
 const DRAIN_MAX_BYTES: u64 = 16 << 20;
 const DRAIN_MAX_TIME: Duration = Duration::from_secs(2);
+/// How long a completion keeps being retried in the background while the
+/// store is down (at least the route's lease).
+const MIN_COMPLETION_PERSIST: Duration = Duration::from_secs(60);
 /// Renewing more often than this would only load the store.
 const MIN_RENEW_INTERVAL: Duration = Duration::from_millis(100);
 
@@ -391,29 +394,31 @@ impl Proxy {
         Ok((Outcome::Forwarded, Response::from_parts(parts, full(body))))
     }
 
-    /// Records the completion, retrying briefly: giving up leaves the key in
-    /// flight until its lease runs out, which is what makes a retry run twice.
+    /// Records the completion. A few quick attempts happen before the
+    /// response goes back; if the store is still down, the attempts go on in
+    /// the background: until the completion lands the key stays in flight,
+    /// and once its lease runs out a retry would run the request again.
     async fn finish(&self, route: &RouteConfig, claim: &Claim, completion: Completion) {
+        let recorder = CompletionRecorder {
+            store: self.store.clone(),
+            metrics: self.metrics.clone(),
+            store_timeout: self.store_timeout,
+            route: route.label.clone(),
+            claim: claim.clone(),
+            completion,
+        };
         for attempt in 1..=STORE_WRITE_ATTEMPTS {
-            let write =
-                self.store
-                    .complete(&claim.key, &claim.token, &completion, claim.expires_at());
-            match self.timed("complete", write).await {
-                Ok(Fence::Held) => return,
-                Ok(Fence::Lost) => {
-                    self.metrics.lost_fence(&route.label);
-                    warn!(key.id = %claim.key.log_id(), route = %route.label,
-                        "completion refused: the lease ran out and another request took the key over");
-                    return;
-                }
-                Err(e) if attempt < STORE_WRITE_ATTEMPTS => {
-                    warn!(key.id = %claim.key.log_id(), attempt, error = %e, "could not record completion; retrying");
-                    tokio::time::sleep(STORE_WRITE_BACKOFF * attempt).await;
-                }
-                Err(e) => error!(key.id = %claim.key.log_id(), error = %e,
-                    "could not record completion; the key stays in flight until its lease runs out"),
+            if recorder.attempt().await {
+                return;
+            }
+            if attempt < STORE_WRITE_ATTEMPTS {
+                tokio::time::sleep(STORE_WRITE_BACKOFF * attempt).await;
             }
         }
+        let persist = route.lease.max(MIN_COMPLETION_PERSIST);
+        warn!(key.id = %claim.key.log_id(), for_secs = persist.as_secs(),
+            "could not record completion yet; retrying in the background");
+        self.tasks.spawn(recorder.persist(persist));
     }
 
     /// Gives the key back so a retry runs again.
@@ -465,6 +470,63 @@ impl Proxy {
         };
         self.metrics.store_op(op, started.elapsed());
         result
+    }
+}
+
+/// One completion write, fenced, with everything it needs to outlive the
+/// request that made it.
+struct CompletionRecorder {
+    store: Arc<dyn Store>,
+    metrics: Arc<Metrics>,
+    store_timeout: Duration,
+    route: Arc<String>,
+    claim: Claim,
+    completion: Completion,
+}
+
+impl CompletionRecorder {
+    /// True when the store answered (held or lost); false to try again.
+    async fn attempt(&self) -> bool {
+        let c = &self.claim;
+        let started = Instant::now();
+        let write = self
+            .store
+            .complete(&c.key, &c.token, &self.completion, c.expires_at());
+        let result = tokio::time::timeout(self.store_timeout, write).await;
+        self.metrics.store_op("complete", started.elapsed());
+        match result {
+            Ok(Ok(Fence::Held)) => true,
+            Ok(Ok(Fence::Lost)) => {
+                self.metrics.lost_fence(&self.route);
+                warn!(key.id = %c.key.log_id(), route = %self.route,
+                    "completion refused: the lease ran out and another request took the key over");
+                true
+            }
+            Ok(Err(e)) => {
+                warn!(key.id = %c.key.log_id(), error = %e, "could not record completion");
+                false
+            }
+            Err(_) => {
+                warn!(key.id = %c.key.log_id(), "could not record completion: store timed out");
+                false
+            }
+        }
+    }
+
+    /// Keeps trying for `persist`, backing off up to a second between tries.
+    async fn persist(self, persist: Duration) {
+        let deadline = Instant::now() + persist;
+        let mut backoff = STORE_WRITE_BACKOFF;
+        while Instant::now() < deadline {
+            tokio::time::sleep(backoff).await;
+            if self.attempt().await {
+                info!(key.id = %self.claim.key.log_id(), "completion recorded after a store outage");
+                return;
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(1));
+        }
+        error!(key.id = %self.claim.key.log_id(),
+            "gave up recording completion; a retry after the lease runs out will run the request again");
     }
 }
 

@@ -370,3 +370,47 @@ async fn a_postgres_blip_while_the_upstream_runs_behind_redis_still_records_the_
 ) {
     postgres_blip_during_the_upstream_call_still_records_the_response(Backend::PostgresRedis).await;
 }
+
+/// Pins: with PostgreSQL down for longer than the proxy's quick completion
+/// retries, the response was never recorded; once the lease ran out, the
+/// client's retry would have run the request a second time.
+async fn postgres_outage_longer_than_the_quick_retries_still_records_the_response(
+    backend: Backend,
+) {
+    require_postgres(&support::services::database_url()).await;
+    let relay = TcpRelay::start(postgres_addr()).await;
+    let up = Upstream::start().await;
+    let proxy = Proxy::builder(backend, up.addr)
+        .store_url(&database_url_via(relay.addr()))
+        .store("timeout = \"300ms\"")
+        .start()
+        .await;
+    up.push(Action::Delay(Duration::from_millis(500)));
+    let pending = tokio::spawn(proxy.post(ORDERS).key("k-outage").body(BODY).send());
+    up.wait_hits(ORDERS, 1).await;
+    relay.cut();
+    // The client gets its response although nothing could be recorded yet.
+    let first = answered("the first response", pending)
+        .await
+        .expect("request task");
+    assert_eq!(first.status(), 201, "{}", first.text());
+    relay.restore();
+    let retry = support::wait_for("the completion to be recorded late", || async {
+        let r = proxy.post(ORDERS).key("k-outage").body(BODY).send().await;
+        match r.status() {
+            409 | 503 => None,
+            _ => Some(r),
+        }
+    })
+    .await;
+    assert!(retry.replayed(), "{}", retry.text());
+    assert_eq!(retry.body, first.body);
+    assert_eq!(up.hits(ORDERS), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgres_outage_longer_than_the_quick_retries_still_records_the_response_for_the_retry()
+{
+    postgres_outage_longer_than_the_quick_retries_still_records_the_response(Backend::Postgres)
+        .await;
+}
