@@ -24,12 +24,7 @@ async fn other_spellings_of_a_protected_path_are_still_protected() {
     }
     assert_eq!(up.total_hits(), 0, "nothing may be forwarded without a key");
     // One key, two spellings of the same resource: the second is a replay.
-    let first = proxy
-        .post(ORDERS)
-        .key("k-spell")
-        .body("{}")
-        .send()
-        .await;
+    let first = proxy.post(ORDERS).key("k-spell").body("{}").send().await;
     assert_eq!(first.status(), 201);
     let second = proxy
         .post("/%6Frders")

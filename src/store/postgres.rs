@@ -13,13 +13,12 @@
 //! upstream is only called after the claim is remembered.
 
 use super::{
-    array_from, decode_headers, encode_headers, Claim, ClaimOutcome, Completion, Fence, LeaseToken,
-    Record, RecordState, Store, StoreError, StoredResponse, UnixMillis,
+    encode_headers, Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, RecordRow,
+    RecordState, Store, StoreError, UnixMillis,
 };
 use crate::config::StoreConfig;
-use crate::idempotency::{Fingerprint, RecordKey};
+use crate::idempotency::RecordKey;
 use async_trait::async_trait;
-use bytes::Bytes;
 use deadpool_postgres::{
     Manager, ManagerConfig, Object, Pool, PoolError, RecyclingMethod, Runtime,
 };
@@ -343,37 +342,17 @@ fn claimable(record: &Record, now: UnixMillis) -> bool {
 
 fn decode_row(row: &tokio_postgres::Row) -> Result<Record, StoreError> {
     let e = |e: tokio_postgres::Error| StoreError::Corrupt(format!("postgres row: {e}"));
-    let fp: Vec<u8> = row.try_get(0).map_err(e)?;
-    let state: String = row.try_get(1).map_err(e)?;
-    let locked_until: i64 = row.try_get(2).map_err(e)?;
-    let created_at: i64 = row.try_get(3).map_err(e)?;
-    let expires_at: i64 = row.try_get(4).map_err(e)?;
-    let status: Option<i32> = row.try_get(5).map_err(e)?;
-    let headers: Option<Vec<u8>> = row.try_get(6).map_err(e)?;
-    let body: Option<Vec<u8>> = row.try_get(7).map_err(e)?;
-    let status_u16 = || -> Result<u16, StoreError> {
-        status
-            .and_then(|s| u16::try_from(s).ok())
-            .ok_or_else(|| StoreError::Corrupt("record has no valid status".into()))
-    };
-    let state = match state.as_str() {
-        "in_flight" => RecordState::InFlight { locked_until },
-        "completed" => RecordState::Completed(StoredResponse {
-            status: status_u16()?,
-            headers: decode_headers(headers.as_deref().unwrap_or_default())?,
-            body: Bytes::from(body.unwrap_or_default()),
-        }),
-        "unstored" => RecordState::Unstored {
-            status: status_u16()?,
-        },
-        other => return Err(StoreError::Corrupt(format!("unknown state {other:?}"))),
-    };
-    Ok(Record {
-        fingerprint: Fingerprint(array_from(&fp, "fingerprint")?),
-        state,
-        created_at,
-        expires_at,
-    })
+    RecordRow {
+        fingerprint: row.try_get(0).map_err(e)?,
+        state: row.try_get(1).map_err(e)?,
+        locked_until: row.try_get(2).map_err(e)?,
+        created_at: row.try_get(3).map_err(e)?,
+        expires_at: row.try_get(4).map_err(e)?,
+        status: row.try_get::<_, Option<i32>>(5).map_err(e)?.map(i64::from),
+        headers: row.try_get(6).map_err(e)?,
+        body: row.try_get(7).map_err(e)?,
+    }
+    .into_record()
 }
 
 #[async_trait]
