@@ -4,7 +4,9 @@
 //!   fresh id, so a second execution is visible as a new id).
 //! - `?slow=SECONDS` (at most 60) delays the answer, to try a retry while
 //!   the first request is in flight.
-//! - `?fail=1` answers 503, to see the key released and the retry run again.
+//! - `?fail=1` answers 503; `?fail_once=1` answers 503 the first time it
+//!   sees an `Idempotency-Key` (idemgate forwards it) and succeeds after, to
+//!   see the key released and the retry run again.
 //! - `GET /orders` lists what was created, i.e. how often the upstream ran.
 
 use crate::body::{full, ProxyBody};
@@ -25,6 +27,8 @@ const MAX_DEMO_DELAY_SECS: u64 = 60;
 #[derive(Default)]
 struct Orders {
     created: Mutex<Vec<serde_json::Value>>,
+    /// Keys that already had their one `fail_once` failure.
+    failed_once: Mutex<std::collections::HashSet<Vec<u8>>>,
 }
 
 /// Serves the demo orders API on `listener` until the task is dropped.
@@ -62,7 +66,19 @@ async fn handle(orders: &Orders, req: Request<Incoming>) -> Response<ProxyBody> 
             if let Some(secs) = param("slow").and_then(|s| s.parse::<u64>().ok()) {
                 tokio::time::sleep(Duration::from_secs(secs.min(MAX_DEMO_DELAY_SECS))).await;
             }
-            if param("fail").is_some() {
+            let fail_once = param("fail_once").is_some() && {
+                let key = req
+                    .headers()
+                    .get("idempotency-key")
+                    .map(|v| v.as_bytes().to_vec())
+                    .unwrap_or_default();
+                orders
+                    .failed_once
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(key)
+            };
+            if param("fail").is_some() || fail_once {
                 return json(
                     StatusCode::SERVICE_UNAVAILABLE,
                     serde_json::json!({"error": "the demo API failed on purpose"}),
@@ -182,9 +198,12 @@ idemgate demo: proxy on {u}, in front of a demo orders API.
 4. Start a slow request, and retry it while it runs (409 with Retry-After):
    curl -s -X POST '{u}/orders?slow=5' -H 'Authorization: Bearer demo' -H 'Idempotency-Key: order-2' -d '{{"item":"lamp"}}' &
    sleep 1; curl -i -X POST '{u}/orders?slow=5' -H 'Authorization: Bearer demo' -H 'Idempotency-Key: order-2' -d '{{"item":"lamp"}}'
-5. Forget the key (400):
+5. An upstream failure (503) releases the key; the retry runs again and succeeds:
+   curl -i -X POST '{u}/orders?fail_once=1' -H 'Authorization: Bearer demo' -H 'Idempotency-Key: order-3' -d '{{"item":"mug"}}'
+   curl -i -X POST '{u}/orders?fail_once=1' -H 'Authorization: Bearer demo' -H 'Idempotency-Key: order-3' -d '{{"item":"mug"}}'
+6. Forget the key (400):
    curl -i -X POST {u}/orders -H 'Authorization: Bearer demo' -d '{{"item":"book"}}'
-6. See how many orders the API really created:
+7. See how many orders the API really created:
    curl -s {u}/orders
 
 Ctrl-C stops the demo.
