@@ -650,6 +650,24 @@ impl Config {
         })
     }
 
+    /// Settings that are valid but probably not what the operator wants.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for r in self.routes.iter() {
+            if r.ttl < self.server.upstream_timeout + r.lease {
+                out.push(format!(
+                    "route #{} {}: ttl ({}) is shorter than upstream_timeout + lease ({} + {}): a slow request's key may expire soon after it completes",
+                    r.index,
+                    r.path,
+                    units::format_duration(r.ttl),
+                    units::format_duration(self.server.upstream_timeout),
+                    units::format_duration(r.lease)
+                ));
+            }
+        }
+        out
+    }
+
     /// The effective settings as text, secrets masked, for `check-config`.
     pub fn describe(&self) -> String {
         use units::{format_duration as d, format_size as sz};

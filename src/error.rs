@@ -24,18 +24,18 @@ pub enum ProxyError {
     InFlight { retry_after_secs: u64 },
     #[error("this key was already used for a different request")]
     Mismatch,
-    #[error("the original response (status {status}) was too large to store")]
+    #[error("the original response (status {status}) could not be stored: it was larger than the route's max_response_body, or the upstream cut it off")]
     NotReplayable { status: u16 },
     #[error("the idempotency store is unavailable: {0}")]
     Store(#[from] StoreError),
     /// Nothing reached the upstream (refused, connect timeout).
     #[error("the upstream could not be reached: {reason}")]
-    UpstreamUnreachable { reason: String, released: bool },
+    UpstreamUnreachable { reason: String, key: KeyFate },
     #[error("the upstream did not answer in time")]
-    UpstreamTimeout { released: bool },
+    UpstreamTimeout { key: KeyFate },
     /// The connection failed after the request may have been sent.
     #[error("the upstream connection failed: {reason}")]
-    UpstreamFailed { reason: String, released: bool },
+    UpstreamFailed { reason: String, key: KeyFate },
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -68,14 +68,26 @@ impl ProxyError {
     }
 }
 
+/// What an upstream failure did to the request's idempotency key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeyFate {
+    /// The request was not protected (no route, or no key where optional).
+    Unprotected,
+    /// Released: the retry runs again.
+    Released,
+    /// The upstream had already answered (status below 500) when the body
+    /// failed: it executed, so the key stays completed and never runs again.
+    Kept,
+}
+
 impl ProxyError {
-    /// Whether a protected request's key was released by this failure.
-    pub fn released_key(&self) -> bool {
+    /// What happened to the key, for upstream failures.
+    pub fn key_fate(&self) -> Option<KeyFate> {
         match self {
-            ProxyError::UpstreamUnreachable { released, .. }
-            | ProxyError::UpstreamTimeout { released }
-            | ProxyError::UpstreamFailed { released, .. } => *released,
-            _ => false,
+            ProxyError::UpstreamUnreachable { key, .. }
+            | ProxyError::UpstreamTimeout { key }
+            | ProxyError::UpstreamFailed { key, .. } => Some(*key),
+            _ => None,
         }
     }
 }

@@ -14,6 +14,9 @@ fn main() -> ExitCode {
         Command::CheckConfig { config } => match Config::load(&config) {
             Ok(cfg) => {
                 println!("{}: ok\n{}", config.display(), cfg.describe());
+                for w in cfg.warnings() {
+                    println!("warning: {w}");
+                }
                 ExitCode::SUCCESS
             }
             Err(e) => {

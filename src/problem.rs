@@ -5,7 +5,7 @@
 //! 409 in flight, 422 reused with another request) and RFC 9110 for the rest.
 
 use crate::body::{full, ProxyBody};
-use crate::error::ProxyError;
+use crate::error::{KeyFate, ProxyError};
 use crate::metrics::Outcome;
 use http::{header, HeaderValue, Response, StatusCode};
 
@@ -157,12 +157,15 @@ impl Problem {
 }
 
 fn released_hint(err: &ProxyError, detail: String) -> String {
-    if err.released_key() {
-        format!(
+    match err.key_fate() {
+        Some(KeyFate::Released) => format!(
             "{detail}; the idempotency key was released, so a retry with the same key runs again"
-        )
-    } else {
-        detail
+        ),
+        Some(KeyFate::Kept) => format!(
+            "{detail}; the upstream had already answered, so the request was executed: \
+             the key is kept and a retry will not run it again"
+        ),
+        _ => detail,
     }
 }
 
@@ -201,12 +204,18 @@ mod tests {
             (
                 ProxyError::UpstreamUnreachable {
                     reason: "refused".into(),
-                    released: true,
+                    key: KeyFate::Released,
                 },
                 502,
                 None,
             ),
-            (ProxyError::UpstreamTimeout { released: true }, 504, None),
+            (
+                ProxyError::UpstreamTimeout {
+                    key: KeyFate::Released,
+                },
+                504,
+                None,
+            ),
             (ProxyError::Internal("x".into()), 500, None),
         ];
         for (err, status, retry_after) in cases {

@@ -12,7 +12,7 @@ pub mod headers;
 
 use crate::body::{boxed, drain, full, read_limited, Prefixed, ProxyBody, ReadError};
 use crate::config::{OnStoreError, RouteConfig};
-use crate::error::ProxyError;
+use crate::error::{KeyFate, ProxyError};
 use crate::idempotency::{
     decide, settle, Decision, Fingerprint, IdempotencyKey, RecordKey, Scope, Settlement,
 };
@@ -323,7 +323,7 @@ impl Proxy {
             Ok(resp) => resp,
             Err(e) => {
                 self.release(route, claim).await;
-                return Err(forward_error(e, true));
+                return Err(forward_error(e, KeyFate::Released));
             }
         };
         let status = resp.status().as_u16();
@@ -352,17 +352,22 @@ impl Proxy {
         let mut chunks: Vec<Bytes> = Vec::new();
         let mut size: u64 = 0;
         loop {
+            // The head said below 500: the upstream executed. A body that
+            // then fails must not free the key (the retry would run twice);
+            // it completes without a replayable response instead.
             let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
                 Err(_) => {
-                    self.release(route, claim).await;
-                    return Err(ProxyError::UpstreamTimeout { released: true });
+                    self.finish(route, claim, Completion::Unstored { status })
+                        .await;
+                    return Err(ProxyError::UpstreamTimeout { key: KeyFate::Kept });
                 }
                 Ok(None) => break,
                 Ok(Some(Err(e))) => {
-                    self.release(route, claim).await;
+                    self.finish(route, claim, Completion::Unstored { status })
+                        .await;
                     return Err(ProxyError::UpstreamFailed {
                         reason: forward::error_chain(&e),
-                        released: true,
+                        key: KeyFate::Kept,
                     });
                 }
                 Ok(Some(Ok(frame))) => frame,
@@ -449,7 +454,7 @@ impl Proxy {
         match self.forwarder.send(req, peer).await {
             Ok(resp) => (Outcome::Passthrough, resp.map(boxed)),
             Err(e) => {
-                let err = forward_error(e, false);
+                let err = forward_error(e, KeyFate::Unprotected);
                 warn!(error = %err, "upstream failed");
                 let problem = Problem::from_error(&err);
                 (problem.outcome, problem.into_response())
@@ -489,9 +494,12 @@ impl CompletionRecorder {
     async fn attempt(&self) -> bool {
         let c = &self.claim;
         let started = Instant::now();
+        // The ttl counts from the claim, but a request that ran nearly as
+        // long as its ttl must still replay for at least a lease afterwards.
+        let expires_at = c.expires_at().max(now_millis() + c.lease_ms);
         let write = self
             .store
-            .complete(&c.key, &c.token, &self.completion, c.expires_at());
+            .complete(&c.key, &c.token, &self.completion, expires_at);
         let result = tokio::time::timeout(self.store_timeout, write).await;
         self.metrics.store_op("complete", started.elapsed());
         match result {
@@ -530,11 +538,11 @@ impl CompletionRecorder {
     }
 }
 
-fn forward_error(e: ForwardError, released: bool) -> ProxyError {
+fn forward_error(e: ForwardError, key: KeyFate) -> ProxyError {
     match e {
-        ForwardError::Connect(reason) => ProxyError::UpstreamUnreachable { reason, released },
-        ForwardError::Timeout => ProxyError::UpstreamTimeout { released },
-        ForwardError::Failed(reason) => ProxyError::UpstreamFailed { reason, released },
+        ForwardError::Connect(reason) => ProxyError::UpstreamUnreachable { reason, key },
+        ForwardError::Timeout => ProxyError::UpstreamTimeout { key },
+        ForwardError::Failed(reason) => ProxyError::UpstreamFailed { reason, key },
     }
 }
 

@@ -61,6 +61,9 @@ pub async fn serve(
     listeners: Listeners,
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
+    for w in config.warnings() {
+        warn!("{w}");
+    }
     metrics.register_routes(config.routes.iter().map(|r| &r.label));
     let forwarder = Forwarder::new(&config.server);
     let proxy = Arc::new(Proxy::new(

@@ -236,6 +236,16 @@ pub fn decode_headers(mut buf: &[u8]) -> Result<Vec<(String, Bytes)>, StoreError
     Ok(headers)
 }
 
+/// Whether a claim at `now` replaces `record`: an in-flight record only
+/// once its lease ran out (its ttl alone never ends a live execution), any
+/// other record once its ttl ran out. Every backend's claim implements this.
+pub fn is_claimable(record: &Record, now: UnixMillis) -> bool {
+    match record.state {
+        RecordState::InFlight { locked_until } => locked_until <= now,
+        _ => record.expires_at <= now,
+    }
+}
+
 /// A record's columns as the SQL backends keep them; [`RecordRow::into_record`]
 /// is the one place they become a [`Record`].
 pub struct RecordRow {

@@ -24,6 +24,7 @@ backend_tests!(
     refused_upstream_gets_502_and_the_retry_executes_once_it_is_up,
     upstream_timeout_gets_504_and_releases_the_key,
     upstream_reset_gets_502_and_releases_the_key,
+    upstream_reset_after_its_answer_keeps_the_key,
     concurrent_identical_requests_execute_upstream_once,
     lease_is_renewed_so_a_slow_request_is_never_executed_twice,
     key_older_than_ttl_executes_again,
@@ -364,17 +365,29 @@ async fn upstream_reset_gets_502_and_releases_the_key(backend: Backend) {
         .send()
         .await
         .assert_problem(502);
-    up.push(Action::ResetMidBody);
-    proxy
-        .post(ORDERS)
-        .key("k-reset")
-        .body(BODY)
-        .send()
-        .await
-        .assert_problem(502);
     let retry = proxy.post(ORDERS).key("k-reset").body(BODY).send().await;
     assert_eq!(retry.status(), 201);
-    assert_eq!(up.hits(ORDERS), 3);
+    assert_eq!(up.hits(ORDERS), 2);
+}
+
+/// Pins: a reset after the upstream's 201 head released the key, so the
+/// client's retry created a second order.
+async fn upstream_reset_after_its_answer_keeps_the_key(backend: Backend) {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start(backend, up.addr, &[]).await;
+    up.push(Action::ResetMidBody);
+    let first = proxy.post(ORDERS).key("k-cut").body(BODY).send().await;
+    let problem = first.assert_problem(502);
+    assert!(
+        problem["detail"]
+            .as_str()
+            .unwrap()
+            .contains("will not run it again"),
+        "{problem}"
+    );
+    let retry = proxy.post(ORDERS).key("k-cut").body(BODY).send().await;
+    retry.assert_problem(410);
+    assert_eq!(up.hits(ORDERS), 1, "the upstream must not run twice");
 }
 
 async fn concurrent_identical_requests_execute_upstream_once(backend: Backend) {

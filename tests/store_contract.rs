@@ -100,6 +100,7 @@ async fn run_contract(store: Arc<dyn Store>) {
     complete_stores_exactly(&*store).await;
     release_frees_the_key(&*store).await;
     expired_record_is_claimable_again(&*store).await;
+    live_lease_outlives_the_ttl(&*store).await;
     unstored_completion(&*store).await;
     delete_removes_any_record(&*store).await;
     store.ping().await.expect("ping");
@@ -343,6 +344,34 @@ async fn sweep_deletes_only_expired_and_respects_batch(store: &dyn Store) {
     assert_eq!(
         store
             .release(&live_lease.key, &live_lease.token)
+            .await
+            .unwrap(),
+        Fence::Held
+    );
+}
+
+/// Pins: a claim took over an in-flight record once its ttl had passed,
+/// although its holder was alive and renewing, so the request ran twice.
+async fn live_lease_outlives_the_ttl(store: &dyn Store) {
+    let holder = claim_for(record_key(), 60_000, 50);
+    assert!(claimed(&store.claim(&holder).await.unwrap()));
+    sleep_ms(120).await;
+    let retry = Claim {
+        token: LeaseToken::random(),
+        now: now_millis(),
+        ..holder.clone()
+    };
+    match store.claim(&retry).await.unwrap() {
+        ClaimOutcome::Existing(r) => {
+            assert!(matches!(r.state, RecordState::InFlight { .. }), "{r:?}")
+        }
+        other => panic!("a live lease was taken over: {other:?}"),
+    }
+    let done = Completion::Stored(response());
+    let expires_at = now_millis() + 60_000;
+    assert_eq!(
+        store
+            .complete(&holder.key, &holder.token, &done, expires_at)
             .await
             .unwrap(),
         Fence::Held

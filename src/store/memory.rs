@@ -45,11 +45,10 @@ impl Store for MemoryStore {
         Ok(self.with(|map| {
             let takeover = match map.get(&c.key) {
                 None => false,
-                Some(e) if e.record.expires_at <= c.now => false,
-                Some(e) => match e.record.state {
-                    RecordState::InFlight { locked_until } if locked_until <= c.now => true,
-                    _ => return ClaimOutcome::Existing(e.record.clone()),
-                },
+                Some(e) if super::is_claimable(&e.record, c.now) => {
+                    matches!(e.record.state, RecordState::InFlight { .. })
+                }
+                Some(e) => return ClaimOutcome::Existing(e.record.clone()),
             };
             map.insert(
                 c.key,

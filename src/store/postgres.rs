@@ -13,8 +13,8 @@
 //! upstream is only called after the claim is remembered.
 
 use super::{
-    encode_headers, Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, RecordRow,
-    RecordState, Store, StoreError, UnixMillis,
+    encode_headers, Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, RecordRow, Store,
+    StoreError, UnixMillis,
 };
 use crate::config::StoreConfig;
 use crate::idempotency::RecordKey;
@@ -101,8 +101,9 @@ impl Sql {
                    fingerprint = EXCLUDED.fingerprint, state = 'in_flight', token = EXCLUDED.token, \
                    locked_until = EXCLUDED.locked_until, created_at = EXCLUDED.created_at, \
                    expires_at = EXCLUDED.expires_at, status = NULL, headers = NULL, body = NULL, \
-                   takeover = (r.expires_at > $6) \
-                 WHERE r.expires_at <= $6 OR (r.state = 'in_flight' AND r.locked_until <= $6) \
+                   takeover = (r.state = 'in_flight') \
+                 WHERE (r.state <> 'in_flight' AND r.expires_at <= $6) \
+                    OR (r.state = 'in_flight' AND r.locked_until <= $6) \
                  RETURNING takeover"
             ),
             select: format!(
@@ -336,8 +337,7 @@ fn fence(rows: u64) -> Fence {
 /// after a claim found a live one may have changed in between; then the
 /// claim is retried rather than reporting a record that is no longer live.
 fn claimable(record: &Record, now: UnixMillis) -> bool {
-    record.expires_at <= now
-        || matches!(record.state, RecordState::InFlight { locked_until } if locked_until <= now)
+    super::is_claimable(record, now)
 }
 
 fn decode_row(row: &tokio_postgres::Row) -> Result<Record, StoreError> {

@@ -348,6 +348,20 @@ impl RedisFastPath {
         self.run(pipe.query_async(&mut conn)).await
     }
 
+    /// Removes our lock without waiting, for use while in [`BACKOFF`]: a
+    /// lock left behind would answer retries with 409 for up to a lease
+    /// after the inner store released or completed the key.
+    fn unlock_in_background(&self, k: String, token: LeaseToken) {
+        let mut conn = self.conn.clone();
+        let script = self.scripts.unlock.clone();
+        let timeout = self.timeout;
+        tokio::spawn(async move {
+            let mut inv = script.prepare_invoke();
+            inv.key(&k).arg(&token.0[..]);
+            let _ = tokio::time::timeout(timeout, inv.invoke_async::<Option<i64>>(&mut conn)).await;
+        });
+    }
+
     async fn unlock(&self, k: &str, token: &LeaseToken) {
         let mut conn = self.conn.clone();
         let mut inv = self.scripts.unlock.prepare_invoke();
@@ -399,14 +413,19 @@ impl RedisFastPath {
                 fingerprint,
                 created_at,
                 expires_at,
-            } if token != c.token && pttl > 0 => Some(ClaimOutcome::Existing(Record {
-                fingerprint,
-                state: RecordState::InFlight {
-                    locked_until: c.now + pttl,
-                },
-                created_at,
-                expires_at,
-            })),
+                // A lock for another request (another fingerprint) may belong to
+                // a claimant that lost in the inner store and left its lock
+                // behind; only the inner store may answer that with a 422.
+            } if token != c.token && pttl > 0 && fingerprint == c.fingerprint => {
+                Some(ClaimOutcome::Existing(Record {
+                    fingerprint,
+                    state: RecordState::InFlight {
+                        locked_until: c.now + pttl,
+                    },
+                    created_at,
+                    expires_at,
+                }))
+            }
             _ => None,
         }
     }
@@ -477,6 +496,8 @@ impl Store for RedisFastPath {
                 }
                 Fence::Lost => self.unlock(&k, token).await,
             }
+        } else if fence == Fence::Lost {
+            self.unlock_in_background(self.redis_key(key), *token);
         }
         Ok(fence)
     }
@@ -494,6 +515,9 @@ impl Store for RedisFastPath {
             .complete(key, token, completion, expires_at)
             .await?;
         if !self.enabled() {
+            // No cached copy now; the next claim reads the record from the
+            // inner store and caches it.
+            self.unlock_in_background(self.redis_key(key), *token);
             return Ok(fence);
         }
         let k = self.redis_key(key);
@@ -525,6 +549,8 @@ impl Store for RedisFastPath {
         let fence = self.inner.release(key, token).await?;
         if self.enabled() {
             self.unlock(&self.redis_key(key), token).await;
+        } else {
+            self.unlock_in_background(self.redis_key(key), *token);
         }
         Ok(fence)
     }

@@ -56,8 +56,8 @@ ON CONFLICT (scope, key) DO UPDATE SET
     status       = NULL,
     headers      = NULL,
     body         = NULL,
-    takeover     = (idempotency_records.expires_at > ?6)
-WHERE idempotency_records.expires_at <= ?6
+    takeover     = (idempotency_records.state = 'in_flight')
+WHERE (idempotency_records.state <> 'in_flight' AND idempotency_records.expires_at <= ?6)
    OR (idempotency_records.state = 'in_flight' AND idempotency_records.locked_until <= ?6)
 RETURNING takeover
 "#;

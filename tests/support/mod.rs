@@ -335,11 +335,20 @@ async fn upstream_handle(
     };
 
     if reset.as_deref() == Some("body") {
-        let chunks: Vec<Result<Frame<Bytes>, BoxError>> = vec![
-            Ok(Frame::data(Bytes::from(vec![b'x'; 1000]))),
-            Err("reset mid-body (on purpose)".into()),
-        ];
-        let body = StreamBody::new(futures_util::stream::iter(chunks));
+        // The head and a first chunk go out; the failure comes a moment
+        // later, so the proxy has really seen the upstream's answer.
+        let chunks = futures_util::stream::unfold(0u8, |step| async move {
+            let item: Result<Frame<Bytes>, BoxError> = match step {
+                0 => Ok(Frame::data(Bytes::from(vec![b'x'; 1000]))),
+                1 => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    Err("reset mid-body (on purpose)".into())
+                }
+                _ => return None,
+            };
+            Some((item, step + 1))
+        });
+        let body = StreamBody::new(chunks);
         return Ok(resp
             .header("content-length", "100000")
             .body(boxed(body))
