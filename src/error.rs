@@ -75,6 +75,8 @@ pub enum KeyFate {
     Unprotected,
     /// Released: the retry runs again.
     Released,
+    /// The store could not be told: retries get 409 until the lease runs out.
+    Locked,
     /// The upstream had already answered (status below 500) when the body
     /// failed: it executed, so the key stays completed and never runs again.
     Kept,

@@ -165,7 +165,10 @@ fn released_hint(err: &ProxyError, detail: String) -> String {
             "{detail}; the upstream had already answered, so the request was executed: \
              the key is kept and a retry will not run it again"
         ),
-        _ => detail,
+        Some(KeyFate::Locked) => format!(
+            "{detail}; the idempotency key could not be released yet: retries get 409 until its lease runs out, then run again"
+        ),
+        Some(KeyFate::Unprotected) | None => detail,
     }
 }
 

@@ -2,7 +2,7 @@
 //! would abort the connection on an error); the protected path uses `?`
 //! freely and `problem.rs` maps whatever it returns.
 //!
-//! A claimed request runs in a task of its own ([`Proxy::execute_detached`]):
+//! From its claim on, a request runs in a task of its own ([`Proxy::run_detached`]):
 //! if the client hangs up, hyper drops the handler, but the upstream call,
 //! the lease renewal and the storing of the response carry on, so the
 //! client's retry gets the replay instead of a second execution.
@@ -31,6 +31,7 @@ use hyper::body::Incoming;
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -192,28 +193,60 @@ impl Proxy {
             ttl_ms: route.ttl.as_millis() as i64,
         };
 
-        let claimed = match self.timed("claim", self.store.claim(&claim)).await {
+        self.run_detached(route.clone(), parts, body, claim, peer)
+            .await
+    }
+
+    /// Claims, then executes: everything from the claim on runs in a task of
+    /// its own, so a client hang-up cancels neither a claim that already
+    /// committed nor the upstream call and the storing of its answer.
+    async fn claim_and_execute(
+        &self,
+        route: &RouteConfig,
+        parts: request::Parts,
+        body: Bytes,
+        claim: &Claim,
+        peer: SocketAddr,
+    ) -> Result<Served, ProxyError> {
+        let claimed = match self.timed("claim", self.store.claim(claim)).await {
             Ok(outcome) => outcome,
-            Err(e) => return self.on_store_error(route, e, parts, body, peer).await,
+            Err(e) => {
+                // A claim that timed out may have committed anyway; give it
+                // back (fenced by our token, a no-op if it never landed) so
+                // it does not block the key for a whole lease.
+                self.release_in_background(claim);
+                return self.on_store_error(route, e, parts, body, peer).await;
+            }
         };
         match claimed {
-            ClaimOutcome::Existing(record) => match decide(&record, &fingerprint, now_millis()) {
-                Decision::Replay(stored) => Ok((Outcome::Replayed, replay_response(stored))),
-                Decision::InFlight { retry_after_secs } => {
-                    Err(ProxyError::InFlight { retry_after_secs })
+            ClaimOutcome::Existing(record) => {
+                match decide(&record, &claim.fingerprint, now_millis()) {
+                    Decision::Replay(stored) => Ok((Outcome::Replayed, replay_response(stored))),
+                    Decision::InFlight { retry_after_secs } => {
+                        Err(ProxyError::InFlight { retry_after_secs })
+                    }
+                    Decision::Mismatch => Err(ProxyError::Mismatch),
+                    Decision::NotReplayable { status } => Err(ProxyError::NotReplayable { status }),
                 }
-                Decision::Mismatch => Err(ProxyError::Mismatch),
-                Decision::NotReplayable { status } => Err(ProxyError::NotReplayable { status }),
-            },
+            }
             ClaimOutcome::Claimed { takeover } => {
                 if takeover {
                     self.metrics.takeover(&route.label);
-                    info!(key.id = %record_key.log_id(), route = %route.label, "took over a claim whose lease ran out");
+                    info!(key.id = %claim.key.log_id(), route = %route.label, "took over a claim whose lease ran out");
                 }
-                self.execute_detached(route.clone(), parts, body, claim, peer)
-                    .await
+                self.execute(route, parts, body, claim, peer).await
             }
         }
+    }
+
+    /// A fenced release that nobody waits for.
+    fn release_in_background(&self, claim: &Claim) {
+        let store = self.store.clone();
+        let timeout = self.store_timeout;
+        let (key, token) = (claim.key, claim.token);
+        self.tasks.spawn(async move {
+            let _ = tokio::time::timeout(timeout, store.release(&key, &token)).await;
+        });
     }
 
     async fn on_store_error(
@@ -236,9 +269,8 @@ impl Proxy {
         }
     }
 
-    /// Runs the claimed request in its own task so a client hang-up cannot
-    /// cancel it.
-    async fn execute_detached(
+    /// Runs [`Proxy::claim_and_execute`] in its own task and waits for it.
+    async fn run_detached(
         self: &Arc<Self>,
         route: Arc<RouteConfig>,
         parts: request::Parts,
@@ -249,7 +281,9 @@ impl Proxy {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let this = Arc::clone(self);
         self.tasks.spawn(async move {
-            let result = this.execute(&route, parts, body, &claim, peer).await;
+            let result = this
+                .claim_and_execute(&route, parts, body, &claim, peer)
+                .await;
             if tx.send(result).is_err() {
                 debug!(key.id = %claim.key.log_id(), "client left before the response; it is stored for the retry");
             }
@@ -285,22 +319,32 @@ impl Proxy {
     /// Renews the lease every third of its length until dropped.
     async fn keep_lease(&self, route: &RouteConfig, claim: &Claim) -> Infallible {
         let every = (route.lease / 3).max(MIN_RENEW_INTERVAL);
-        let mut tick = tokio::time::interval_at(Instant::now() + every, every);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Each renewal must give up in time for another try within the
+        // lease, whatever the store timeout says.
+        let attempt_timeout = self.store_timeout.min(every);
+        let mut wait = every;
         loop {
-            tick.tick().await;
+            tokio::time::sleep(wait).await;
             let until = now_millis() + route.lease.as_millis() as i64;
-            match self
-                .timed("renew", self.store.renew(&claim.key, &claim.token, until))
-                .await
-            {
-                Ok(Fence::Held) => {}
-                Ok(Fence::Lost) => {
+            let renew = self.store.renew(&claim.key, &claim.token, until);
+            let started = Instant::now();
+            let result = tokio::time::timeout(attempt_timeout, renew).await;
+            self.metrics.store_op("renew", started.elapsed());
+            match result {
+                Ok(Ok(Fence::Held)) => wait = every,
+                Ok(Ok(Fence::Lost)) => {
                     // The completion will be refused too; that is where it is counted.
                     debug!(key.id = %claim.key.log_id(), "lease lost");
                     return std::future::pending().await;
                 }
-                Err(e) => warn!(key.id = %claim.key.log_id(), error = %e, "lease renewal failed"),
+                Ok(Err(e)) => {
+                    warn!(key.id = %claim.key.log_id(), error = %e, "lease renewal failed; retrying");
+                    wait = MIN_RENEW_INTERVAL;
+                }
+                Err(_) => {
+                    warn!(key.id = %claim.key.log_id(), "lease renewal timed out; retrying");
+                    wait = MIN_RENEW_INTERVAL;
+                }
             }
         }
     }
@@ -322,14 +366,14 @@ impl Proxy {
         let resp = match self.forwarder.send(req, peer).await {
             Ok(resp) => resp,
             Err(e) => {
-                self.release(route, claim).await;
-                return Err(forward_error(e, KeyFate::Released));
+                let fate = self.release(route, claim).await;
+                return Err(forward_error(e, fate));
             }
         };
         let status = resp.status().as_u16();
         match settle(status) {
             Settlement::Release => {
-                self.release(route, claim).await;
+                let _ = self.release(route, claim).await;
                 Ok((Outcome::UpstreamError, resp.map(boxed)))
             }
             Settlement::Store => {
@@ -405,6 +449,7 @@ impl Proxy {
     /// and once its lease runs out a retry would run the request again.
     async fn finish(&self, route: &RouteConfig, claim: &Claim, completion: Completion) {
         let recorder = CompletionRecorder {
+            ambiguous: Default::default(),
             store: self.store.clone(),
             metrics: self.metrics.clone(),
             store_timeout: self.store_timeout,
@@ -426,20 +471,24 @@ impl Proxy {
         self.tasks.spawn(recorder.persist(persist));
     }
 
-    /// Gives the key back so a retry runs again.
-    async fn release(&self, route: &RouteConfig, claim: &Claim) {
+    /// Gives the key back so a retry runs again; says whether it did.
+    async fn release(&self, route: &RouteConfig, claim: &Claim) -> KeyFate {
+        let mut ambiguous = false;
         for attempt in 1..=STORE_WRITE_ATTEMPTS {
             match self
                 .timed("release", self.store.release(&claim.key, &claim.token))
                 .await
             {
-                Ok(Fence::Held) => return,
+                Ok(Fence::Held) => return KeyFate::Released,
+                // An earlier attempt that timed out may have deleted it.
+                Ok(Fence::Lost) if ambiguous => return KeyFate::Released,
                 Ok(Fence::Lost) => {
                     self.metrics.lost_fence(&route.label);
                     warn!(key.id = %claim.key.log_id(), "release refused: the claim had been taken over");
-                    return;
+                    return KeyFate::Released;
                 }
                 Err(e) if attempt < STORE_WRITE_ATTEMPTS => {
+                    ambiguous = true;
                     warn!(key.id = %claim.key.log_id(), attempt, error = %e, "could not release key; retrying");
                     tokio::time::sleep(STORE_WRITE_BACKOFF * attempt).await;
                 }
@@ -447,6 +496,7 @@ impl Proxy {
                     "could not release key; a retry gets 409 until the lease runs out"),
             }
         }
+        KeyFate::Locked
     }
 
     /// Forwards without protection, streaming both ways.
@@ -481,6 +531,8 @@ impl Proxy {
 /// One completion write, fenced, with everything it needs to outlive the
 /// request that made it.
 struct CompletionRecorder {
+    /// An earlier attempt failed without an answer: it may have landed.
+    ambiguous: std::sync::atomic::AtomicBool,
     store: Arc<dyn Store>,
     metrics: Arc<Metrics>,
     store_timeout: Duration,
@@ -504,6 +556,10 @@ impl CompletionRecorder {
         self.metrics.store_op("complete", started.elapsed());
         match result {
             Ok(Ok(Fence::Held)) => true,
+            Ok(Ok(Fence::Lost)) if self.ambiguous.load(Ordering::Relaxed) => {
+                debug!(key.id = %c.key.log_id(), "completion already recorded by an earlier attempt, or taken over");
+                true
+            }
             Ok(Ok(Fence::Lost)) => {
                 self.metrics.lost_fence(&self.route);
                 warn!(key.id = %c.key.log_id(), route = %self.route,
@@ -511,10 +567,12 @@ impl CompletionRecorder {
                 true
             }
             Ok(Err(e)) => {
+                self.ambiguous.store(true, Ordering::Relaxed);
                 warn!(key.id = %c.key.log_id(), error = %e, "could not record completion");
                 false
             }
             Err(_) => {
+                self.ambiguous.store(true, Ordering::Relaxed);
                 warn!(key.id = %c.key.log_id(), "could not record completion: store timed out");
                 false
             }

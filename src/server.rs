@@ -69,7 +69,7 @@ pub async fn serve(
     let proxy = Arc::new(Proxy::new(
         config.routes.clone(),
         store.clone(),
-        config.store.timeout,
+        proxy_store_timeout(&config),
         forwarder,
         metrics.clone(),
     ));
@@ -167,6 +167,25 @@ pub async fn serve(
     }
     info!("stopped");
     Ok(())
+}
+
+/// The proxy's own bound on a store call. PostgreSQL enforces
+/// `store.timeout` itself (and cleans up after it), so the proxy allows
+/// that plus the Redis round trips in front of it and a margin: the inner
+/// deadline fires first and the outer one only catches what is stuck.
+fn proxy_store_timeout(config: &Config) -> Duration {
+    const MARGIN: Duration = Duration::from_millis(250);
+    match config.store.backend {
+        crate::config::Backend::Postgres => {
+            let redis = config
+                .redis
+                .as_ref()
+                .map(|r| r.timeout * 2)
+                .unwrap_or_default();
+            config.store.timeout + redis + MARGIN
+        }
+        crate::config::Backend::Sqlite | crate::config::Backend::Memory => config.store.timeout,
+    }
 }
 
 async fn admin_loop(listener: TcpListener, admin: Arc<Admin>, stop: CancellationToken) {

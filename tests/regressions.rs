@@ -58,3 +58,44 @@ async fn large_oversized_uploads_get_their_413_not_a_reset() {
     assert_eq!(up.total_hits(), 0);
     assert_eq!(proxy.count(Outcome::TooLarge), 10);
 }
+
+/// Pins: a claim that timed out could still commit afterwards, leaving the
+/// key in flight with a token nobody held: the client's retry got 409 for a
+/// whole lease although nothing was running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_that_times_out_does_not_block_its_key_for_a_lease() {
+    let up = Upstream::start().await;
+    let dir = tempfile::TempDir::new().unwrap();
+    let db = dir.path().join("idemgate.db");
+    let proxy = Proxy::builder(Backend::Sqlite, up.addr)
+        .sqlite_file(&db)
+        .store("timeout = \"300ms\"")
+        .route("lease = \"30s\"")
+        .start()
+        .await;
+    // Another process holds the database's write lock for a while.
+    let blocker = rusqlite::Connection::open(&db).unwrap();
+    blocker.execute_batch("BEGIN IMMEDIATE").unwrap();
+    let refused = proxy
+        .post(ORDERS)
+        .key("k-slow-claim")
+        .body("{}")
+        .send()
+        .await;
+    refused.assert_problem(503);
+    blocker.execute_batch("COMMIT").unwrap();
+    drop(blocker);
+    // The late claim commits once the lock is gone, and is given back.
+    let retry = support::wait_for("the key to be free again", || async {
+        let r = proxy
+            .post(ORDERS)
+            .key("k-slow-claim")
+            .body("{}")
+            .send()
+            .await;
+        (r.status() != 409).then_some(r)
+    })
+    .await;
+    assert_eq!(retry.status(), 201, "{}", retry.text());
+    assert_eq!(up.hits(ORDERS), 1);
+}
