@@ -7,6 +7,7 @@ use crate::metrics::Metrics;
 use crate::store::Store;
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,6 +17,9 @@ const READY_TIMEOUT: Duration = Duration::from_millis(800);
 pub struct Admin {
     pub store: Arc<dyn Store>,
     pub metrics: Arc<Metrics>,
+    /// Set when shutdown starts: readiness fails so load balancers move
+    /// traffic away while in-flight requests drain.
+    pub draining: Arc<AtomicBool>,
 }
 
 impl Admin {
@@ -25,6 +29,10 @@ impl Admin {
         }
         match req.uri().path() {
             "/healthz" => text(StatusCode::OK, "ok\n"),
+            "/readyz" if self.draining.load(Ordering::Relaxed) => text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "not ready: shutting down\n",
+            ),
             "/readyz" => match tokio::time::timeout(READY_TIMEOUT, self.store.ping()).await {
                 Ok(Ok(())) => text(StatusCode::OK, "ready\n"),
                 Ok(Err(e)) => text(

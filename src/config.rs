@@ -38,6 +38,9 @@ pub const DEFAULT_UPSTREAM_POOL_MAX_IDLE: usize = 64;
 pub const DEFAULT_MAX_CONNECTIONS: usize = 10_000;
 /// Slowloris protection for request heads.
 pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// A protected body is buffered whole; a client trickling it must not pin
+/// a connection and its memory for long.
+pub const DEFAULT_REQUEST_BODY_TIMEOUT: Duration = Duration::from_secs(30);
 /// Kubernetes' default terminationGracePeriodSeconds is 30 s; stay under it.
 pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(25);
 pub const DEFAULT_SQLITE_PATH: &str = "data/idemgate.db";
@@ -105,8 +108,10 @@ struct RawServer {
     upstream_pool_max_idle: Option<usize>,
     max_connections: Option<usize>,
     header_read_timeout: Option<HumanDuration>,
+    request_body_timeout: Option<HumanDuration>,
     shutdown_grace: Option<HumanDuration>,
     preserve_host: Option<bool>,
+    trust_forwarded_headers: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -189,9 +194,13 @@ pub struct ServerConfig {
     pub upstream_pool_max_idle: usize,
     pub max_connections: usize,
     pub header_read_timeout: Duration,
+    /// Time a client has to send a protected request's whole body (408).
+    pub request_body_timeout: Duration,
     pub shutdown_grace: Duration,
     /// Forward the client's `Host` instead of the upstream's authority.
     pub preserve_host: bool,
+    /// Keep the client's `X-Forwarded-Proto/-Host` (behind a trusted proxy).
+    pub trust_forwarded_headers: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -342,6 +351,11 @@ fn parse_upstream(s: &str) -> Result<Uri, String> {
     if uri.query().is_some() {
         return Err(format!("invalid upstream URL {s:?}: must not have a query"));
     }
+    if uri.authority().is_some_and(|a| a.as_str().contains('@')) {
+        return Err(
+            "invalid upstream URL: credentials (user:password@) are not supported; the upstream sees the client's own headers".to_string(),
+        );
+    }
     Ok(uri)
 }
 
@@ -464,10 +478,10 @@ impl Config {
                 listen,
                 upstream,
                 upstream_timeout,
-                upstream_connect_timeout: dur(
-                    s.upstream_connect_timeout,
-                    DEFAULT_UPSTREAM_CONNECT_TIMEOUT,
-                ),
+                upstream_connect_timeout: nonzero(
+                    "server.upstream_connect_timeout",
+                    dur(s.upstream_connect_timeout, DEFAULT_UPSTREAM_CONNECT_TIMEOUT),
+                )?,
                 upstream_pool_idle_timeout: dur(
                     s.upstream_pool_idle_timeout,
                     DEFAULT_UPSTREAM_POOL_IDLE_TIMEOUT,
@@ -476,9 +490,17 @@ impl Config {
                     .upstream_pool_max_idle
                     .unwrap_or(DEFAULT_UPSTREAM_POOL_MAX_IDLE),
                 max_connections,
-                header_read_timeout: dur(s.header_read_timeout, DEFAULT_HEADER_READ_TIMEOUT),
+                header_read_timeout: nonzero(
+                    "server.header_read_timeout",
+                    dur(s.header_read_timeout, DEFAULT_HEADER_READ_TIMEOUT),
+                )?,
+                request_body_timeout: nonzero(
+                    "server.request_body_timeout",
+                    dur(s.request_body_timeout, DEFAULT_REQUEST_BODY_TIMEOUT),
+                )?,
                 shutdown_grace: dur(s.shutdown_grace, DEFAULT_SHUTDOWN_GRACE),
                 preserve_host: s.preserve_host.unwrap_or(false),
+                trust_forwarded_headers: s.trust_forwarded_headers.unwrap_or(false),
             }
         };
 
@@ -832,6 +854,14 @@ fn resolve_route(
             .or(defaults.on_store_error)
             .unwrap_or(OnStoreError::Reject),
     })
+}
+
+fn nonzero(key: &str, d: Duration) -> Result<Duration, String> {
+    if d.is_zero() {
+        Err(format!("{key} must be greater than 0"))
+    } else {
+        Ok(d)
+    }
 }
 
 fn dur(v: Option<HumanDuration>, default: Duration) -> Duration {

@@ -20,6 +20,8 @@ pub enum ProxyError {
     BodyTooLarge { limit: u64 },
     #[error("the request body could not be read: {0}")]
     BodyRead(String),
+    #[error("the request body did not arrive in time")]
+    BodyTimeout,
     #[error("a request with this key is still being processed")]
     InFlight { retry_after_secs: u64 },
     #[error("this key was already used for a different request")]
@@ -56,6 +58,7 @@ impl ProxyError {
             | ProxyError::InvalidKey { .. }
             | ProxyError::BodyTooLarge { .. }
             | ProxyError::BodyRead(_)
+            | ProxyError::BodyTimeout
             | ProxyError::InFlight { .. }
             | ProxyError::Mismatch
             | ProxyError::NotReplayable { .. } => Origin::Client,

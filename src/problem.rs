@@ -60,6 +60,12 @@ impl Problem {
                 "Request body could not be read",
                 Outcome::InvalidRequest,
             ),
+            ProxyError::BodyTimeout => p(
+                StatusCode::REQUEST_TIMEOUT,
+                "body-timeout",
+                "Request body timed out",
+                Outcome::InvalidRequest,
+            ),
             ProxyError::InFlight { retry_after_secs } => Problem {
                 retry_after_secs: Some(*retry_after_secs),
                 ..p(
@@ -128,11 +134,6 @@ impl Problem {
         }
     }
 
-    /// The response for `err`.
-    pub fn response(err: &ProxyError) -> Response<ProxyBody> {
-        Self::from_error(err).into_response()
-    }
-
     pub fn into_response(self) -> Response<ProxyBody> {
         let body = serde_json::json!({
             "type": format!("{TYPE_BASE}{}", self.slug),
@@ -194,6 +195,7 @@ mod tests {
                 None,
             ),
             (ProxyError::BodyTooLarge { limit: 10 }, 413, None),
+            (ProxyError::BodyTimeout, 408, None),
             (
                 ProxyError::InFlight {
                     retry_after_secs: 7,

@@ -61,6 +61,7 @@ pub struct Proxy {
     routes: RouteTable,
     store: Arc<dyn Store>,
     store_timeout: Duration,
+    request_body_timeout: Duration,
     forwarder: Forwarder,
     metrics: Arc<Metrics>,
     /// Detached upstream executions; shutdown waits for them.
@@ -74,6 +75,7 @@ impl Proxy {
         routes: RouteTable,
         store: Arc<dyn Store>,
         store_timeout: Duration,
+        request_body_timeout: Duration,
         forwarder: Forwarder,
         metrics: Arc<Metrics>,
     ) -> Self {
@@ -81,6 +83,7 @@ impl Proxy {
             routes,
             store,
             store_timeout,
+            request_body_timeout,
             forwarder,
             metrics,
             tasks: TaskTracker::new(),
@@ -166,7 +169,11 @@ impl Proxy {
             }
             return Err(too_large);
         }
-        let body = match read_limited(&mut body, route.max_request_body).await {
+        let read = read_limited(&mut body, route.max_request_body);
+        let Ok(read) = tokio::time::timeout(self.request_body_timeout, read).await else {
+            return Err(ProxyError::BodyTimeout);
+        };
+        let body = match read {
             Ok(bytes) => bytes,
             Err(ReadError::TooLarge) => {
                 drain(&mut body, DRAIN_MAX_BYTES, DRAIN_MAX_TIME).await;

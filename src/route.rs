@@ -143,23 +143,24 @@ pub fn normalize_path(path: &str) -> std::borrow::Cow<'_, str> {
 
 fn decode_unreserved(path: &str) -> String {
     let bytes = path.as_bytes();
-    let mut out = String::with_capacity(path.len());
+    // Work on bytes: paths may hold UTF-8, and decoded bytes are ASCII.
+    let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while i < bytes.len() {
         if bytes[i] == b'%' && i + 2 < bytes.len() {
             let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).ok();
             if let Some(b) = hex.and_then(|h| u8::from_str_radix(h, 16).ok()) {
                 if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
-                    out.push(b as char);
+                    out.push(b);
                     i += 3;
                     continue;
                 }
             }
         }
-        out.push(bytes[i] as char);
+        out.push(bytes[i]);
         i += 1;
     }
-    out
+    String::from_utf8(out).unwrap_or_else(|_| path.to_string())
 }
 
 /// The protected routes, in config order.
@@ -235,6 +236,8 @@ mod tests {
             ("/../a", "/a"),
             ("/%41%7e%2F", "/A~%2F"),
             ("/100%", "/100%"),
+            ("/größe/", "/größe"),
+            ("//größe/%41", "/größe/A"),
             ("/%zz", "/%zz"),
         ] {
             assert_eq!(normalize_path(raw), want, "{raw}");

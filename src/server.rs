@@ -22,6 +22,9 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+const H2_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
+const H2_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Accept errors (EMFILE and friends) back off instead of spinning.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 
@@ -70,10 +73,12 @@ pub async fn serve(
         config.routes.clone(),
         store.clone(),
         proxy_store_timeout(&config),
+        config.server.request_body_timeout,
         forwarder,
         metrics.clone(),
     ));
     let stop = CancellationToken::new();
+    let draining = Arc::new(std::sync::atomic::AtomicBool::new(false));
 
     let sweeper = tokio::spawn(sweep_loop(
         store.clone(),
@@ -86,6 +91,7 @@ pub async fn serve(
         let admin = Arc::new(Admin {
             store: store.clone(),
             metrics: metrics.clone(),
+            draining: draining.clone(),
         });
         info!(addr = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(), "admin listening");
         tokio::spawn(admin_loop(listener, admin, stop.clone()))
@@ -105,7 +111,13 @@ pub async fn serve(
         .timer(TokioTimer::new())
         .header_read_timeout(config.server.header_read_timeout)
         .keep_alive(true);
-    builder.http2().timer(TokioTimer::new());
+    // Pings find dead h2 peers; idle HTTP/1 connections end with
+    // header_read_timeout.
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .keep_alive_interval(Some(H2_KEEPALIVE_INTERVAL))
+        .keep_alive_timeout(H2_KEEPALIVE_TIMEOUT);
     let connections = Arc::new(Semaphore::new(config.server.max_connections));
     let listener = listeners.proxy;
     tokio::pin!(shutdown);
@@ -144,6 +156,7 @@ pub async fn serve(
         });
     }
     drop(listener);
+    draining.store(true, std::sync::atomic::Ordering::Relaxed);
     info!(grace = ?config.server.shutdown_grace, "shutting down: no new connections, draining");
     let deadline = tokio::time::Instant::now() + config.server.shutdown_grace;
     if tokio::time::timeout_at(deadline, graceful.shutdown())

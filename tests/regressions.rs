@@ -99,3 +99,90 @@ async fn a_claim_that_times_out_does_not_block_its_key_for_a_lease() {
     assert_eq!(retry.status(), 201, "{}", retry.text());
     assert_eq!(up.hits(ORDERS), 1);
 }
+
+/// Pins: a client-sent `X-Forwarded-Host` reached the upstream, which could
+/// build links to a host of the client's choosing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_forwarded_host_and_proto_are_overwritten_unless_trusted() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start(Backend::Memory, up.addr, &[]).await;
+    proxy
+        .get("/anything")
+        .header("host", "api.example")
+        .header("x-forwarded-host", "evil.example")
+        .header("x-forwarded-proto", "https")
+        .send()
+        .await;
+    let seen = up.last();
+    assert_eq!(seen.headers["x-forwarded-host"], "api.example");
+    assert_eq!(seen.headers["x-forwarded-proto"], "http");
+
+    let trusting = Proxy::builder(Backend::Memory, up.addr)
+        .server("trust_forwarded_headers = true")
+        .start()
+        .await;
+    trusting
+        .get("/anything")
+        .header("x-forwarded-host", "shop.example")
+        .header("x-forwarded-proto", "https")
+        .send()
+        .await;
+    let seen = up.last();
+    assert_eq!(seen.headers["x-forwarded-host"], "shop.example");
+    assert_eq!(seen.headers["x-forwarded-proto"], "https");
+}
+
+/// Pins: a protected body trickled in slowly pinned its connection and
+/// buffer with no time limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_protected_body_that_stalls_gets_408_and_is_not_forwarded() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let up = Upstream::start().await;
+    let proxy = Proxy::builder(Backend::Memory, up.addr)
+        .server("request_body_timeout = \"300ms\"")
+        .start()
+        .await;
+    let mut conn = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    conn.write_all(
+        b"POST /orders HTTP/1.1\r\nhost: x\r\nidempotency-key: k-stall\r\ncontent-length: 100\r\n\r\n0123456789",
+    )
+    .await
+    .unwrap();
+    let mut answer = Vec::new();
+    support::bounded("the 408", conn.read_to_end(&mut answer))
+        .await
+        .unwrap();
+    let text = String::from_utf8_lossy(&answer);
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+    assert!(text.contains("application/problem+json"), "{text}");
+    assert_eq!(up.total_hits(), 0);
+}
+
+/// Pins: `/readyz` kept answering 200 while a shutdown drained, so load
+/// balancers kept sending traffic to a proxy that no longer accepted it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_fails_as_soon_as_a_graceful_shutdown_starts() {
+    let up = Upstream::start().await;
+    let mut proxy = Proxy::builder(Backend::Memory, up.addr)
+        .admin()
+        .start()
+        .await;
+    assert_eq!(proxy.admin_get("/readyz").send().await.status(), 200);
+    up.push(support::Action::Delay(std::time::Duration::from_millis(
+        1500,
+    )));
+    let slow = tokio::spawn(proxy.post(ORDERS).key("k-drain").body("{}").send());
+    up.wait_hits(ORDERS, 1).await;
+    proxy.signal_shutdown();
+    support::wait_for("readiness to fail during the drain", || async {
+        let r = proxy.admin_get("/readyz").try_send().await.ok()?;
+        (r.status() == 503).then_some(())
+    })
+    .await;
+    assert_eq!(
+        slow.await.unwrap().status(),
+        201,
+        "the in-flight request finishes"
+    );
+    proxy.stopped().await;
+}

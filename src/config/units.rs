@@ -16,6 +16,9 @@ pub struct HumanDuration(pub Duration);
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct ByteSize(pub u64);
 
+/// Longer than any sensible ttl, and far from overflowing a deadline.
+const MAX_DURATION_MS: u64 = 365 * 86_400_000;
+
 /// Parses `<digits><unit>` where unit is one of ms, s, m, h, d.
 pub fn parse_duration(input: &str) -> Result<Duration, String> {
     let s = input.trim();
@@ -51,7 +54,8 @@ pub fn parse_duration(input: &str) -> Result<Duration, String> {
     };
     let millis = n
         .checked_mul(millis_per_unit)
-        .ok_or_else(|| format!("invalid duration {input:?}: too large"))?;
+        .filter(|&ms| ms <= MAX_DURATION_MS)
+        .ok_or_else(|| format!("invalid duration {input:?}: at most 365d"))?;
     Ok(Duration::from_millis(millis))
 }
 

@@ -1,7 +1,7 @@
 //! The upstream client: a pooled keep-alive hyper-util client, request
 //! rewriting (URI, `Host`, hop-by-hop, `X-Forwarded-*`) and timeouts.
 
-use super::headers::{add_forwarded, strip_hop_by_hop};
+use super::headers::{add_forwarded, join_cookies, strip_hop_by_hop};
 use crate::body::ProxyBody;
 use crate::config::ServerConfig;
 use http::uri::{PathAndQuery, Uri};
@@ -33,6 +33,7 @@ pub struct Forwarder {
     upstream: Uri,
     timeout: Duration,
     preserve_host: bool,
+    trust_forwarded: bool,
 }
 
 impl Forwarder {
@@ -53,6 +54,7 @@ impl Forwarder {
             upstream: cfg.upstream.clone(),
             timeout: cfg.upstream_timeout,
             preserve_host: cfg.preserve_host,
+            trust_forwarded: cfg.trust_forwarded_headers,
         }
     }
 
@@ -76,7 +78,8 @@ impl Forwarder {
         *req.version_mut() = http::Version::HTTP_11;
         let headers = req.headers_mut();
         strip_hop_by_hop(headers);
-        add_forwarded(headers, peer, original_host.clone());
+        add_forwarded(headers, peer, original_host.clone(), self.trust_forwarded);
+        join_cookies(headers);
         if !self.preserve_host || original_host.is_none() {
             if let Some(auth) = self.upstream.authority() {
                 if let Ok(v) = HeaderValue::from_str(auth.as_str()) {

@@ -35,24 +35,58 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     headers.remove(header::UPGRADE);
 }
 
-/// Adds `X-Forwarded-For/-Proto/-Host` for the upstream.
-pub fn add_forwarded(headers: &mut HeaderMap, peer: SocketAddr, host: Option<HeaderValue>) {
+/// Adds `X-Forwarded-For/-Proto/-Host` for the upstream. The client's
+/// address is appended to every `X-Forwarded-For` line it sent (joined into
+/// one). `-Proto` and `-Host` from the client are kept only with `trust`
+/// (idemgate behind a proxy that sets them); otherwise a client could make
+/// the upstream build links to a host of its choosing.
+pub fn add_forwarded(
+    headers: &mut HeaderMap,
+    peer: SocketAddr,
+    host: Option<HeaderValue>,
+    trust: bool,
+) {
     const XFF: HeaderName = HeaderName::from_static("x-forwarded-for");
     const XFP: HeaderName = HeaderName::from_static("x-forwarded-proto");
     const XFH: HeaderName = HeaderName::from_static("x-forwarded-host");
-    let ip = peer.ip().to_string();
-    let xff = match headers.get(&XFF).and_then(|v| v.to_str().ok()) {
-        Some(prev) => format!("{prev}, {ip}"),
-        None => ip,
-    };
-    if let Ok(v) = HeaderValue::from_str(&xff) {
+    let mut chain: Vec<String> = headers
+        .get_all(&XFF)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .map(str::to_string)
+        .collect();
+    chain.push(peer.ip().to_string());
+    if let Ok(v) = HeaderValue::from_str(&chain.join(", ")) {
         headers.insert(XFF, v);
     }
-    headers.insert(XFP, HeaderValue::from_static("http"));
-    if let Some(host) = host {
-        if !headers.contains_key(&XFH) {
-            headers.insert(XFH, host);
+    if !(trust && headers.contains_key(&XFP)) {
+        headers.insert(XFP, HeaderValue::from_static("http"));
+    }
+    if !(trust && headers.contains_key(&XFH)) {
+        match host {
+            Some(host) => {
+                headers.insert(XFH, host);
+            }
+            None => {
+                headers.remove(&XFH);
+            }
         }
+    }
+}
+
+/// RFC 9113 §8.2.3: an HTTP/2 client may split `Cookie` into several
+/// fields; they must be joined with "; " before going out as HTTP/1.1.
+pub fn join_cookies(headers: &mut HeaderMap) {
+    if headers.get_all(header::COOKIE).iter().count() < 2 {
+        return;
+    }
+    let joined: Vec<&[u8]> = headers
+        .get_all(header::COOKIE)
+        .iter()
+        .map(HeaderValue::as_bytes)
+        .collect();
+    if let Ok(v) = HeaderValue::from_bytes(&joined.join(&b"; "[..])) {
+        headers.insert(header::COOKIE, v);
     }
 }
 
@@ -110,17 +144,36 @@ mod tests {
     }
 
     #[test]
-    fn forwarded_headers_append_to_an_existing_chain() {
+    fn forwarded_headers_append_to_every_existing_line() {
         let mut h = HeaderMap::new();
-        h.insert("x-forwarded-for", "203.0.113.7".parse().unwrap());
-        add_forwarded(
-            &mut h,
-            "127.0.0.1:5000".parse().unwrap(),
-            Some(HeaderValue::from_static("api.example")),
+        h.append("x-forwarded-for", "203.0.113.7".parse().unwrap());
+        h.append("x-forwarded-for", "198.51.100.2".parse().unwrap());
+        h.insert("x-forwarded-host", "evil.example".parse().unwrap());
+        h.insert("x-forwarded-proto", "https".parse().unwrap());
+        let peer = "127.0.0.1:5000".parse().unwrap();
+        let host = Some(HeaderValue::from_static("api.example"));
+        let mut untrusted = h.clone();
+        add_forwarded(&mut untrusted, peer, host.clone(), false);
+        assert_eq!(
+            untrusted["x-forwarded-for"],
+            "203.0.113.7, 198.51.100.2, 127.0.0.1"
         );
-        assert_eq!(h["x-forwarded-for"], "203.0.113.7, 127.0.0.1");
-        assert_eq!(h["x-forwarded-proto"], "http");
-        assert_eq!(h["x-forwarded-host"], "api.example");
+        assert_eq!(untrusted["x-forwarded-proto"], "http");
+        assert_eq!(untrusted["x-forwarded-host"], "api.example");
+        let mut trusted = h;
+        add_forwarded(&mut trusted, peer, host, true);
+        assert_eq!(trusted["x-forwarded-proto"], "https");
+        assert_eq!(trusted["x-forwarded-host"], "evil.example");
+    }
+
+    #[test]
+    fn split_cookies_are_joined() {
+        let mut h = HeaderMap::new();
+        h.append(header::COOKIE, "a=1".parse().unwrap());
+        h.append(header::COOKIE, "b=2".parse().unwrap());
+        join_cookies(&mut h);
+        assert_eq!(h.get_all(header::COOKIE).iter().count(), 1);
+        assert_eq!(h[header::COOKIE], "a=1; b=2");
     }
 
     #[test]
