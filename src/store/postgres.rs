@@ -286,6 +286,22 @@ impl PostgresStore {
     fn deadline(&self) -> Instant {
         Instant::now() + self.timeout
     }
+
+    /// One prepared statement that returns a row count, within the deadline.
+    async fn execute(
+        &self,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> Result<u64, StoreError> {
+        let deadline = self.deadline();
+        let client = self.checkout(deadline).await?;
+        let res = tokio::time::timeout_at(deadline, async {
+            let stmt = client.prepare_cached(sql).await?;
+            client.execute(&stmt, params).await
+        })
+        .await;
+        settle(client, res)
+    }
 }
 
 /// Ends a call: on a timeout the connection may be wedged mid-statement, so
@@ -409,24 +425,17 @@ impl Store for PostgresStore {
         token: &LeaseToken,
         locked_until: UnixMillis,
     ) -> Result<Fence, StoreError> {
-        let deadline = self.deadline();
-        let client = self.checkout(deadline).await?;
-        let res = tokio::time::timeout_at(deadline, async {
-            let stmt = client.prepare_cached(&self.sql.renew).await?;
-            client
-                .execute(
-                    &stmt,
-                    &[
-                        &&key.scope.0[..],
-                        &&key.key[..],
-                        &&token.0[..],
-                        &locked_until,
-                    ],
-                )
-                .await
-        })
-        .await;
-        settle(client, res).map(fence)
+        self.execute(
+            &self.sql.renew,
+            &[
+                &&key.scope.0[..],
+                &&key.key[..],
+                &&token.0[..],
+                &locked_until,
+            ],
+        )
+        .await
+        .map(fence)
     }
 
     async fn complete(
@@ -447,41 +456,30 @@ impl Store for PostgresStore {
                 Completion::Unstored { status } => ("unstored", *status, None, None),
             };
         let status = i32::from(status);
-        let deadline = self.deadline();
-        let client = self.checkout(deadline).await?;
-        let res = tokio::time::timeout_at(deadline, async {
-            let stmt = client.prepare_cached(&self.sql.complete).await?;
-            client
-                .execute(
-                    &stmt,
-                    &[
-                        &&key.scope.0[..],
-                        &&key.key[..],
-                        &&token.0[..],
-                        &state,
-                        &status,
-                        &headers,
-                        &body,
-                        &expires_at,
-                    ],
-                )
-                .await
-        })
-        .await;
-        settle(client, res).map(fence)
+        self.execute(
+            &self.sql.complete,
+            &[
+                &&key.scope.0[..],
+                &&key.key[..],
+                &&token.0[..],
+                &state,
+                &status,
+                &headers,
+                &body,
+                &expires_at,
+            ],
+        )
+        .await
+        .map(fence)
     }
 
     async fn release(&self, key: &RecordKey, token: &LeaseToken) -> Result<Fence, StoreError> {
-        let deadline = self.deadline();
-        let client = self.checkout(deadline).await?;
-        let res = tokio::time::timeout_at(deadline, async {
-            let stmt = client.prepare_cached(&self.sql.release).await?;
-            client
-                .execute(&stmt, &[&&key.scope.0[..], &&key.key[..], &&token.0[..]])
-                .await
-        })
-        .await;
-        settle(client, res).map(fence)
+        self.execute(
+            &self.sql.release,
+            &[&&key.scope.0[..], &&key.key[..], &&token.0[..]],
+        )
+        .await
+        .map(fence)
     }
 
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
@@ -498,16 +496,9 @@ impl Store for PostgresStore {
     }
 
     async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
-        let deadline = self.deadline();
-        let client = self.checkout(deadline).await?;
-        let res = tokio::time::timeout_at(deadline, async {
-            let stmt = client.prepare_cached(&self.sql.delete).await?;
-            client
-                .execute(&stmt, &[&&key.scope.0[..], &&key.key[..]])
-                .await
-        })
-        .await;
-        settle(client, res).map(|n| n > 0)
+        self.execute(&self.sql.delete, &[&&key.scope.0[..], &&key.key[..]])
+            .await
+            .map(|n| n > 0)
     }
 
     async fn sweep(&self, now: UnixMillis, batch: u32) -> Result<u64, StoreError> {
