@@ -130,6 +130,17 @@ pub enum Fence {
     Lost,
 }
 
+impl Fence {
+    /// A fenced statement touches the one row its token owns, or none.
+    pub fn from_rows(rows: u64) -> Self {
+        if rows == 1 {
+            Fence::Held
+        } else {
+            Fence::Lost
+        }
+    }
+}
+
 /// What a holder writes when the upstream has answered.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Completion {

@@ -341,14 +341,6 @@ fn pool_err(e: PoolError) -> StoreError {
     }
 }
 
-fn fence(rows: u64) -> Fence {
-    if rows == 1 {
-        Fence::Held
-    } else {
-        Fence::Lost
-    }
-}
-
 /// Whether a claim at `now` would take `record` over. A record read back
 /// after a claim found a live one may have changed in between; then the
 /// claim is retried rather than reporting a record that is no longer live.
@@ -435,7 +427,7 @@ impl Store for PostgresStore {
             ],
         )
         .await
-        .map(fence)
+        .map(Fence::from_rows)
     }
 
     async fn complete(
@@ -470,7 +462,7 @@ impl Store for PostgresStore {
             ],
         )
         .await
-        .map(fence)
+        .map(Fence::from_rows)
     }
 
     async fn release(&self, key: &RecordKey, token: &LeaseToken) -> Result<Fence, StoreError> {
@@ -479,7 +471,7 @@ impl Store for PostgresStore {
             &[&&key.scope.0[..], &&key.key[..], &&token.0[..]],
         )
         .await
-        .map(fence)
+        .map(Fence::from_rows)
     }
 
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {

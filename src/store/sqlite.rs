@@ -218,7 +218,7 @@ impl Store for SqliteStore {
                     locked_until
                 ])
                 .map_err(db_err)?;
-            Ok(fence(n))
+            Ok(Fence::from_rows(n as u64))
         })
         .await
     }
@@ -258,7 +258,7 @@ impl Store for SqliteStore {
                     expires_at
                 ])
                 .map_err(db_err)?;
-            Ok(fence(n))
+            Ok(Fence::from_rows(n as u64))
         })
         .await
     }
@@ -271,7 +271,7 @@ impl Store for SqliteStore {
                 .map_err(db_err)?
                 .execute(params![&key.scope.0[..], &key.key[..], &token.0[..]])
                 .map_err(db_err)?;
-            Ok(fence(n))
+            Ok(Fence::from_rows(n as u64))
         })
         .await
     }
@@ -319,13 +319,5 @@ impl Store for SqliteStore {
 
     fn backend(&self) -> &'static str {
         "sqlite"
-    }
-}
-
-fn fence(rows: usize) -> Fence {
-    if rows == 1 {
-        Fence::Held
-    } else {
-        Fence::Lost
     }
 }
