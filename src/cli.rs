@@ -34,7 +34,7 @@ pub enum Command {
         /// Where the proxy listens.
         #[arg(long, default_value = "127.0.0.1:8080")]
         listen: SocketAddr,
-        /// The SQLite file the demo uses.
+        /// The SQLite file the demo uses (reset at start, like the demo API).
         #[arg(long, default_value = "data/demo.db")]
         db: PathBuf,
     },

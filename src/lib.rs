@@ -50,17 +50,28 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
 /// `idemgate demo`: the demo orders API on an ephemeral port, the proxy in
 /// front of it on `listen`, SQLite at `db`.
 pub async fn run_demo(listen: std::net::SocketAddr, db: std::path::PathBuf) -> anyhow::Result<()> {
+    // The demo API keeps its orders in memory, so the demo's keys start
+    // fresh too: an old run's keys would replay orders the API forgot.
+    for suffix in ["", "-wal", "-shm"] {
+        let mut f = db.clone().into_os_string();
+        f.push(suffix);
+        match std::fs::remove_file(&f) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => anyhow::bail!("cannot reset the demo store {}: {e}", db.display()),
+        }
+    }
     let api = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let api_addr = api.local_addr()?;
     tokio::spawn(demo::serve_orders_api(api));
     let text = demo::demo_config(listen, api_addr, &db);
     let config = Config::parse(&text, "<demo>")?;
-    let store = store::open(&config)
+    let metrics = Arc::new(metrics::Metrics::new());
+    let store = store::open_with_metrics(&config, &metrics)
         .await
         .context("cannot open the store")?;
     let listeners = server::Listeners::bind(&config).await?;
     println!("{}", demo::walkthrough(listeners.proxy.local_addr()?));
-    let metrics = Arc::new(metrics::Metrics::new());
     server::serve(config, store, metrics, listeners, shutdown::signal()).await
 }
 
