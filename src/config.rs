@@ -7,8 +7,9 @@
 //! constant; `config/idemgate.toml` lists them all and a test parses it.
 //!
 //! Secrets do not have to sit in the file: `IDEMGATE_STORE_URL` and
-//! `IDEMGATE_REDIS_URL` override `store.url` and `redis.url`, and
-//! `IDEMGATE_UPSTREAM` and `IDEMGATE_LISTEN` override the server addresses.
+//! `IDEMGATE_REDIS_URL` override `store.url` and `redis.url`,
+//! `IDEMGATE_UPSTREAM` and `IDEMGATE_LISTEN` override the server addresses,
+//! and `IDEMGATE_SCOPE_SECRET` (environment only) keys the scope digests.
 
 pub mod units;
 
@@ -175,6 +176,8 @@ struct RawRouteSettings {
 /// The whole, validated configuration.
 #[derive(Clone, Debug)]
 pub struct Config {
+    /// Key for the scope digests (`IDEMGATE_SCOPE_SECRET`); never printed.
+    pub scope_secret: Option<Secret>,
     pub server: ServerConfig,
     pub admin: Option<AdminConfig>,
     pub store: StoreConfig,
@@ -312,6 +315,22 @@ pub struct RouteConfig {
     pub include_response_headers: Vec<HeaderName>,
     pub exclude_response_headers: Vec<HeaderName>,
     pub on_store_error: OnStoreError,
+}
+
+/// Bytes that never show up in `Debug` output or logs.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(Vec<u8>);
+
+impl Secret {
+    pub fn expose(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(****)")
+    }
 }
 
 // ===== value types that validate while parsing =====
@@ -662,7 +681,18 @@ impl Config {
             routes.push(route);
         }
 
+        let scope_secret = env_get("IDEMGATE_SCOPE_SECRET")
+            .map(|v| {
+                if v.len() < 16 {
+                    Err("IDEMGATE_SCOPE_SECRET must be at least 16 characters".to_string())
+                } else {
+                    Ok(Secret(v.into_bytes()))
+                }
+            })
+            .transpose()?;
+
         Ok(Config {
+            scope_secret,
             server,
             admin,
             store,
@@ -734,6 +764,14 @@ impl Config {
                 d(r.timeout)
             ));
         }
+        out.push_str(&format!(
+            "scopes     {}\n",
+            if self.scope_secret.is_some() {
+                "HMAC-SHA256 with IDEMGATE_SCOPE_SECRET"
+            } else {
+                "SHA-256 (set IDEMGATE_SCOPE_SECRET to key them)"
+            }
+        ));
         out.push_str("routes:\n");
         let routes: Vec<_> = self.routes.iter().collect();
         if routes.is_empty() {

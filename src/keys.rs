@@ -18,10 +18,11 @@ pub enum ScopeArg {
 }
 
 impl ScopeArg {
-    pub fn resolve(&self) -> Result<Scope, String> {
+    /// `secret` must be the proxy's `IDEMGATE_SCOPE_SECRET`, if it has one.
+    pub fn resolve(&self, secret: Option<&[u8]>) -> Result<Scope, String> {
         match self {
-            ScopeArg::HeaderValue(v) => Ok(Scope::from_header_value(Some(v.as_bytes()))),
-            ScopeArg::Anonymous => Ok(Scope::from_header_value(None)),
+            ScopeArg::HeaderValue(v) => Ok(Scope::derive(Some(v.as_bytes()), secret)),
+            ScopeArg::Anonymous => Ok(Scope::derive(None, secret)),
             ScopeArg::Hash(h) => {
                 let bytes = hex::decode(h.trim())
                     .map_err(|_| format!("--scope {h:?}: expected 64 hex characters"))?;
@@ -35,9 +36,9 @@ impl ScopeArg {
 }
 
 /// The record key for `key` in `scope`.
-pub fn record_key(key: &str, scope: &ScopeArg) -> Result<RecordKey, String> {
+pub fn record_key(key: &str, scope: &ScopeArg, secret: Option<&[u8]>) -> Result<RecordKey, String> {
     let key = IdempotencyKey::parse(key.as_bytes()).map_err(|e| format!("invalid key: {e}"))?;
-    Ok(RecordKey::new(scope.resolve()?, &key))
+    Ok(RecordKey::new(scope.resolve(secret)?, &key))
 }
 
 /// Human-readable description of a record (or of its absence).
@@ -147,8 +148,8 @@ mod tests {
     async fn show_delete_and_purge_work_on_a_store() {
         let store = MemoryStore::new();
         let scope = ScopeArg::HeaderValue("Bearer t".into());
-        let key = record_key("\"k-1\"", &scope).unwrap();
-        assert_eq!(key, record_key("k-1", &scope).unwrap());
+        let key = record_key("\"k-1\"", &scope, None).unwrap();
+        assert_eq!(key, record_key("k-1", &scope, None).unwrap());
         let token = LeaseToken::random();
         let now = now_millis();
         store
@@ -186,8 +187,8 @@ mod tests {
 
     #[test]
     fn scope_hash_must_be_hex() {
-        assert!(ScopeArg::Hash("zz".into()).resolve().is_err());
+        assert!(ScopeArg::Hash("zz".into()).resolve(None).is_err());
         let s = Scope::from_header_value(None);
-        assert!(ScopeArg::Hash(s.to_hex()).resolve().unwrap() == s);
+        assert!(ScopeArg::Hash(s.to_hex()).resolve(None).unwrap() == s);
     }
 }

@@ -11,7 +11,7 @@ pub mod forward;
 pub mod headers;
 
 use crate::body::{boxed, drain, full, read_limited, Prefixed, ProxyBody, ReadError};
-use crate::config::{OnStoreError, RouteConfig};
+use crate::config::{OnStoreError, RouteConfig, Secret};
 use crate::error::{KeyFate, ProxyError};
 use crate::idempotency::{
     decide, settle, Decision, Fingerprint, IdempotencyKey, RecordKey, Scope, Settlement,
@@ -62,6 +62,7 @@ pub struct Proxy {
     store: Arc<dyn Store>,
     store_timeout: Duration,
     request_body_timeout: Duration,
+    scope_secret: Option<Secret>,
     forwarder: Forwarder,
     metrics: Arc<Metrics>,
     /// Detached upstream executions; shutdown waits for them.
@@ -76,6 +77,7 @@ impl Proxy {
         store: Arc<dyn Store>,
         store_timeout: Duration,
         request_body_timeout: Duration,
+        scope_secret: Option<Secret>,
         forwarder: Forwarder,
         metrics: Arc<Metrics>,
     ) -> Self {
@@ -84,6 +86,7 @@ impl Proxy {
             store,
             store_timeout,
             request_body_timeout,
+            scope_secret,
             forwarder,
             metrics,
             tasks: TaskTracker::new(),
@@ -183,11 +186,12 @@ impl Proxy {
         };
 
         let fingerprint = fingerprint_of(&parts, route, &body);
-        let scope = Scope::from_header_value(
+        let scope = Scope::derive(
             parts
                 .headers
                 .get(&route.scope_header)
                 .map(HeaderValue::as_bytes),
+            self.scope_secret.as_ref().map(Secret::expose),
         );
         let record_key = RecordKey::new(scope, &key);
         *key_id = Some(record_key.log_id());

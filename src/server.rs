@@ -74,6 +74,7 @@ pub async fn serve(
         store.clone(),
         proxy_store_timeout(&config),
         config.server.request_body_timeout,
+        config.scope_secret.clone(),
         forwarder,
         metrics.clone(),
     ));

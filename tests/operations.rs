@@ -1148,3 +1148,41 @@ async fn keys_commands_refuse_the_memory_store_and_malformed_keys_with_a_reason(
     assert_ne!(run.code, 0, "{}", run.stdout);
     assert!(run.stderr.contains("64 hex characters"), "{}", run.stderr);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_commands_find_keys_of_a_proxy_with_a_scope_secret_only_with_that_secret() {
+    const SECRET: (&str, &str) = ("IDEMGATE_SCOPE_SECRET", "ops-scope-secret-0123456789");
+    let up = Upstream::start().await;
+    let setup = Setup::sqlite(up.addr, "");
+    let gate = Gate::start(&setup.config, setup.listen, setup.admin, &[SECRET]).await;
+    let stored = gate
+        .post(ORDERS)
+        .header("authorization", CREDENTIAL)
+        .key("k-keyed")
+        .body(BODY)
+        .send()
+        .await;
+    assert_eq!(stored.status(), 201, "{}", stored.text());
+    let cfg = setup.config.to_str().unwrap();
+    let args = [
+        "keys",
+        "--config",
+        cfg,
+        "show",
+        "--scope-header-value",
+        CREDENTIAL,
+        "k-keyed",
+    ];
+    let with = idemgate(&args, &[SECRET]).await;
+    assert!(
+        with.stdout.contains("state        completed"),
+        "{}",
+        with.stdout
+    );
+    let without = idemgate(&args, &[]).await;
+    assert!(
+        without.stdout.starts_with("no record"),
+        "{}",
+        without.stdout
+    );
+}

@@ -251,3 +251,20 @@ fn deployment_configs_parse() {
     assert_eq!(cfg.routes.iter().count(), 2);
     assert!(cfg.admin.is_some());
 }
+
+#[test]
+fn scope_secret_comes_from_the_environment_and_is_never_shown() {
+    let env = |v: &str| -> BTreeMap<String, String> {
+        [("IDEMGATE_SCOPE_SECRET".to_string(), v.to_string())].into()
+    };
+    let short = Config::parse_with_env(MINIMAL, "t.toml", &env("short")).unwrap_err();
+    assert!(short.to_string().contains("at least 16"), "{short}");
+    let cfg = Config::parse_with_env(MINIMAL, "t.toml", &env("a-long-enough-secret")).unwrap();
+    assert_eq!(
+        cfg.scope_secret.as_ref().unwrap().expose(),
+        b"a-long-enough-secret"
+    );
+    assert!(cfg.describe().contains("HMAC-SHA256"));
+    assert!(!format!("{cfg:?}").contains("a-long-enough-secret"));
+    assert!(!cfg.describe().contains("a-long-enough-secret"));
+}

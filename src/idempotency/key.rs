@@ -120,16 +120,32 @@ impl Scope {
     /// The scope of a request whose scope header is `value` (None = absent,
     /// which is its own shared "anonymous" scope).
     pub fn from_header_value(value: Option<&[u8]>) -> Self {
-        let mut h = Sha256::new();
-        h.update(b"idemgate/scope/v1\0");
+        Self::derive(value, None)
+    }
+
+    /// With `secret` (from `IDEMGATE_SCOPE_SECRET`) the digest is an
+    /// HMAC-SHA256, so someone who can read the store or Redis key names
+    /// cannot test guessed credentials against it offline.
+    pub fn derive(value: Option<&[u8]>, secret: Option<&[u8]>) -> Self {
+        let mut input = Vec::with_capacity(20 + value.map_or(0, <[u8]>::len));
+        input.extend_from_slice(b"idemgate/scope/v1\0");
         match value {
             Some(v) => {
-                h.update([1]);
-                h.update(v);
+                input.push(1);
+                input.extend_from_slice(v);
             }
-            None => h.update([0]),
+            None => input.push(0),
         }
-        Self(h.finalize().into())
+        match secret {
+            None => Self(Sha256::digest(&input).into()),
+            Some(secret) => {
+                use hmac::{Hmac, Mac};
+                let mut mac = Hmac::<Sha256>::new_from_slice(secret)
+                    .expect("HMAC accepts keys of any length");
+                mac.update(&input);
+                Self(mac.finalize().into_bytes().into())
+            }
+        }
     }
 
     pub fn to_hex(&self) -> String {
@@ -240,6 +256,16 @@ mod tests {
         assert_ne!(a, b);
         assert_ne!(empty, absent);
         assert_eq!(a, Scope::from_header_value(Some(b"Bearer a")));
+    }
+
+    #[test]
+    fn a_scope_secret_changes_every_digest() {
+        let v = Some(b"Bearer a".as_slice());
+        let plain = Scope::from_header_value(v);
+        let keyed = Scope::derive(v, Some(b"s3cret"));
+        assert_ne!(plain, keyed);
+        assert_eq!(keyed, Scope::derive(v, Some(b"s3cret")));
+        assert_ne!(keyed, Scope::derive(v, Some(b"other")));
     }
 
     #[test]
