@@ -445,9 +445,13 @@ impl Config {
         file: &str,
         env: &BTreeMap<String, String>,
     ) -> Result<Self, ConfigError> {
-        let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError {
+        let mut raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError {
             file: file.to_string(),
             message: e.to_string().trim_end().to_string(),
+        })?;
+        overlay_env(&mut raw, env).map_err(|message| ConfigError {
+            file: file.to_string(),
+            message,
         })?;
         Self::from_raw(raw, text, env).map_err(|message| ConfigError {
             file: file.to_string(),
@@ -798,6 +802,63 @@ impl Config {
         }
         out
     }
+}
+
+/// `Some` fields of `$over` replace those of `$base`.
+macro_rules! overlay {
+    ($base:expr, $over:expr; $($field:ident),* $(,)?) => {
+        $( if $over.$field.is_some() { $base.$field = $over.$field; } )*
+    };
+}
+
+/// The environment rule: `IDEMGATE_<SECTION>_<KEY>` sets `key` in
+/// `[section]` (server, admin, store, redis, log), parsed as a TOML value
+/// or else taken as a string, e.g. `IDEMGATE_SERVER_UPSTREAM_TIMEOUT=5s`
+/// or `IDEMGATE_STORE_POOL_SIZE=32`. Routes and `[defaults]` come from the
+/// file only. `IDEMGATE_STORE_URL`/`IDEMGATE_REDIS_URL` follow the rule too
+/// but are applied (and masked) in [`Config::from_raw`].
+fn overlay_env(raw: &mut RawConfig, env: &BTreeMap<String, String>) -> Result<(), String> {
+    const SECTIONS: [&str; 5] = ["server", "admin", "store", "redis", "log"];
+    const URLS: [&str; 2] = ["IDEMGATE_STORE_URL", "IDEMGATE_REDIS_URL"];
+    for (name, value) in env {
+        if URLS.contains(&name.as_str()) || value.is_empty() {
+            continue;
+        }
+        let Some(rest) = name.strip_prefix("IDEMGATE_") else {
+            continue;
+        };
+        let Some((section, key)) = SECTIONS.iter().find_map(|s| {
+            rest.strip_prefix(&format!("{}_", s.to_ascii_uppercase()))
+                .map(|k| (*s, k.to_ascii_lowercase()))
+        }) else {
+            continue;
+        };
+        let literal = if toml::from_str::<toml::Table>(&format!("v = {value}")).is_ok() {
+            value.clone()
+        } else {
+            toml::Value::String(value.clone()).to_string()
+        };
+        let doc = format!("[{section}]\n{key} = {literal}\n");
+        let over: RawConfig = toml::from_str(&doc)
+            .map_err(|e| format!("{name}={value:?}: {}", e.message().trim_end()))?;
+        let (s, o) = (&mut raw.server, over.server);
+        overlay!(s, o; listen, upstream, upstream_timeout, upstream_connect_timeout,
+            upstream_pool_idle_timeout, upstream_pool_max_idle, max_connections,
+            header_read_timeout, request_body_timeout, shutdown_grace, preserve_host,
+            trust_forwarded_headers);
+        if let Some(o) = over.admin {
+            overlay!(raw.admin.get_or_insert_with(Default::default), o; listen);
+        }
+        let (s, o) = (&mut raw.store, over.store);
+        overlay!(s, o; backend, path, synchronous, schema, pool_size, connect_timeout,
+            statement_timeout, timeout, sweep_interval, sweep_batch);
+        if let Some(o) = over.redis {
+            overlay!(raw.redis.get_or_insert_with(Default::default), o; timeout, prefix);
+        }
+        let (s, o) = (&mut raw.log, over.log);
+        overlay!(s, o; format, level);
+    }
+    Ok(())
 }
 
 fn resolve_route(

@@ -268,3 +268,46 @@ fn scope_secret_comes_from_the_environment_and_is_never_shown() {
     assert!(!format!("{cfg:?}").contains("a-long-enough-secret"));
     assert!(!cfg.describe().contains("a-long-enough-secret"));
 }
+
+#[test]
+fn any_section_key_can_come_from_the_environment() {
+    let env: BTreeMap<String, String> = [
+        ("IDEMGATE_SERVER_UPSTREAM_TIMEOUT", "5s"),
+        ("IDEMGATE_SERVER_PRESERVE_HOST", "true"),
+        ("IDEMGATE_STORE_SWEEP_BATCH", "50"),
+        ("IDEMGATE_ADMIN_LISTEN", "127.0.0.1:9999"),
+        ("IDEMGATE_LOG_FORMAT", "json"),
+        (
+            "IDEMGATE_TEST_DATABASE_URL",
+            "ignored: not a config section",
+        ),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+    let cfg = Config::parse_with_env(MINIMAL, "t.toml", &env).unwrap();
+    assert_eq!(cfg.server.upstream_timeout, Duration::from_secs(5));
+    assert!(cfg.server.preserve_host);
+    assert_eq!(cfg.store.sweep_batch, 50);
+    assert_eq!(cfg.admin.unwrap().listen.to_string(), "127.0.0.1:9999");
+    assert_eq!(cfg.log.format, LogFormat::Json);
+
+    for (name, value, needle) in [
+        ("IDEMGATE_SERVER_COLOUR", "blue", "unknown field `colour`"),
+        ("IDEMGATE_SERVER_UPSTREAM_TIMEOUT", "30", "unit is required"),
+        (
+            "IDEMGATE_STORE_POOL_SIZE",
+            "many",
+            "IDEMGATE_STORE_POOL_SIZE",
+        ),
+    ] {
+        let env = [(name.to_string(), value.to_string())].into();
+        let e = Config::parse_with_env(MINIMAL, "t.toml", &env)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(name) && e.contains(needle),
+            "{needle:?} not in {e}"
+        );
+    }
+}
