@@ -483,6 +483,14 @@ impl Config {
                     .listen
                     .unwrap_or_else(|| DEFAULT_LISTEN.parse().expect("valid default")),
             };
+            for (alias, rule) in [
+                ("IDEMGATE_UPSTREAM", "IDEMGATE_SERVER_UPSTREAM"),
+                ("IDEMGATE_LISTEN", "IDEMGATE_SERVER_LISTEN"),
+            ] {
+                if env_get(alias).is_some() && env_get(rule).is_some() {
+                    return Err(format!("both {alias} and {rule} are set; set one"));
+                }
+            }
             let upstream = match env_get("IDEMGATE_UPSTREAM") {
                 Some(v) => parse_upstream(&v).map_err(|e| format!("IDEMGATE_UPSTREAM: {e}"))?,
                 None => s.upstream.map(|u| u.0).ok_or(
@@ -833,14 +841,21 @@ fn overlay_env(raw: &mut RawConfig, env: &BTreeMap<String, String>) -> Result<()
         }) else {
             continue;
         };
-        let literal = if toml::from_str::<toml::Table>(&format!("v = {value}")).is_ok() {
-            value.clone()
-        } else {
-            toml::Value::String(value.clone()).to_string()
-        };
-        let doc = format!("[{section}]\n{key} = {literal}\n");
-        let over: RawConfig = toml::from_str(&doc)
-            .map_err(|e| format!("{name}={value:?}: {}", e.message().trim_end()))?;
+        // Parsed as one TOML value on its own (a newline cannot smuggle in
+        // other keys), or taken as a string. Errors leave the value out: it
+        // may be a secret set under the wrong name.
+        let parsed = toml::from_str::<toml::Table>(&format!("v = {value}"))
+            .ok()
+            .filter(|t| t.len() == 1)
+            .and_then(|mut t| t.remove("v"));
+        let value = parsed.unwrap_or_else(|| toml::Value::String(value.clone()));
+        let mut section_table = toml::Table::new();
+        section_table.insert(key.clone(), value);
+        let mut doc = toml::Table::new();
+        doc.insert(section.to_string(), toml::Value::Table(section_table));
+        let over: RawConfig = doc
+            .try_into()
+            .map_err(|e: toml::de::Error| format!("{name}: {}", e.message().trim_end()))?;
         let (s, o) = (&mut raw.server, over.server);
         overlay!(s, o; listen, upstream, upstream_timeout, upstream_connect_timeout,
             upstream_pool_idle_timeout, upstream_pool_max_idle, max_connections,

@@ -80,6 +80,8 @@ pub enum KeyFate {
     Released,
     /// The store could not be told: retries get 409 until the lease runs out.
     Locked,
+    /// The lease had run out and another request holds the key now.
+    TakenOver,
     /// The upstream had already answered (status below 500) when the body
     /// failed: it executed, so the key stays completed and never runs again.
     Kept,

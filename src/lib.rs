@@ -52,6 +52,17 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
 pub async fn run_demo(listen: std::net::SocketAddr, db: std::path::PathBuf) -> anyhow::Result<()> {
     // The demo API keeps its orders in memory, so the demo's keys start
     // fresh too: an old run's keys would replay orders the API forgot.
+    // Only a file named as a demo store is ever reset.
+    let is_demo_file = db
+        .file_name()
+        .and_then(|n| n.to_str())
+        .is_some_and(|n| n.contains("demo"));
+    if !is_demo_file {
+        anyhow::bail!(
+            "demo resets its store at start; give --db a file whose name contains \"demo\" (not {})",
+            db.display()
+        );
+    }
     for suffix in ["", "-wal", "-shm"] {
         let mut f = db.clone().into_os_string();
         f.push(suffix);

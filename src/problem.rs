@@ -169,6 +169,9 @@ fn released_hint(err: &ProxyError, detail: String) -> String {
         Some(KeyFate::Locked) => format!(
             "{detail}; the idempotency key could not be released yet: retries get 409 until its lease runs out, then run again"
         ),
+        Some(KeyFate::TakenOver) => format!(
+            "{detail}; this request's lease had run out and another request holds the key now: a retry gets that request's answer"
+        ),
         Some(KeyFate::Unprotected) | None => detail,
     }
 }

@@ -219,13 +219,46 @@ impl Proxy {
         claim: &Claim,
         peer: SocketAddr,
     ) -> Result<Served, ProxyError> {
-        let claimed = match self.timed("claim", self.store.claim(claim)).await {
+        // The claim runs as a task of its own: when it outlasts the store
+        // timeout it is not dropped (it may still commit), it is followed
+        // by a fenced release.
+        let started = Instant::now();
+        let store = self.store.clone();
+        let owned = claim.clone();
+        let mut pending = self.tasks.spawn(async move { store.claim(&owned).await });
+        let claimed = match tokio::time::timeout(self.store_timeout, &mut pending).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(join)) => Err(StoreError::Unavailable(format!(
+                "claim task failed: {join}"
+            ))),
+            Err(_) => {
+                let claim = claim.clone();
+                let giveback = self.give_back(&claim);
+                self.tasks.spawn(async move {
+                    match pending.await {
+                        Ok(Ok(ClaimOutcome::Claimed { .. })) => {
+                            debug!(key.id = %claim.key.log_id(), "a timed-out claim landed late; giving it back");
+                            giveback.run().await;
+                        }
+                        // The store gave up on it, but it may still commit.
+                        Ok(Err(StoreError::Timeout)) => giveback.run().await,
+                        _ => {}
+                    }
+                });
+                Err(StoreError::Unavailable(
+                    "the store did not answer the claim in time".into(),
+                ))
+            }
+        };
+        self.metrics.store_op("claim", started.elapsed());
+        let claimed = match claimed {
             Ok(outcome) => outcome,
             Err(e) => {
-                // A claim that timed out may have committed anyway; give it
-                // back (fenced by our token, a no-op if it never landed) so
-                // it does not block the key for a whole lease.
-                self.release_in_background(claim);
+                if matches!(e, StoreError::Timeout) {
+                    // The store's own deadline fired; its statement may
+                    // still commit server-side.
+                    self.tasks.spawn(self.give_back(claim).run());
+                }
                 return self.on_store_error(route, e, parts, body, peer).await;
             }
         };
@@ -250,14 +283,15 @@ impl Proxy {
         }
     }
 
-    /// A fenced release that nobody waits for.
-    fn release_in_background(&self, claim: &Claim) {
-        let store = self.store.clone();
-        let timeout = self.store_timeout;
-        let (key, token) = (claim.key, claim.token);
-        self.tasks.spawn(async move {
-            let _ = tokio::time::timeout(timeout, store.release(&key, &token)).await;
-        });
+    /// A fenced release of a claim whose outcome is unknown, retried until
+    /// the claim's lease would have run out anyway. Fenced by our token, so
+    /// it never touches another holder's record.
+    fn give_back(&self, claim: &Claim) -> GiveBack {
+        GiveBack {
+            store: self.store.clone(),
+            timeout: self.store_timeout,
+            claim: claim.clone(),
+        }
     }
 
     async fn on_store_error(
@@ -348,13 +382,14 @@ impl Proxy {
                     debug!(key.id = %claim.key.log_id(), "lease lost");
                     return std::future::pending().await;
                 }
+                // Retry soon, backing off so a recovering store is not stormed.
                 Ok(Err(e)) => {
                     warn!(key.id = %claim.key.log_id(), error = %e, "lease renewal failed; retrying");
-                    wait = MIN_RENEW_INTERVAL;
+                    wait = retry_wait(wait, every);
                 }
                 Err(_) => {
                     warn!(key.id = %claim.key.log_id(), "lease renewal timed out; retrying");
-                    wait = MIN_RENEW_INTERVAL;
+                    wait = retry_wait(wait, every);
                 }
             }
         }
@@ -412,17 +447,19 @@ impl Proxy {
             // it completes without a replayable response instead.
             let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
                 Err(_) => {
-                    self.finish(route, claim, Completion::Unstored { status })
+                    let key = self
+                        .finish(route, claim, Completion::Unstored { status })
                         .await;
-                    return Err(ProxyError::UpstreamTimeout { key: KeyFate::Kept });
+                    return Err(ProxyError::UpstreamTimeout { key });
                 }
                 Ok(None) => break,
                 Ok(Some(Err(e))) => {
-                    self.finish(route, claim, Completion::Unstored { status })
+                    let key = self
+                        .finish(route, claim, Completion::Unstored { status })
                         .await;
                     return Err(ProxyError::UpstreamFailed {
                         reason: forward::error_chain(&e),
-                        key: KeyFate::Kept,
+                        key,
                     });
                 }
                 Ok(Some(Ok(frame))) => frame,
@@ -458,7 +495,7 @@ impl Proxy {
     /// response goes back; if the store is still down, the attempts go on in
     /// the background: until the completion lands the key stays in flight,
     /// and once its lease runs out a retry would run the request again.
-    async fn finish(&self, route: &RouteConfig, claim: &Claim, completion: Completion) {
+    async fn finish(&self, route: &RouteConfig, claim: &Claim, completion: Completion) -> KeyFate {
         let recorder = CompletionRecorder {
             ambiguous: Default::default(),
             store: self.store.clone(),
@@ -469,8 +506,10 @@ impl Proxy {
             completion,
         };
         for attempt in 1..=STORE_WRITE_ATTEMPTS {
-            if recorder.attempt().await {
-                return;
+            match recorder.attempt().await {
+                Some(Fence::Held) => return KeyFate::Kept,
+                Some(Fence::Lost) => return KeyFate::TakenOver,
+                None => {}
             }
             if attempt < STORE_WRITE_ATTEMPTS {
                 tokio::time::sleep(STORE_WRITE_BACKOFF * attempt).await;
@@ -480,6 +519,7 @@ impl Proxy {
         warn!(key.id = %claim.key.log_id(), for_secs = persist.as_secs(),
             "could not record completion yet; retrying in the background");
         self.tasks.spawn(recorder.persist(persist));
+        KeyFate::Kept
     }
 
     /// Gives the key back so a retry runs again; says whether it did.
@@ -496,7 +536,7 @@ impl Proxy {
                 Ok(Fence::Lost) => {
                     self.metrics.lost_fence(&route.label);
                     warn!(key.id = %claim.key.log_id(), "release refused: the claim had been taken over");
-                    return KeyFate::Released;
+                    return KeyFate::TakenOver;
                 }
                 Err(e) if attempt < STORE_WRITE_ATTEMPTS => {
                     ambiguous = true;
@@ -539,6 +579,32 @@ impl Proxy {
     }
 }
 
+/// See [`Proxy::give_back`].
+struct GiveBack {
+    store: Arc<dyn Store>,
+    timeout: Duration,
+    claim: Claim,
+}
+
+impl GiveBack {
+    async fn run(self) {
+        let c = &self.claim;
+        let until = Instant::now() + Duration::from_millis(c.lease_ms.max(0) as u64);
+        let mut backoff = STORE_WRITE_BACKOFF;
+        // Lost means "no row with our token (yet)": a late commit may still
+        // land, so keep looking until the lease would have freed the key.
+        while Instant::now() < until {
+            let release = self.store.release(&c.key, &c.token);
+            if let Ok(Ok(Fence::Held)) = tokio::time::timeout(self.timeout, release).await {
+                debug!(key.id = %c.key.log_id(), "gave back a claim whose outcome was unknown");
+                return;
+            }
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(5));
+        }
+    }
+}
+
 /// One completion write, fenced, with everything it needs to outlive the
 /// request that made it.
 struct CompletionRecorder {
@@ -553,8 +619,9 @@ struct CompletionRecorder {
 }
 
 impl CompletionRecorder {
-    /// True when the store answered (held or lost); false to try again.
-    async fn attempt(&self) -> bool {
+    /// The store's answer (a `Lost` after an unanswered attempt counts as
+    /// `Held`: that attempt may have landed), or `None` to try again.
+    async fn attempt(&self) -> Option<Fence> {
         let c = &self.claim;
         let started = Instant::now();
         // The ttl counts from the claim, but a request that ran nearly as
@@ -566,26 +633,26 @@ impl CompletionRecorder {
         let result = tokio::time::timeout(self.store_timeout, write).await;
         self.metrics.store_op("complete", started.elapsed());
         match result {
-            Ok(Ok(Fence::Held)) => true,
+            Ok(Ok(Fence::Held)) => Some(Fence::Held),
             Ok(Ok(Fence::Lost)) if self.ambiguous.load(Ordering::Relaxed) => {
                 debug!(key.id = %c.key.log_id(), "completion already recorded by an earlier attempt, or taken over");
-                true
+                Some(Fence::Held)
             }
             Ok(Ok(Fence::Lost)) => {
                 self.metrics.lost_fence(&self.route);
                 warn!(key.id = %c.key.log_id(), route = %self.route,
                     "completion refused: the lease ran out and another request took the key over");
-                true
+                Some(Fence::Lost)
             }
             Ok(Err(e)) => {
                 self.ambiguous.store(true, Ordering::Relaxed);
                 warn!(key.id = %c.key.log_id(), error = %e, "could not record completion");
-                false
+                None
             }
             Err(_) => {
                 self.ambiguous.store(true, Ordering::Relaxed);
                 warn!(key.id = %c.key.log_id(), "could not record completion: store timed out");
-                false
+                None
             }
         }
     }
@@ -596,7 +663,18 @@ impl CompletionRecorder {
         let mut backoff = STORE_WRITE_BACKOFF;
         while Instant::now() < deadline {
             tokio::time::sleep(backoff).await;
-            if self.attempt().await {
+            // Nothing else renews the lease now; without this a retry could
+            // take the key over and run the request again meanwhile.
+            let c = &self.claim;
+            let renew = self
+                .store
+                .renew(&c.key, &c.token, now_millis() + c.lease_ms);
+            if let Ok(Ok(Fence::Lost)) = tokio::time::timeout(self.store_timeout, renew).await {
+                // Taken over, or an earlier attempt did land: one last try says which.
+                self.attempt().await;
+                return;
+            }
+            if self.attempt().await.is_some() {
                 info!(key.id = %self.claim.key.log_id(), "completion recorded after a store outage");
                 return;
             }
@@ -604,6 +682,17 @@ impl CompletionRecorder {
         }
         error!(key.id = %self.claim.key.log_id(),
             "gave up recording completion; a retry after the lease runs out will run the request again");
+    }
+}
+
+/// The next wait after a failed renewal: from 100 ms doubling, at most half
+/// the renewal interval, so several tries still fit in the lease.
+fn retry_wait(previous: Duration, every: Duration) -> Duration {
+    let cap = (every / 2).max(MIN_RENEW_INTERVAL);
+    if previous >= every {
+        MIN_RENEW_INTERVAL
+    } else {
+        (previous * 2).min(cap)
     }
 }
 

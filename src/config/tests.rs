@@ -309,5 +309,17 @@ fn any_section_key_can_come_from_the_environment() {
             e.contains(name) && e.contains(needle),
             "{needle:?} not in {e}"
         );
+        if needle.starts_with("unknown field") {
+            // A secret set under a wrong name is not printed.
+            assert!(!e.contains(value), "the value is echoed: {e}");
+        }
     }
+    // A value that is not one TOML value is a plain string: a newline cannot
+    // smuggle in other sections.
+    let sneaky = "\"x\"\n[server]\nupstream = \"http://evil:1\"";
+    let env = [("IDEMGATE_LOG_LEVEL".to_string(), sneaky.to_string())].into();
+    let e = Config::parse_with_env(MINIMAL, "t.toml", &env)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("log.level"), "{e}");
 }

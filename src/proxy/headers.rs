@@ -35,11 +35,11 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     headers.remove(header::UPGRADE);
 }
 
-/// Adds `X-Forwarded-For/-Proto/-Host` for the upstream. The client's
-/// address is appended to every `X-Forwarded-For` line it sent (joined into
-/// one). `-Proto` and `-Host` from the client are kept only with `trust`
-/// (idemgate behind a proxy that sets them); otherwise a client could make
-/// the upstream build links to a host of its choosing.
+/// Adds `X-Forwarded-For/-Proto/-Host` for the upstream. Only with `trust`
+/// (idemgate behind a proxy that sets them) are the client's own values
+/// kept, the peer address appended to its `X-Forwarded-For` chain;
+/// otherwise a client could claim any origin address, or make the upstream
+/// build links to a host of its choosing.
 pub fn add_forwarded(
     headers: &mut HeaderMap,
     peer: SocketAddr,
@@ -49,12 +49,17 @@ pub fn add_forwarded(
     const XFF: HeaderName = HeaderName::from_static("x-forwarded-for");
     const XFP: HeaderName = HeaderName::from_static("x-forwarded-proto");
     const XFH: HeaderName = HeaderName::from_static("x-forwarded-host");
-    let mut chain: Vec<String> = headers
-        .get_all(&XFF)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .map(str::to_string)
-        .collect();
+    // Untrusted, a client's own chain could name any address as its origin.
+    let mut chain: Vec<String> = if trust {
+        headers
+            .get_all(&XFF)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .map(str::to_string)
+            .collect()
+    } else {
+        Vec::new()
+    };
     chain.push(peer.ip().to_string());
     if let Ok(v) = HeaderValue::from_str(&chain.join(", ")) {
         headers.insert(XFF, v);
@@ -144,7 +149,7 @@ mod tests {
     }
 
     #[test]
-    fn forwarded_headers_append_to_every_existing_line() {
+    fn forwarded_headers_are_kept_and_appended_only_when_trusted() {
         let mut h = HeaderMap::new();
         h.append("x-forwarded-for", "203.0.113.7".parse().unwrap());
         h.append("x-forwarded-for", "198.51.100.2".parse().unwrap());
@@ -154,14 +159,15 @@ mod tests {
         let host = Some(HeaderValue::from_static("api.example"));
         let mut untrusted = h.clone();
         add_forwarded(&mut untrusted, peer, host.clone(), false);
-        assert_eq!(
-            untrusted["x-forwarded-for"],
-            "203.0.113.7, 198.51.100.2, 127.0.0.1"
-        );
+        assert_eq!(untrusted["x-forwarded-for"], "127.0.0.1");
         assert_eq!(untrusted["x-forwarded-proto"], "http");
         assert_eq!(untrusted["x-forwarded-host"], "api.example");
         let mut trusted = h;
         add_forwarded(&mut trusted, peer, host, true);
+        assert_eq!(
+            trusted["x-forwarded-for"],
+            "203.0.113.7, 198.51.100.2, 127.0.0.1"
+        );
         assert_eq!(trusted["x-forwarded-proto"], "https");
         assert_eq!(trusted["x-forwarded-host"], "evil.example");
     }
