@@ -111,6 +111,7 @@ struct RawServer {
     header_read_timeout: Option<HumanDuration>,
     request_body_timeout: Option<HumanDuration>,
     shutdown_grace: Option<HumanDuration>,
+    shutdown_delay: Option<HumanDuration>,
     preserve_host: Option<bool>,
     trust_forwarded_headers: Option<bool>,
 }
@@ -200,6 +201,9 @@ pub struct ServerConfig {
     /// Time a client has to send a protected request's whole body (408).
     pub request_body_timeout: Duration,
     pub shutdown_grace: Duration,
+    /// After SIGTERM, how long readiness fails while connections are still
+    /// accepted, before the drain starts.
+    pub shutdown_delay: Duration,
     /// Forward the client's `Host` instead of the upstream's authority.
     pub preserve_host: bool,
     /// Keep the client's `X-Forwarded-Proto/-Host` (behind a trusted proxy).
@@ -530,6 +534,7 @@ impl Config {
                     dur(s.request_body_timeout, DEFAULT_REQUEST_BODY_TIMEOUT),
                 )?,
                 shutdown_grace: dur(s.shutdown_grace, DEFAULT_SHUTDOWN_GRACE),
+                shutdown_delay: dur(s.shutdown_delay, Duration::ZERO),
                 preserve_host: s.preserve_host.unwrap_or(false),
                 trust_forwarded_headers: s.trust_forwarded_headers.unwrap_or(false),
             }
@@ -859,7 +864,7 @@ fn overlay_env(raw: &mut RawConfig, env: &BTreeMap<String, String>) -> Result<()
         let (s, o) = (&mut raw.server, over.server);
         overlay!(s, o; listen, upstream, upstream_timeout, upstream_connect_timeout,
             upstream_pool_idle_timeout, upstream_pool_max_idle, max_connections,
-            header_read_timeout, request_body_timeout, shutdown_grace, preserve_host,
+            header_read_timeout, request_body_timeout, shutdown_grace, shutdown_delay, preserve_host,
             trust_forwarded_headers);
         if let Some(o) = over.admin {
             overlay!(raw.admin.get_or_insert_with(Default::default), o; listen);

@@ -121,6 +121,20 @@ pub async fn serve(
         .keep_alive_timeout(H2_KEEPALIVE_TIMEOUT);
     let connections = Arc::new(Semaphore::new(config.server.max_connections));
     let listener = listeners.proxy;
+    // Readiness fails first; the listener keeps accepting for
+    // shutdown_delay so load balancers notice before connections are refused.
+    let shutdown = {
+        let draining = draining.clone();
+        let delay = config.server.shutdown_delay;
+        async move {
+            shutdown.await;
+            draining.store(true, std::sync::atomic::Ordering::Relaxed);
+            if !delay.is_zero() {
+                info!(delay = ?delay, "shutdown requested: readiness fails, still accepting for the delay");
+                tokio::time::sleep(delay).await;
+            }
+        }
+    };
     tokio::pin!(shutdown);
     loop {
         let permit = tokio::select! {
@@ -157,7 +171,6 @@ pub async fn serve(
         });
     }
     drop(listener);
-    draining.store(true, std::sync::atomic::Ordering::Relaxed);
     info!(grace = ?config.server.shutdown_grace, "shutting down: no new connections, draining");
     let deadline = tokio::time::Instant::now() + config.server.shutdown_grace;
     if tokio::time::timeout_at(deadline, graceful.shutdown())

@@ -186,3 +186,22 @@ async fn readiness_fails_as_soon_as_a_graceful_shutdown_starts() {
     );
     proxy.stopped().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn during_the_shutdown_delay_readiness_fails_but_requests_are_still_served() {
+    let up = Upstream::start().await;
+    let mut proxy = Proxy::builder(Backend::Memory, up.addr)
+        .server("shutdown_delay = \"2s\"")
+        .admin()
+        .start()
+        .await;
+    proxy.signal_shutdown();
+    support::wait_for("readiness to fail", || async {
+        let r = proxy.admin_get("/readyz").try_send().await.ok()?;
+        (r.status() == 503).then_some(())
+    })
+    .await;
+    let served = proxy.post(ORDERS).key("k-late").body("{}").send().await;
+    assert_eq!(served.status(), 201, "{}", served.text());
+    proxy.stopped().await;
+}
