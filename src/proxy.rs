@@ -758,7 +758,7 @@ fn replay_response(stored: StoredResponse) -> Response<ProxyBody> {
             (Ok(n), Ok(v)) => {
                 headers.append(n, v);
             }
-            _ => warn!("skipping an invalid stored header"),
+            _ => warn!("dropping an invalid stored header"),
         }
     }
     headers.insert(REPLAYED_HEADER, HeaderValue::from_static("true"));

@@ -279,36 +279,6 @@ fn requests_series(route: &str, outcome: &str) -> String {
     format!("idemgate_requests_total{{route=\"{route}\",outcome=\"{outcome}\"}}")
 }
 
-/// The PostgreSQL server the test URL names.
-fn pg_target() -> SocketAddr {
-    let cfg: tokio_postgres::Config = database_url()
-        .parse()
-        .expect("IDEMGATE_TEST_DATABASE_URL parses");
-    let host = match cfg.get_hosts().first() {
-        Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
-        _ => "127.0.0.1".into(),
-    };
-    let port = cfg.get_ports().first().copied().unwrap_or(5432);
-    use std::net::ToSocketAddrs;
-    (host.as_str(), port)
-        .to_socket_addrs()
-        .expect("resolve the database host")
-        .next()
-        .expect("a database address")
-}
-
-/// The test database URL, pointed at `addr` instead.
-fn url_via(addr: SocketAddr) -> String {
-    let cfg: tokio_postgres::Config = database_url().parse().expect("database URL parses");
-    let user = cfg.get_user().unwrap_or("postgres");
-    let db = cfg.get_dbname().unwrap_or("test");
-    let password = cfg
-        .get_password()
-        .map(|p| format!(":{}", String::from_utf8_lossy(p)))
-        .unwrap_or_default();
-    format!("postgres://{user}{password}@{addr}/{db}")
-}
-
 // ===== admin endpoints =====
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -474,10 +444,10 @@ async fn metrics_count_each_outcome_of_real_traffic_exactly_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readyz_turns_503_while_postgres_is_cut_off_and_200_when_it_returns() {
     require_postgres(&database_url()).await;
-    let relay = TcpRelay::start(pg_target()).await;
+    let relay = TcpRelay::start(support::services::postgres_addr()).await;
     let schema = unique_schema("ops");
     let up = Upstream::start().await;
-    let url = url_via(relay.addr());
+    let url = support::services::database_url_via(relay.addr());
     let setup = Setup::new(up.addr, |_| postgres_store(&url, &schema), "");
     let gate = setup.start().await;
 

@@ -19,7 +19,6 @@ use idemgate::store::{
     now_millis, Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, RecordState, Store,
     StoreError, StoredResponse,
 };
-use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -635,35 +634,6 @@ async fn redis_down_at_start_is_not_an_error() {
 
 // ===== PostgreSQL failure and migrations =====
 
-fn pg_target() -> SocketAddr {
-    let url = database_url();
-    let cfg: tokio_postgres::Config = url.parse().expect("IDEMGATE_TEST_DATABASE_URL parses");
-    let host = match cfg.get_hosts().first() {
-        Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
-        _ => "127.0.0.1".into(),
-    };
-    let port = cfg.get_ports().first().copied().unwrap_or(5432);
-    use std::net::ToSocketAddrs;
-    (host.as_str(), port)
-        .to_socket_addrs()
-        .unwrap()
-        .next()
-        .unwrap()
-}
-
-/// The test database URL, pointed at `addr` instead.
-fn url_via(addr: SocketAddr) -> String {
-    let url = database_url();
-    let cfg: tokio_postgres::Config = url.parse().unwrap();
-    let user = cfg.get_user().unwrap_or("postgres");
-    let db = cfg.get_dbname().unwrap_or("test");
-    let password = cfg
-        .get_password()
-        .map(|p| format!(":{}", String::from_utf8_lossy(p)))
-        .unwrap_or_default();
-    format!("postgres://{user}{password}@{addr}/{db}")
-}
-
 async fn until_ok<T>(what: &str, mut f: impl AsyncFnMut() -> Result<T, StoreError>) -> T {
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
@@ -678,11 +648,14 @@ async fn until_ok<T>(what: &str, mut f: impl AsyncFnMut() -> Result<T, StoreErro
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_cut_fails_fast_and_recovers() {
     require_postgres(&database_url()).await;
-    let relay = TcpRelay::start(pg_target()).await;
+    let relay = TcpRelay::start(support::services::postgres_addr()).await;
     let schema = unique_schema("t");
-    let store = PostgresStore::connect(&pg_store_config(&url_via(relay.addr()), &schema))
-        .await
-        .unwrap();
+    let store = PostgresStore::connect(&pg_store_config(
+        &support::services::database_url_via(relay.addr()),
+        &schema,
+    ))
+    .await
+    .unwrap();
     let c = complete_one(&store).await;
     let before = store.get(&c.key).await.unwrap();
 
@@ -714,12 +687,15 @@ async fn postgres_cut_fails_fast_and_recovers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_down_at_start_heals_and_migrates() {
     require_postgres(&database_url()).await;
-    let relay = TcpRelay::start(pg_target()).await;
+    let relay = TcpRelay::start(support::services::postgres_addr()).await;
     relay.cut();
     let schema = unique_schema("t");
-    let store = PostgresStore::connect(&pg_store_config(&url_via(relay.addr()), &schema))
-        .await
-        .expect("connect does not need the database");
+    let store = PostgresStore::connect(&pg_store_config(
+        &support::services::database_url_via(relay.addr()),
+        &schema,
+    ))
+    .await
+    .expect("connect does not need the database");
     let c = claim_for(record_key(), LEASE_MS, TTL_MS);
     let started = Instant::now();
     assert!(store.claim(&c).await.is_err());

@@ -48,7 +48,7 @@ pub struct FastPathCounters {
     pub hits: AtomicU64,
     /// Claims that went to the inner store because Redis had no answer.
     pub misses: AtomicU64,
-    /// Redis calls that failed, timed out, or were skipped during
+    /// Redis calls that failed, timed out, or were bypassed during
     /// [`BACKOFF`]; the inner store answered alone.
     pub errors: AtomicU64,
 }
@@ -59,7 +59,7 @@ pub struct RedisFastPath {
     prefix: String,
     timeout: Duration,
     counters: Arc<FastPathCounters>,
-    /// Unix millis until which Redis is skipped (see [`BACKOFF`]).
+    /// Unix millis until which Redis is bypassed (see [`BACKOFF`]).
     down_until: AtomicI64,
     scripts: Scripts,
 }
