@@ -329,8 +329,16 @@ impl Proxy {
             let result = this
                 .claim_and_execute(&route, parts, body, &claim, peer)
                 .await;
-            if tx.send(result).is_err() {
-                debug!(key.id = %claim.key.log_id(), "client left before the response; it is stored for the retry");
+            if let Err(unsent) = tx.send(result) {
+                // The handler is gone with its access log line: count the
+                // request here so metrics still see what happened.
+                let outcome = match &unsent {
+                    Ok((outcome, _)) => *outcome,
+                    Err(e) => Problem::from_error(e).outcome,
+                };
+                this.metrics.request(&route.label, outcome);
+                info!(target: "idemgate::access", route = %route.label, outcome = outcome.as_str(),
+                    key.id = %claim.key.log_id(), client.addr = %peer, "client left before the response");
             }
         });
         rx.await.unwrap_or_else(|_| {

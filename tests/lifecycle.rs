@@ -42,6 +42,11 @@ async fn client_disconnect_mid_request_still_stores_the_response_for_the_retry()
         proxy.metrics.in_flight().get() == 0
     })
     .await;
+    // The request the client abandoned is still counted.
+    wait_until("the abandoned request to be counted", || {
+        proxy.count(idemgate::metrics::Outcome::Forwarded) == 1
+    })
+    .await;
     let retry = proxy.post(ORDERS).key("k-hangup").body(BODY).send().await;
     assert_eq!(retry.status(), 201, "{}", retry.text());
     assert!(retry.replayed());
