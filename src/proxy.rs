@@ -11,7 +11,7 @@ pub mod forward;
 pub mod headers;
 
 use crate::body::{boxed, drain, full, read_limited, Prefixed, ProxyBody, ReadError};
-use crate::config::{OnStoreError, RouteConfig, Secret};
+use crate::config::{Backend, Config, OnStoreError, RouteConfig, Secret};
 use crate::error::{KeyFate, ProxyError};
 use crate::idempotency::{
     decide, settle, Decision, Fingerprint, IdempotencyKey, RecordKey, Scope, Settlement,
@@ -72,22 +72,15 @@ pub struct Proxy {
 type Served = (Outcome, Response<ProxyBody>);
 
 impl Proxy {
-    pub fn new(
-        routes: RouteTable,
-        store: Arc<dyn Store>,
-        store_timeout: Duration,
-        request_body_timeout: Duration,
-        scope_secret: Option<Secret>,
-        forwarder: Forwarder,
-        metrics: Arc<Metrics>,
-    ) -> Self {
+    /// The one place the config becomes the request path's settings.
+    pub fn new(config: &Config, store: Arc<dyn Store>, metrics: Arc<Metrics>) -> Self {
         Self {
-            routes,
+            routes: config.routes.clone(),
             store,
-            store_timeout,
-            request_body_timeout,
-            scope_secret,
-            forwarder,
+            store_timeout: store_call_bound(config),
+            request_body_timeout: config.server.request_body_timeout,
+            scope_secret: config.scope_secret.clone(),
+            forwarder: Forwarder::new(&config.server),
             metrics,
             tasks: TaskTracker::new(),
         }
@@ -264,7 +257,7 @@ impl Proxy {
         };
         match claimed {
             ClaimOutcome::Existing(record) => {
-                match decide(&record, &claim.fingerprint, now_millis()) {
+                match decide(record, &claim.fingerprint, now_millis()) {
                     Decision::Replay(stored) => Ok((Outcome::Replayed, replay_response(stored))),
                     Decision::InFlight { retry_after_secs } => {
                         Err(ProxyError::InFlight { retry_after_secs })
@@ -610,6 +603,25 @@ impl GiveBack {
             tokio::time::sleep(backoff).await;
             backoff = (backoff * 2).min(Duration::from_secs(5));
         }
+    }
+}
+
+/// The proxy's own bound on a store call. PostgreSQL enforces
+/// `store.timeout` itself (and cleans up after it), so the proxy allows
+/// that plus the Redis round trips in front of it and a margin: the inner
+/// deadline fires first and the outer one only catches what is stuck.
+fn store_call_bound(config: &Config) -> Duration {
+    const MARGIN: Duration = Duration::from_millis(250);
+    match config.store.backend {
+        Backend::Postgres => {
+            let redis = config
+                .redis
+                .as_ref()
+                .map(|r| r.timeout * 2)
+                .unwrap_or_default();
+            config.store.timeout + redis + MARGIN
+        }
+        Backend::Sqlite | Backend::Memory => config.store.timeout,
     }
 }
 

@@ -6,7 +6,6 @@
 use crate::admin::Admin;
 use crate::config::Config;
 use crate::metrics::Metrics;
-use crate::proxy::forward::Forwarder;
 use crate::proxy::Proxy;
 use crate::store::{now_millis, Store};
 use hyper::service::service_fn;
@@ -68,16 +67,7 @@ pub async fn serve(
         warn!("{w}");
     }
     metrics.register_routes(config.routes.iter().map(|r| &r.label));
-    let forwarder = Forwarder::new(&config.server);
-    let proxy = Arc::new(Proxy::new(
-        config.routes.clone(),
-        store.clone(),
-        proxy_store_timeout(&config),
-        config.server.request_body_timeout,
-        config.scope_secret.clone(),
-        forwarder,
-        metrics.clone(),
-    ));
+    let proxy = Arc::new(Proxy::new(&config, store.clone(), metrics.clone()));
     let stop = CancellationToken::new();
     let draining = Arc::new(std::sync::atomic::AtomicBool::new(false));
 
@@ -194,25 +184,6 @@ pub async fn serve(
     }
     info!("stopped");
     Ok(())
-}
-
-/// The proxy's own bound on a store call. PostgreSQL enforces
-/// `store.timeout` itself (and cleans up after it), so the proxy allows
-/// that plus the Redis round trips in front of it and a margin: the inner
-/// deadline fires first and the outer one only catches what is stuck.
-fn proxy_store_timeout(config: &Config) -> Duration {
-    const MARGIN: Duration = Duration::from_millis(250);
-    match config.store.backend {
-        crate::config::Backend::Postgres => {
-            let redis = config
-                .redis
-                .as_ref()
-                .map(|r| r.timeout * 2)
-                .unwrap_or_default();
-            config.store.timeout + redis + MARGIN
-        }
-        crate::config::Backend::Sqlite | crate::config::Backend::Memory => config.store.timeout,
-    }
 }
 
 async fn admin_loop(listener: TcpListener, admin: Arc<Admin>, stop: CancellationToken) {

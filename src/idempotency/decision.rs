@@ -20,15 +20,15 @@ pub enum Decision {
 
 /// Interprets the record a claim found. The fingerprint is checked first:
 /// a different request learns nothing about the original's state.
-pub fn decide(existing: &Record, fingerprint: &Fingerprint, now: UnixMillis) -> Decision {
+pub fn decide(existing: Record, fingerprint: &Fingerprint, now: UnixMillis) -> Decision {
     if existing.fingerprint != *fingerprint {
         return Decision::Mismatch;
     }
-    match &existing.state {
-        RecordState::Completed(resp) => Decision::Replay(resp.clone()),
-        RecordState::Unstored { status } => Decision::NotReplayable { status: *status },
+    match existing.state {
+        RecordState::Completed(resp) => Decision::Replay(resp),
+        RecordState::Unstored { status } => Decision::NotReplayable { status },
         RecordState::InFlight { locked_until } => Decision::InFlight {
-            retry_after_secs: retry_after_secs(*locked_until, now),
+            retry_after_secs: retry_after_secs(locked_until, now),
         },
     }
 }
@@ -148,7 +148,7 @@ mod tests {
             ),
         ];
         for (i, (rec, want)) in cases.into_iter().enumerate() {
-            assert_eq!(decide(&rec, &same, now), want, "case {i}");
+            assert_eq!(decide(rec, &same, now), want, "case {i}");
         }
     }
 
