@@ -19,11 +19,13 @@
 pub mod admin;
 pub mod body;
 pub mod cli;
+pub mod clock;
 pub mod config;
 pub mod demo;
 pub mod error;
 pub mod idempotency;
 pub mod keys;
+pub mod lease;
 pub mod metrics;
 pub mod problem;
 pub mod proxy;

@@ -67,7 +67,12 @@ pub async fn serve(
         warn!("{w}");
     }
     metrics.register_routes(config.routes.iter().map(|r| &r.label));
-    let proxy = Arc::new(Proxy::new(&config, store.clone(), metrics.clone()));
+    let proxy = Arc::new(Proxy::new(
+        &config,
+        store.clone(),
+        metrics.clone(),
+        crate::clock::Clock::system(),
+    ));
     let stop = CancellationToken::new();
     let draining = Arc::new(std::sync::atomic::AtomicBool::new(false));
 

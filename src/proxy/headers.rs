@@ -1,8 +1,6 @@
-//! Header rules: hop-by-hop stripping, forwarding headers, and which
-//! response headers are stored for replay.
+//! Header rules for forwarding: hop-by-hop stripping, `X-Forwarded-*`,
+//! cookie joining. Which response headers are stored is `replay.rs`'s.
 
-use crate::config::RouteConfig;
-use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use std::net::SocketAddr;
 
@@ -95,44 +93,9 @@ pub fn join_cookies(headers: &mut HeaderMap) {
     }
 }
 
-/// Never stored unless a route includes them: `Date` would be stale on
-/// replay and `Set-Cookie` would hand one client's session to its retries
-/// (granit-dotnet#1151). `Content-Length` is recomputed from the body.
-const NOT_STORED_BY_DEFAULT: [HeaderName; 2] = [header::DATE, header::SET_COOKIE];
-
-/// The response headers to keep for replay, in order, repeated names kept.
-pub fn stored_headers(headers: &HeaderMap, route: &RouteConfig) -> Vec<(String, Bytes)> {
-    let mut end_to_end = headers.clone();
-    strip_hop_by_hop(&mut end_to_end);
-    end_to_end
-        .iter()
-        .filter(|(name, _)| **name != header::CONTENT_LENGTH)
-        .filter(|(name, _)| {
-            !NOT_STORED_BY_DEFAULT.contains(name) || route.include_response_headers.contains(name)
-        })
-        .filter(|(name, _)| !route.exclude_response_headers.contains(name))
-        .map(|(name, value)| {
-            (
-                name.as_str().to_string(),
-                Bytes::copy_from_slice(value.as_bytes()),
-            )
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Config;
-
-    fn route(extra: &str) -> RouteConfig {
-        let text = format!(
-            "[server]\nupstream = \"http://127.0.0.1:1\"\n[[route]]\nmethods = [\"POST\"]\npath = \"/o\"\n{extra}"
-        );
-        let cfg = Config::parse(&text, "t.toml").unwrap();
-        let r = cfg.routes.iter().next().unwrap().as_ref().clone();
-        r
-    }
 
     #[test]
     fn hop_by_hop_and_connection_named_headers_are_removed() {
@@ -180,41 +143,5 @@ mod tests {
         join_cookies(&mut h);
         assert_eq!(h.get_all(header::COOKIE).iter().count(), 1);
         assert_eq!(h[header::COOKIE], "a=1; b=2");
-    }
-
-    #[test]
-    fn stored_headers_keep_order_and_repeats_but_not_date_or_cookies() {
-        let mut h = HeaderMap::new();
-        h.insert(header::LOCATION, "/o/1".parse().unwrap());
-        h.append("x-multi", "a, b".parse().unwrap());
-        h.append("x-multi", "c".parse().unwrap());
-        h.insert(
-            header::DATE,
-            "Tue, 01 Dec 2026 08:00:00 GMT".parse().unwrap(),
-        );
-        h.insert(header::SET_COOKIE, "s=1".parse().unwrap());
-        h.insert(header::CONTENT_LENGTH, "2".parse().unwrap());
-        h.insert("x-internal", "1".parse().unwrap());
-        let names = |v: Vec<(String, Bytes)>| {
-            v.into_iter()
-                .map(|(n, v)| format!("{n}={}", String::from_utf8_lossy(&v)))
-                .collect::<Vec<_>>()
-        };
-        assert_eq!(
-            names(stored_headers(&h, &route(""))),
-            ["location=/o/1", "x-multi=a, b", "x-multi=c", "x-internal=1"]
-        );
-        let custom = route(
-            "include_response_headers = [\"set-cookie\"]\nexclude_response_headers = [\"x-internal\"]",
-        );
-        assert_eq!(
-            names(stored_headers(&h, &custom)),
-            [
-                "location=/o/1",
-                "x-multi=a, b",
-                "x-multi=c",
-                "set-cookie=s=1"
-            ]
-        );
     }
 }

@@ -1,0 +1,121 @@
+//! The wall clock, passed in rather than read from free functions, so tests
+//! can pause and advance it together with tokio's timers.
+//!
+//! Stored times (`locked_until`, `expires_at`) are unix milliseconds. In
+//! production they come from the system clock; a test can make them follow
+//! tokio's clock instead ([`Clock::following_tokio`]), so
+//! `tokio::time::pause()` + `advance()` move leases and ttls in step with
+//! sleeps, or shift them ([`Clock::offset_by`]) to play a replica whose clock
+//! is wrong.
+
+use crate::store::UnixMillis;
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// A source of unix milliseconds. Cheap to copy.
+#[derive(Clone, Copy, Debug)]
+pub struct Clock {
+    source: Source,
+    /// Added to every reading (tests only; zero in production).
+    offset_ms: i64,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Source {
+    System,
+    /// Wall time at `start`, then advancing with tokio's (pausable) clock.
+    Tokio {
+        wall_at_start: UnixMillis,
+        start: Instant,
+    },
+}
+
+impl Default for Clock {
+    fn default() -> Self {
+        Self::system()
+    }
+}
+
+impl Clock {
+    /// The system's wall clock.
+    pub fn system() -> Self {
+        Self {
+            source: Source::System,
+            offset_ms: 0,
+        }
+    }
+
+    /// Starts at the system's wall time and then advances with
+    /// `tokio::time::Instant`, so a paused tokio clock pauses it too.
+    pub fn following_tokio() -> Self {
+        Self {
+            source: Source::Tokio {
+                wall_at_start: system_millis(),
+                start: Instant::now(),
+            },
+            offset_ms: 0,
+        }
+    }
+
+    /// The same clock, `offset_ms` ahead (negative: behind).
+    pub fn offset_by(self, offset_ms: i64) -> Self {
+        Self {
+            offset_ms: self.offset_ms + offset_ms,
+            ..self
+        }
+    }
+
+    /// Milliseconds since the unix epoch.
+    pub fn now_millis(&self) -> UnixMillis {
+        let base = match self.source {
+            Source::System => system_millis(),
+            Source::Tokio {
+                wall_at_start,
+                start,
+            } => wall_at_start + millis(start.elapsed()),
+        };
+        base + self.offset_ms
+    }
+
+    /// `now + d`, in the store's unit.
+    pub fn after(&self, d: Duration) -> UnixMillis {
+        self.now_millis() + millis(d)
+    }
+}
+
+/// A duration in the store's unit, saturating (config caps durations far
+/// below `i64::MAX` milliseconds).
+pub fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+fn system_millis() -> UnixMillis {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(millis)
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_tokio_clock_moves_only_when_tokio_time_does() {
+        let clock = Clock::following_tokio();
+        let t0 = clock.now_millis();
+        assert_eq!(clock.now_millis(), t0);
+        tokio::time::advance(Duration::from_millis(1_500)).await;
+        assert_eq!(clock.now_millis(), t0 + 1_500);
+        assert_eq!(clock.after(Duration::from_secs(2)), t0 + 3_500);
+    }
+
+    #[test]
+    fn an_offset_shifts_every_reading() {
+        let skewed = Clock::system().offset_by(3_000);
+        let plain = Clock::system().now_millis();
+        let ahead = skewed.now_millis();
+        assert!((ahead - plain - 3_000).abs() < 1_000, "{ahead} vs {plain}");
+        assert!(system_millis() > 1_700_000_000_000);
+    }
+}

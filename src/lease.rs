@@ -1,0 +1,522 @@
+//! Holding a key: the claim this process won ([`Lease`]) and the one set of
+//! rules for the fenced writes that keep, finish or give up a claim.
+//!
+//! A successful claim returns a [`Lease`] that owns the record key and the
+//! claim's token (pingora's cache `WritePermit` shape). Renewing goes
+//! through it; [`Lease::complete`] and [`Lease::release`] consume it.
+//!
+//! Every write here is fenced by the token, and every one follows one rule:
+//! **a write whose answer was lost may still have landed; only the token
+//! decides.** [`interpret`] is that rule, and [`Policy`] the one retry
+//! schedule (doubling, with jitter so replicas recovering from the same
+//! outage do not retry in lock-step). Both are pure and table-tested; the
+//! I/O around them is tested against a scripted store below.
+//!
+//! | write | until | then |
+//! |---|---|---|
+//! | renew | the request ends | a lost lease stops renewing |
+//! | complete | [`QUICK`] attempts, then in the background for at least [`MIN_COMPLETION_PERSIST`] | the key stays in flight meanwhile; renewed by the background task |
+//! | release | [`QUICK`] attempts | the key is locked until its lease runs out |
+//! | give back (a claim whose answer was lost) | the claim's lease would have run out | nothing left to free |
+
+use crate::clock::{millis, Clock};
+use crate::error::KeyFate;
+use crate::idempotency::{Fingerprint, RecordKey};
+use crate::metrics::Metrics;
+use crate::store::{
+    Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, Store, StoreError, UnixMillis,
+};
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::time::Instant;
+use tokio_util::task::TaskTracker;
+use tracing::{debug, error, info, warn};
+
+/// Renewing more often than this would only load the store.
+const MIN_RENEW_INTERVAL: Duration = Duration::from_millis(100);
+/// How long a completion keeps being retried in the background while the
+/// store is down (at least the route's lease).
+pub const MIN_COMPLETION_PERSIST: Duration = Duration::from_secs(60);
+
+/// Completion and release before the client gets its answer: a few quick
+/// tries (about 0.7 s in all), so a store blip costs the client little.
+pub const QUICK: Policy = Policy {
+    backoff: Backoff::new(Duration::from_millis(100), Duration::from_millis(400)),
+    max_attempts: Some(4),
+    budget: None,
+};
+/// A completion still unrecorded after [`QUICK`], in the background.
+const PERSIST_BACKOFF: Backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(1));
+/// Giving back a claim whose answer was lost.
+const GIVE_BACK_BACKOFF: Backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
+
+// ===== the rule (pure) =====
+
+/// Which fenced write an answer belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Write {
+    Renew,
+    Complete,
+    Release,
+    /// A release after a claim whose answer was lost.
+    GiveBack,
+}
+
+/// What one attempt's answer means.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// Final: the write took effect (`Held`), or the token no longer owns
+    /// the record and never will again (`Lost`).
+    Done(Fence),
+    /// No answer that counts yet; try again if the policy allows.
+    Retry,
+}
+
+/// The one rule for a fenced write's answer. `unanswered` says an earlier
+/// attempt of the same write got no answer, so it may have landed.
+pub fn interpret(write: Write, answer: &Result<Fence, StoreError>, unanswered: bool) -> Step {
+    match (write, answer) {
+        (_, Err(_)) => Step::Retry,
+        (_, Ok(Fence::Held)) => Step::Done(Fence::Held),
+        // The claim whose answer was lost may still commit after this
+        // release found nothing: keep looking.
+        (Write::GiveBack, Ok(Fence::Lost)) => Step::Retry,
+        // Completing or releasing ends the token's ownership, so an earlier
+        // attempt that landed makes this one find nothing.
+        (Write::Complete | Write::Release, Ok(Fence::Lost)) if unanswered => {
+            Step::Done(Fence::Held)
+        }
+        // A renewal leaves the token in place: Lost is always lost.
+        (Write::Renew | Write::Complete | Write::Release, Ok(Fence::Lost)) => {
+            Step::Done(Fence::Lost)
+        }
+    }
+}
+
+/// Doubling waits from `first` up to `cap`, with "equal jitter": each wait
+/// is between half and all of its step, so retries spread out but still
+/// back off.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Backoff {
+    first: Duration,
+    cap: Duration,
+}
+
+impl Backoff {
+    pub const fn new(first: Duration, cap: Duration) -> Self {
+        Self { first, cap }
+    }
+
+    /// The wait after the `failures`-th failure in a row (1-based), for a
+    /// jitter sample in `[0, 1]`.
+    pub fn delay(&self, failures: u32, jitter: f64) -> Duration {
+        let doublings = failures.saturating_sub(1).min(20);
+        let step = self.first.saturating_mul(1 << doublings).min(self.cap);
+        let half = step / 2;
+        half + half.mul_f64(jitter.clamp(0.0, 1.0))
+    }
+}
+
+/// When to stop retrying: after `max_attempts`, or when the next wait
+/// would end past `budget` (counted from the first attempt).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Policy {
+    backoff: Backoff,
+    max_attempts: Option<u32>,
+    budget: Option<Duration>,
+}
+
+impl Policy {
+    /// Retries with `backoff` for as long as `budget`.
+    pub const fn until(backoff: Backoff, budget: Duration) -> Self {
+        Self {
+            backoff,
+            max_attempts: None,
+            budget: Some(budget),
+        }
+    }
+
+    /// The wait before the next attempt after `done` failed attempts that
+    /// took `elapsed` so far, or `None`: give up.
+    pub fn next(&self, done: u32, elapsed: Duration, jitter: f64) -> Option<Duration> {
+        if self.max_attempts.is_some_and(|max| done >= max) {
+            return None;
+        }
+        let wait = self.backoff.delay(done, jitter);
+        if self.budget.is_some_and(|budget| elapsed + wait >= budget) {
+            return None;
+        }
+        Some(wait)
+    }
+}
+
+fn jitter() -> f64 {
+    rand::random()
+}
+
+// ===== holding keys =====
+
+/// What every lease of this process shares.
+pub struct Leases {
+    store: Arc<dyn Store>,
+    metrics: Arc<Metrics>,
+    /// Background writes (give-backs, completions through an outage) run
+    /// here, so a graceful shutdown waits for them.
+    tasks: TaskTracker,
+    clock: Clock,
+    /// The proxy's bound on one store call (see `proxy::store_call_bound`).
+    call_bound: Duration,
+}
+
+/// What a claim asks for.
+pub struct ClaimRequest {
+    pub key: RecordKey,
+    pub fingerprint: Fingerprint,
+    /// How long a dead holder blocks the key.
+    pub lease: Duration,
+    /// How long a completed key replays, from the claim.
+    pub ttl: Duration,
+    /// The route's label, for metrics and logs.
+    pub route: Arc<String>,
+}
+
+/// The answer to a claim.
+pub enum Acquired {
+    /// This process holds the key now.
+    Held(Lease),
+    /// A live record is there; `idempotency::decide` says what it means.
+    Existing(Record),
+}
+
+impl Leases {
+    pub fn new(
+        store: Arc<dyn Store>,
+        metrics: Arc<Metrics>,
+        tasks: TaskTracker,
+        clock: Clock,
+        call_bound: Duration,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            store,
+            metrics,
+            tasks,
+            clock,
+            call_bound,
+        })
+    }
+
+    pub fn clock(&self) -> &Clock {
+        &self.clock
+    }
+
+    /// Claims a key: one atomic store step. A claim whose answer was lost
+    /// may still commit, so it is given back in the background.
+    pub async fn acquire(self: &Arc<Self>, req: ClaimRequest) -> Result<Acquired, StoreError> {
+        let claim = Claim {
+            key: req.key,
+            fingerprint: req.fingerprint,
+            token: LeaseToken::random(),
+            now: self.clock.now_millis(),
+            lease_ms: millis(req.lease),
+            ttl_ms: millis(req.ttl),
+        };
+        let answer = self.call("claim", self.store.claim(&claim)).await;
+        let fenced = Fenced {
+            leases: self.clone(),
+            key: claim.key,
+            token: claim.token,
+            length: req.lease,
+            expires_at: claim.expires_at(),
+            route: req.route,
+        };
+        match answer {
+            Ok(ClaimOutcome::Existing(record)) => Ok(Acquired::Existing(record)),
+            Ok(ClaimOutcome::Claimed { takeover }) => {
+                if takeover {
+                    self.metrics.takeover(&fenced.route);
+                    info!(key.id = %claim.key.log_id(), route = %fenced.route, "took over a claim whose lease ran out");
+                }
+                Ok(Acquired::Held(Lease {
+                    fenced,
+                    finished: false,
+                }))
+            }
+            Err(e) => {
+                if matches!(e, StoreError::Timeout) {
+                    self.tasks.spawn(fenced.give_back());
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// One store call, bounded, with its latency recorded.
+    async fn call<T>(
+        &self,
+        op: &'static str,
+        fut: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let started = Instant::now();
+        let result = match tokio::time::timeout(self.call_bound, fut).await {
+            Ok(r) => r,
+            Err(_) => Err(StoreError::Timeout),
+        };
+        self.metrics.store_op(op, started.elapsed());
+        result
+    }
+}
+
+/// A claim this process holds. [`Lease::complete`] or [`Lease::release`]
+/// consume it; whatever they leave in doubt is settled in the background,
+/// fenced by the token.
+pub struct Lease {
+    fenced: Fenced,
+    /// Set by `complete`/`release`; a lease dropped without either is a bug
+    /// (the key stays in flight until its lease runs out).
+    finished: bool,
+}
+
+/// The owned parts of a lease, for the tasks that outlive the request.
+#[derive(Clone)]
+struct Fenced {
+    leases: Arc<Leases>,
+    key: RecordKey,
+    token: LeaseToken,
+    /// The route's lease length.
+    length: Duration,
+    /// The claim's `expires_at` (claim time + ttl).
+    expires_at: UnixMillis,
+    route: Arc<String>,
+}
+
+impl Lease {
+    /// The key's short non-reversible id, for logs.
+    pub fn log_id(&self) -> String {
+        self.fenced.key.log_id()
+    }
+
+    /// Renews the lease every third of its length, for as long as the
+    /// returned future is polled; it never finishes. Owned, so it can run
+    /// beside [`Lease::complete`].
+    pub fn keep_alive(&self) -> impl Future<Output = Infallible> + Send + 'static {
+        self.fenced.clone().keep_alive()
+    }
+
+    /// Records the upstream's answer. A few quick attempts happen before
+    /// the client gets its response; if the store is still down they go on
+    /// in the background, renewing the lease, so a retry meanwhile gets 409
+    /// rather than a second execution.
+    pub async fn complete(mut self, completion: Completion) -> KeyFate {
+        self.finished = true;
+        let fenced = self.fenced.clone();
+        let mut unanswered = false;
+        let answer = drive(Write::Complete, QUICK, &mut unanswered, || {
+            fenced.complete_once(&completion)
+        })
+        .await;
+        match answer {
+            Some(fence) => fenced.completed(fence, unanswered),
+            None => {
+                let persist = fenced.length.max(MIN_COMPLETION_PERSIST);
+                warn!(key.id = %fenced.key.log_id(), for_secs = persist.as_secs(),
+                    "could not record completion yet; retrying in the background");
+                let tasks = fenced.leases.tasks.clone();
+                tasks.spawn(fenced.persist(completion, persist));
+                KeyFate::Kept
+            }
+        }
+    }
+
+    /// Deletes the record so a retry runs again.
+    pub async fn release(mut self) -> KeyFate {
+        self.finished = true;
+        let fenced = &self.fenced;
+        let mut unanswered = false;
+        match drive(Write::Release, QUICK, &mut unanswered, || {
+            fenced.release_once()
+        })
+        .await
+        {
+            Some(Fence::Held) => KeyFate::Released,
+            Some(Fence::Lost) => {
+                fenced.leases.metrics.lost_fence(&fenced.route);
+                warn!(key.id = %fenced.key.log_id(), "release refused: the claim had been taken over");
+                KeyFate::TakenOver
+            }
+            None => {
+                error!(key.id = %fenced.key.log_id(),
+                    "could not release key; a retry gets 409 until the lease runs out");
+                KeyFate::Locked
+            }
+        }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if !self.finished {
+            error!(key.id = %self.fenced.key.log_id(),
+                "a lease ended without completing or releasing; the key stays in flight until the lease runs out");
+        }
+    }
+}
+
+/// Runs `attempt` until [`interpret`] says its answer is final (`Some`) or
+/// `policy` gives up (`None`). `unanswered` is set once an attempt fails.
+async fn drive<F, Fut>(
+    write: Write,
+    policy: Policy,
+    unanswered: &mut bool,
+    mut attempt: F,
+) -> Option<Fence>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<Fence, StoreError>>,
+{
+    let started = Instant::now();
+    let mut done = 0;
+    loop {
+        let answer = attempt().await;
+        done += 1;
+        match interpret(write, &answer, *unanswered) {
+            Step::Done(fence) => return Some(fence),
+            Step::Retry => {
+                if let Err(e) = &answer {
+                    *unanswered = true;
+                    debug!(write = ?write, attempt = done, error = %e, "store write failed; retrying");
+                }
+            }
+        }
+        let wait = policy.next(done, started.elapsed(), jitter())?;
+        tokio::time::sleep(wait).await;
+    }
+}
+
+impl Fenced {
+    async fn renew_once(&self) -> Result<Fence, StoreError> {
+        let until = self.leases.clock.after(self.length);
+        let store = &self.leases.store;
+        self.leases
+            .call("renew", store.renew(&self.key, &self.token, until))
+            .await
+    }
+
+    async fn complete_once(&self, completion: &Completion) -> Result<Fence, StoreError> {
+        // The ttl counts from the claim, but a request that ran nearly as
+        // long as its ttl must still replay for at least a lease afterwards.
+        let expires_at = self.expires_at.max(self.leases.clock.after(self.length));
+        let store = &self.leases.store;
+        self.leases
+            .call(
+                "complete",
+                store.complete(&self.key, &self.token, completion, expires_at),
+            )
+            .await
+    }
+
+    async fn release_once(&self) -> Result<Fence, StoreError> {
+        let store = &self.leases.store;
+        self.leases
+            .call("release", store.release(&self.key, &self.token))
+            .await
+    }
+
+    /// What a final completion answer means for the key.
+    fn completed(&self, fence: Fence, unanswered: bool) -> KeyFate {
+        match fence {
+            Fence::Held => {
+                if unanswered {
+                    debug!(key.id = %self.key.log_id(), "completion recorded by an earlier attempt, or taken over");
+                }
+                KeyFate::Kept
+            }
+            Fence::Lost => {
+                self.leases.metrics.lost_fence(&self.route);
+                warn!(key.id = %self.key.log_id(), route = %self.route,
+                    "completion refused: the lease ran out and another request took the key over");
+                KeyFate::TakenOver
+            }
+        }
+    }
+
+    async fn keep_alive(self) -> Infallible {
+        let every = (self.length / 3).max(MIN_RENEW_INTERVAL);
+        let backoff = Backoff::new(MIN_RENEW_INTERVAL, (every / 2).max(MIN_RENEW_INTERVAL));
+        let mut failures = 0;
+        let mut wait = every;
+        loop {
+            tokio::time::sleep(wait).await;
+            // Each renewal must give up in time for another try within the
+            // lease, whatever the store's own bound.
+            let answer = tokio::time::timeout(every, self.renew_once())
+                .await
+                .unwrap_or(Err(StoreError::Timeout));
+            match interpret(Write::Renew, &answer, false) {
+                Step::Done(Fence::Held) => {
+                    failures = 0;
+                    wait = every;
+                }
+                Step::Done(Fence::Lost) => {
+                    // The completion will be refused too; it is counted there.
+                    debug!(key.id = %self.key.log_id(), "lease lost");
+                    return std::future::pending().await;
+                }
+                Step::Retry => {
+                    failures += 1;
+                    if let Err(e) = &answer {
+                        warn!(key.id = %self.key.log_id(), error = %e, "lease renewal failed; retrying");
+                    }
+                    wait = backoff.delay(failures, jitter());
+                }
+            }
+        }
+    }
+
+    /// Keeps trying to record `completion` for `budget`, renewing the lease
+    /// before each try: nothing else renews it now, and without it a retry
+    /// could take the key over and run the request again.
+    async fn persist(self, completion: Completion, budget: Duration) {
+        let policy = Policy::until(PERSIST_BACKOFF, budget);
+        let started = Instant::now();
+        // The quick attempts went unanswered: any of them may have landed.
+        let unanswered = true;
+        let mut done = 1;
+        while let Some(wait) = policy.next(done, started.elapsed(), jitter()) {
+            tokio::time::sleep(wait).await;
+            done += 1;
+            let renewed = self.renew_once().await;
+            let answer = self.complete_once(&completion).await;
+            let step = interpret(Write::Complete, &answer, unanswered);
+            match (renewed, step) {
+                (_, Step::Done(fence)) => {
+                    if fence == Fence::Held {
+                        info!(key.id = %self.key.log_id(), "completion recorded after a store outage");
+                    }
+                    self.completed(fence, unanswered);
+                    return;
+                }
+                // Taken over, or an earlier attempt did land: this last try
+                // could not say which, and the lease is gone either way.
+                (Ok(Fence::Lost), Step::Retry) => break,
+                (_, Step::Retry) => {}
+            }
+        }
+        error!(key.id = %self.key.log_id(),
+            "gave up recording completion; a retry after the lease runs out will run the request again");
+    }
+
+    /// A fenced release of a claim whose answer was lost, retried until the
+    /// claim's lease would have run out anyway.
+    async fn give_back(self) {
+        let policy = Policy::until(GIVE_BACK_BACKOFF, self.length);
+        let given = drive(Write::GiveBack, policy, &mut false, || self.release_once()).await;
+        if given.is_some() {
+            debug!(key.id = %self.key.log_id(), "gave back a claim whose answer was lost");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,403 @@
+//! The lease rules: pure tables first, then the I/O paths against a
+//! scripted store (tower's `mock` idea) on a paused clock, so every
+//! ambiguous case is deterministic and takes no real time.
+
+use super::*;
+use crate::idempotency::Scope;
+use crate::store::memory::MemoryStore;
+use crate::store::{RecordState, StoredResponse};
+use async_trait::async_trait;
+use std::collections::VecDeque;
+use std::sync::Mutex;
+
+// ===== pure =====
+
+#[test]
+fn interpret_table() {
+    use Fence::{Held, Lost};
+    let err = || Err(StoreError::Timeout);
+    let cases: [(Write, Result<Fence, StoreError>, bool, Step); 14] = [
+        (Write::Renew, Ok(Held), false, Step::Done(Held)),
+        (Write::Renew, Ok(Lost), false, Step::Done(Lost)),
+        // A renewal that landed leaves the token: Lost is never "it landed".
+        (Write::Renew, Ok(Lost), true, Step::Done(Lost)),
+        (Write::Renew, err(), false, Step::Retry),
+        (Write::Complete, Ok(Held), false, Step::Done(Held)),
+        (Write::Complete, Ok(Lost), false, Step::Done(Lost)),
+        (Write::Complete, Ok(Lost), true, Step::Done(Held)),
+        (Write::Complete, err(), true, Step::Retry),
+        (Write::Release, Ok(Held), true, Step::Done(Held)),
+        (Write::Release, Ok(Lost), false, Step::Done(Lost)),
+        (Write::Release, Ok(Lost), true, Step::Done(Held)),
+        (Write::GiveBack, Ok(Held), false, Step::Done(Held)),
+        // The lost claim may still commit: keep looking.
+        (Write::GiveBack, Ok(Lost), false, Step::Retry),
+        (Write::GiveBack, err(), true, Step::Retry),
+    ];
+    for (i, (write, answer, unanswered, want)) in cases.into_iter().enumerate() {
+        assert_eq!(interpret(write, &answer, unanswered), want, "case {i}");
+    }
+}
+
+#[test]
+fn backoff_doubles_to_its_cap_with_equal_jitter() {
+    let ms = Duration::from_millis;
+    let b = Backoff::new(ms(100), ms(1_000));
+    for (failures, jitter, want) in [
+        (1, 0.0, ms(50)),
+        (1, 1.0, ms(100)),
+        (2, 1.0, ms(200)),
+        (3, 0.5, ms(300)),
+        (4, 1.0, ms(800)),
+        (5, 1.0, ms(1_000)),
+        (5, 0.0, ms(500)),
+        (60, 1.0, ms(1_000)),
+        // Out-of-range samples are clamped.
+        (1, 7.0, ms(100)),
+        (1, -1.0, ms(50)),
+        // Called before any failure, it is the first step.
+        (0, 1.0, ms(100)),
+    ] {
+        assert_eq!(b.delay(failures, jitter), want, "{failures} {jitter}");
+    }
+}
+
+#[test]
+fn policies_give_up_by_attempts_or_budget() {
+    let ms = Duration::from_millis;
+    assert_eq!(QUICK.next(1, ms(0), 1.0), Some(ms(100)));
+    assert_eq!(QUICK.next(3, ms(0), 1.0), Some(ms(400)));
+    assert_eq!(QUICK.next(4, ms(0), 0.0), None);
+    let until = Policy::until(Backoff::new(ms(100), ms(5_000)), ms(1_000));
+    assert_eq!(until.next(1, ms(0), 1.0), Some(ms(100)));
+    assert_eq!(until.next(1, ms(899), 1.0), Some(ms(100)));
+    assert_eq!(until.next(1, ms(900), 1.0), None);
+    assert_eq!(
+        until.next(50, ms(0), 1.0),
+        None,
+        "a 5 s step is past a 1 s budget"
+    );
+}
+
+// ===== I/O against a scripted store =====
+
+/// What the scripted store does with the next call of an operation.
+#[derive(Clone, Copy, Debug)]
+enum Act {
+    /// Fails without touching the records (nothing landed).
+    Fail,
+    /// Applies the write, then loses the answer.
+    Lose,
+    /// Applies the write `after` from now, in a task of its own (like a
+    /// statement the database still runs), and never answers.
+    LandLate(Duration),
+}
+
+/// A [`MemoryStore`] whose next calls of each operation follow a script;
+/// unscripted calls pass through.
+#[derive(Default)]
+struct FlakyStore {
+    inner: Arc<MemoryStore>,
+    script: Mutex<Vec<(&'static str, VecDeque<Act>)>>,
+    /// Writes applied by [`Act::LandLate`] so far.
+    late_landings: Arc<std::sync::atomic::AtomicU32>,
+}
+
+impl FlakyStore {
+    fn script(&self, op: &'static str, acts: &[Act]) {
+        let mut script = self.script.lock().unwrap();
+        script.retain(|(o, _)| *o != op);
+        script.push((op, acts.iter().copied().collect()));
+    }
+
+    fn next(&self, op: &'static str) -> Option<Act> {
+        let mut script = self.script.lock().unwrap();
+        script
+            .iter_mut()
+            .find(|(o, _)| *o == op)
+            .and_then(|(_, acts)| acts.pop_front())
+    }
+
+    async fn run<T: Send + 'static>(
+        &self,
+        op: &'static str,
+        call: impl Future<Output = Result<T, StoreError>> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        match self.next(op) {
+            None => call.await,
+            Some(Act::Fail) => Err(StoreError::Unavailable(format!("scripted {op} failure"))),
+            Some(Act::Lose) => {
+                let _ = call.await;
+                Err(StoreError::Unavailable(format!(
+                    "scripted lost {op} answer"
+                )))
+            }
+            Some(Act::LandLate(after)) => {
+                let landed = self.late_landings.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(after).await;
+                    let _ = call.await;
+                    landed.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                });
+                std::future::pending().await
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl Store for FlakyStore {
+    async fn claim(&self, c: &Claim) -> Result<ClaimOutcome, StoreError> {
+        let (inner, c) = (self.inner.clone(), c.clone());
+        self.run("claim", async move { inner.claim(&c).await })
+            .await
+    }
+    async fn renew(
+        &self,
+        key: &RecordKey,
+        token: &LeaseToken,
+        until: UnixMillis,
+    ) -> Result<Fence, StoreError> {
+        let (inner, key, token) = (self.inner.clone(), *key, *token);
+        self.run(
+            "renew",
+            async move { inner.renew(&key, &token, until).await },
+        )
+        .await
+    }
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        token: &LeaseToken,
+        completion: &Completion,
+        expires_at: UnixMillis,
+    ) -> Result<Fence, StoreError> {
+        let (inner, key, token, c) = (self.inner.clone(), *key, *token, completion.clone());
+        self.run("complete", async move {
+            inner.complete(&key, &token, &c, expires_at).await
+        })
+        .await
+    }
+    async fn release(&self, key: &RecordKey, token: &LeaseToken) -> Result<Fence, StoreError> {
+        let (inner, key, token) = (self.inner.clone(), *key, *token);
+        self.run("release", async move { inner.release(&key, &token).await })
+            .await
+    }
+    async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+        self.inner.get(key).await
+    }
+    async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
+        self.inner.delete(key).await
+    }
+    async fn sweep(&self, now: UnixMillis, batch: u32) -> Result<u64, StoreError> {
+        self.inner.sweep(now, batch).await
+    }
+    async fn ping(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+    fn backend(&self) -> &'static str {
+        "flaky"
+    }
+}
+
+const LEASE: Duration = Duration::from_secs(3);
+const BOUND: Duration = Duration::from_secs(1);
+
+struct Harness {
+    store: Arc<FlakyStore>,
+    metrics: Arc<Metrics>,
+    leases: Arc<Leases>,
+    tasks: TaskTracker,
+}
+
+fn harness() -> Harness {
+    let store = Arc::new(FlakyStore::default());
+    let metrics = Arc::new(Metrics::new());
+    let tasks = TaskTracker::new();
+    let leases = Leases::new(
+        store.clone(),
+        metrics.clone(),
+        tasks.clone(),
+        Clock::following_tokio(),
+        BOUND,
+    );
+    Harness {
+        store,
+        metrics,
+        leases,
+        tasks,
+    }
+}
+
+fn key() -> RecordKey {
+    RecordKey {
+        scope: Scope([1; 32]),
+        key: [2; 32],
+    }
+}
+
+fn request(fp: u8) -> ClaimRequest {
+    ClaimRequest {
+        key: key(),
+        fingerprint: Fingerprint([fp; 32]),
+        lease: LEASE,
+        ttl: Duration::from_secs(3_600),
+        route: Arc::new("r".into()),
+    }
+}
+
+fn stored() -> Completion {
+    Completion::Stored(StoredResponse {
+        status: 201,
+        headers: vec![],
+        body: bytes::Bytes::from_static(b"done"),
+    })
+}
+
+impl Harness {
+    async fn hold(&self) -> Lease {
+        match self.leases.acquire(request(1)).await.expect("claim") {
+            Acquired::Held(lease) => lease,
+            Acquired::Existing(r) => panic!("expected to hold the key, found {r:?}"),
+        }
+    }
+
+    async fn state(&self) -> Option<RecordState> {
+        self.store.get(&key()).await.unwrap().map(|r| r.state)
+    }
+
+    /// Whether another claimant now would find the key held.
+    async fn held_by_someone(&self) -> bool {
+        let now = self.leases.clock().now_millis();
+        match self.store.get(&key()).await.unwrap() {
+            Some(r) => !crate::store::is_claimable(&r, now),
+            None => false,
+        }
+    }
+
+    fn lost_fences(&self) -> u64 {
+        let text = self.metrics.encode();
+        text.lines()
+            .find(|l| l.starts_with("idemgate_lost_fences_total{") && l.contains("route=\"r\""))
+            .and_then(|l| l.rsplit(' ').next())
+            .map_or(0, |n| n.parse().unwrap())
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_completion_whose_answer_was_lost_but_landed_is_kept() {
+    let h = harness();
+    let lease = h.hold().await;
+    h.store.script("complete", &[Act::Lose]);
+    assert_eq!(lease.complete(stored()).await, KeyFate::Kept);
+    assert!(matches!(h.state().await, Some(RecordState::Completed(_))));
+    assert_eq!(
+        h.lost_fences(),
+        0,
+        "our own landed write is not a lost fence"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_completion_after_a_takeover_is_refused_and_counted() {
+    let h = harness();
+    let stale = h.hold().await;
+    tokio::time::sleep(LEASE + Duration::from_millis(1)).await;
+    let Acquired::Held(fresh) = h.leases.acquire(request(1)).await.unwrap() else {
+        panic!("the lapsed lease should be taken over");
+    };
+    assert_eq!(stale.complete(stored()).await, KeyFate::TakenOver);
+    assert_eq!(h.lost_fences(), 1);
+    assert!(matches!(
+        h.state().await,
+        Some(RecordState::InFlight { .. })
+    ));
+    assert_eq!(fresh.release().await, KeyFate::Released);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_release_whose_answer_was_lost_but_landed_is_released() {
+    let h = harness();
+    let lease = h.hold().await;
+    h.store.script("release", &[Act::Lose]);
+    assert_eq!(lease.release().await, KeyFate::Released);
+    assert_eq!(h.state().await, None);
+    assert_eq!(h.lost_fences(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_release_the_store_never_answers_leaves_the_key_locked() {
+    let h = harness();
+    let lease = h.hold().await;
+    h.store.script("release", &[Act::Fail; 4]);
+    assert_eq!(lease.release().await, KeyFate::Locked);
+    assert!(h.held_by_someone().await, "locked until the lease runs out");
+    tokio::time::sleep(LEASE).await;
+    assert!(!h.held_by_someone().await, "then free for a retry");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_completion_through_an_outage_lands_in_the_background_and_keeps_the_lease() {
+    let h = harness();
+    let lease = h.hold().await;
+    // Longer than the quick attempts and than the lease itself.
+    h.store.script("complete", &[Act::Fail; 12]);
+    assert_eq!(lease.complete(stored()).await, KeyFate::Kept);
+    assert!(matches!(
+        h.state().await,
+        Some(RecordState::InFlight { .. })
+    ));
+    for _ in 0..8 {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(
+            h.held_by_someone().await,
+            "the background task renews: no retry may take the key over"
+        );
+    }
+    h.tasks.close();
+    h.tasks.wait().await;
+    assert!(matches!(h.state().await, Some(RecordState::Completed(_))));
+    assert_eq!(h.lost_fences(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_claim_whose_answer_was_lost_is_given_back_when_it_lands() {
+    let h = harness();
+    h.store.script(
+        "claim",
+        &[Act::LandLate(BOUND + Duration::from_millis(500))],
+    );
+    let started = tokio::time::Instant::now();
+    let err = h.leases.acquire(request(1)).await.err().expect("timed out");
+    assert!(matches!(err, StoreError::Timeout), "{err:?}");
+    h.tasks.close();
+    h.tasks.wait().await;
+    let landed = h
+        .store
+        .late_landings
+        .load(std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(landed, 1, "the late claim landed");
+    assert_eq!(h.state().await, None, "and was given back");
+    assert!(
+        tokio::time::Instant::now() < started + LEASE,
+        "long before its lease would have run out"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn keep_alive_holds_the_key_past_its_lease_through_failed_renewals() {
+    let h = harness();
+    let lease = h.hold().await;
+    let keeper = tokio::spawn(lease.keep_alive());
+    h.store.script("renew", &[Act::Fail, Act::Fail, Act::Fail]);
+    for _ in 0..10 {
+        tokio::time::sleep(LEASE / 2).await;
+        assert!(h.held_by_someone().await);
+    }
+    assert!(matches!(
+        h.leases.acquire(request(1)).await.unwrap(),
+        Acquired::Existing(_)
+    ));
+    keeper.abort();
+    assert_eq!(lease.complete(stored()).await, KeyFate::Kept);
+}

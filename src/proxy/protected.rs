@@ -1,0 +1,390 @@
+//! A protected request, from its key to its stored answer.
+//!
+//! 1. [`key_of`] and [`prepare`] (pure): the key, the client's scope and the
+//!    request's fingerprint, gathered into one [`ProtectedRequest`] once the
+//!    body is read (bounded in size and time).
+//! 2. [`Proxy::run_detached`]: from the claim on, everything runs in a task
+//!    of its own, so a client hang-up cancels neither a claim that already
+//!    committed nor the upstream call and the storing of its answer.
+//! 3. The claim ([`crate::lease`]): a live record is answered by
+//!    [`decide`]; a won claim is a [`Lease`], renewed while the upstream
+//!    runs and consumed by completing or releasing it, as [`settle`] says.
+
+use super::replay::{capture, replay};
+use super::{forward, forward_error, Proxy, Served};
+use crate::body::{boxed, drain, full, read_limited, Prefixed, ReadError};
+use crate::config::{OnStoreError, RouteConfig, Secret};
+use crate::error::ProxyError;
+use crate::idempotency::{
+    decide, settle, Decision, Fingerprint, IdempotencyKey, RecordKey, Scope, Settlement,
+};
+use crate::lease::{Acquired, ClaimRequest, Lease};
+use crate::metrics::Outcome;
+use crate::store::{Completion, Record, StoreError};
+use bytes::Bytes;
+use http::{header, request, HeaderValue, Request, Response};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::time::Instant;
+use tracing::warn;
+
+/// A refused (413) body is read and discarded up to this much, so the client
+/// sees the 413 instead of a reset; past it the connection is just closed.
+const DRAIN_MAX_BYTES: u64 = 16 << 20;
+const DRAIN_MAX_TIME: Duration = Duration::from_secs(2);
+
+/// Everything the protected path needs about one request, built once.
+#[derive(Debug)]
+pub struct ProtectedRequest {
+    pub route: Arc<RouteConfig>,
+    pub parts: request::Parts,
+    pub body: Bytes,
+    pub record_key: RecordKey,
+    pub fingerprint: Fingerprint,
+    pub peer: SocketAddr,
+}
+
+/// The request's idempotency key; `None` where it is absent and the route
+/// does not require one.
+pub fn key_of(
+    route: &RouteConfig,
+    headers: &http::HeaderMap,
+) -> Result<Option<IdempotencyKey>, ProxyError> {
+    let key = IdempotencyKey::from_headers(headers, &route.key_header).map_err(|reason| {
+        ProxyError::InvalidKey {
+            header: route.key_header.clone(),
+            reason,
+        }
+    })?;
+    if key.is_none() && route.require_key {
+        return Err(ProxyError::MissingKey {
+            header: route.key_header.clone(),
+        });
+    }
+    Ok(key)
+}
+
+/// Scopes the key to the client and fingerprints the request.
+pub fn prepare(
+    route: Arc<RouteConfig>,
+    parts: request::Parts,
+    body: Bytes,
+    key: &IdempotencyKey,
+    normalized_path: &str,
+    scope_secret: Option<&Secret>,
+    peer: SocketAddr,
+) -> ProtectedRequest {
+    let credential = parts.headers.get(&route.scope_header);
+    let scope = Scope::derive(
+        credential.map(HeaderValue::as_bytes),
+        scope_secret.map(Secret::expose),
+    );
+    let fingerprint =
+        Fingerprint::of_request(&parts, normalized_path, &route.fingerprint_headers, &body);
+    ProtectedRequest {
+        record_key: RecordKey::new(scope, key),
+        fingerprint,
+        route,
+        parts,
+        body,
+        peer,
+    }
+}
+
+/// What a request gets when its claim found a live record.
+fn answer_existing(
+    record: Record,
+    fingerprint: &Fingerprint,
+    now: i64,
+) -> Result<Served, ProxyError> {
+    match decide(record, fingerprint, now) {
+        Decision::Replay(stored) => Ok((Outcome::Replayed, replay(stored))),
+        Decision::InFlight { retry_after_secs } => Err(ProxyError::InFlight { retry_after_secs }),
+        Decision::Mismatch => Err(ProxyError::Mismatch),
+        Decision::NotReplayable { status } => Err(ProxyError::NotReplayable { status }),
+    }
+}
+
+/// Reads a protected request's body whole, within the route's size limit
+/// and the server's `request_body_timeout`.
+pub async fn read_body(
+    route: &RouteConfig,
+    headers: &http::HeaderMap,
+    body: &mut Incoming,
+    timeout: Duration,
+) -> Result<Bytes, ProxyError> {
+    let too_large = ProxyError::BodyTooLarge {
+        limit: route.max_request_body,
+    };
+    let declared = content_length(headers);
+    if declared.is_some_and(|n| n > route.max_request_body) {
+        if declared.is_some_and(|n| n <= DRAIN_MAX_BYTES) {
+            drain(body, DRAIN_MAX_BYTES, DRAIN_MAX_TIME).await;
+        }
+        return Err(too_large);
+    }
+    let read = read_limited(body, route.max_request_body);
+    let Ok(read) = tokio::time::timeout(timeout, read).await else {
+        return Err(ProxyError::BodyTimeout);
+    };
+    match read {
+        Ok(bytes) => Ok(bytes),
+        Err(ReadError::TooLarge) => {
+            drain(body, DRAIN_MAX_BYTES, DRAIN_MAX_TIME).await;
+            Err(too_large)
+        }
+        Err(ReadError::Failed(e)) => Err(ProxyError::BodyRead(e.to_string())),
+    }
+}
+
+fn content_length(headers: &http::HeaderMap) -> Option<u64> {
+    headers
+        .get(header::CONTENT_LENGTH)?
+        .to_str()
+        .ok()?
+        .parse()
+        .ok()
+}
+
+impl Proxy {
+    /// Claims, then executes or answers from the record found.
+    pub(super) async fn claim_and_execute(
+        &self,
+        req: ProtectedRequest,
+    ) -> Result<Served, ProxyError> {
+        let claim = ClaimRequest {
+            key: req.record_key,
+            fingerprint: req.fingerprint,
+            lease: req.route.lease,
+            ttl: req.route.ttl,
+            route: req.route.label.clone(),
+        };
+        match self.leases.acquire(claim).await {
+            Ok(Acquired::Held(lease)) => self.execute(req, lease).await,
+            Ok(Acquired::Existing(record)) => {
+                answer_existing(record, &req.fingerprint, self.leases.clock().now_millis())
+            }
+            Err(e) => self.on_store_error(req, e).await,
+        }
+    }
+
+    async fn on_store_error(
+        &self,
+        req: ProtectedRequest,
+        err: StoreError,
+    ) -> Result<Served, ProxyError> {
+        match req.route.on_store_error {
+            OnStoreError::Reject => Err(ProxyError::Store(err)),
+            OnStoreError::Forward => {
+                warn!(error = %err, route = %req.route.label, "store unavailable; forwarding unguarded (on_store_error = \"forward\")");
+                let forwarded = Request::from_parts(req.parts, full(req.body));
+                let (_, resp) = self.passthrough(forwarded, req.peer).await;
+                Ok((Outcome::Unguarded, resp))
+            }
+        }
+    }
+
+    /// Forwards while the lease is kept alive, then settles the key.
+    async fn execute(&self, req: ProtectedRequest, lease: Lease) -> Result<Served, ProxyError> {
+        self.metrics.in_flight().inc();
+        let started = Instant::now();
+        let route = req.route.clone();
+        let keeper = lease.keep_alive();
+        tokio::pin!(keeper);
+        let result = tokio::select! {
+            r = self.forward_and_settle(req, lease, started) => r,
+            never = &mut keeper => match never {},
+        };
+        self.metrics.upstream(&route.label, started.elapsed());
+        self.metrics.in_flight().dec();
+        result
+    }
+
+    async fn forward_and_settle(
+        &self,
+        req: ProtectedRequest,
+        lease: Lease,
+        started: Instant,
+    ) -> Result<Served, ProxyError> {
+        let ProtectedRequest {
+            route,
+            mut parts,
+            body,
+            peer,
+            ..
+        } = req;
+        parts.headers.remove(header::TRANSFER_ENCODING);
+        parts
+            .headers
+            .insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
+        let resp = match self
+            .forwarder
+            .send(Request::from_parts(parts, full(body)), peer)
+            .await
+        {
+            Ok(resp) => resp,
+            Err(e) => return Err(forward_error(e, lease.release().await)),
+        };
+        match settle(resp.status().as_u16()) {
+            Settlement::Release => {
+                lease.release().await;
+                Ok((Outcome::UpstreamError, resp.map(boxed)))
+            }
+            Settlement::Store => {
+                let deadline = started + self.forwarder.timeout();
+                self.store_response(&route, lease, resp, deadline).await
+            }
+        }
+    }
+
+    /// Reads the upstream body (bounded in size and time) and records it.
+    async fn store_response(
+        &self,
+        route: &RouteConfig,
+        lease: Lease,
+        resp: Response<Incoming>,
+        deadline: Instant,
+    ) -> Result<Served, ProxyError> {
+        let (parts, mut body) = resp.into_parts();
+        let status = parts.status.as_u16();
+        let mut chunks: Vec<Bytes> = Vec::new();
+        let mut size: u64 = 0;
+        loop {
+            // The head said below 500: the upstream executed. A body that
+            // then fails must not free the key (the retry would run twice);
+            // it completes without a replayable response instead.
+            let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
+                Err(_) => {
+                    let key = lease.complete(Completion::Unstored { status }).await;
+                    return Err(ProxyError::UpstreamTimeout { key });
+                }
+                Ok(None) => break,
+                Ok(Some(Err(e))) => {
+                    let key = lease.complete(Completion::Unstored { status }).await;
+                    return Err(ProxyError::UpstreamFailed {
+                        reason: forward::error_chain(&e),
+                        key,
+                    });
+                }
+                Ok(Some(Ok(frame))) => frame,
+            };
+            // Trailers are not stored; replays carry none.
+            let Ok(data) = frame.into_data() else {
+                continue;
+            };
+            size += data.len() as u64;
+            chunks.push(data);
+            if size > route.max_response_body {
+                // The side effect happened: the key must never run again,
+                // but this response cannot be kept. Record that, then stream.
+                warn!(key.id = %lease.log_id(), route = %route.label, limit = route.max_response_body,
+                    "response larger than max_response_body; key completed without a stored body");
+                lease.complete(Completion::Unstored { status }).await;
+                let body = Prefixed::new(chunks, body);
+                return Ok((Outcome::Forwarded, Response::from_parts(parts, boxed(body))));
+            }
+        }
+        let body = concat(chunks);
+        let stored = capture(&parts, body.clone(), route);
+        lease.complete(Completion::Stored(stored)).await;
+        Ok((Outcome::Forwarded, Response::from_parts(parts, full(body))))
+    }
+}
+
+fn concat(chunks: Vec<Bytes>) -> Bytes {
+    match chunks.len() {
+        0 => Bytes::new(),
+        1 => chunks.into_iter().next().expect("one chunk"),
+        _ => Bytes::from(chunks.concat()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use crate::error::ProxyError;
+
+    fn route(extra: &str) -> Arc<RouteConfig> {
+        let text = format!(
+            "[server]\nupstream = \"http://127.0.0.1:1\"\n[[route]]\nmethods = [\"POST\"]\npath = \"/o\"\n{extra}"
+        );
+        let cfg = Config::parse(&text, "t.toml").unwrap();
+        let r = cfg.routes.iter().next().unwrap().clone();
+        r
+    }
+
+    fn parts(headers: &[(&str, &str)]) -> request::Parts {
+        let mut b = Request::post("/o");
+        for (n, v) in headers {
+            b = b.header(*n, *v);
+        }
+        b.body(()).unwrap().into_parts().0
+    }
+
+    #[test]
+    fn key_table() {
+        let required = route("");
+        let optional = route("require_key = false");
+        let key = |h: &[(&str, &str)], r: &RouteConfig| key_of(r, &parts(h).headers);
+        assert!(matches!(
+            key(&[], &required),
+            Err(ProxyError::MissingKey { .. })
+        ));
+        assert!(matches!(key(&[], &optional), Ok(None)));
+        assert!(matches!(
+            key(&[("idempotency-key", "")], &optional),
+            Err(ProxyError::InvalidKey { .. })
+        ));
+        let quoted = key(&[("idempotency-key", "\"k1\"")], &required).unwrap();
+        let bare = key(&[("idempotency-key", "k1")], &required).unwrap();
+        assert_eq!(quoted.unwrap().as_str(), bare.unwrap().as_str());
+    }
+
+    fn prepared(
+        r: &Arc<RouteConfig>,
+        headers: &[(&str, &str)],
+        path: &str,
+        body: &str,
+    ) -> ProtectedRequest {
+        let key = IdempotencyKey::parse(b"k1").unwrap();
+        let peer = "127.0.0.1:1".parse().unwrap();
+        prepare(
+            r.clone(),
+            parts(headers),
+            Bytes::from(body.to_string()),
+            &key,
+            path,
+            None,
+            peer,
+        )
+    }
+
+    #[test]
+    fn prepare_scopes_by_credential_and_fingerprints_the_request() {
+        let r = route("fingerprint_headers = [\"x-tenant\"]");
+        let base = prepared(&r, &[("authorization", "a")], "/o", "{}");
+        let same = prepared(&r, &[("authorization", "a")], "/o", "{}");
+        assert_eq!(base.record_key, same.record_key);
+        assert_eq!(base.fingerprint, same.fingerprint);
+
+        let other_client = prepared(&r, &[("authorization", "b")], "/o", "{}");
+        assert_ne!(base.record_key, other_client.record_key);
+        assert_eq!(base.fingerprint, other_client.fingerprint);
+
+        for (i, other) in [
+            prepared(&r, &[("authorization", "a")], "/o", "{ }"),
+            prepared(&r, &[("authorization", "a")], "/p", "{}"),
+            prepared(&r, &[("authorization", "a"), ("x-tenant", "1")], "/o", "{}"),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            assert_eq!(base.record_key, other.record_key, "case {i}");
+            assert_ne!(base.fingerprint, other.fingerprint, "case {i}");
+        }
+    }
+}

@@ -1,0 +1,162 @@
+//! One round trip of a stored response: [`capture`] turns the upstream's
+//! answer into what the store keeps, [`replay`] turns that back into the
+//! response a retry gets, byte for byte plus the replay marker.
+
+use super::headers::strip_hop_by_hop;
+use crate::body::{full, ProxyBody};
+use crate::config::RouteConfig;
+use crate::store::StoredResponse;
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{response, Response, StatusCode};
+use tracing::warn;
+
+/// The replay marker Stripe uses (and IETF httpapi issue #46 asks for).
+pub const REPLAYED_HEADER: HeaderName = HeaderName::from_static("idempotent-replayed");
+
+/// Never stored unless a route includes them: `Date` would be stale on
+/// replay and `Set-Cookie` would hand one client's session to its retries
+/// (granit-dotnet#1151). `Content-Length` is recomputed from the body.
+const NOT_STORED_BY_DEFAULT: [HeaderName; 2] = [header::DATE, header::SET_COOKIE];
+
+/// What the store keeps of an upstream response whose body was read whole.
+pub fn capture(parts: &response::Parts, body: Bytes, route: &RouteConfig) -> StoredResponse {
+    StoredResponse {
+        status: parts.status.as_u16(),
+        headers: stored_headers(&parts.headers, route),
+        body,
+    }
+}
+
+/// The stored response, byte for byte, plus the replay marker.
+pub fn replay(stored: StoredResponse) -> Response<ProxyBody> {
+    let mut resp = Response::new(full(stored.body));
+    *resp.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::OK);
+    let headers = resp.headers_mut();
+    for (name, value) in stored.headers {
+        match (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_maybe_shared(value),
+        ) {
+            (Ok(n), Ok(v)) => {
+                headers.append(n, v);
+            }
+            _ => warn!("dropping an invalid stored header"),
+        }
+    }
+    headers.insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
+    resp
+}
+
+/// The response headers to keep for replay, in order, repeated names kept.
+fn stored_headers(headers: &HeaderMap, route: &RouteConfig) -> Vec<(String, Bytes)> {
+    let mut end_to_end = headers.clone();
+    strip_hop_by_hop(&mut end_to_end);
+    end_to_end
+        .iter()
+        .filter(|(name, _)| **name != header::CONTENT_LENGTH)
+        .filter(|(name, _)| {
+            !NOT_STORED_BY_DEFAULT.contains(name) || route.include_response_headers.contains(name)
+        })
+        .filter(|(name, _)| !route.exclude_response_headers.contains(name))
+        .map(|(name, value)| {
+            (
+                name.as_str().to_string(),
+                Bytes::copy_from_slice(value.as_bytes()),
+            )
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use http_body_util::BodyExt;
+
+    fn route(extra: &str) -> RouteConfig {
+        let text = format!(
+            "[server]\nupstream = \"http://127.0.0.1:1\"\n[[route]]\nmethods = [\"POST\"]\npath = \"/o\"\n{extra}"
+        );
+        let cfg = Config::parse(&text, "t.toml").unwrap();
+        let r = cfg.routes.iter().next().unwrap().as_ref().clone();
+        r
+    }
+
+    fn upstream_answer() -> response::Parts {
+        let (parts, ()) = Response::builder()
+            .status(201)
+            .header(header::LOCATION, "/o/1")
+            .header("x-multi", "a, b")
+            .header("x-multi", "c")
+            .header(header::DATE, "Tue, 01 Dec 2026 08:00:00 GMT")
+            .header(header::SET_COOKIE, "s=1")
+            .header(header::CONTENT_LENGTH, "2")
+            .header(header::CONNECTION, "close")
+            .header("x-internal", "1")
+            .body(())
+            .unwrap()
+            .into_parts();
+        parts
+    }
+
+    fn names(v: &[(String, Bytes)]) -> Vec<String> {
+        v.iter()
+            .map(|(n, v)| format!("{n}={}", String::from_utf8_lossy(v)))
+            .collect()
+    }
+
+    #[test]
+    fn stored_headers_keep_order_and_repeats_but_not_date_or_cookies() {
+        let parts = upstream_answer();
+        let plain = capture(&parts, Bytes::new(), &route(""));
+        assert_eq!(
+            names(&plain.headers),
+            ["location=/o/1", "x-multi=a, b", "x-multi=c", "x-internal=1"]
+        );
+        let custom = route(
+            "include_response_headers = [\"set-cookie\"]\nexclude_response_headers = [\"x-internal\"]",
+        );
+        assert_eq!(
+            names(&capture(&parts, Bytes::new(), &custom).headers),
+            [
+                "location=/o/1",
+                "x-multi=a, b",
+                "x-multi=c",
+                "set-cookie=s=1"
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_captured_response_replays_byte_for_byte_with_the_marker() {
+        let body = Bytes::from_static(b"\x00{\"id\":\"ord_1\"}\xff");
+        let stored = capture(&upstream_answer(), body.clone(), &route(""));
+        assert_eq!(stored.status, 201);
+        let resp = replay(stored);
+        assert_eq!(resp.status(), 201);
+        let h = resp.headers();
+        assert_eq!(h[REPLAYED_HEADER], "true");
+        assert_eq!(h[header::LOCATION], "/o/1");
+        let multi: Vec<_> = h.get_all("x-multi").iter().collect();
+        assert_eq!(multi, ["a, b", "c"]);
+        assert!(!h.contains_key(header::DATE) && !h.contains_key(header::SET_COOKIE));
+        assert!(!h.contains_key(header::CONNECTION));
+        let got = resp.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(got, body);
+    }
+
+    #[test]
+    fn an_unusable_stored_header_is_dropped_not_fatal() {
+        let resp = replay(StoredResponse {
+            status: 200,
+            headers: vec![
+                ("bad name".into(), Bytes::from_static(b"x")),
+                ("x-ok".into(), Bytes::from_static(b"1")),
+            ],
+            body: Bytes::new(),
+        });
+        assert_eq!(resp.headers()["x-ok"], "1");
+        assert_eq!(resp.headers().len(), 2, "x-ok and the marker");
+    }
+}
