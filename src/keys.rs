@@ -4,8 +4,9 @@
 //! header's value (hashed here exactly as the proxy hashes it), a scope hash
 //! as printed by `show`, or `--anonymous` for requests without the header.
 
+use crate::clock::Clock;
 use crate::idempotency::{IdempotencyKey, RecordKey, Scope};
-use crate::store::{now_millis, Record, RecordState, Store, StoreError, UnixMillis};
+use crate::store::{Record, RecordState, Store, StoreError, UnixMillis};
 use std::fmt::Write;
 use std::time::{Duration, UNIX_EPOCH};
 
@@ -42,8 +43,8 @@ pub fn record_key(key: &str, scope: &ScopeArg, secret: Option<&[u8]>) -> Result<
 }
 
 /// Human-readable description of a record (or of its absence).
-pub async fn show(store: &dyn Store, key: &RecordKey) -> Result<String, StoreError> {
-    let now = now_millis();
+pub async fn show(store: &dyn Store, key: &RecordKey, clock: &Clock) -> Result<String, StoreError> {
+    let now = clock.now_millis();
     let Some(record) = store.get(key).await? else {
         return Ok(format!(
             "no record for key id {} in scope {}\n",
@@ -125,10 +126,14 @@ fn relative(ms: UnixMillis, now: UnixMillis) -> String {
 }
 
 /// Deletes expired records in batches until none are left; returns the count.
-pub async fn purge_expired(store: &dyn Store, batch: u32) -> Result<u64, StoreError> {
+pub async fn purge_expired(
+    store: &dyn Store,
+    batch: u32,
+    clock: &Clock,
+) -> Result<u64, StoreError> {
     let mut total = 0;
     loop {
-        let n = store.sweep(now_millis(), batch).await?;
+        let n = store.sweep(clock.now_millis(), batch).await?;
         total += n;
         if n < u64::from(batch) {
             return Ok(total);
@@ -151,7 +156,8 @@ mod tests {
         let key = record_key("\"k-1\"", &scope, None).unwrap();
         assert_eq!(key, record_key("k-1", &scope, None).unwrap());
         let token = LeaseToken::random();
-        let now = now_millis();
+        let clock = Clock::system();
+        let now = clock.now_millis();
         store
             .claim(&Claim {
                 key,
@@ -163,7 +169,7 @@ mod tests {
             })
             .await
             .unwrap();
-        let text = show(&store, &key).await.unwrap();
+        let text = show(&store, &key, &clock).await.unwrap();
         assert!(text.contains("state        in_flight"), "{text}");
         let resp = StoredResponse {
             status: 201,
@@ -174,15 +180,18 @@ mod tests {
             .complete(&key, &token, &Completion::Stored(resp), now + 60_000)
             .await
             .unwrap();
-        let text = show(&store, &key).await.unwrap();
+        let text = show(&store, &key, &clock).await.unwrap();
         assert!(
             text.contains("status       201") && text.contains("location: /o/1"),
             "{text}"
         );
         assert!(!text.contains("k-1"), "the raw key must not be printed");
         assert!(store.delete(&key).await.unwrap());
-        assert!(show(&store, &key).await.unwrap().starts_with("no record"));
-        assert_eq!(purge_expired(&store, 10).await.unwrap(), 0);
+        assert!(show(&store, &key, &clock)
+            .await
+            .unwrap()
+            .starts_with("no record"));
+        assert_eq!(purge_expired(&store, 10, &clock).await.unwrap(), 0);
     }
 
     #[test]

@@ -120,7 +120,10 @@ pub async fn run_keys(config: Config, action: KeysAction) -> anyhow::Result<()> 
         .context("cannot open the store")?;
     match action {
         KeysAction::Show(key) => {
-            print!("{}", keys::show(store.as_ref(), &key).await?);
+            print!(
+                "{}",
+                keys::show(store.as_ref(), &key, &clock::Clock::system()).await?
+            );
         }
         KeysAction::Delete(key) => {
             if store.delete(&key).await? {
@@ -130,7 +133,12 @@ pub async fn run_keys(config: Config, action: KeysAction) -> anyhow::Result<()> 
             }
         }
         KeysAction::PurgeExpired => {
-            let n = keys::purge_expired(store.as_ref(), config.store.sweep_batch).await?;
+            let n = keys::purge_expired(
+                store.as_ref(),
+                config.store.sweep_batch,
+                &clock::Clock::system(),
+            )
+            .await?;
             println!("deleted {n} expired records");
         }
     }

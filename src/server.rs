@@ -4,10 +4,11 @@
 //! upstream executions within the grace period).
 
 use crate::admin::Admin;
+use crate::clock::Clock;
 use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
-use crate::store::{now_millis, Store};
+use crate::store::Store;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
@@ -67,18 +68,15 @@ pub async fn serve(
         warn!("{w}");
     }
     metrics.register_routes(config.routes.iter().map(|r| &r.label));
-    let proxy = Arc::new(Proxy::new(
-        &config,
-        store.clone(),
-        metrics.clone(),
-        crate::clock::Clock::system(),
-    ));
+    let clock = Clock::system();
+    let proxy = Arc::new(Proxy::new(&config, store.clone(), metrics.clone(), clock));
     let stop = CancellationToken::new();
     let draining = Arc::new(std::sync::atomic::AtomicBool::new(false));
 
     let sweeper = tokio::spawn(sweep_loop(
         store.clone(),
         metrics.clone(),
+        clock,
         config.store.sweep_interval,
         config.store.sweep_batch,
         stop.clone(),
@@ -221,6 +219,7 @@ async fn admin_loop(listener: TcpListener, admin: Arc<Admin>, stop: Cancellation
 async fn sweep_loop(
     store: Arc<dyn Store>,
     metrics: Arc<Metrics>,
+    clock: Clock,
     interval: Duration,
     batch: u32,
     stop: CancellationToken,
@@ -233,7 +232,7 @@ async fn sweep_loop(
             _ = stop.cancelled() => return,
         }
         loop {
-            match store.sweep(now_millis(), batch).await {
+            match store.sweep(clock.now_millis(), batch).await {
                 Ok(n) => {
                     metrics.swept(n);
                     if n > 0 {
