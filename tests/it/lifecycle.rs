@@ -1,18 +1,16 @@
 //! Lifecycles: client hang-ups, restarts, a killed process, graceful
 //! shutdown, and the binary's config handling.
 
-mod support;
-
+use crate::support::{
+    binary, free_port, wait_for, wait_listening, wait_until, Action, Backend, H2Conn, Http1Conn,
+    Proxy, Req, Upstream, ORDERS,
+};
 use http::Method;
 use hyper_util::rt::TokioIo;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Child, Stdio};
 use std::time::Duration;
-use support::{
-    binary, free_port, wait_for, wait_listening, wait_until, Action, Backend, H2Conn, Http1Conn,
-    Proxy, Req, Upstream, ORDERS,
-};
 use tokio::net::TcpStream;
 
 const BODY: &str = r#"{"item":"lamp"}"#;

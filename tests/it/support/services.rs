@@ -210,10 +210,6 @@ impl PrivateRedis {
         }
     }
 
-    pub fn port(&self) -> u16 {
-        self.port
-    }
-
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
     }

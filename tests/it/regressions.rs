@@ -1,9 +1,8 @@
 //! Regression tests that pin specific bugs, each named after what it pins.
 
-mod support;
-
+use crate::support;
+use crate::support::{Backend, Proxy, Upstream, ORDERS};
 use idemgate::metrics::Outcome;
-use support::{Backend, Proxy, Upstream, ORDERS};
 
 /// Pins: a route was matched on the raw path, so `/orders/`, `//orders`,
 /// `/./orders` or `/%6Frders` reached an upstream that treats them as

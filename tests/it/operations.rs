@@ -3,16 +3,17 @@
 //! following the store, the `keys` commands against a running proxy's
 //! store, environment overrides, JSON access logs and SIGTERM.
 
-mod support;
-
+use crate::support;
+use crate::support::services::{
+    database_url, drop_schema, require_postgres, unique_schema, TcpRelay,
+};
+use crate::support::{binary, bounded, free_port, wait_for, Action, Req, Resp, Upstream, ORDERS};
 use http::Method;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::time::Duration;
-use support::services::{database_url, drop_schema, require_postgres, unique_schema, TcpRelay};
-use support::{binary, bounded, free_port, wait_for, Action, Req, Resp, Upstream, ORDERS};
 use tokio::net::TcpStream;
 
 const BODY: &str = r#"{"item":"lamp","qty":1}"#;

@@ -1,11 +1,9 @@
 //! The idempotency semantics, row by row, on every backend.
 
-mod support;
-
+use crate::support::{backend_tests, Action, Backend, Proxy, Upstream, ORDERS, UPSTREAM_DATE};
 use bytes::Bytes;
 use idemgate::metrics::Outcome;
 use std::time::Duration;
-use support::{backend_tests, Action, Backend, Proxy, Upstream, ORDERS, UPSTREAM_DATE};
 
 backend_tests!(
     forwards_a_new_key_once_with_the_key_header,

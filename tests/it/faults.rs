@@ -3,12 +3,11 @@
 //! shared servers are never stopped: Redis faults use a private
 //! `redis-server`, PostgreSQL faults a TCP relay in front of it.
 
-mod support;
-
+use crate::support;
+use crate::support::services::{postgres_addr, require_postgres, PrivateRedis, TcpRelay};
+use crate::support::{database_url_via, wait_for, Action, Backend, Proxy, Resp, Upstream, ORDERS};
 use std::future::Future;
 use std::time::Duration;
-use support::services::{postgres_addr, require_postgres, PrivateRedis, TcpRelay};
-use support::{database_url_via, wait_for, Action, Backend, Proxy, Resp, Upstream, ORDERS};
 
 const BODY: &str = r#"{"item":"book","qty":1}"#;
 

@@ -1,12 +1,13 @@
 //! Several replicas: real `idemgate serve` processes sharing one PostgreSQL
 //! schema (and, where said, one Redis prefix), in front of one upstream.
 
-mod support;
-
+use crate::support;
+use crate::support::services::{database_url, redis_url, require_postgres, require_redis};
+use crate::support::{
+    free_port, wait_for, Action, Resp, ServeProcess, TestSchema, Upstream, ORDERS,
+};
 use std::sync::Arc;
 use std::time::Duration;
-use support::services::{database_url, redis_url, require_postgres, require_redis};
-use support::{free_port, wait_for, Action, Resp, ServeProcess, TestSchema, Upstream, ORDERS};
 
 const BODY: &str = r#"{"item":"book","qty":1}"#;
 

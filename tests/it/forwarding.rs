@@ -1,11 +1,10 @@
 //! Transparency: what passes through the proxy unprotected, and how.
 
-mod support;
-
+use crate::support;
+use crate::support::{Backend, H2Conn, Http1Conn, Proxy, Upstream, ORDERS};
 use bytes::Bytes;
 use http::{Method, Version};
 use idemgate::metrics::Outcome;
-use support::{Backend, H2Conn, Http1Conn, Proxy, Upstream, ORDERS};
 
 async fn start() -> (Upstream, Proxy) {
     let up = Upstream::start().await;

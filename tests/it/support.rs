@@ -3,13 +3,11 @@
 //!
 //! Semantics tests are written once as `async fn name(backend: Backend)` and
 //! [`backend_tests!`] turns them into one `#[tokio::test]` per backend.
-#![allow(dead_code)]
 
 // PostgreSQL/Redis helpers: URLs, private redis-server, TCP relay.
 pub mod services;
 
 use services::{database_url, redis_url, require_postgres, require_redis};
-#[allow(unused_imports)]
 pub use services::{database_url_via, TestSchema};
 
 use bytes::Bytes;
@@ -450,13 +448,6 @@ impl ProxyBuilder {
         self
     }
 
-    /// Shares this schema (and Redis prefix) with other proxies: replicas.
-    /// Without it each PostgreSQL proxy gets a fresh one, dropped with it.
-    pub fn schema(mut self, schema: &Arc<TestSchema>) -> Self {
-        self.schema = Some(schema.clone());
-        self
-    }
-
     /// Reaches PostgreSQL at this URL (e.g. [`database_url_via`] a
     /// [`services::TcpRelay`]) instead of `IDEMGATE_TEST_DATABASE_URL`.
     pub fn store_url(mut self, url: &str) -> Self {
@@ -622,8 +613,7 @@ impl ProxyBuilder {
             addr,
             admin_addr,
             metrics,
-            sqlite_path,
-            schema,
+            _schema: schema,
             shutdown_tx: Some(tx),
             task: Some(task),
             _dir: dir,
@@ -637,11 +627,9 @@ pub struct Proxy {
     /// The admin listener, when the builder asked for it.
     pub admin_addr: Option<SocketAddr>,
     pub metrics: Arc<Metrics>,
-    /// The SQLite file (unused with the other backends).
-    pub sqlite_path: PathBuf,
-    /// The PostgreSQL schema and Redis prefix (postgres backends); dropped
-    /// from the database when the last proxy holding it goes.
-    pub schema: Option<Arc<TestSchema>>,
+    /// The PostgreSQL schema and Redis prefix (postgres backends), dropped
+    /// from the database with the proxy.
+    _schema: Option<Arc<TestSchema>>,
     shutdown_tx: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<anyhow::Result<()>>>,
     _dir: Arc<tempfile::TempDir>,
@@ -750,7 +738,6 @@ impl Drop for Proxy {
 
 /// Generates one `#[tokio::test]` per backend for each `async fn name(Backend)`
 /// in the invoking file. Adding a backend is one line here.
-#[allow(unused_macros)]
 macro_rules! backend_tests {
     ($($name:ident),* $(,)?) => {
         $crate::support::backend_tests!(@on memory, Memory; $($name),*);
@@ -769,7 +756,6 @@ macro_rules! backend_tests {
         }
     };
 }
-#[allow(unused_imports)]
 pub(crate) use backend_tests;
 
 // ===== the client =====
