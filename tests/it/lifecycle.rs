@@ -18,7 +18,7 @@ const BODY: &str = r#"{"item":"lamp"}"#;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_disconnect_mid_request_still_stores_the_response_for_the_retry() {
     let up = Upstream::start().await;
-    let proxy = Proxy::start(Backend::Sqlite, up.addr, &[]).await;
+    let proxy = Proxy::start(Backend::Sqlite, up.addr).await;
     up.push(Action::Delay(Duration::from_millis(600)));
 
     let stream = TcpStream::connect(proxy.addr).await.unwrap();
@@ -291,7 +291,7 @@ async fn idle_keep_alive_connections_do_not_hold_up_shutdown() {
     // A grace period longer than the test's deadline: only closing idle
     // connections promptly lets `stopped` return in time.
     let mut proxy = Proxy::builder(Backend::Memory, up.addr)
-        .server("shutdown_grace = \"60s\"")
+        .set("server.shutdown_grace", "60s")
         .start()
         .await;
     let mut h1 = Http1Conn::open(proxy.addr).await;

@@ -4,8 +4,12 @@
 //! Semantics tests are written once as `async fn name(backend: Backend)` and
 //! [`backend_tests!`] turns them into one `#[tokio::test]` per backend.
 
+// The config file a test wants, as a TOML table.
+pub mod config;
 // PostgreSQL/Redis helpers: URLs, private redis-server, TCP relay.
 pub mod services;
+
+pub use config::{Route, TestConfig};
 
 use services::{database_url, redis_url, require_postgres, require_redis};
 pub use services::{database_url_via, TestSchema};
@@ -18,7 +22,6 @@ use hyper::service::service_fn;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use idemgate::body::{boxed, full, BoxError, ProxyBody};
-use idemgate::config::Config;
 use idemgate::metrics::Metrics;
 use idemgate::server::{serve, Listeners};
 use std::collections::{HashMap, VecDeque};
@@ -405,33 +408,35 @@ impl Backend {
 pub struct ProxyBuilder {
     backend: Backend,
     upstream: SocketAddr,
-    server_extra: Vec<String>,
-    route_extra: Vec<String>,
-    store_extra: Vec<String>,
-    routes: Option<String>,
+    /// `(dotted key, value)`, applied over the defaults in order.
+    sets: Vec<(String, toml::Value)>,
+    /// `(key, value)` set on every route.
+    route_sets: Vec<(String, toml::Value)>,
+    routes: Option<Vec<Route>>,
     sqlite_path: Option<PathBuf>,
-    schema: Option<Arc<TestSchema>>,
     store_url: Option<String>,
     redis_url: Option<String>,
     admin: bool,
 }
 
 impl ProxyBuilder {
-    /// A line inside `[server]`, e.g. `upstream_timeout = "300ms"`.
-    pub fn server(mut self, line: &str) -> Self {
-        self.server_extra.push(line.to_string());
+    /// Sets a config key over the defaults, e.g.
+    /// `.set("server.upstream_timeout", "300ms")`.
+    pub fn set(mut self, dotted: &str, value: impl Into<toml::Value>) -> Self {
+        self.sets.push((dotted.to_string(), value.into()));
         self
     }
 
-    /// A line added to both default routes (`POST /orders`, `POST /payments`).
-    pub fn route(mut self, line: &str) -> Self {
-        self.route_extra.push(line.to_string());
+    /// Sets `key` on every route (the default `POST /orders` and
+    /// `POST /payments`, or those given to [`ProxyBuilder::routes`]).
+    pub fn each_route(mut self, key: &str, value: impl Into<toml::Value>) -> Self {
+        self.route_sets.push((key.to_string(), value.into()));
         self
     }
 
-    /// Replaces the default routes with this TOML (`[[route]]` tables).
-    pub fn routes(mut self, toml: &str) -> Self {
-        self.routes = Some(toml.to_string());
+    /// Replaces the default routes.
+    pub fn routes(mut self, routes: Vec<Route>) -> Self {
+        self.routes = Some(routes);
         self
     }
 
@@ -439,12 +444,6 @@ impl ProxyBuilder {
     pub fn sqlite_file(mut self, path: &Path) -> Self {
         self.backend = Backend::Sqlite;
         self.sqlite_path = Some(path.to_path_buf());
-        self
-    }
-
-    /// A line inside `[store]`, e.g. `timeout = "1s"`.
-    pub fn store(mut self, line: &str) -> Self {
-        self.store_extra.push(line.to_string());
         self
     }
 
@@ -469,101 +468,58 @@ impl ProxyBuilder {
         self
     }
 
-    fn schema_or_new(&mut self) -> Arc<TestSchema> {
-        self.schema
-            .get_or_insert_with(|| Arc::new(TestSchema::new()))
-            .clone()
-    }
-
-    pub fn config_text(&self, sqlite_path: &Path) -> String {
-        let overridden = |key: &str| {
-            self.server_extra
-                .iter()
-                .any(|l| l.split('=').next().map(str::trim) == Some(key))
+    /// The config: the backend's store (PostgreSQL in `schema`), the default
+    /// or given routes, then the builder's own settings over them.
+    fn config(&self, sqlite_path: &Path, schema: Option<&TestSchema>) -> TestConfig {
+        let mut config = TestConfig::new(self.upstream)
+            .set("server.listen", "127.0.0.1:0")
+            .set("server.shutdown_grace", "10s");
+        config = match (self.backend, schema) {
+            (Backend::Memory, _) => config.set("store.backend", "memory"),
+            (Backend::Sqlite, _) => config
+                .set("store.backend", "sqlite")
+                .set("store.path", sqlite_path.display().to_string())
+                .set("store.synchronous", "normal"),
+            (Backend::Postgres | Backend::PostgresRedis, Some(schema)) => config
+                .set("store.backend", "postgres")
+                .set(
+                    "store.url",
+                    self.store_url.clone().unwrap_or_else(database_url),
+                )
+                .set("store.schema", schema.schema.as_str())
+                .set("store.pool_size", 8)
+                .set("store.connect_timeout", "1s")
+                .set("store.timeout", "2s"),
+            (Backend::Postgres | Backend::PostgresRedis, None) => {
+                panic!("a PostgreSQL proxy needs a schema")
+            }
         };
-        let mut t = String::from("[server]\n");
-        let upstream = format!("\"http://{}\"", self.upstream);
-        for (key, value) in [
-            ("listen", "\"127.0.0.1:0\""),
-            ("upstream", upstream.as_str()),
-            ("shutdown_grace", "\"10s\""),
-        ] {
-            if !overridden(key) {
-                t.push_str(&format!("{key} = {value}\n"));
-            }
+        if let (Backend::PostgresRedis, Some(schema)) = (self.backend, schema) {
+            config = config
+                .set(
+                    "redis.url",
+                    self.redis_url.clone().unwrap_or_else(redis_url),
+                )
+                .set("redis.prefix", schema.prefix.as_str())
+                .set("redis.timeout", "250ms");
         }
-        for l in &self.server_extra {
-            t.push_str(l);
-            t.push('\n');
+        let routes = self
+            .routes
+            .clone()
+            .unwrap_or_else(|| vec![Route::post(ORDERS), Route::post("/payments")]);
+        for route in routes {
+            config = config.route(route);
         }
-        match self.backend {
-            Backend::Memory => t.push_str("\n[store]\nbackend = \"memory\"\n"),
-            Backend::Sqlite => t.push_str(&format!(
-                "\n[store]\nbackend = \"sqlite\"\npath = {:?}\nsynchronous = \"normal\"\n",
-                sqlite_path.display().to_string()
-            )),
-            Backend::Postgres | Backend::PostgresRedis => {
-                let schema = self
-                    .schema
-                    .as_ref()
-                    .expect("config_text: a postgres builder has a schema");
-                let url = self.store_url.clone().unwrap_or_else(database_url);
-                t.push_str(&format!(
-                    "\n[store]\nbackend = \"postgres\"\nurl = {url:?}\nschema = {:?}\n",
-                    schema.schema
-                ));
-                for (key, value) in [
-                    ("pool_size", "8"),
-                    ("connect_timeout", "\"1s\""),
-                    ("timeout", "\"2s\""),
-                ] {
-                    if !self
-                        .store_extra
-                        .iter()
-                        .any(|l| l.split('=').next().map(str::trim) == Some(key))
-                    {
-                        t.push_str(&format!("{key} = {value}\n"));
-                    }
-                }
-            }
+        for (key, value) in &self.route_sets {
+            config = config.each_route(key, value.clone());
         }
-        for l in &self.store_extra {
-            t.push_str(l);
-            t.push('\n');
+        for (dotted, value) in &self.sets {
+            config = config.set(dotted, value.clone());
         }
-        if self.backend == Backend::PostgresRedis {
-            let schema = self
-                .schema
-                .as_ref()
-                .expect("config_text: a redis builder has a prefix");
-            let url = self.redis_url.clone().unwrap_or_else(redis_url);
-            t.push_str(&format!(
-                "\n[redis]\nurl = {url:?}\nprefix = {:?}\ntimeout = \"250ms\"\n",
-                schema.prefix
-            ));
-        }
-        match &self.routes {
-            Some(routes) => {
-                t.push('\n');
-                t.push_str(routes);
-                t.push('\n');
-            }
-            None => {
-                for path in [ORDERS, "/payments"] {
-                    t.push_str(&format!(
-                        "\n[[route]]\nmethods = [\"POST\"]\npath = \"{path}\"\n"
-                    ));
-                    for l in &self.route_extra {
-                        t.push_str(l);
-                        t.push('\n');
-                    }
-                }
-            }
-        }
-        t
+        config
     }
 
-    pub async fn start(mut self) -> Proxy {
+    pub async fn start(self) -> Proxy {
         trace_init();
         let dir = Arc::new(tempfile::TempDir::new().expect("tempdir"));
         let sqlite_path = self
@@ -576,13 +532,11 @@ impl ProxyBuilder {
             if self.backend == Backend::PostgresRedis && self.redis_url.is_none() {
                 require_redis(&redis_url());
             }
-            Some(self.schema_or_new())
+            Some(Arc::new(TestSchema::new()))
         } else {
             None
         };
-        let text = self.config_text(&sqlite_path);
-        let config = Config::parse(&text, "test.toml")
-            .unwrap_or_else(|e| panic!("test config does not parse: {e}\n{text}"));
+        let config = self.config(&sqlite_path, schema.as_deref()).parse();
         let metrics = Arc::new(Metrics::new());
         // With metrics, so the fast-path counters reach `/metrics`.
         let store = idemgate::store::open_with_metrics(&config, &metrics)
@@ -640,26 +594,19 @@ impl Proxy {
         ProxyBuilder {
             backend,
             upstream,
-            server_extra: Vec::new(),
-            route_extra: Vec::new(),
-            store_extra: Vec::new(),
+            sets: Vec::new(),
+            route_sets: Vec::new(),
             routes: None,
             sqlite_path: None,
-            schema: None,
             store_url: None,
             redis_url: None,
             admin: false,
         }
     }
 
-    /// The default config (`POST /orders`, `POST /payments` protected) plus
-    /// `route_extra` lines in each route.
-    pub async fn start(backend: Backend, upstream: SocketAddr, route_extra: &[&str]) -> Proxy {
-        let mut b = Self::builder(backend, upstream);
-        for l in route_extra {
-            b = b.route(l);
-        }
-        b.start().await
+    /// The default config: `POST /orders` and `POST /payments` protected.
+    pub async fn start(backend: Backend, upstream: SocketAddr) -> Proxy {
+        Self::builder(backend, upstream).start().await
     }
 
     pub fn url(&self, path_and_query: &str) -> String {
