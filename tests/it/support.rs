@@ -6,10 +6,13 @@
 
 // The config file a test wants, as a TOML table.
 pub mod config;
+// The real binary as a child process.
+pub mod process;
 // PostgreSQL/Redis helpers: URLs, private redis-server, TCP relay.
 pub mod services;
 
 pub use config::{Route, TestConfig};
+pub use process::{run_on_config_text, run_to_completion, Run, ServeProcess};
 
 use services::{database_url, redis_url, require_postgres, require_redis};
 pub use services::{database_url_via, TestSchema};
@@ -88,6 +91,12 @@ pub async fn bounded<T>(what: &str, fut: impl Future<Output = T>) -> T {
     tokio::time::timeout(DEADLINE, fut)
         .await
         .unwrap_or_else(|_| panic!("timed out: {what}"))
+}
+
+/// A free port on 127.0.0.1 (bound, then released).
+pub fn free_port() -> SocketAddr {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+    l.local_addr().expect("addr")
 }
 
 // ===== the test upstream =====
@@ -185,8 +194,7 @@ impl Upstream {
 
     /// An address nothing listens on: connecting to it is refused.
     pub fn refusing_addr() -> SocketAddr {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-        l.local_addr().expect("addr")
+        free_port()
     }
 
     /// Queues a behaviour for the next request.
@@ -933,32 +941,7 @@ impl H2Conn {
     }
 }
 
-// ===== the real binary =====
-
-/// A free port on 127.0.0.1 (bound, then released).
-pub fn free_port() -> SocketAddr {
-    Upstream::refusing_addr()
-}
-
-/// `idemgate` with a clean `IDEMGATE_*` environment.
-pub fn binary() -> std::process::Command {
-    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"));
-    for (k, _) in std::env::vars() {
-        if k.starts_with("IDEMGATE_") {
-            cmd.env_remove(k);
-        }
-    }
-    cmd.env("RUST_LOG", "warn");
-    cmd
-}
-
-/// Waits until something accepts connections on `addr`.
-pub async fn wait_listening(addr: SocketAddr) {
-    wait_for(&format!("something to listen on {addr}"), || async {
-        TcpStream::connect(addr).await.ok().map(|_| ())
-    })
-    .await
-}
+// ===== metrics =====
 
 /// The value of an unlabelled sample `name` in Prometheus/OpenMetrics text
 /// (0 when absent).
@@ -970,79 +953,4 @@ pub fn metric_value(text: &str, name: &str) -> u64 {
         })
         .map(|v| v as u64)
         .unwrap_or(0)
-}
-
-/// A process of the real binary (`idemgate serve`), killed on drop so a
-/// failing test leaves nothing behind.
-pub struct ServeProcess {
-    pub listen: SocketAddr,
-    pub admin: SocketAddr,
-    child: Option<std::process::Child>,
-    _config: tempfile::NamedTempFile,
-}
-
-impl ServeProcess {
-    /// Writes `config` (which must listen on `listen` and `admin`) to a
-    /// temporary file and runs `serve --config` on it; returns once the
-    /// proxy port accepts connections.
-    pub async fn start(listen: SocketAddr, admin: SocketAddr, config: &str) -> Self {
-        use std::io::Write;
-        let mut file = tempfile::Builder::new()
-            .suffix(".toml")
-            .tempfile()
-            .expect("config tempfile");
-        file.write_all(config.as_bytes()).expect("write config");
-        let child = binary()
-            .arg("serve")
-            .arg("--config")
-            .arg(file.path())
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::inherit())
-            .spawn()
-            .expect("start idemgate serve");
-        let mut p = Self {
-            listen,
-            admin,
-            child: Some(child),
-            _config: file,
-        };
-        let deadline = tokio::time::Instant::now() + DEADLINE;
-        while TcpStream::connect(listen).await.is_err() {
-            if let Some(Ok(Some(status))) = p.child.as_mut().map(|c| c.try_wait()) {
-                panic!("idemgate serve exited before listening: {status}\n{config}");
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "idemgate serve did not listen on {listen} in time"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        p
-    }
-
-    pub fn post(&self, path_and_query: &str) -> Req {
-        Req::new(
-            Method::POST,
-            format!("http://{}{path_and_query}", self.listen),
-        )
-    }
-
-    pub fn admin_get(&self, path: &str) -> Req {
-        Req::new(Method::GET, format!("http://{}{path}", self.admin))
-    }
-
-    /// SIGKILL, then reaps it.
-    pub fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-impl Drop for ServeProcess {
-    fn drop(&mut self) {
-        self.kill();
-    }
 }

@@ -8,6 +8,7 @@
 
 use idemgate::config::Config;
 use std::net::SocketAddr;
+use std::path::Path;
 use toml::{Table, Value};
 
 /// A config under construction.
@@ -62,9 +63,21 @@ impl TestConfig {
         self
     }
 
+    /// `server.listen` and `admin.listen` (for a child process).
+    pub fn listen(self, listen: SocketAddr, admin: SocketAddr) -> Self {
+        self.set("server.listen", listen.to_string())
+            .set("admin.listen", admin.to_string())
+    }
+
     /// The TOML text.
     pub fn render(&self) -> String {
         toml::to_string(&self.table).expect("a TOML table renders")
+    }
+
+    /// Writes the TOML text to `path`.
+    pub fn write(&self, path: &Path) {
+        std::fs::write(path, self.render())
+            .unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
     }
 
     /// The typed config, as `idemgate` would load it from a file.

@@ -7,7 +7,7 @@
 
 use idemgate::config::{Backend, SqliteSync, StoreConfig};
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener as StdListener, TcpStream as StdStream};
+use std::net::{SocketAddr, TcpStream as StdStream};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -133,13 +133,6 @@ pub fn pg_store_config(url: &str, schema: &str) -> StoreConfig {
     }
 }
 
-fn free_port() -> u16 {
-    StdListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("bind an ephemeral port")
-}
-
 /// One blocking PING round trip.
 fn redis_answers(addr: &str) -> bool {
     let Ok(sock_addr) = addr.parse::<SocketAddr>().or_else(|_| {
@@ -171,7 +164,7 @@ pub struct PrivateRedis {
 impl PrivateRedis {
     pub fn start() -> Self {
         let mut r = Self {
-            port: free_port(),
+            port: super::free_port().port(),
             child: None,
         };
         r.spawn();
