@@ -5,7 +5,7 @@
 //!
 //! Tests never skip: a missing service is a panic that says how to fix it.
 
-use idemgate::config::{Backend, SqliteSync, StoreConfig};
+use idemgate::config::{mask_url, Backend, SqliteSync, StoreConfig};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream as StdStream};
 use std::process::{Child, Command, Stdio};
@@ -41,20 +41,6 @@ pub fn unique_schema(prefix: &str) -> String {
     )
 }
 
-/// The URL without its password, for panic messages.
-fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s => {
-            let creds = &url[s + 3..at];
-            match creds.find(':') {
-                Some(c) => format!("{}{}:***{}", &url[..s + 3], &creds[..c], &url[at..]),
-                None => url.to_string(),
-            }
-        }
-        _ => url.to_string(),
-    }
-}
-
 /// Panics with a clear message unless PostgreSQL answers at `url`.
 pub async fn require_postgres(url: &str) {
     let attempt = async {
@@ -69,11 +55,11 @@ pub async fn require_postgres(url: &str) {
         Ok(Ok(())) => {}
         Ok(Err(e)) => panic!(
             "PostgreSQL is not reachable at {}: {e}: start it (see README) or set IDEMGATE_TEST_DATABASE_URL",
-            redact(url)
+            mask_url(url)
         ),
         Err(_) => panic!(
             "PostgreSQL is not reachable at {} (timed out): start it (see README) or set IDEMGATE_TEST_DATABASE_URL",
-            redact(url)
+            mask_url(url)
         ),
     }
 }
@@ -91,7 +77,7 @@ pub fn require_redis(url: &str) {
     if !redis_answers(&addr) {
         panic!(
             "Redis is not reachable at {}: start it (see README) or set IDEMGATE_TEST_REDIS_URL",
-            redact(url)
+            mask_url(url)
         );
     }
 }
