@@ -3,16 +3,19 @@
 //! following the store, the `keys` commands against a running proxy's
 //! store, environment overrides, JSON access logs and SIGTERM.
 
-mod support;
-
+use crate::support;
+use crate::support::services::{
+    database_url, drop_schema, require_postgres, unique_schema, TcpRelay,
+};
+use crate::support::{
+    free_port, run_on_config_text, run_to_completion, wait_for, Action, Req, Route, Run,
+    ServeProcess, TestConfig, Upstream, ORDERS,
+};
 use http::Method;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
 use std::time::Duration;
-use support::services::{database_url, drop_schema, require_postgres, unique_schema, TcpRelay};
-use support::{binary, bounded, free_port, wait_for, Action, Req, Resp, Upstream, ORDERS};
 use tokio::net::TcpStream;
 
 const BODY: &str = r#"{"item":"lamp","qty":1}"#;
@@ -20,142 +23,17 @@ const CREDENTIAL: &str = "Bearer t-ops-credential-5d1c";
 
 // ===== the binary as a child process =====
 
-/// A running `idemgate serve`; killed on drop so a failing test leaves no
-/// process behind. Its stderr goes to a file the test can read.
-struct Gate {
-    child: Option<Child>,
-    listen: SocketAddr,
-    admin: SocketAddr,
-    stderr: PathBuf,
+/// `POST /orders` with the test's credential, `key` and [`BODY`].
+trait Orders {
+    fn order(&self, key: &str) -> Req;
 }
 
-impl Gate {
-    /// Starts `serve --config <config>` with `env` added to a clean
-    /// `IDEMGATE_*` environment and waits until both ports accept.
-    async fn start(
-        config: &Path,
-        listen: SocketAddr,
-        admin: SocketAddr,
-        env: &[(&str, &str)],
-    ) -> Gate {
-        Self::start_with(config, listen, admin, env, |_| {}).await
-    }
-
-    async fn start_with(
-        config: &Path,
-        listen: SocketAddr,
-        admin: SocketAddr,
-        env: &[(&str, &str)],
-        tweak: impl FnOnce(&mut std::process::Command),
-    ) -> Gate {
-        let stderr = config.with_extension(format!("{}.stderr", listen.port()));
-        let file = std::fs::File::create(&stderr).expect("create the stderr file");
-        let mut cmd = binary();
-        cmd.arg("serve")
-            .arg("--config")
-            .arg(config)
-            .envs(env.iter().copied())
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(file);
-        tweak(&mut cmd);
-        let child = cmd.spawn().expect("start idemgate serve");
-        let mut gate = Gate {
-            child: Some(child),
-            listen,
-            admin,
-            stderr,
-        };
-        gate.wait_accepting(listen).await;
-        gate.wait_accepting(admin).await;
-        gate
-    }
-
-    /// Waits for `addr` to accept, failing fast (with the log) if the
-    /// process exits instead.
-    async fn wait_accepting(&mut self, addr: SocketAddr) {
-        let deadline = tokio::time::Instant::now() + support::DEADLINE;
-        loop {
-            if TcpStream::connect(addr).await.is_ok() {
-                return;
-            }
-            if let Some(status) = self
-                .child
-                .as_mut()
-                .and_then(|c| c.try_wait().ok().flatten())
-            {
-                panic!(
-                    "idemgate exited ({status}) before listening on {addr}:\n{}",
-                    self.log()
-                );
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "idemgate did not listen on {addr} in time:\n{}",
-                self.log()
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
-    fn pid(&self) -> u32 {
-        self.child.as_ref().expect("running").id()
-    }
-
-    /// Everything the process wrote to stderr so far.
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.stderr).unwrap_or_default()
-    }
-
-    fn url(&self, path_and_query: &str) -> String {
-        format!("http://{}{}", self.listen, path_and_query)
-    }
-
-    fn post(&self, path_and_query: &str) -> Req {
-        Req::new(Method::POST, self.url(path_and_query))
-    }
-
+impl Orders for ServeProcess {
     fn order(&self, key: &str) -> Req {
         self.post(ORDERS)
             .header("authorization", CREDENTIAL)
             .key(key)
             .body(BODY)
-    }
-
-    async fn admin_get(&self, path: &str) -> Resp {
-        Req::new(Method::GET, format!("http://{}{}", self.admin, path))
-            .send()
-            .await
-    }
-
-    /// Sends SIGTERM (what Kubernetes and `docker stop` send).
-    fn terminate(&self) {
-        let status = std::process::Command::new("kill")
-            .args(["-TERM", &self.pid().to_string()])
-            .status()
-            .expect("run kill");
-        assert!(status.success(), "kill -TERM failed: {status}");
-    }
-
-    /// Waits (bounded) for the process to exit and returns its exit code.
-    async fn exited(&mut self) -> Option<i32> {
-        let child = self.child.as_mut().expect("running");
-        let status = wait_for("idemgate to exit", || {
-            let s = child.try_wait().expect("try_wait");
-            async move { s }
-        })
-        .await;
-        self.child = None;
-        status.code()
-    }
-}
-
-impl Drop for Gate {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
     }
 }
 
@@ -167,24 +45,21 @@ struct Setup {
     config: PathBuf,
 }
 
-/// `POST /orders` (small body limit) and `POST /payments` (keys expire after 1 s).
-const ROUTES: &str = "[[route]]\nmethods = [\"POST\"]\npath = \"/orders\"\nmax_request_body = \"1KiB\"\n\n\
-                      [[route]]\nmethods = [\"POST\"]\npath = \"/payments\"\nttl = \"1s\"\nlease = \"1s\"\n";
-
 impl Setup {
     /// Writes a config: the proxy and admin on free ports in front of
-    /// `upstream`, the given `[store]` table, [`ROUTES`] and `extra` TOML.
-    fn new(upstream: SocketAddr, store: impl FnOnce(&Path) -> String, extra: &str) -> Setup {
+    /// `upstream`, `POST /orders` (small body limit) and `POST /payments`
+    /// (keys expire after 1 s); `store` adds the `[store]` table and
+    /// anything else, given the directory.
+    fn new(upstream: SocketAddr, store: impl FnOnce(TestConfig, &Path) -> TestConfig) -> Setup {
         let dir = tempfile::TempDir::new().expect("tempdir");
-        let listen = free_port();
-        let admin = free_port();
+        let (listen, admin) = (free_port(), free_port());
         let config = dir.path().join("idemgate.toml");
-        let text = format!(
-            "[server]\nlisten = \"{listen}\"\nupstream = \"http://{upstream}\"\nshutdown_grace = \"10s\"\n\n\
-             [admin]\nlisten = \"{admin}\"\n\n{}\n{extra}\n{ROUTES}",
-            store(dir.path())
-        );
-        std::fs::write(&config, text).expect("write config");
+        let routes = TestConfig::new(upstream)
+            .listen(listen, admin)
+            .set("server.shutdown_grace", "10s")
+            .route(Route::post(ORDERS).set("max_request_body", "1KiB"))
+            .route(Route::post("/payments").set("ttl", "1s").set("lease", "1s"));
+        store(routes, dir.path()).write(&config);
         Setup {
             _dir: dir,
             listen,
@@ -193,59 +68,51 @@ impl Setup {
         }
     }
 
-    fn sqlite(upstream: SocketAddr, extra: &str) -> Setup {
-        Self::new(upstream, sqlite_store, extra)
+    fn sqlite(upstream: SocketAddr) -> Setup {
+        Self::new(upstream, sqlite_store)
     }
 
-    async fn start(&self) -> Gate {
-        Gate::start(&self.config, self.listen, self.admin, &[]).await
+    /// `idemgate serve` on the config, with `env` added.
+    async fn start_with_env(&self, env: &[(&str, &str)]) -> ServeProcess {
+        ServeProcess::start(&self.config, self.listen, self.admin, env).await
+    }
+
+    async fn start(&self) -> ServeProcess {
+        self.start_with_env(&[]).await
     }
 }
 
-fn sqlite_store(dir: &Path) -> String {
-    format!(
-        "[store]\nbackend = \"sqlite\"\npath = {:?}\nsweep_interval = \"1h\"\n",
-        dir.join("ops.db").display().to_string()
-    )
+fn sqlite_store(config: TestConfig, dir: &Path) -> TestConfig {
+    config
+        .set("store.backend", "sqlite")
+        .set("store.path", dir.join("ops.db").display().to_string())
+        .set("store.sweep_interval", "1h")
 }
 
-fn postgres_store(url: &str, schema: &str) -> String {
-    format!(
-        "[store]\nbackend = \"postgres\"\nurl = {url:?}\nschema = \"{schema}\"\npool_size = 4\n\
-         connect_timeout = \"1s\"\nstatement_timeout = \"1s\"\ntimeout = \"1s\"\nsweep_interval = \"1h\"\n"
-    )
+fn postgres_store(config: TestConfig, url: &str, schema: &str) -> TestConfig {
+    config
+        .set("store.backend", "postgres")
+        .set("store.url", url)
+        .set("store.schema", schema)
+        .set("store.pool_size", 4)
+        .set("store.connect_timeout", "1s")
+        .set("store.statement_timeout", "1s")
+        .set("store.timeout", "1s")
+        .set("store.sweep_interval", "1h")
 }
 
-/// One run of the binary to completion.
-struct Run {
-    code: i32,
-    stdout: String,
-    stderr: String,
-}
-
-/// Runs `idemgate <args>` with `env` added to a clean `IDEMGATE_*` environment.
-async fn idemgate(args: &[&str], env: &[(&str, &str)]) -> Run {
-    let mut cmd = binary();
-    cmd.args(args)
-        .envs(env.iter().copied())
-        .stdin(Stdio::null());
-    let mut cmd = tokio::process::Command::from(cmd);
-    cmd.kill_on_drop(true);
-    let out = bounded(&format!("idemgate {args:?}"), cmd.output())
-        .await
-        .expect("run idemgate");
-    Run {
-        code: out.status.code().expect("exit code"),
-        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-    }
+/// A config on the memory store, without routes.
+fn memory_config() -> TestConfig {
+    TestConfig::default()
+        .set("server.upstream", "http://127.0.0.1:3000")
+        .set("store.backend", "memory")
 }
 
 /// `idemgate keys <args> --config <config>`, expected to succeed; its stdout.
 async fn keys(config: &Path, args: &[&str]) -> String {
     let mut all = vec!["keys", "--config", config.to_str().expect("utf-8 path")];
     all.extend_from_slice(args);
-    let run = idemgate(&all, &[]).await;
+    let run = run_to_completion(&all, &[]).await;
     assert_eq!(run.code, 0, "keys {args:?}: {}{}", run.stdout, run.stderr);
     run.stdout
 }
@@ -284,12 +151,12 @@ fn requests_series(route: &str, outcome: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_count_each_outcome_of_real_traffic_exactly_once() {
     let up = Upstream::start().await;
-    let setup = Setup::sqlite(up.addr, "");
+    let setup = Setup::sqlite(up.addr);
     let gate = setup.start().await;
 
-    let health = gate.admin_get("/healthz").await;
+    let health = gate.admin_get("/healthz").send().await;
     assert_eq!(health.status(), 200, "{}", health.text());
-    let ready = gate.admin_get("/readyz").await;
+    let ready = gate.admin_get("/readyz").send().await;
     assert_eq!(ready.status(), 200, "{}", ready.text());
 
     // forwarded, then replayed
@@ -351,7 +218,7 @@ async fn metrics_count_each_outcome_of_real_traffic_exactly_once() {
     assert_eq!(up.hits(ORDERS), 2, "only the new key and the slow one ran");
 
     let metrics = wait_for("in_flight to drop to 0", || async {
-        let m = gate.admin_get("/metrics").await;
+        let m = gate.admin_get("/metrics").send().await;
         m.text()
             .lines()
             .any(|l| l == "idemgate_in_flight 0")
@@ -430,9 +297,9 @@ async fn metrics_count_each_outcome_of_real_traffic_exactly_once() {
     );
 
     // The admin port serves only its own paths; nothing reaches the upstream.
-    let unknown = gate.admin_get("/nope").await;
+    let unknown = gate.admin_get("/nope").send().await;
     assert_eq!(unknown.status(), 404, "{}", unknown.text());
-    assert_eq!(gate.admin_get(ORDERS).await.status(), 404);
+    assert_eq!(gate.admin_get(ORDERS).send().await.status(), 404);
     let post = Req::new(Method::POST, format!("http://{}/metrics", gate.admin))
         .send()
         .await;
@@ -448,14 +315,14 @@ async fn readyz_turns_503_while_postgres_is_cut_off_and_200_when_it_returns() {
     let schema = unique_schema("ops");
     let up = Upstream::start().await;
     let url = support::services::database_url_via(relay.addr());
-    let setup = Setup::new(up.addr, |_| postgres_store(&url, &schema), "");
+    let setup = Setup::new(up.addr, |c, _| postgres_store(c, &url, &schema));
     let gate = setup.start().await;
 
     let ready = |want: u16| {
         let gate = &gate;
         async move {
             wait_for(&format!("/readyz to answer {want}"), || async {
-                let r = gate.admin_get("/readyz").await;
+                let r = gate.admin_get("/readyz").send().await;
                 (r.status() == want).then_some(r)
             })
             .await
@@ -468,7 +335,7 @@ async fn readyz_turns_503_while_postgres_is_cut_off_and_200_when_it_returns() {
     let down = ready(503).await;
     assert!(down.text().starts_with("not ready"), "{}", down.text());
     assert_eq!(
-        gate.admin_get("/healthz").await.status(),
+        gate.admin_get("/healthz").send().await.status(),
         200,
         "still alive"
     );
@@ -495,7 +362,7 @@ async fn readyz_turns_503_while_postgres_is_cut_off_and_200_when_it_returns() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keys_show_describes_a_stored_key_without_printing_the_key_or_credential() {
     let up = Upstream::start().await;
-    let setup = Setup::sqlite(up.addr, "");
+    let setup = Setup::sqlite(up.addr);
     let gate = setup.start().await;
     let key = "raw-key-0b5e7a";
     let stored = gate
@@ -557,7 +424,7 @@ async fn keys_show_describes_a_stored_key_without_printing_the_key_or_credential
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keys_delete_makes_the_next_request_with_that_key_execute_again() {
     let up = Upstream::start().await;
-    let setup = Setup::sqlite(up.addr, "");
+    let setup = Setup::sqlite(up.addr);
     let gate = setup.start().await;
     let first = gate.order("k-delete").send().await;
     assert_eq!(first.status(), 201);
@@ -591,7 +458,7 @@ async fn keys_delete_makes_the_next_request_with_that_key_execute_again() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keys_show_reports_a_key_stuck_in_flight_with_its_lease() {
     let up = Upstream::start().await;
-    let setup = Setup::sqlite(up.addr, "");
+    let setup = Setup::sqlite(up.addr);
     let gate = setup.start().await;
     up.push(Action::Delay(Duration::from_secs(30)));
     let stuck = tokio::spawn(gate.order("k-stuck").try_send());
@@ -613,7 +480,7 @@ async fn keys_show_reports_a_key_stuck_in_flight_with_its_lease() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keys_purge_expired_reports_how_many_records_it_deleted() {
     let up = Upstream::start().await;
-    let setup = Setup::sqlite(up.addr, "");
+    let setup = Setup::sqlite(up.addr);
     let gate = setup.start().await;
     // /payments keys live 1 s; /orders keys a day.
     for key in ["p-1", "p-2"] {
@@ -660,7 +527,7 @@ async fn keys_show_and_delete_work_against_a_postgres_backed_proxy() {
     let schema = unique_schema("ops");
     let up = Upstream::start().await;
     let url = database_url();
-    let setup = Setup::new(up.addr, |_| postgres_store(&url, &schema), "");
+    let setup = Setup::new(up.addr, |c, _| postgres_store(c, &url, &schema));
     let gate = setup.start().await;
     let stored = gate
         .post("/orders?headers=1")
@@ -706,21 +573,22 @@ async fn keys_show_and_delete_work_against_a_postgres_backed_proxy() {
 // ===== environment overrides =====
 
 /// A postgres config without `store.url`.
-const PG_NO_URL: &str =
-    "[server]\nlisten = \"127.0.0.1:18080\"\nupstream = \"http://127.0.0.1:3000\"\n\n\
-                         [store]\nbackend = \"postgres\"\n\n\
-                         [[route]]\nmethods = [\"POST\"]\npath = \"/orders\"\n";
+fn pg_no_url() -> String {
+    TestConfig::default()
+        .set("server.listen", "127.0.0.1:18080")
+        .set("server.upstream", "http://127.0.0.1:3000")
+        .set("store.backend", "postgres")
+        .route(Route::post(ORDERS))
+        .render()
+}
 
 async fn check_config(text: &str, env: &[(&str, &str)]) -> Run {
-    let dir = tempfile::TempDir::new().unwrap();
-    let file = dir.path().join("env.toml");
-    std::fs::write(&file, text).unwrap();
-    idemgate(&["check-config", "--config", file.to_str().unwrap()], env).await
+    run_on_config_text(&["check-config"], text, env).await.0
 }
 
 #[tokio::test]
 async fn check_config_takes_the_store_url_from_the_environment_and_masks_its_password() {
-    let without = check_config(PG_NO_URL, &[]).await;
+    let without = check_config(&pg_no_url(), &[]).await;
     assert_eq!(without.code, 64, "{}{}", without.stdout, without.stderr);
     assert!(
         without.stderr.contains("IDEMGATE_STORE_URL"),
@@ -729,7 +597,7 @@ async fn check_config_takes_the_store_url_from_the_environment_and_masks_its_pas
     );
 
     let run = check_config(
-        PG_NO_URL,
+        &pg_no_url(),
         &[(
             "IDEMGATE_STORE_URL",
             "postgres://u:secret@127.0.0.1:5432/test",
@@ -751,7 +619,7 @@ async fn check_config_takes_the_store_url_from_the_environment_and_masks_its_pas
 #[tokio::test]
 async fn check_config_masks_a_password_given_as_a_query_parameter() {
     let run = check_config(
-        PG_NO_URL,
+        &pg_no_url(),
         &[(
             "IDEMGATE_STORE_URL",
             "postgres://u@127.0.0.1:5432/test?password=secret",
@@ -764,7 +632,8 @@ async fn check_config_masks_a_password_given_as_a_query_parameter() {
 
 #[tokio::test]
 async fn check_config_prints_the_upstream_and_listen_address_from_the_environment() {
-    let file_only = check_config(PG_NO_URL, &[("IDEMGATE_STORE_URL", "postgres://u@h/db")]).await;
+    let file_only =
+        check_config(&pg_no_url(), &[("IDEMGATE_STORE_URL", "postgres://u@h/db")]).await;
     assert_eq!(file_only.code, 0, "{}", file_only.stderr);
     assert!(
         file_only.stdout.contains("listen     127.0.0.1:18080"),
@@ -778,7 +647,7 @@ async fn check_config_prints_the_upstream_and_listen_address_from_the_environmen
     );
 
     let run = check_config(
-        PG_NO_URL,
+        &pg_no_url(),
         &[
             ("IDEMGATE_STORE_URL", "postgres://u@h/db"),
             ("IDEMGATE_UPSTREAM", "http://127.0.0.1:4999"),
@@ -807,7 +676,7 @@ async fn check_config_prints_the_upstream_and_listen_address_from_the_environmen
 #[tokio::test]
 async fn a_bad_listen_address_in_the_environment_is_exit_64_naming_the_variable() {
     let run = check_config(
-        PG_NO_URL,
+        &pg_no_url(),
         &[
             ("IDEMGATE_STORE_URL", "postgres://u@h/db"),
             ("IDEMGATE_LISTEN", "not-an-address"),
@@ -819,7 +688,7 @@ async fn a_bad_listen_address_in_the_environment_is_exit_64_naming_the_variable(
     assert!(run.stderr.contains("not-an-address"), "{}", run.stderr);
 
     let bad_upstream = check_config(
-        PG_NO_URL,
+        &pg_no_url(),
         &[
             ("IDEMGATE_STORE_URL", "postgres://u@h/db"),
             ("IDEMGATE_UPSTREAM", "ftp://example"),
@@ -839,11 +708,11 @@ async fn serve_sends_requests_to_the_upstream_and_listens_where_the_environment_
     let up = Upstream::start().await;
     let nowhere = Upstream::refusing_addr();
     // The file names an upstream nothing listens on, and another port.
-    let setup = Setup::sqlite(nowhere, "");
+    let setup = Setup::sqlite(nowhere);
     let listen = free_port();
     let upstream = format!("http://{}", up.addr);
     let env_listen = listen.to_string();
-    let gate = Gate::start(
+    let gate = ServeProcess::start(
         &setup.config,
         listen,
         setup.admin,
@@ -867,11 +736,13 @@ async fn serve_sends_requests_to_the_upstream_and_listens_where_the_environment_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn json_access_logs_carry_outcome_status_route_and_key_id_but_no_secrets() {
     let up = Upstream::start().await;
-    let setup = Setup::sqlite(
-        up.addr,
-        "[log]\nformat = \"json\"\nlevel = \"idemgate=debug\"\n",
-    );
-    let gate = Gate::start_with(&setup.config, setup.listen, setup.admin, &[], |cmd| {
+    let setup = Setup::new(up.addr, |c, dir| {
+        sqlite_store(c, dir)
+            .set("log.format", "json")
+            .set("log.level", "idemgate=debug")
+    });
+    // The config's log level, not the harness's RUST_LOG.
+    let gate = ServeProcess::start_with(&setup.config, setup.listen, setup.admin, &[], |cmd| {
         cmd.env_remove("RUST_LOG");
     })
     .await;
@@ -945,7 +816,7 @@ async fn json_access_logs_carry_outcome_status_route_and_key_id_but_no_secrets()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_lets_an_in_flight_request_finish_and_exits_0() {
     let up = Upstream::start().await;
-    let setup = Setup::sqlite(up.addr, "");
+    let setup = Setup::sqlite(up.addr);
     let mut gate = setup.start().await;
     up.push(Action::Delay(Duration::from_millis(800)));
     let slow = tokio::spawn(gate.order("k-term").send());
@@ -969,13 +840,9 @@ async fn sigterm_lets_an_in_flight_request_finish_and_exits_0() {
 async fn idemgate_config_in_the_environment_names_the_file_when_no_flag_is_given() {
     let dir = tempfile::TempDir::new().unwrap();
     let file = dir.path().join("from-env.toml");
-    std::fs::write(
-        &file,
-        "[server]\nupstream = \"http://127.0.0.1:3000\"\n\n[store]\nbackend = \"memory\"\n",
-    )
-    .unwrap();
+    memory_config().write(&file);
     let path = file.to_str().unwrap();
-    let run = idemgate(&["check-config"], &[("IDEMGATE_CONFIG", path)]).await;
+    let run = run_to_completion(&["check-config"], &[("IDEMGATE_CONFIG", path)]).await;
     assert_eq!(run.code, 0, "{}", run.stderr);
     assert!(
         run.stdout.starts_with(&format!("{path}: ok")),
@@ -992,22 +859,19 @@ async fn serve_enables_the_redis_fast_path_from_the_environment_and_counts_its_h
     let schema = unique_schema("ops");
     let up = Upstream::start().await;
     let url = database_url();
-    let prefix = format!("[redis]\nprefix = \"{schema}\"\n");
-    let setup = Setup::new(up.addr, |_| postgres_store(&url, &schema), &prefix);
+    let setup = Setup::new(up.addr, |c, _| {
+        postgres_store(c, &url, &schema).set("redis.prefix", schema.as_str())
+    });
     let redis = support::services::redis_url();
-    let gate = Gate::start(
-        &setup.config,
-        setup.listen,
-        setup.admin,
-        &[("IDEMGATE_REDIS_URL", &redis)],
-    )
-    .await;
+    let gate = setup
+        .start_with_env(&[("IDEMGATE_REDIS_URL", &redis)])
+        .await;
     assert_eq!(gate.order("k-fast").send().await.status(), 201);
     let replay = gate.order("k-fast").send().await;
     assert!(replay.replayed(), "{replay:?}");
     assert_eq!(up.hits(ORDERS), 1);
 
-    let text = gate.admin_get("/metrics").await.text();
+    let text = gate.admin_get("/metrics").send().await.text();
     for (series, value) in [
         ("idemgate_redis_fast_path_hits_total", "1"),
         ("idemgate_redis_fast_path_misses_total", "1"),
@@ -1027,13 +891,11 @@ async fn migrate_applies_the_schema_once_and_then_reports_it_current() {
     require_postgres(&database_url()).await;
     let schema = unique_schema("ops");
     let url = database_url();
-    let setup = Setup::new(
-        Upstream::refusing_addr(),
-        |_| postgres_store(&url, &schema),
-        "",
-    );
+    let setup = Setup::new(Upstream::refusing_addr(), |c, _| {
+        postgres_store(c, &url, &schema)
+    });
     let config = setup.config.to_str().unwrap();
-    let first = idemgate(&["migrate", "--config", config], &[]).await;
+    let first = run_to_completion(&["migrate", "--config", config], &[]).await;
     assert_eq!(first.code, 0, "{}", first.stderr);
     assert!(
         first
@@ -1047,7 +909,7 @@ async fn migrate_applies_the_schema_once_and_then_reports_it_current() {
         "{}",
         first.stdout
     );
-    let second = idemgate(&["migrate", "--config", config], &[]).await;
+    let second = run_to_completion(&["migrate", "--config", config], &[]).await;
     assert_eq!(second.code, 0, "{}", second.stderr);
     assert!(
         second.stdout.contains("(0 migration(s) applied now)"),
@@ -1060,8 +922,8 @@ async fn migrate_applies_the_schema_once_and_then_reports_it_current() {
         .starts_with("no record"));
     drop_schema(&database_url(), &schema).await;
 
-    let sqlite = Setup::sqlite(Upstream::refusing_addr(), "");
-    let run = idemgate(
+    let sqlite = Setup::sqlite(Upstream::refusing_addr());
+    let run = run_to_completion(
         &["migrate", "--config", sqlite.config.to_str().unwrap()],
         &[],
     )
@@ -1074,12 +936,8 @@ async fn migrate_applies_the_schema_once_and_then_reports_it_current() {
 async fn keys_commands_refuse_the_memory_store_and_malformed_keys_with_a_reason() {
     let dir = tempfile::TempDir::new().unwrap();
     let memory = dir.path().join("memory.toml");
-    std::fs::write(
-        &memory,
-        "[server]\nupstream = \"http://127.0.0.1:3000\"\n\n[store]\nbackend = \"memory\"\n",
-    )
-    .unwrap();
-    let run = idemgate(
+    memory_config().write(&memory);
+    let run = run_to_completion(
         &[
             "keys",
             "--config",
@@ -1094,9 +952,9 @@ async fn keys_commands_refuse_the_memory_store_and_malformed_keys_with_a_reason(
     assert_ne!(run.code, 0, "{}", run.stdout);
     assert!(run.stderr.contains("memory store"), "{}", run.stderr);
 
-    let sqlite = Setup::sqlite(Upstream::refusing_addr(), "");
+    let sqlite = Setup::sqlite(Upstream::refusing_addr());
     let config = sqlite.config.to_str().unwrap();
-    let run = idemgate(
+    let run = run_to_completion(
         &[
             "keys",
             "--config",
@@ -1110,7 +968,7 @@ async fn keys_commands_refuse_the_memory_store_and_malformed_keys_with_a_reason(
     .await;
     assert_ne!(run.code, 0, "{}", run.stdout);
     assert!(run.stderr.contains("invalid key"), "{}", run.stderr);
-    let run = idemgate(
+    let run = run_to_completion(
         &["keys", "--config", config, "show", "--scope", "zz", "k"],
         &[],
     )
@@ -1123,8 +981,8 @@ async fn keys_commands_refuse_the_memory_store_and_malformed_keys_with_a_reason(
 async fn keys_commands_find_keys_of_a_proxy_with_a_scope_secret_only_with_that_secret() {
     const SECRET: (&str, &str) = ("IDEMGATE_SCOPE_SECRET", "ops-scope-secret-0123456789");
     let up = Upstream::start().await;
-    let setup = Setup::sqlite(up.addr, "");
-    let gate = Gate::start(&setup.config, setup.listen, setup.admin, &[SECRET]).await;
+    let setup = Setup::sqlite(up.addr);
+    let gate = setup.start_with_env(&[SECRET]).await;
     let stored = gate
         .post(ORDERS)
         .header("authorization", CREDENTIAL)
@@ -1143,13 +1001,13 @@ async fn keys_commands_find_keys_of_a_proxy_with_a_scope_secret_only_with_that_s
         CREDENTIAL,
         "k-keyed",
     ];
-    let with = idemgate(&args, &[SECRET]).await;
+    let with = run_to_completion(&args, &[SECRET]).await;
     assert!(
         with.stdout.contains("state        completed"),
         "{}",
         with.stdout
     );
-    let without = idemgate(&args, &[]).await;
+    let without = run_to_completion(&args, &[]).await;
     assert!(
         without.stdout.starts_with("no record"),
         "{}",

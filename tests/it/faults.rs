@@ -3,12 +3,13 @@
 //! shared servers are never stopped: Redis faults use a private
 //! `redis-server`, PostgreSQL faults a TCP relay in front of it.
 
-mod support;
-
+use crate::support;
+use crate::support::services::{postgres_addr, require_postgres, PrivateRedis, TcpRelay};
+use crate::support::{
+    database_url_via, wait_for, Action, Backend, Proxy, Resp, Route, Upstream, ORDERS,
+};
 use std::future::Future;
 use std::time::Duration;
-use support::services::{postgres_addr, require_postgres, PrivateRedis, TcpRelay};
-use support::{database_url_via, wait_for, Action, Backend, Proxy, Resp, Upstream, ORDERS};
 
 const BODY: &str = r#"{"item":"book","qty":1}"#;
 
@@ -191,17 +192,16 @@ async fn with_redis_down_at_start_requests_work_on_postgres_alone() {
 
 // ===== PostgreSQL =====
 
-const CUT_ROUTES: &str = "[[route]]\nmethods = [\"POST\"]\npath = \"/orders\"\n\n\
-                          [[route]]\nmethods = [\"POST\"]\npath = \"/webhooks\"\n\
-                          on_store_error = \"forward\"\n";
-
 async fn postgres_cut_rejects_protected_requests_and_recovers(backend: Backend) {
     require_postgres(&support::services::database_url()).await;
     let relay = TcpRelay::start(postgres_addr()).await;
     let up = Upstream::start().await;
     let proxy = Proxy::builder(backend, up.addr)
         .store_url(&database_url_via(relay.addr()))
-        .routes(CUT_ROUTES)
+        .routes(vec![
+            Route::post(ORDERS),
+            Route::post("/webhooks").set("on_store_error", "forward"),
+        ])
         .admin()
         .start()
         .await;
@@ -382,7 +382,7 @@ async fn postgres_outage_longer_than_the_quick_retries_still_records_the_respons
     let up = Upstream::start().await;
     let proxy = Proxy::builder(backend, up.addr)
         .store_url(&database_url_via(relay.addr()))
-        .store("timeout = \"300ms\"")
+        .set("store.timeout", "300ms")
         .start()
         .await;
     up.push(Action::Delay(Duration::from_millis(500)));

@@ -6,8 +6,11 @@
 //! Time is the real clock with short leases and ttls, because Redis expires
 //! its copies on its own clock; every wait is bounded.
 
-mod support;
-
+use crate::support;
+use crate::support::services::{
+    database_url, drop_schema, pg_store_config, redis_url, require_postgres, require_redis,
+    unique_schema, PrivateRedis, TcpRelay,
+};
 use bytes::Bytes;
 use idemgate::config::{RedisConfig, SqliteSync};
 use idemgate::idempotency::{Fingerprint, RecordKey, Scope};
@@ -22,10 +25,6 @@ use idemgate::store::{
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use support::services::{
-    database_url, drop_schema, pg_store_config, redis_url, require_postgres, require_redis,
-    unique_schema, PrivateRedis, TcpRelay,
-};
 
 const LEASE_MS: i64 = 10_000;
 const TTL_MS: i64 = 60_000;

@@ -1,18 +1,14 @@
 //! Lifecycles: client hang-ups, restarts, a killed process, graceful
 //! shutdown, and the binary's config handling.
 
-mod support;
-
+use crate::support::{
+    free_port, run_on_config_text, wait_for, wait_until, Action, Backend, H2Conn, Http1Conn, Proxy,
+    Req, Route, ServeProcess, TestConfig, Upstream, ORDERS,
+};
 use http::Method;
 use hyper_util::rt::TokioIo;
 use std::net::SocketAddr;
-use std::path::Path;
-use std::process::{Child, Stdio};
 use std::time::Duration;
-use support::{
-    binary, free_port, wait_for, wait_listening, wait_until, Action, Backend, H2Conn, Http1Conn,
-    Proxy, Req, Upstream, ORDERS,
-};
 use tokio::net::TcpStream;
 
 const BODY: &str = r#"{"item":"lamp"}"#;
@@ -20,7 +16,7 @@ const BODY: &str = r#"{"item":"lamp"}"#;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_disconnect_mid_request_still_stores_the_response_for_the_retry() {
     let up = Upstream::start().await;
-    let proxy = Proxy::start(Backend::Sqlite, up.addr, &[]).await;
+    let proxy = Proxy::start(Backend::Sqlite, up.addr).await;
     up.push(Action::Delay(Duration::from_millis(600)));
 
     let stream = TcpStream::connect(proxy.addr).await.unwrap();
@@ -120,36 +116,6 @@ async fn graceful_shutdown_lets_an_in_flight_request_finish_and_record() {
     assert_eq!(up.hits(ORDERS), 1);
 }
 
-/// Kills the child on drop, so a failing test leaves no process behind.
-struct ChildGuard(Option<Child>);
-
-impl ChildGuard {
-    fn kill(&mut self) {
-        if let Some(mut c) = self.0.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-impl Drop for ChildGuard {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-fn spawn_serve(config: &Path) -> ChildGuard {
-    let child = binary()
-        .arg("serve")
-        .arg("--config")
-        .arg(config)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start idemgate");
-    ChildGuard(Some(child))
-}
-
 fn orders(listen: SocketAddr) -> Req {
     Req::new(Method::POST, format!("http://{listen}{ORDERS}"))
         .key("k-takeover")
@@ -160,23 +126,19 @@ fn orders(listen: SocketAddr) -> Req {
 async fn a_killed_process_claim_is_taken_over_after_its_lease() {
     let up = Upstream::start().await;
     let dir = tempfile::TempDir::new().unwrap();
-    let listen = free_port();
-    let admin = free_port();
+    let (listen, admin) = (free_port(), free_port());
     let config = dir.path().join("idemgate.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[server]\nlisten = \"{listen}\"\nupstream = \"http://{}\"\n\n[admin]\nlisten = \"{admin}\"\n\n\
-             [store]\nbackend = \"sqlite\"\npath = {:?}\n\n\
-             [[route]]\nmethods = [\"POST\"]\npath = \"/orders\"\nlease = \"2s\"\n",
-            up.addr,
-            dir.path().join("takeover.db").display().to_string()
-        ),
-    )
-    .unwrap();
+    TestConfig::new(up.addr)
+        .listen(listen, admin)
+        .set("store.backend", "sqlite")
+        .set(
+            "store.path",
+            dir.path().join("takeover.db").display().to_string(),
+        )
+        .route(Route::post(ORDERS).set("lease", "2s"))
+        .write(&config);
 
-    let mut child = spawn_serve(&config);
-    wait_listening(listen).await;
+    let mut child = ServeProcess::start(&config, listen, admin, &[]).await;
     up.push(Action::Delay(Duration::from_secs(30)));
     let doomed = tokio::spawn(orders(listen).try_send());
     up.wait_hits(ORDERS, 1).await;
@@ -186,8 +148,7 @@ async fn a_killed_process_claim_is_taken_over_after_its_lease() {
         "the client sees the dead proxy"
     );
 
-    let _child = spawn_serve(&config);
-    wait_listening(listen).await;
+    let restarted = ServeProcess::start(&config, listen, admin, &[]).await;
     let early = orders(listen).send().await;
     early.assert_problem(409);
     assert!(early.header("retry-after").is_some());
@@ -206,76 +167,65 @@ async fn a_killed_process_claim_is_taken_over_after_its_lease() {
     assert_eq!(replay.body, taken.body);
     assert_eq!(up.hits(ORDERS), 2);
 
-    let metrics = Req::new(Method::GET, format!("http://{admin}/metrics"))
-        .send()
-        .await
-        .text();
+    let metrics = restarted.admin_get("/metrics").send().await.text();
     assert!(
         metrics.contains("idemgate_lease_takeovers_total{route=\"/orders\"} 1"),
         "{metrics}"
     );
 }
 
-const GOOD: &str = "[server]\nupstream = \"http://127.0.0.1:3000\"\n\n\
-                    [store]\nbackend = \"memory\"\n\n\
-                    [[route]]\nmethods = [\"POST\"]\npath = \"/orders\"\n";
+/// A valid config, protecting `POST /orders`.
+fn good() -> TestConfig {
+    TestConfig::default()
+        .set("server.upstream", "http://127.0.0.1:3000")
+        .set("store.backend", "memory")
+        .route(Route::post(ORDERS))
+}
 
-/// Line 4 is the mistake.
+/// Line 4 is the mistake (a file as written by hand, to pin line numbers).
 const BAD: &str = "[server]\nupstream = \"http://127.0.0.1:3000\"\n\n\
                    upstrem_timeout = \"5s\"\n";
 
-fn run(args: &[&str], config_text: &str) -> (i32, String, String, String) {
-    let dir = tempfile::TempDir::new().unwrap();
-    let file = dir.path().join("checked.toml");
-    std::fs::write(&file, config_text).unwrap();
-    let out = binary()
-        .args(args)
-        .arg("--config")
-        .arg(&file)
-        .stdin(Stdio::null())
-        .output()
-        .expect("run idemgate");
-    (
-        out.status.code().expect("exit code"),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-        file.display().to_string(),
-    )
+#[tokio::test]
+async fn check_config_accepts_a_good_file() {
+    let (run, file) = run_on_config_text(&["check-config"], &good().render(), &[]).await;
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    assert!(
+        run.stdout.contains(&format!("{file}: ok")),
+        "{}",
+        run.stdout
+    );
+    assert!(run.stdout.contains("/orders"), "{}", run.stdout);
 }
 
-#[test]
-fn check_config_accepts_a_good_file() {
-    let (code, stdout, stderr, file) = run(&["check-config"], GOOD);
-    assert_eq!(code, 0, "{stderr}");
-    assert!(stdout.contains(&format!("{file}: ok")), "{stdout}");
-    assert!(stdout.contains("/orders"), "{stdout}");
-}
-
-#[test]
-fn check_config_rejects_a_bad_file_naming_the_file_and_line() {
-    let (code, _, stderr, file) = run(&["check-config"], BAD);
-    assert_eq!(code, 64, "{stderr}");
+#[tokio::test]
+async fn check_config_rejects_a_bad_file_naming_the_file_and_line() {
+    let (run, file) = run_on_config_text(&["check-config"], BAD, &[]).await;
+    let stderr = &run.stderr;
+    assert_eq!(run.code, 64, "{stderr}");
     assert!(stderr.contains(&file), "{stderr}");
     assert!(stderr.contains("line 4"), "{stderr}");
     assert!(stderr.contains("upstrem_timeout"), "{stderr}");
 }
 
-#[test]
-fn check_config_names_the_line_of_a_bad_route() {
-    let text = format!("{GOOD}lease = \"10ms\"\n");
-    let (code, _, stderr, file) = run(&["check-config"], &text);
-    assert_eq!(code, 64, "{stderr}");
+#[tokio::test]
+async fn check_config_names_the_line_of_a_bad_route() {
+    let text = good().each_route("lease", "10ms").render();
+    let (run, file) = run_on_config_text(&["check-config"], &text, &[]).await;
+    let stderr = &run.stderr;
+    assert_eq!(run.code, 64, "{stderr}");
     assert!(stderr.contains(&file), "{stderr}");
     assert!(stderr.contains("line "), "{stderr}");
     assert!(stderr.contains("lease"), "{stderr}");
 }
 
-#[test]
-fn serve_refuses_a_bad_config_with_the_same_message() {
-    let (check_code, _, check_err, check_file) = run(&["check-config"], BAD);
-    let (code, _, stderr, file) = run(&["serve"], BAD);
-    assert_eq!(code, 64, "{stderr}");
-    assert_eq!(code, check_code);
+#[tokio::test]
+async fn serve_refuses_a_bad_config_with_the_same_message() {
+    let (check, check_file) = run_on_config_text(&["check-config"], BAD, &[]).await;
+    let (run, file) = run_on_config_text(&["serve"], BAD, &[]).await;
+    let stderr = &run.stderr;
+    assert_eq!(run.code, 64, "{stderr}");
+    assert_eq!(run.code, check.code);
     assert!(
         stderr.contains(&file) && stderr.contains("line 4"),
         "{stderr}"
@@ -283,7 +233,7 @@ fn serve_refuses_a_bad_config_with_the_same_message() {
     // The same text apart from the (different) temporary file name.
     assert_eq!(
         stderr.replace(&file, "<file>"),
-        check_err.replace(&check_file, "<file>")
+        check.stderr.replace(&check_file, "<file>")
     );
 }
 
@@ -293,7 +243,7 @@ async fn idle_keep_alive_connections_do_not_hold_up_shutdown() {
     // A grace period longer than the test's deadline: only closing idle
     // connections promptly lets `stopped` return in time.
     let mut proxy = Proxy::builder(Backend::Memory, up.addr)
-        .server("shutdown_grace = \"60s\"")
+        .set("server.shutdown_grace", "60s")
         .start()
         .await;
     let mut h1 = Http1Conn::open(proxy.addr).await;

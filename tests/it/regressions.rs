@@ -1,9 +1,8 @@
 //! Regression tests that pin specific bugs, each named after what it pins.
 
-mod support;
-
+use crate::support;
+use crate::support::{Backend, Proxy, Upstream, ORDERS};
 use idemgate::metrics::Outcome;
-use support::{Backend, Proxy, Upstream, ORDERS};
 
 /// Pins: a route was matched on the raw path, so `/orders/`, `//orders`,
 /// `/./orders` or `/%6Frders` reached an upstream that treats them as
@@ -11,7 +10,7 @@ use support::{Backend, Proxy, Upstream, ORDERS};
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn other_spellings_of_a_protected_path_are_still_protected() {
     let up = Upstream::start().await;
-    let proxy = Proxy::start(Backend::Memory, up.addr, &[]).await;
+    let proxy = Proxy::start(Backend::Memory, up.addr).await;
     for spelling in [
         "/orders/",
         "//orders",
@@ -43,7 +42,10 @@ async fn other_spellings_of_a_protected_path_are_still_protected() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_oversized_uploads_get_their_413_not_a_reset() {
     let up = Upstream::start().await;
-    let proxy = Proxy::start(Backend::Memory, up.addr, &["max_request_body = \"1KiB\""]).await;
+    let proxy = Proxy::builder(Backend::Memory, up.addr)
+        .each_route("max_request_body", "1KiB")
+        .start()
+        .await;
     let big = vec![b'x'; 8 << 20];
     for i in 0..10 {
         let resp = proxy
@@ -69,8 +71,8 @@ async fn a_claim_that_times_out_does_not_block_its_key_for_a_lease() {
     let db = dir.path().join("idemgate.db");
     let proxy = Proxy::builder(Backend::Sqlite, up.addr)
         .sqlite_file(&db)
-        .store("timeout = \"300ms\"")
-        .route("lease = \"30s\"")
+        .set("store.timeout", "300ms")
+        .each_route("lease", "30s")
         .start()
         .await;
     // Another process holds the database's write lock for a while.
@@ -105,7 +107,7 @@ async fn a_claim_that_times_out_does_not_block_its_key_for_a_lease() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_forwarded_host_and_proto_are_overwritten_unless_trusted() {
     let up = Upstream::start().await;
-    let proxy = Proxy::start(Backend::Memory, up.addr, &[]).await;
+    let proxy = Proxy::start(Backend::Memory, up.addr).await;
     proxy
         .get("/anything")
         .header("host", "api.example")
@@ -118,7 +120,7 @@ async fn client_forwarded_host_and_proto_are_overwritten_unless_trusted() {
     assert_eq!(seen.headers["x-forwarded-proto"], "http");
 
     let trusting = Proxy::builder(Backend::Memory, up.addr)
-        .server("trust_forwarded_headers = true")
+        .set("server.trust_forwarded_headers", true)
         .start()
         .await;
     trusting
@@ -139,7 +141,7 @@ async fn a_protected_body_that_stalls_gets_408_and_is_not_forwarded() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let up = Upstream::start().await;
     let proxy = Proxy::builder(Backend::Memory, up.addr)
-        .server("request_body_timeout = \"300ms\"")
+        .set("server.request_body_timeout", "300ms")
         .start()
         .await;
     let mut conn = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
@@ -191,7 +193,7 @@ async fn readiness_fails_as_soon_as_a_graceful_shutdown_starts() {
 async fn during_the_shutdown_delay_readiness_fails_but_requests_are_still_served() {
     let up = Upstream::start().await;
     let mut proxy = Proxy::builder(Backend::Memory, up.addr)
-        .server("shutdown_delay = \"2s\"")
+        .set("server.shutdown_delay", "2s")
         .admin()
         .start()
         .await;

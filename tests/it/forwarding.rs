@@ -1,15 +1,14 @@
 //! Transparency: what passes through the proxy unprotected, and how.
 
-mod support;
-
+use crate::support;
+use crate::support::{Backend, H2Conn, Http1Conn, Proxy, Upstream, ORDERS};
 use bytes::Bytes;
 use http::{Method, Version};
 use idemgate::metrics::Outcome;
-use support::{Backend, H2Conn, Http1Conn, Proxy, Upstream, ORDERS};
 
 async fn start() -> (Upstream, Proxy) {
     let up = Upstream::start().await;
-    let proxy = Proxy::start(Backend::Memory, up.addr, &[]).await;
+    let proxy = Proxy::start(Backend::Memory, up.addr).await;
     (up, proxy)
 }
 
@@ -194,7 +193,7 @@ async fn several_requests_share_one_kept_alive_connection() {
 async fn preserve_host_forwards_the_clients_host() {
     let up = Upstream::start().await;
     let proxy = Proxy::builder(Backend::Memory, up.addr)
-        .server("preserve_host = true")
+        .set("server.preserve_host", true)
         .start()
         .await;
     proxy
@@ -211,7 +210,7 @@ async fn preserve_host_forwards_the_clients_host() {
 async fn an_upstream_base_path_prefixes_every_request() {
     let up = Upstream::start().await;
     let proxy = Proxy::builder(Backend::Memory, up.addr)
-        .server(&format!("upstream = \"http://{}/api/\"", up.addr))
+        .set("server.upstream", format!("http://{}/api/", up.addr))
         .start()
         .await;
     let r = proxy.get("/things?x=1").send().await;
@@ -224,7 +223,7 @@ async fn an_upstream_base_path_prefixes_every_request() {
 
 #[tokio::test]
 async fn unprotected_requests_get_problem_responses_when_the_upstream_fails() {
-    let refused = Proxy::start(Backend::Memory, Upstream::refusing_addr(), &[]).await;
+    let refused = Proxy::start(Backend::Memory, Upstream::refusing_addr()).await;
     refused.get("/down").send().await.assert_problem(502);
     assert_eq!(
         refused
@@ -235,7 +234,7 @@ async fn unprotected_requests_get_problem_responses_when_the_upstream_fails() {
 
     let up = Upstream::start().await;
     let proxy = Proxy::builder(Backend::Memory, up.addr)
-        .server("upstream_timeout = \"300ms\"")
+        .set("server.upstream_timeout", "300ms")
         .start()
         .await;
     up.push(support::Action::Delay(std::time::Duration::from_secs(3)));

@@ -5,9 +5,9 @@
 //!
 //! Tests never skip: a missing service is a panic that says how to fix it.
 
-use idemgate::config::{Backend, SqliteSync, StoreConfig};
+use idemgate::config::{mask_url, Backend, SqliteSync, StoreConfig};
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener as StdListener, TcpStream as StdStream};
+use std::net::{SocketAddr, TcpStream as StdStream};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -41,20 +41,6 @@ pub fn unique_schema(prefix: &str) -> String {
     )
 }
 
-/// The URL without its password, for panic messages.
-fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s => {
-            let creds = &url[s + 3..at];
-            match creds.find(':') {
-                Some(c) => format!("{}{}:***{}", &url[..s + 3], &creds[..c], &url[at..]),
-                None => url.to_string(),
-            }
-        }
-        _ => url.to_string(),
-    }
-}
-
 /// Panics with a clear message unless PostgreSQL answers at `url`.
 pub async fn require_postgres(url: &str) {
     let attempt = async {
@@ -69,11 +55,11 @@ pub async fn require_postgres(url: &str) {
         Ok(Ok(())) => {}
         Ok(Err(e)) => panic!(
             "PostgreSQL is not reachable at {}: {e}: start it (see README) or set IDEMGATE_TEST_DATABASE_URL",
-            redact(url)
+            mask_url(url)
         ),
         Err(_) => panic!(
             "PostgreSQL is not reachable at {} (timed out): start it (see README) or set IDEMGATE_TEST_DATABASE_URL",
-            redact(url)
+            mask_url(url)
         ),
     }
 }
@@ -91,7 +77,7 @@ pub fn require_redis(url: &str) {
     if !redis_answers(&addr) {
         panic!(
             "Redis is not reachable at {}: start it (see README) or set IDEMGATE_TEST_REDIS_URL",
-            redact(url)
+            mask_url(url)
         );
     }
 }
@@ -133,13 +119,6 @@ pub fn pg_store_config(url: &str, schema: &str) -> StoreConfig {
     }
 }
 
-fn free_port() -> u16 {
-    StdListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("bind an ephemeral port")
-}
-
 /// One blocking PING round trip.
 fn redis_answers(addr: &str) -> bool {
     let Ok(sock_addr) = addr.parse::<SocketAddr>().or_else(|_| {
@@ -171,7 +150,7 @@ pub struct PrivateRedis {
 impl PrivateRedis {
     pub fn start() -> Self {
         let mut r = Self {
-            port: free_port(),
+            port: super::free_port().port(),
             child: None,
         };
         r.spawn();
@@ -208,10 +187,6 @@ impl PrivateRedis {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
-    }
-
-    pub fn port(&self) -> u16 {
-        self.port
     }
 
     pub fn url(&self) -> String {

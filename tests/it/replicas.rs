@@ -1,12 +1,14 @@
 //! Several replicas: real `idemgate serve` processes sharing one PostgreSQL
 //! schema (and, where said, one Redis prefix), in front of one upstream.
 
-mod support;
-
+use crate::support;
+use crate::support::services::{database_url, redis_url, require_postgres, require_redis};
+use crate::support::{
+    free_port, wait_for, Action, Resp, Route, ServeProcess, TestConfig, TestSchema, Upstream,
+    ORDERS,
+};
 use std::sync::Arc;
 use std::time::Duration;
-use support::services::{database_url, redis_url, require_postgres, require_redis};
-use support::{free_port, wait_for, Action, Resp, ServeProcess, TestSchema, Upstream, ORDERS};
 
 const BODY: &str = r#"{"item":"book","qty":1}"#;
 
@@ -14,6 +16,7 @@ const BODY: &str = r#"{"item":"book","qty":1}"#;
 /// processes are killed before the schema is dropped.
 struct Cluster {
     replicas: Vec<ServeProcess>,
+    _dir: tempfile::TempDir,
     _schema: Arc<TestSchema>,
 }
 
@@ -27,28 +30,32 @@ impl Cluster {
             require_redis(&redis_url());
         }
         let schema = Arc::new(TestSchema::new());
-        let starts = (0..n).map(|_| {
+        let dir = tempfile::TempDir::new().expect("tempdir");
+        let starts = (0..n).map(|i| {
             let (listen, admin) = (free_port(), free_port());
-            let mut config = format!(
-                "[server]\nlisten = \"{listen}\"\nupstream = \"http://{}\"\nshutdown_grace = \"5s\"\n\n\
-                 [admin]\nlisten = \"{admin}\"\n\n\
-                 [store]\nbackend = \"postgres\"\nurl = {db:?}\nschema = {:?}\npool_size = 8\n\
-                 connect_timeout = \"1s\"\n",
-                up.addr, schema.schema
-            );
+            let mut config = TestConfig::new(up.addr)
+                .listen(listen, admin)
+                .set("server.shutdown_grace", "5s")
+                .set("store.backend", "postgres")
+                .set("store.url", db.as_str())
+                .set("store.schema", schema.schema.as_str())
+                .set("store.pool_size", 8)
+                .set("store.connect_timeout", "1s")
+                .route(Route::post(ORDERS).set("lease", "3s"));
             if redis {
-                config.push_str(&format!(
-                    "\n[redis]\nurl = {:?}\nprefix = {:?}\ntimeout = \"250ms\"\n",
-                    redis_url(),
-                    schema.prefix
-                ));
+                config = config
+                    .set("redis.url", redis_url())
+                    .set("redis.prefix", schema.prefix.as_str())
+                    .set("redis.timeout", "250ms");
             }
-            config.push_str("\n[[route]]\nmethods = [\"POST\"]\npath = \"/orders\"\nlease = \"3s\"\n");
-            async move { ServeProcess::start(listen, admin, &config).await }
+            let path = dir.path().join(format!("replica-{i}.toml"));
+            config.write(&path);
+            async move { ServeProcess::start(&path, listen, admin, &[]).await }
         });
         let replicas = futures_util::future::join_all(starts).await;
         Self {
             replicas,
+            _dir: dir,
             _schema: schema,
         }
     }

@@ -1,11 +1,9 @@
 //! The idempotency semantics, row by row, on every backend.
 
-mod support;
-
+use crate::support::{backend_tests, Action, Backend, Proxy, Upstream, ORDERS, UPSTREAM_DATE};
 use bytes::Bytes;
 use idemgate::metrics::Outcome;
 use std::time::Duration;
-use support::{backend_tests, Action, Backend, Proxy, Upstream, ORDERS, UPSTREAM_DATE};
 
 backend_tests!(
     forwards_a_new_key_once_with_the_key_header,
@@ -39,7 +37,7 @@ const BODY: &str = r#"{"item":"book","qty":1}"#;
 
 async fn forwards_a_new_key_once_with_the_key_header(backend: Backend) {
     let up = Upstream::start().await;
-    let proxy = Proxy::start(backend, up.addr, &[]).await;
+    let proxy = Proxy::start(backend, up.addr).await;
     let r = proxy.post(ORDERS).key("k-new").body(BODY).send().await;
     assert_eq!(r.status(), 201, "{}", r.text());
     assert_eq!(r.header("location"), Some("/orders/1"));
@@ -54,7 +52,7 @@ async fn forwards_a_new_key_once_with_the_key_header(backend: Backend) {
 
 async fn replays_completed_response_without_calling_upstream(backend: Backend) {
     let up = Upstream::start().await;
-    let proxy = Proxy::start(backend, up.addr, &[]).await;
+    let proxy = Proxy::start(backend, up.addr).await;
     let first = proxy
         .post("/orders?headers=1")
         .key("k-replay")
@@ -87,7 +85,7 @@ async fn replays_completed_response_without_calling_upstream(backend: Backend) {
 
 async fn quoted_and_bare_key_are_the_same_record(backend: Backend) {
     let up = Upstream::start().await;
-    let proxy = Proxy::start(backend, up.addr, &[]).await;
+    let proxy = Proxy::start(backend, up.addr).await;
     let first = proxy.post(ORDERS).key("\"abc\"").body(BODY).send().await;
     assert_eq!(first.status(), 201);
     let bare = proxy.post(ORDERS).key("abc").body(BODY).send().await;
@@ -98,7 +96,7 @@ async fn quoted_and_bare_key_are_the_same_record(backend: Backend) {
 
 async fn duplicate_while_in_flight_gets_409_with_retry_after(backend: Backend) {
     let up = Upstream::start().await;
-    let proxy = Proxy::start(backend, up.addr, &[]).await;
+    let proxy = Proxy::start(backend, up.addr).await;
     up.push(Action::Delay(Duration::from_millis(800)));
     let slow = tokio::spawn(proxy.post(ORDERS).key("k-busy").body(BODY).send());
     up.wait_hits(ORDERS, 1).await;
@@ -119,7 +117,7 @@ async fn duplicate_while_in_flight_gets_409_with_retry_after(backend: Backend) {
 
 async fn same_key_with_a_different_body_is_rejected_with_422(backend: Backend) {
     let up = Upstream::start().await;
-    let proxy = Proxy::start(backend, up.addr, &[]).await;
+    let proxy = Proxy::start(backend, up.addr).await;
     assert_eq!(
         proxy
             .post(ORDERS)
@@ -142,7 +140,7 @@ async fn same_key_with_a_different_body_is_rejected_with_422(backend: Backend) {
 
 async fn same_key_with_a_different_query_is_rejected_with_422(backend: Backend) {
     let up = Upstream::start().await;
-    let proxy = Proxy::start(backend, up.addr, &[]).await;
+    let proxy = Proxy::start(backend, up.addr).await;
     assert_eq!(
         proxy
             .post("/orders?a=1")
@@ -165,7 +163,7 @@ async fn same_key_with_a_different_query_is_rejected_with_422(backend: Backend) 
 
 async fn same_key_on_another_protected_path_is_rejected_with_422(backend: Backend) {
     let up = Upstream::start().await;
-    let proxy = Proxy::start(backend, up.addr, &[]).await;
+    let proxy = Proxy::start(backend, up.addr).await;
     assert_eq!(
         proxy
             .post(ORDERS)
@@ -189,7 +187,7 @@ async fn same_key_on_another_protected_path_is_rejected_with_422(backend: Backen
 
 async fn missing_required_key_is_rejected_and_not_forwarded(backend: Backend) {
     let up = Upstream::start().await;
-    let proxy = Proxy::start(backend, up.addr, &[]).await;
+    let proxy = Proxy::start(backend, up.addr).await;
     let r = proxy.post(ORDERS).body(BODY).send().await;
     let p = r.assert_problem(400);
     assert!(p["type"].as_str().unwrap().contains("key-missing"), "{p}");
@@ -199,7 +197,10 @@ async fn missing_required_key_is_rejected_and_not_forwarded(backend: Backend) {
 
 async fn missing_optional_key_is_forwarded_unprotected(backend: Backend) {
     let up = Upstream::start().await;
-    let proxy = Proxy::start(backend, up.addr, &["require_key = false"]).await;
+    let proxy = Proxy::builder(backend, up.addr)
+        .each_route("require_key", false)
+        .start()
+        .await;
     for n in 1..=2 {
         let r = proxy.post(ORDERS).body(BODY).send().await;
         assert_eq!(r.status(), 201);
@@ -217,7 +218,7 @@ async fn missing_optional_key_is_forwarded_unprotected(backend: Backend) {
 
 async fn invalid_keys_are_rejected_with_400_and_not_forwarded(backend: Backend) {
     let up = Upstream::start().await;
-    let proxy = Proxy::start(backend, up.addr, &[]).await;
+    let proxy = Proxy::start(backend, up.addr).await;
     let long = "k".repeat(256);
     let invalid: Vec<&[u8]> = vec![
         b"",
@@ -255,7 +256,7 @@ async fn invalid_keys_are_rejected_with_400_and_not_forwarded(backend: Backend) 
 
 async fn clients_with_different_authorization_never_see_each_others_responses(backend: Backend) {
     let up = Upstream::start().await;
-    let proxy = Proxy::start(backend, up.addr, &[]).await;
+    let proxy = Proxy::start(backend, up.addr).await;
     let alice = |body: &'static str| {
         proxy
             .post(ORDERS)
@@ -294,7 +295,7 @@ async fn clients_with_different_authorization_never_see_each_others_responses(ba
 
 async fn client_error_responses_are_stored_and_replayed(backend: Backend) {
     let up = Upstream::start().await;
-    let proxy = Proxy::start(backend, up.addr, &[]).await;
+    let proxy = Proxy::start(backend, up.addr).await;
     up.push(Action::Status(404));
     let first = proxy.post(ORDERS).key("k-404").body(BODY).send().await;
     assert_eq!(first.status(), 404);
@@ -307,7 +308,7 @@ async fn client_error_responses_are_stored_and_replayed(backend: Backend) {
 
 async fn server_error_releases_the_key_so_the_retry_executes(backend: Backend) {
     let up = Upstream::start().await;
-    let proxy = Proxy::start(backend, up.addr, &[]).await;
+    let proxy = Proxy::start(backend, up.addr).await;
     up.push(Action::Status(503));
     let failed = proxy.post(ORDERS).key("k-5xx").body(BODY).send().await;
     assert_eq!(failed.status(), 503);
@@ -329,7 +330,7 @@ async fn server_error_releases_the_key_so_the_retry_executes(backend: Backend) {
 
 async fn refused_upstream_gets_502_and_the_retry_executes_once_it_is_up(backend: Backend) {
     let addr = Upstream::refusing_addr();
-    let proxy = Proxy::start(backend, addr, &[]).await;
+    let proxy = Proxy::start(backend, addr).await;
     let r = proxy.post(ORDERS).key("k-refused").body(BODY).send().await;
     let p = r.assert_problem(502);
     assert!(p["detail"].as_str().unwrap().contains("released"), "{p}");
@@ -343,7 +344,7 @@ async fn refused_upstream_gets_502_and_the_retry_executes_once_it_is_up(backend:
 async fn upstream_timeout_gets_504_and_releases_the_key(backend: Backend) {
     let up = Upstream::start().await;
     let proxy = Proxy::builder(backend, up.addr)
-        .server("upstream_timeout = \"300ms\"")
+        .set("server.upstream_timeout", "300ms")
         .start()
         .await;
     up.push(Action::Delay(Duration::from_secs(3)));
@@ -356,7 +357,7 @@ async fn upstream_timeout_gets_504_and_releases_the_key(backend: Backend) {
 
 async fn upstream_reset_gets_502_and_releases_the_key(backend: Backend) {
     let up = Upstream::start().await;
-    let proxy = Proxy::start(backend, up.addr, &[]).await;
+    let proxy = Proxy::start(backend, up.addr).await;
     up.push(Action::ResetBeforeResponse);
     proxy
         .post(ORDERS)
@@ -374,7 +375,7 @@ async fn upstream_reset_gets_502_and_releases_the_key(backend: Backend) {
 /// client's retry created a second order.
 async fn upstream_reset_after_its_answer_keeps_the_key(backend: Backend) {
     let up = Upstream::start().await;
-    let proxy = Proxy::start(backend, up.addr, &[]).await;
+    let proxy = Proxy::start(backend, up.addr).await;
     up.push(Action::ResetMidBody);
     let first = proxy.post(ORDERS).key("k-cut").body(BODY).send().await;
     let problem = first.assert_problem(502);
@@ -392,7 +393,7 @@ async fn upstream_reset_after_its_answer_keeps_the_key(backend: Backend) {
 
 async fn concurrent_identical_requests_execute_upstream_once(backend: Backend) {
     let up = Upstream::start().await;
-    let proxy = Proxy::start(backend, up.addr, &[]).await;
+    let proxy = Proxy::start(backend, up.addr).await;
     up.push(Action::Delay(Duration::from_millis(200)));
     let sends: Vec<_> = (0..24)
         .map(|_| tokio::spawn(proxy.post(ORDERS).key("k-race").body(BODY).send()))
@@ -416,7 +417,10 @@ async fn concurrent_identical_requests_execute_upstream_once(backend: Backend) {
 
 async fn lease_is_renewed_so_a_slow_request_is_never_executed_twice(backend: Backend) {
     let up = Upstream::start().await;
-    let proxy = Proxy::start(backend, up.addr, &["lease = \"300ms\""]).await;
+    let proxy = Proxy::builder(backend, up.addr)
+        .each_route("lease", "300ms")
+        .start()
+        .await;
     up.push(Action::Delay(Duration::from_millis(1500)));
     let slow = tokio::spawn(proxy.post(ORDERS).key("k-lease").body(BODY).send());
     up.wait_hits(ORDERS, 1).await;
@@ -442,7 +446,11 @@ async fn lease_is_renewed_so_a_slow_request_is_never_executed_twice(backend: Bac
 
 async fn key_older_than_ttl_executes_again(backend: Backend) {
     let up = Upstream::start().await;
-    let proxy = Proxy::start(backend, up.addr, &["ttl = \"1s\"", "lease = \"300ms\""]).await;
+    let proxy = Proxy::builder(backend, up.addr)
+        .each_route("ttl", "1s")
+        .each_route("lease", "300ms")
+        .start()
+        .await;
     let first = proxy.post(ORDERS).key("k-ttl").body(BODY).send().await;
     assert_eq!(first.status(), 201);
     assert!(proxy
@@ -463,7 +471,10 @@ async fn key_older_than_ttl_executes_again(backend: Backend) {
 
 async fn oversized_request_body_is_rejected_with_413_and_not_forwarded(backend: Backend) {
     let up = Upstream::start().await;
-    let proxy = Proxy::start(backend, up.addr, &["max_request_body = \"1KiB\""]).await;
+    let proxy = Proxy::builder(backend, up.addr)
+        .each_route("max_request_body", "1KiB")
+        .start()
+        .await;
     let big = vec![b'x'; 1025];
     proxy
         .post(ORDERS)
@@ -507,7 +518,10 @@ async fn oversized_request_body_is_rejected_with_413_and_not_forwarded(backend: 
 
 async fn oversized_response_is_streamed_in_full_and_the_retry_gets_410(backend: Backend) {
     let up = Upstream::start().await;
-    let proxy = Proxy::start(backend, up.addr, &["max_response_body = \"4KiB\""]).await;
+    let proxy = Proxy::builder(backend, up.addr)
+        .each_route("max_response_body", "4KiB")
+        .start()
+        .await;
     let size = 200_000;
     let path = format!("/orders?size={size}");
     let first = proxy.post(&path).key("k-huge").body(BODY).send().await;
@@ -529,7 +543,7 @@ async fn oversized_response_is_streamed_in_full_and_the_retry_gets_410(backend: 
 
 async fn stored_headers_exclude_set_cookie_and_date_by_default(backend: Backend) {
     let up = Upstream::start().await;
-    let proxy = Proxy::start(backend, up.addr, &[]).await;
+    let proxy = Proxy::start(backend, up.addr).await;
     let path = "/orders?headers=1";
     let first = proxy.post(path).key("k-cookie").body(BODY).send().await;
     assert_eq!(
@@ -546,12 +560,10 @@ async fn stored_headers_exclude_set_cookie_and_date_by_default(backend: Backend)
 
 async fn set_cookie_is_stored_when_the_route_includes_it(backend: Backend) {
     let up = Upstream::start().await;
-    let proxy = Proxy::start(
-        backend,
-        up.addr,
-        &["include_response_headers = [\"set-cookie\"]"],
-    )
-    .await;
+    let proxy = Proxy::builder(backend, up.addr)
+        .each_route("include_response_headers", vec!["set-cookie"])
+        .start()
+        .await;
     let path = "/orders?headers=1";
     proxy.post(path).key("k-cookie2").body(BODY).send().await;
     let replay = proxy.post(path).key("k-cookie2").body(BODY).send().await;
@@ -565,7 +577,7 @@ async fn set_cookie_is_stored_when_the_route_includes_it(backend: Backend) {
 
 async fn metrics_count_each_outcome(backend: Backend) {
     let up = Upstream::start().await;
-    let proxy = Proxy::start(backend, up.addr, &[]).await;
+    let proxy = Proxy::start(backend, up.addr).await;
     proxy.post(ORDERS).key("m").body(BODY).send().await;
     proxy.post(ORDERS).key("m").body(BODY).send().await;
     proxy.post(ORDERS).key("m").body(BODY).send().await;

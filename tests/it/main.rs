@@ -1,0 +1,18 @@
+//! The integration tests, as one crate: `support` is compiled and the
+//! binary linked once, and every suite runs in the same `cargo test` run.
+//!
+//! Every test talks to real sockets on ephemeral ports, and to the real
+//! PostgreSQL and Redis named by `IDEMGATE_TEST_DATABASE_URL` and
+//! `IDEMGATE_TEST_REDIS_URL` (`scripts/test.sh` provides them). Nothing
+//! skips: a missing service fails the test with what to start.
+
+mod support;
+
+mod faults;
+mod forwarding;
+mod lifecycle;
+mod operations;
+mod regressions;
+mod replicas;
+mod semantics;
+mod store_contract;

@@ -1,0 +1,130 @@
+//! Shared harness for the integration tests. Every suite uses the same
+//! pieces:
+//!
+//! - [`upstream`]: a counting test upstream on 127.0.0.1:0;
+//! - [`proxy`]: the proxy in-process on a real socket, per [`Backend`];
+//! - [`process`]: the real binary as a child process (`serve`, one-shot commands);
+//! - [`config`]: the config file either of them runs on, as a TOML table;
+//! - [`client`]: requests and responses, fresh or on kept-alive connections;
+//! - [`services`]: PostgreSQL and Redis (URLs, schemas, a private
+//!   `redis-server`, a TCP relay that can cut PostgreSQL off);
+//! - here: bounded waits, tracing and [`backend_tests!`].
+//!
+//! Semantics tests are written once as `async fn name(backend: Backend)` and
+//! [`backend_tests!`] turns them into one `#[tokio::test]` per backend.
+
+pub mod client;
+pub mod config;
+pub mod process;
+pub mod proxy;
+pub mod services;
+pub mod upstream;
+
+pub use client::{H2Conn, Http1Conn, Req, Resp};
+pub use config::{Route, TestConfig};
+pub use process::{run_on_config_text, run_to_completion, Run, ServeProcess};
+pub use proxy::{Backend, Proxy};
+pub use services::{database_url_via, TestSchema};
+pub use upstream::{Action, Upstream, UPSTREAM_DATE};
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// Upper bound for any wait in the tests: generous, but a hang still fails.
+pub const DEADLINE: Duration = Duration::from_secs(15);
+
+/// The route every default config protects (and its metrics label).
+pub const ORDERS: &str = "/orders";
+
+// ===== tracing =====
+
+/// Logs to the test's captured output; `RUST_LOG` picks the level.
+pub fn trace_init() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_test_writer()
+        .with_env_filter(filter)
+        .try_init();
+}
+
+// ===== waiting =====
+
+/// Polls `cond` until it holds; panics naming `what` after [`DEADLINE`].
+pub async fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while !cond() {
+        if tokio::time::Instant::now() > deadline {
+            panic!("timed out waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Like [`wait_until`] with an async condition that yields a value.
+pub async fn wait_for<T, F, Fut>(what: &str, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        if tokio::time::Instant::now() > deadline {
+            panic!("timed out waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Bounds a future by [`DEADLINE`].
+pub async fn bounded<T>(what: &str, fut: impl Future<Output = T>) -> T {
+    tokio::time::timeout(DEADLINE, fut)
+        .await
+        .unwrap_or_else(|_| panic!("timed out: {what}"))
+}
+
+/// A free port on 127.0.0.1 (bound, then released).
+pub fn free_port() -> SocketAddr {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+    l.local_addr().expect("addr")
+}
+
+/// Generates one `#[tokio::test]` per backend for each `async fn name(Backend)`
+/// in the invoking file. Adding a backend is one line here.
+macro_rules! backend_tests {
+    ($($name:ident),* $(,)?) => {
+        $crate::support::backend_tests!(@on memory, Memory; $($name),*);
+        $crate::support::backend_tests!(@on sqlite, Sqlite; $($name),*);
+        $crate::support::backend_tests!(@on postgres, Postgres; $($name),*);
+        $crate::support::backend_tests!(@on postgres_redis, PostgresRedis; $($name),*);
+    };
+    (@on $module:ident, $variant:ident; $($name:ident),*) => {
+        mod $module {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name($crate::support::Backend::$variant).await;
+                }
+            )*
+        }
+    };
+}
+pub(crate) use backend_tests;
+
+// ===== metrics =====
+
+/// The value of an unlabelled sample `name` in Prometheus/OpenMetrics text
+/// (0 when absent).
+pub fn metric_value(text: &str, name: &str) -> u64 {
+    text.lines()
+        .find_map(|l| {
+            let (n, v) = l.split_once(' ')?;
+            (n == name).then(|| v.trim().parse::<f64>().ok())?
+        })
+        .map(|v| v as u64)
+        .unwrap_or(0)
+}
