@@ -385,7 +385,7 @@ where
             Step::Retry => {
                 if let Err(e) = &answer {
                     *unanswered = true;
-                    debug!(write = ?write, attempt = done, error = %e, "store write failed; retrying");
+                    warn!(write = ?write, attempt = done, error = %e, "store write failed; retrying");
                 }
             }
         }
