@@ -14,6 +14,8 @@
 pub mod units;
 
 use crate::route::{PathPattern, RouteTable};
+// Other modules still name these through `config`; they live in `route`.
+pub use crate::route::{OnStoreError, RouteConfig};
 use http::{HeaderName, Method, Uri};
 use serde::Deserialize;
 use std::collections::BTreeMap;
@@ -287,38 +289,6 @@ impl Default for LogConfig {
             level: "info".to_string(),
         }
     }
-}
-
-/// What a protected route does when the store cannot answer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum OnStoreError {
-    /// 503 with `Retry-After`; nothing is forwarded unguarded.
-    Reject,
-    /// Forward without protection; for routes where availability wins.
-    Forward,
-}
-
-/// A protected route with every setting resolved.
-#[derive(Clone, Debug)]
-pub struct RouteConfig {
-    /// 1-based position in the file, for messages.
-    pub index: usize,
-    /// The route's label in metrics and logs: its path pattern.
-    pub label: std::sync::Arc<String>,
-    pub methods: Vec<Method>,
-    pub path: PathPattern,
-    pub key_header: HeaderName,
-    pub require_key: bool,
-    pub ttl: Duration,
-    pub lease: Duration,
-    pub scope_header: HeaderName,
-    pub fingerprint_headers: Vec<HeaderName>,
-    pub max_request_body: u64,
-    pub max_response_body: u64,
-    pub include_response_headers: Vec<HeaderName>,
-    pub exclude_response_headers: Vec<HeaderName>,
-    pub on_store_error: OnStoreError,
 }
 
 /// Bytes that never show up in `Debug` output or logs.
