@@ -1,4 +1,5 @@
 use super::*;
+use std::path::PathBuf;
 
 const MINIMAL: &str = "[server]\nupstream = \"http://127.0.0.1:3000\"\n";
 
