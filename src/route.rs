@@ -4,12 +4,46 @@
 //! match any single non-empty segment (`/payments/{id}/capture`), or a prefix
 //! ending in `/*` that matches the prefix itself and everything below it
 //! (`/api/*`). Routes are tried in config order; the first whose methods and
-//! pattern match wins.
+//! pattern match wins. A route's settings ([`RouteConfig`]) are resolved by
+//! `config`, which depends on this module and never the other way round.
 
-use crate::config::RouteConfig;
-use http::Method;
+use http::{HeaderName, Method};
+use serde::Deserialize;
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
+
+/// A protected route with every setting resolved.
+#[derive(Clone, Debug)]
+pub struct RouteConfig {
+    /// 1-based position in the file, for messages.
+    pub index: usize,
+    /// The route's label in metrics and logs: its path pattern.
+    pub label: Arc<String>,
+    pub methods: Vec<Method>,
+    pub path: PathPattern,
+    pub key_header: HeaderName,
+    pub require_key: bool,
+    pub ttl: Duration,
+    pub lease: Duration,
+    pub scope_header: HeaderName,
+    pub fingerprint_headers: Vec<HeaderName>,
+    pub max_request_body: u64,
+    pub max_response_body: u64,
+    pub include_response_headers: Vec<HeaderName>,
+    pub exclude_response_headers: Vec<HeaderName>,
+    pub on_store_error: OnStoreError,
+}
+
+/// What a protected route does when the store cannot answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnStoreError {
+    /// 503 with `Retry-After`; nothing is forwarded unguarded.
+    Reject,
+    /// Forward without protection; for routes where availability wins.
+    Forward,
+}
 
 /// A parsed path pattern.
 #[derive(Clone, Debug, PartialEq, Eq)]

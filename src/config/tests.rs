@@ -1,4 +1,5 @@
 use super::*;
+use std::path::PathBuf;
 
 const MINIMAL: &str = "[server]\nupstream = \"http://127.0.0.1:3000\"\n";
 
@@ -322,4 +323,111 @@ fn any_section_key_can_come_from_the_environment() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("log.level"), "{e}");
+}
+
+/// Guard for the environment rule: every key `config/idemgate.toml` lists,
+/// set or commented out, can be set by `IDEMGATE_<SECTION>_<KEY>` exactly
+/// as the file sets it. The keys come from the file, so a new key is
+/// covered as soon as it is documented there.
+#[test]
+fn every_key_of_the_example_file_can_come_from_the_environment() {
+    let shipped = include_str!("../../config/idemgate.toml");
+    let full = with_commented_keys_in_force(shipped);
+    let document = toml::de::DeTable::parse(&full).expect("the file with every key parses");
+    let mut walked = 0;
+    for (section, table) in document.get_ref() {
+        // Routes and their defaults come from the file only.
+        if ["defaults", "route"].contains(&section.get_ref().as_ref()) {
+            continue;
+        }
+        let toml::de::DeValue::Table(table) = table.get_ref() else {
+            panic!("[{}] is not a table", section.get_ref());
+        };
+        for (key, _) in table {
+            let name = format!(
+                "IDEMGATE_{}_{}",
+                section.get_ref().to_ascii_uppercase(),
+                key.get_ref().to_ascii_uppercase()
+            );
+            let parsed: toml::Table = toml::from_str(&full).unwrap();
+            let value = match &parsed[section.get_ref().as_ref()][key.get_ref().as_ref()] {
+                toml::Value::String(s) => s.clone(),
+                other => other.to_string(),
+            };
+            let env: BTreeMap<String, String> = [(name.clone(), value)].into();
+            let without = blank_line_of(&full, key.span().start);
+            let raw = |text: &str, env: &BTreeMap<String, String>| {
+                let raw = read_raw(text, env).unwrap_or_else(|e| panic!("{name}: {e}"));
+                without_spans(&format!("{raw:?}"))
+            };
+            let from_file = raw(&full, &BTreeMap::new());
+            assert_ne!(
+                raw(&without, &BTreeMap::new()),
+                from_file,
+                "{name}: the key's line was not removed"
+            );
+            assert_eq!(
+                raw(&without, &env),
+                from_file,
+                "{name} does not set the key"
+            );
+
+            // Where the key is in force in the shipped file, the whole
+            // configuration comes out the same.
+            let line = line_at(&full, key.span().start);
+            if shipped[line.clone()] == full[line] {
+                let shipped_without = blank_line_of(shipped, key.span().start);
+                let want = parse(shipped).unwrap();
+                let got = Config::parse_with_env(&shipped_without, "t.toml", &env)
+                    .unwrap_or_else(|e| panic!("{name}: {e}"));
+                assert_eq!(format!("{got:?}"), format!("{want:?}"), "{name}");
+                assert_eq!(got.to_string(), want.to_string(), "{name}");
+            }
+            walked += 1;
+        }
+    }
+    // server, admin, store, redis and log, with the commented-out keys.
+    assert!(walked >= 30, "only {walked} keys walked");
+}
+
+/// `text` with its commented-out keys and section headers (`# key = value`,
+/// `# [redis]`) in force, each byte at the same offset.
+fn with_commented_keys_in_force(text: &str) -> String {
+    text.split_inclusive('\n')
+        .map(|line| match line.strip_prefix("# ") {
+            Some(rest) if toml::from_str::<toml::Table>(rest).is_ok_and(|t| !t.is_empty()) => {
+                format!("  {rest}")
+            }
+            _ => line.to_string(),
+        })
+        .collect()
+}
+
+/// `text` with the line holding byte `offset` blanked, each byte at the same
+/// offset, so the spans of everything else stay put.
+fn blank_line_of(text: &str, offset: usize) -> String {
+    let line = line_at(text, offset);
+    let blank = " ".repeat(line.len());
+    format!("{}{blank}{}", &text[..line.start], &text[line.end..])
+}
+
+/// The byte range of the line holding byte `offset`, without its newline.
+fn line_at(text: &str, offset: usize) -> Range<usize> {
+    let start = text[..offset].rfind('\n').map_or(0, |i| i + 1);
+    let end = text[offset..].find('\n').map_or(text.len(), |i| offset + i);
+    start..end
+}
+
+/// A `Debug` rendering without the `span: a..b, ` of `toml::Spanned`: a
+/// value from the environment has no place in the file.
+fn without_spans(debug: &str) -> String {
+    let mut out = String::new();
+    let mut rest = debug;
+    while let Some(i) = rest.find("span: ") {
+        out.push_str(&rest[..i]);
+        rest = &rest[i..];
+        rest = rest.find(", ").map_or("", |j| &rest[j + 2..]);
+    }
+    out.push_str(rest);
+    out
 }

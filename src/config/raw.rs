@@ -1,0 +1,208 @@
+//! The file as written: a serde mirror of the TOML, every key optional.
+//!
+//! Unknown keys are errors (`deny_unknown_fields`), and values are typed
+//! where a type can say what is wrong, so TOML's own error names the line.
+//! Defaults and checks across keys are the sections' business (`server.rs`,
+//! `store.rs`, `log.rs`, `routes.rs`).
+
+use super::units::{ByteSize, HumanDuration};
+use super::{Backend, LogFormat, OnStoreError, SqliteSync};
+use crate::route::PathPattern;
+use http::{HeaderName, Method, Uri};
+use serde::Deserialize;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use toml::Spanned;
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawConfig {
+    #[serde(default)]
+    pub(super) server: RawServer,
+    #[serde(default)]
+    pub(super) admin: Option<RawAdmin>,
+    #[serde(default)]
+    pub(super) store: RawStore,
+    #[serde(default)]
+    pub(super) redis: Option<RawRedis>,
+    #[serde(default)]
+    pub(super) log: RawLog,
+    #[serde(default)]
+    pub(super) defaults: RawRouteSettings,
+    #[serde(default)]
+    pub(super) route: Vec<Spanned<RawRouteSettings>>,
+}
+
+impl RawConfig {
+    /// Reads the typed mirror out of a parsed document; `text` is the file
+    /// the document came from, so an error shows its line.
+    pub(super) fn from_document(
+        document: Spanned<toml::de::DeTable<'_>>,
+        text: &str,
+    ) -> Result<Self, toml::de::Error> {
+        Self::deserialize(toml::de::Deserializer::from(document)).map_err(|mut e| {
+            e.set_input(Some(text));
+            e
+        })
+    }
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawServer {
+    pub(super) listen: Option<SocketAddr>,
+    pub(super) upstream: Option<UpstreamUri>,
+    pub(super) upstream_timeout: Option<HumanDuration>,
+    pub(super) upstream_connect_timeout: Option<HumanDuration>,
+    pub(super) upstream_pool_idle_timeout: Option<HumanDuration>,
+    pub(super) upstream_pool_max_idle: Option<usize>,
+    pub(super) max_connections: Option<usize>,
+    pub(super) header_read_timeout: Option<HumanDuration>,
+    pub(super) request_body_timeout: Option<HumanDuration>,
+    pub(super) shutdown_grace: Option<HumanDuration>,
+    pub(super) shutdown_delay: Option<HumanDuration>,
+    pub(super) preserve_host: Option<bool>,
+    pub(super) trust_forwarded_headers: Option<bool>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawAdmin {
+    pub(super) listen: Option<SocketAddr>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawStore {
+    pub(super) backend: Option<Backend>,
+    pub(super) path: Option<PathBuf>,
+    pub(super) synchronous: Option<SqliteSync>,
+    /// Spanned: a URL for the wrong backend is reported at its line.
+    pub(super) url: Option<Spanned<String>>,
+    pub(super) schema: Option<String>,
+    pub(super) pool_size: Option<usize>,
+    pub(super) connect_timeout: Option<HumanDuration>,
+    pub(super) statement_timeout: Option<HumanDuration>,
+    pub(super) timeout: Option<HumanDuration>,
+    pub(super) sweep_interval: Option<HumanDuration>,
+    pub(super) sweep_batch: Option<u32>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawRedis {
+    pub(super) url: Option<String>,
+    pub(super) timeout: Option<HumanDuration>,
+    pub(super) prefix: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawLog {
+    pub(super) format: Option<LogFormat>,
+    pub(super) level: Option<String>,
+}
+
+/// One `[[route]]`, and also `[defaults]` (which may not set `methods`/`path`).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawRouteSettings {
+    pub(super) methods: Option<Vec<MethodName>>,
+    pub(super) path: Option<Spanned<PatternValue>>,
+    pub(super) key_header: Option<HeaderNameValue>,
+    pub(super) require_key: Option<bool>,
+    pub(super) ttl: Option<HumanDuration>,
+    pub(super) lease: Option<HumanDuration>,
+    pub(super) scope_header: Option<HeaderNameValue>,
+    pub(super) fingerprint_headers: Option<Vec<HeaderNameValue>>,
+    pub(super) max_request_body: Option<ByteSize>,
+    pub(super) max_response_body: Option<ByteSize>,
+    pub(super) include_response_headers: Option<Vec<HeaderNameValue>>,
+    pub(super) exclude_response_headers: Option<Vec<HeaderNameValue>>,
+    pub(super) on_store_error: Option<OnStoreError>,
+}
+
+// ===== value types that validate while parsing =====
+
+#[derive(Debug)]
+pub(super) struct UpstreamUri(pub(super) Uri);
+
+impl<'de> Deserialize<'de> for UpstreamUri {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        parse_upstream(&s)
+            .map(UpstreamUri)
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+fn parse_upstream(s: &str) -> Result<Uri, String> {
+    let uri: Uri = s
+        .parse()
+        .map_err(|e| format!("invalid upstream URL {s:?}: {e}"))?;
+    match uri.scheme_str() {
+        Some("http") => {}
+        Some(other) => {
+            return Err(format!(
+                "invalid upstream URL {s:?}: scheme {other:?} is not supported (use http://)"
+            ))
+        }
+        None => {
+            return Err(format!(
+                "invalid upstream URL {s:?}: expected http://host:port"
+            ))
+        }
+    }
+    if uri.authority().is_none() {
+        return Err(format!("invalid upstream URL {s:?}: missing host"));
+    }
+    if uri.query().is_some() {
+        return Err(format!("invalid upstream URL {s:?}: must not have a query"));
+    }
+    if uri.authority().is_some_and(|a| a.as_str().contains('@')) {
+        return Err(
+            "invalid upstream URL: credentials (user:password@) are not supported; the upstream sees the client's own headers".to_string(),
+        );
+    }
+    Ok(uri)
+}
+
+#[derive(Debug)]
+pub(super) struct MethodName(pub(super) Method);
+
+impl<'de> Deserialize<'de> for MethodName {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        let valid = !s.is_empty() && s.bytes().all(|b| b.is_ascii_uppercase());
+        match Method::from_bytes(s.as_bytes()) {
+            Ok(m) if valid => Ok(MethodName(m)),
+            _ => Err(serde::de::Error::custom(format!(
+                "invalid method {s:?}: expected an upper-case HTTP method such as \"POST\""
+            ))),
+        }
+    }
+}
+
+#[derive(Debug)]
+pub(super) struct PatternValue(pub(super) PathPattern);
+
+impl<'de> Deserialize<'de> for PatternValue {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        PathPattern::parse(&s)
+            .map(PatternValue)
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+#[derive(Clone, Debug)]
+pub(super) struct HeaderNameValue(pub(super) HeaderName);
+
+impl<'de> Deserialize<'de> for HeaderNameValue {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        HeaderName::from_bytes(s.as_bytes())
+            .map(HeaderNameValue)
+            .map_err(|_| serde::de::Error::custom(format!("invalid header name {s:?}")))
+    }
+}

@@ -1,0 +1,196 @@
+//! `[defaults]` and `[[route]]`: each route's settings, resolved against the
+//! defaults, and the route table in file order.
+
+use super::raw::{HeaderNameValue, RawRouteSettings};
+use super::units::{format_duration, format_size};
+use super::{Invalid, OnStoreError, RouteConfig};
+use super::{
+    DEFAULT_KEY_HEADER, DEFAULT_LEASE, DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_RESPONSE_BODY,
+    DEFAULT_SCOPE_HEADER, DEFAULT_TTL, MIN_LEASE,
+};
+use crate::route::RouteTable;
+use http::{HeaderName, Method};
+use std::fmt;
+use std::sync::Arc;
+use toml::Spanned;
+
+/// `[defaults]`: what every route inherits unless it says otherwise.
+pub(super) struct Defaults(RawRouteSettings);
+
+impl TryFrom<RawRouteSettings> for Defaults {
+    type Error = Invalid;
+
+    fn try_from(d: RawRouteSettings) -> Result<Self, Invalid> {
+        if d.methods.is_some() || d.path.is_some() {
+            return Err(
+                "defaults: `methods` and `path` belong in a [[route]], not in [defaults]".into(),
+            );
+        }
+        Ok(Defaults(d))
+    }
+}
+
+impl Defaults {
+    /// The `[[route]]`s in file order; two routes that could match the same
+    /// request are an error.
+    pub(super) fn routes(
+        &self,
+        raw: Vec<Spanned<RawRouteSettings>>,
+    ) -> Result<RouteTable, Invalid> {
+        let mut routes: Vec<RouteConfig> = Vec::with_capacity(raw.len());
+        for (i, spanned) in raw.into_iter().enumerate() {
+            let span = spanned.span();
+            let index = i + 1;
+            let at = |msg: String| Invalid::at(span.clone(), format!("route #{index}: {msg}"));
+            let route = self.route(index, spanned.into_inner()).map_err(at)?;
+            if let Some(prev) = routes.iter().find(|p| {
+                p.path.same_shape(&route.path)
+                    && p.methods.iter().any(|m| route.methods.contains(m))
+            }) {
+                return Err(at(format!(
+                    "duplicate route: {} {} is already route #{}",
+                    join_methods(&route.methods),
+                    route.path,
+                    prev.index
+                )));
+            }
+            routes.push(route);
+        }
+        Ok(RouteTable::new(routes))
+    }
+
+    fn route(&self, index: usize, r: RawRouteSettings) -> Result<RouteConfig, String> {
+        let defaults = &self.0;
+        let methods: Vec<Method> = r
+            .methods
+            .ok_or("`methods` is required, e.g. methods = [\"POST\"]")?
+            .into_iter()
+            .map(|m| m.0)
+            .collect();
+        if methods.is_empty() {
+            return Err("`methods` must list at least one method".into());
+        }
+        let path = r
+            .path
+            .ok_or("`path` is required, e.g. path = \"/orders\"")?
+            .into_inner()
+            .0;
+        let headers = |v: Option<Vec<HeaderNameValue>>, d: &Option<Vec<HeaderNameValue>>| {
+            v.or_else(|| d.clone())
+                .unwrap_or_default()
+                .into_iter()
+                .map(|h| h.0)
+                .collect::<Vec<_>>()
+        };
+        let lease = r
+            .lease
+            .or(defaults.lease)
+            .map(|d| d.0)
+            .unwrap_or(DEFAULT_LEASE);
+        if lease < MIN_LEASE {
+            return Err(format!(
+                "lease = {:?} is too short (minimum {})",
+                format_duration(lease),
+                format_duration(MIN_LEASE)
+            ));
+        }
+        let ttl = r.ttl.or(defaults.ttl).map(|d| d.0).unwrap_or(DEFAULT_TTL);
+        if ttl < lease {
+            return Err(format!(
+                "ttl ({}) must be at least the lease ({})",
+                format_duration(ttl),
+                format_duration(lease)
+            ));
+        }
+        let pick_header =
+            |v: &Option<HeaderNameValue>, d: &Option<HeaderNameValue>, fallback: &str| {
+                v.as_ref()
+                    .or(d.as_ref())
+                    .map(|h| h.0.clone())
+                    .unwrap_or_else(|| {
+                        HeaderName::from_bytes(fallback.as_bytes()).expect("valid default")
+                    })
+            };
+        let max_request_body = r
+            .max_request_body
+            .or(defaults.max_request_body)
+            .map(|s| s.0)
+            .unwrap_or(DEFAULT_MAX_REQUEST_BODY);
+        let max_response_body = r
+            .max_response_body
+            .or(defaults.max_response_body)
+            .map(|s| s.0)
+            .unwrap_or(DEFAULT_MAX_RESPONSE_BODY);
+        Ok(RouteConfig {
+            index,
+            label: Arc::new(path.as_str().to_string()),
+            methods,
+            path,
+            key_header: pick_header(&r.key_header, &defaults.key_header, DEFAULT_KEY_HEADER),
+            require_key: r.require_key.or(defaults.require_key).unwrap_or(true),
+            ttl,
+            lease,
+            scope_header: pick_header(
+                &r.scope_header,
+                &defaults.scope_header,
+                DEFAULT_SCOPE_HEADER,
+            ),
+            fingerprint_headers: headers(r.fingerprint_headers, &defaults.fingerprint_headers),
+            max_request_body,
+            max_response_body,
+            include_response_headers: headers(
+                r.include_response_headers,
+                &defaults.include_response_headers,
+            ),
+            exclude_response_headers: headers(
+                r.exclude_response_headers,
+                &defaults.exclude_response_headers,
+            ),
+            on_store_error: r
+                .on_store_error
+                .or(defaults.on_store_error)
+                .unwrap_or(OnStoreError::Reject),
+        })
+    }
+}
+
+/// The `routes:` block of `check-config`: one line per route.
+pub(super) struct RoutesDisplay<'a>(pub(super) &'a RouteTable);
+
+impl fmt::Display for RoutesDisplay<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "routes:")?;
+        if self.0.iter().next().is_none() {
+            writeln!(f, "  (none: every request passes through unprotected)")?;
+        }
+        for r in self.0.iter() {
+            writeln!(
+                f,
+                "  #{} {} {}  key={} required={} scope={} ttl={} lease={} max_request_body={} max_response_body={} on_store_error={}",
+                r.index,
+                join_methods(&r.methods),
+                r.path,
+                r.key_header,
+                r.require_key,
+                r.scope_header,
+                format_duration(r.ttl),
+                format_duration(r.lease),
+                format_size(r.max_request_body),
+                format_size(r.max_response_body),
+                match r.on_store_error {
+                    OnStoreError::Reject => "reject",
+                    OnStoreError::Forward => "forward",
+                },
+            )?;
+        }
+        Ok(())
+    }
+}
+
+fn join_methods(methods: &[Method]) -> String {
+    methods
+        .iter()
+        .map(Method::as_str)
+        .collect::<Vec<_>>()
+        .join(",")
+}

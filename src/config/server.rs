@@ -1,0 +1,126 @@
+//! `[server]` and `[admin]`: the listeners and the upstream.
+
+use super::raw::{RawAdmin, RawServer};
+use super::units::format_duration;
+use super::{at_least_one, dur, nonzero, Invalid};
+use super::{
+    DEFAULT_HEADER_READ_TIMEOUT, DEFAULT_LISTEN, DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_REQUEST_BODY_TIMEOUT, DEFAULT_SHUTDOWN_GRACE, DEFAULT_UPSTREAM_CONNECT_TIMEOUT,
+    DEFAULT_UPSTREAM_POOL_IDLE_TIMEOUT, DEFAULT_UPSTREAM_POOL_MAX_IDLE, DEFAULT_UPSTREAM_TIMEOUT,
+};
+use http::Uri;
+use std::fmt;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    /// Scheme and authority (and optional base path) of the upstream.
+    pub upstream: Uri,
+    pub upstream_timeout: Duration,
+    pub upstream_connect_timeout: Duration,
+    pub upstream_pool_idle_timeout: Duration,
+    pub upstream_pool_max_idle: usize,
+    pub max_connections: usize,
+    pub header_read_timeout: Duration,
+    /// Time a client has to send a protected request's whole body (408).
+    pub request_body_timeout: Duration,
+    pub shutdown_grace: Duration,
+    /// After SIGTERM, how long readiness fails while connections are still
+    /// accepted, before the drain starts.
+    pub shutdown_delay: Duration,
+    /// Forward the client's `Host` instead of the upstream's authority.
+    pub preserve_host: bool,
+    /// Keep the client's `X-Forwarded-Proto/-Host` (behind a trusted proxy).
+    pub trust_forwarded_headers: bool,
+}
+
+#[derive(Clone, Debug)]
+pub struct AdminConfig {
+    pub listen: SocketAddr,
+}
+
+// === impl ServerConfig ===
+
+impl TryFrom<RawServer> for ServerConfig {
+    type Error = Invalid;
+
+    fn try_from(s: RawServer) -> Result<Self, Invalid> {
+        let upstream = s
+            .upstream
+            .map(|u| u.0)
+            .ok_or("server.upstream is required, e.g. upstream = \"http://127.0.0.1:3000\"")?;
+        let max_connections = at_least_one(
+            "server.max_connections",
+            s.max_connections.unwrap_or(DEFAULT_MAX_CONNECTIONS),
+        )?;
+        let upstream_timeout = nonzero(
+            "server.upstream_timeout",
+            dur(s.upstream_timeout, DEFAULT_UPSTREAM_TIMEOUT),
+        )?;
+        Ok(ServerConfig {
+            listen: s
+                .listen
+                .unwrap_or_else(|| DEFAULT_LISTEN.parse().expect("valid default")),
+            upstream,
+            upstream_timeout,
+            upstream_connect_timeout: nonzero(
+                "server.upstream_connect_timeout",
+                dur(s.upstream_connect_timeout, DEFAULT_UPSTREAM_CONNECT_TIMEOUT),
+            )?,
+            upstream_pool_idle_timeout: dur(
+                s.upstream_pool_idle_timeout,
+                DEFAULT_UPSTREAM_POOL_IDLE_TIMEOUT,
+            ),
+            upstream_pool_max_idle: s
+                .upstream_pool_max_idle
+                .unwrap_or(DEFAULT_UPSTREAM_POOL_MAX_IDLE),
+            max_connections,
+            header_read_timeout: nonzero(
+                "server.header_read_timeout",
+                dur(s.header_read_timeout, DEFAULT_HEADER_READ_TIMEOUT),
+            )?,
+            request_body_timeout: nonzero(
+                "server.request_body_timeout",
+                dur(s.request_body_timeout, DEFAULT_REQUEST_BODY_TIMEOUT),
+            )?,
+            shutdown_grace: dur(s.shutdown_grace, DEFAULT_SHUTDOWN_GRACE),
+            shutdown_delay: dur(s.shutdown_delay, Duration::ZERO),
+            preserve_host: s.preserve_host.unwrap_or(false),
+            trust_forwarded_headers: s.trust_forwarded_headers.unwrap_or(false),
+        })
+    }
+}
+
+impl fmt::Display for ServerConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "listen     {}", self.listen)?;
+        writeln!(
+            f,
+            "upstream   {} (timeout {}, connect {})",
+            self.upstream,
+            format_duration(self.upstream_timeout),
+            format_duration(self.upstream_connect_timeout)
+        )
+    }
+}
+
+// === impl AdminConfig ===
+
+impl TryFrom<RawAdmin> for AdminConfig {
+    type Error = Invalid;
+
+    fn try_from(a: RawAdmin) -> Result<Self, Invalid> {
+        let listen = a
+            .listen
+            .ok_or("admin.listen is required when [admin] is present")?;
+        Ok(AdminConfig { listen })
+    }
+}
+
+impl fmt::Display for AdminConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "admin      {}", self.listen)
+    }
+}

@@ -1,0 +1,222 @@
+//! `[store]` and `[redis]`: where records are kept, and the Redis fast path
+//! in front of PostgreSQL.
+
+use super::raw::{RawRedis, RawStore};
+use super::units::format_duration;
+use super::{at_least_one, dur, env, mask_url, nonzero, Invalid};
+use super::{
+    DEFAULT_PG_CONNECT_TIMEOUT, DEFAULT_PG_POOL_SIZE, DEFAULT_PG_SCHEMA,
+    DEFAULT_PG_STATEMENT_TIMEOUT, DEFAULT_REDIS_PREFIX, DEFAULT_REDIS_TIMEOUT, DEFAULT_SQLITE_PATH,
+    DEFAULT_STORE_TIMEOUT, DEFAULT_SWEEP_BATCH, DEFAULT_SWEEP_INTERVAL,
+};
+use serde::Deserialize;
+use std::fmt;
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    Sqlite,
+    Memory,
+    Postgres,
+}
+
+impl Backend {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Backend::Sqlite => "sqlite",
+            Backend::Memory => "memory",
+            Backend::Postgres => "postgres",
+        }
+    }
+}
+
+/// SQLite's `synchronous` pragma. `full` fsyncs every commit so a claim
+/// survives power loss; `normal` survives process crashes only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SqliteSync {
+    Full,
+    Normal,
+}
+
+#[derive(Clone, Debug)]
+pub struct StoreConfig {
+    pub backend: Backend,
+    pub path: PathBuf,
+    pub synchronous: SqliteSync,
+    pub url: Option<String>,
+    /// PostgreSQL schema holding idemgate's tables (created if missing).
+    pub schema: String,
+    pub pool_size: usize,
+    pub connect_timeout: Duration,
+    pub statement_timeout: Duration,
+    pub timeout: Duration,
+    pub sweep_interval: Duration,
+    pub sweep_batch: u32,
+}
+
+#[derive(Clone, Debug)]
+pub struct RedisConfig {
+    pub url: String,
+    pub timeout: Duration,
+    pub prefix: String,
+}
+
+// === impl StoreConfig ===
+
+impl TryFrom<RawStore> for StoreConfig {
+    type Error = Invalid;
+
+    fn try_from(s: RawStore) -> Result<Self, Invalid> {
+        let backend = s.backend.unwrap_or(Backend::Sqlite);
+        let url = match backend {
+            Backend::Postgres => {
+                let u = s.url.map(|u| u.into_inner()).ok_or(
+                    "store.url is required for backend = \"postgres\" (or set IDEMGATE_STORE_URL)",
+                )?;
+                if !(u.starts_with("postgres://") || u.starts_with("postgresql://")) {
+                    return Err(format!(
+                        "store.url: expected a postgres://user@host:port/db URL, got {}",
+                        mask_url(&u)
+                    )
+                    .into());
+                }
+                Some(u)
+            }
+            Backend::Sqlite | Backend::Memory => {
+                // Written in the file, a URL for another backend is a
+                // mistake; from the environment alone (often set alike for
+                // every deployment) it is ignored.
+                if let Some(u) = s.url.filter(|u| u.span() != env::NOT_IN_FILE) {
+                    return Err(Invalid::at(
+                        u.span(),
+                        "store.url only applies to backend = \"postgres\"",
+                    ));
+                }
+                None
+            }
+        };
+        if backend != Backend::Sqlite && (s.path.is_some() || s.synchronous.is_some()) {
+            return Err(
+                "store.path and store.synchronous only apply to backend = \"sqlite\"".into(),
+            );
+        }
+        if backend != Backend::Postgres
+            && (s.pool_size.is_some()
+                || s.schema.is_some()
+                || s.connect_timeout.is_some()
+                || s.statement_timeout.is_some())
+        {
+            return Err("store.pool_size, store.schema, store.connect_timeout and store.statement_timeout only apply to backend = \"postgres\"".into());
+        }
+        let pool_size = at_least_one(
+            "store.pool_size",
+            s.pool_size.unwrap_or(DEFAULT_PG_POOL_SIZE),
+        )?;
+        let sweep_batch = at_least_one(
+            "store.sweep_batch",
+            s.sweep_batch.unwrap_or(DEFAULT_SWEEP_BATCH),
+        )?;
+        let timeout = nonzero("store.timeout", dur(s.timeout, DEFAULT_STORE_TIMEOUT))?;
+        let sweep_interval = nonzero(
+            "store.sweep_interval",
+            dur(s.sweep_interval, DEFAULT_SWEEP_INTERVAL),
+        )?;
+        let schema = s.schema.unwrap_or_else(|| DEFAULT_PG_SCHEMA.to_string());
+        if schema.is_empty()
+            || !schema
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+            || schema.as_bytes()[0].is_ascii_digit()
+        {
+            return Err(format!(
+                "store.schema {schema:?}: use lower-case letters, digits and '_', not starting with a digit"
+            )
+            .into());
+        }
+        Ok(StoreConfig {
+            backend,
+            schema,
+            path: s.path.unwrap_or_else(|| PathBuf::from(DEFAULT_SQLITE_PATH)),
+            synchronous: s.synchronous.unwrap_or(SqliteSync::Full),
+            url,
+            pool_size,
+            connect_timeout: dur(s.connect_timeout, DEFAULT_PG_CONNECT_TIMEOUT),
+            statement_timeout: dur(s.statement_timeout, DEFAULT_PG_STATEMENT_TIMEOUT),
+            timeout,
+            sweep_interval,
+            sweep_batch,
+        })
+    }
+}
+
+/// One line, password masked.
+impl fmt::Display for StoreConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("store      ")?;
+        match self.backend {
+            Backend::Sqlite => writeln!(
+                f,
+                "sqlite {} (synchronous = {})",
+                self.path.display(),
+                match self.synchronous {
+                    SqliteSync::Full => "full",
+                    SqliteSync::Normal => "normal",
+                }
+            ),
+            Backend::Memory => writeln!(f, "memory (not durable: records are lost on restart)"),
+            Backend::Postgres => writeln!(
+                f,
+                "postgres {} (pool {})",
+                mask_url(self.url.as_deref().unwrap_or_default()),
+                self.pool_size
+            ),
+        }
+    }
+}
+
+// === impl RedisConfig ===
+
+impl TryFrom<RawRedis> for RedisConfig {
+    type Error = Invalid;
+
+    fn try_from(r: RawRedis) -> Result<Self, Invalid> {
+        let url = r
+            .url
+            .ok_or("redis.url is required when [redis] is present (or set IDEMGATE_REDIS_URL)")?;
+        if !(url.starts_with("redis://")
+            || url.starts_with("rediss://")
+            || url.starts_with("unix://"))
+        {
+            return Err(format!(
+                "redis.url: expected redis://host:port, got {}",
+                mask_url(&url)
+            )
+            .into());
+        }
+        let prefix = r.prefix.unwrap_or_else(|| DEFAULT_REDIS_PREFIX.to_string());
+        if prefix.is_empty() || prefix.contains(char::is_whitespace) {
+            return Err("redis.prefix must be non-empty and contain no spaces".into());
+        }
+        Ok(RedisConfig {
+            url,
+            timeout: dur(r.timeout, DEFAULT_REDIS_TIMEOUT),
+            prefix,
+        })
+    }
+}
+
+/// One line, password masked.
+impl fmt::Display for RedisConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "redis      {} (prefix {:?}, timeout {})",
+            mask_url(&self.url),
+            self.prefix,
+            format_duration(self.timeout)
+        )
+    }
+}
