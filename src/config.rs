@@ -210,12 +210,6 @@ impl Config {
         }
         out
     }
-
-    /// The effective settings as text, secrets masked, for `check-config`:
-    /// the same as `Display`.
-    pub fn describe(&self) -> String {
-        self.to_string()
-    }
 }
 
 /// The effective settings, one section after another, secrets masked.

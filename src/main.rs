@@ -13,7 +13,7 @@ fn main() -> ExitCode {
     match cli.command {
         Command::CheckConfig { config } => match Config::load(&config) {
             Ok(cfg) => {
-                println!("{}: ok\n{}", config.display(), cfg.describe());
+                println!("{}: ok\n{}", config.display(), cfg);
                 for w in cfg.warnings() {
                     println!("warning: {w}");
                 }

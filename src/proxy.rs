@@ -95,7 +95,8 @@ impl Proxy {
         peer: SocketAddr,
     ) -> Response<ProxyBody> {
         let mut log = RequestLog::start(req.method(), req.uri().path(), peer);
-        let Some(route) = self.routes.find(req.method(), req.uri().path()).cloned() else {
+        let path = normalize_path(req.uri().path()).into_owned();
+        let Some(route) = self.routes.find(req.method(), &path).cloned() else {
             let (outcome, resp) = self.passthrough(req.map(boxed), peer).await;
             log.finish(&self.metrics, outcome, resp.status(), false);
             return resp;
@@ -116,7 +117,6 @@ impl Proxy {
                 Ok(body) => body,
                 Err(e) => return self.conclude(Err(e), log),
             };
-        let path = normalize_path(parts.uri.path()).into_owned();
         let secret = self.scope_secret.as_ref();
         let req = prepare(route, parts, body, &key, &path, secret, peer);
         log.set_key_id(req.record_key.log_id());

@@ -13,13 +13,14 @@
 use super::replay::{capture, replay};
 use super::{forward, forward_error, Proxy, Served};
 use crate::body::{boxed, drain, full, read_limited, Prefixed, ReadError};
-use crate::config::{OnStoreError, RouteConfig, Secret};
+use crate::config::Secret;
 use crate::error::ProxyError;
 use crate::idempotency::{
     decide, settle, Decision, Fingerprint, IdempotencyKey, RecordKey, Scope, Settlement,
 };
 use crate::lease::{Acquired, ClaimRequest, Lease};
 use crate::metrics::Outcome;
+use crate::route::{OnStoreError, RouteConfig};
 use crate::store::{Completion, Record, StoreError};
 use bytes::Bytes;
 use http::{header, request, HeaderValue, Request, Response};

@@ -4,7 +4,7 @@
 
 use super::headers::strip_hop_by_hop;
 use crate::body::{full, ProxyBody};
-use crate::config::RouteConfig;
+use crate::route::RouteConfig;
 use crate::store::StoredResponse;
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
