@@ -12,9 +12,9 @@
 //! Claims commit with the server's `synchronous_commit` (durable): the
 //! upstream is only called after the claim is remembered.
 
+use super::codec::RecordRow;
 use super::{
-    encode_headers, Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, RecordRow, Store,
-    StoreError, UnixMillis,
+    Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, Store, StoreError, UnixMillis,
 };
 use crate::config::StoreConfig;
 use crate::idempotency::RecordKey;
@@ -437,27 +437,18 @@ impl Store for PostgresStore {
         completion: &Completion,
         expires_at: UnixMillis,
     ) -> Result<Fence, StoreError> {
-        let (state, status, headers, body): (&str, u16, Option<Vec<u8>>, Option<&[u8]>) =
-            match completion {
-                Completion::Stored(r) => (
-                    "completed",
-                    r.status,
-                    Some(encode_headers(&r.headers)),
-                    Some(&r.body[..]),
-                ),
-                Completion::Unstored { status } => ("unstored", *status, None, None),
-            };
-        let status = i32::from(status);
+        let columns = completion.columns();
+        let status = i32::from(columns.status);
         self.execute(
             &self.sql.complete,
             &[
                 &&key.scope.0[..],
                 &&key.key[..],
                 &&token.0[..],
-                &state,
+                &columns.state,
                 &status,
-                &headers,
-                &body,
+                &columns.headers,
+                &columns.body,
                 &expires_at,
             ],
         )

@@ -7,9 +7,9 @@
 //! `synchronous = FULL` by default: a claim is on disk before the upstream
 //! is called.
 
+use super::codec::RecordRow;
 use super::{
-    encode_headers, Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, RecordRow, Store,
-    StoreError, UnixMillis,
+    Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, Store, StoreError, UnixMillis,
 };
 use crate::config::SqliteSync;
 use crate::idempotency::RecordKey;
@@ -232,15 +232,7 @@ impl Store for SqliteStore {
     ) -> Result<Fence, StoreError> {
         let (key, token, completion) = (*key, *token, completion.clone());
         self.call(move |conn| {
-            let (state, status, headers, body) = match &completion {
-                Completion::Stored(r) => (
-                    "completed",
-                    r.status,
-                    Some(encode_headers(&r.headers)),
-                    Some(r.body.to_vec()),
-                ),
-                Completion::Unstored { status } => ("unstored", *status, None, None),
-            };
+            let columns = completion.columns();
             let n = conn
                 .prepare_cached(&format!(
                     "UPDATE idempotency_records SET state = ?4, status = ?5, headers = ?6, body = ?7, \
@@ -251,10 +243,10 @@ impl Store for SqliteStore {
                     &key.scope.0[..],
                     &key.key[..],
                     &token.0[..],
-                    state,
-                    status,
-                    headers,
-                    body,
+                    columns.state,
+                    columns.status,
+                    columns.headers,
+                    columns.body,
                     expires_at
                 ])
                 .map_err(db_err)?;
