@@ -17,6 +17,7 @@ pub mod memory;
 mod open;
 pub mod postgres;
 pub mod redis;
+pub(crate) mod sql;
 pub mod sqlite;
 
 pub use open::{migrate, open, open_with_metrics};
@@ -251,7 +252,8 @@ pub trait Store: Send + Sync + 'static {
 
 /// Whether a claim at `now` replaces `record`: an in-flight record only
 /// once its lease ran out (its ttl alone never ends a live execution), any
-/// other record once its ttl ran out. Every backend's claim implements this.
+/// other record once its ttl ran out. Every backend's claim implements this;
+/// the SQL twin is [`sql::CLAIMABLE`].
 pub fn is_claimable(record: &Record, now: UnixMillis) -> bool {
     match record.state {
         RecordState::InFlight { locked_until } => locked_until <= now,
@@ -260,7 +262,7 @@ pub fn is_claimable(record: &Record, now: UnixMillis) -> bool {
 }
 
 /// Whether a sweep at `now` deletes `record`: expired, and not an in-flight
-/// record whose lease is still live.
+/// record whose lease is still live. The SQL twin is [`sql::SWEEPABLE`].
 pub fn is_sweepable(record: &Record, now: UnixMillis) -> bool {
     record.expires_at <= now
         && !matches!(record.state, RecordState::InFlight { locked_until } if locked_until > now)
