@@ -25,6 +25,7 @@ use super::{
 };
 use crate::config::RedisConfig;
 use crate::idempotency::{Fingerprint, RecordKey};
+use crate::metrics::FastPathStats;
 use async_trait::async_trait;
 use bytes::Bytes;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -52,6 +53,18 @@ pub struct FastPathCounters {
     /// Redis calls that failed, timed out, or were bypassed during
     /// [`BACKOFF`]; the inner store answered alone.
     pub errors: AtomicU64,
+}
+
+impl FastPathStats for FastPathCounters {
+    fn hits(&self) -> u64 {
+        self.hits.load(Ordering::Relaxed)
+    }
+    fn misses(&self) -> u64 {
+        self.misses.load(Ordering::Relaxed)
+    }
+    fn errors(&self) -> u64 {
+        self.errors.load(Ordering::Relaxed)
+    }
 }
 
 pub struct RedisFastPath {
