@@ -13,6 +13,7 @@
 //!   with the proxy's clock and tests control it.
 
 pub(crate) mod codec;
+pub mod instrumented;
 pub mod memory;
 mod open;
 pub mod postgres;
@@ -26,6 +27,7 @@ use crate::idempotency::{Fingerprint, RecordKey};
 use async_trait::async_trait;
 use bytes::Bytes;
 use std::fmt;
+use std::time::Duration;
 
 /// Milliseconds since the unix epoch.
 pub type UnixMillis = i64;
@@ -246,6 +248,12 @@ pub trait Store: Send + Sync + 'static {
 
     /// The backend's name for logs and metrics.
     fn backend(&self) -> &'static str;
+
+    /// How long any one call may take before the caller stops waiting and
+    /// treats it as [`StoreError::Timeout`] ([`instrumented::Instrumented`]
+    /// applies it). A backend that enforces `store.timeout` itself reports
+    /// a little more, so its own deadline fires first and cleans up.
+    fn call_bound(&self) -> Duration;
 }
 
 // === the two record rules every backend implements ===
@@ -266,4 +274,20 @@ pub fn is_claimable(record: &Record, now: UnixMillis) -> bool {
 pub fn is_sweepable(record: &Record, now: UnixMillis) -> bool {
     record.expires_at <= now
         && !matches!(record.state, RecordState::InFlight { locked_until } if locked_until > now)
+}
+
+/// A claim with fixed, recognizable bytes, for unit tests.
+#[cfg(test)]
+pub(crate) fn sample_claim() -> Claim {
+    Claim {
+        key: RecordKey {
+            scope: crate::idempotency::Scope([1; 32]),
+            key: [2; 32],
+        },
+        fingerprint: Fingerprint([3; 32]),
+        token: LeaseToken([4; 16]),
+        now: 1_000,
+        lease_ms: 30_000,
+        ttl_ms: 86_400_000,
+    }
 }

@@ -6,15 +6,18 @@ use super::{
     is_claimable, is_sweepable, Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record,
     RecordState, Store, StoreError, UnixMillis,
 };
+use crate::config::DEFAULT_STORE_TIMEOUT;
 use crate::idempotency::RecordKey;
 use async_trait::async_trait;
 use std::collections::HashMap;
 use std::sync::Mutex;
+use std::time::Duration;
 
-#[derive(Default)]
 pub struct MemoryStore {
     // A std mutex: no await happens while it is held.
     records: Mutex<HashMap<RecordKey, Entry>>,
+    /// `store.timeout`: reported as the call bound, never waited for here.
+    timeout: Duration,
 }
 
 struct Entry {
@@ -22,9 +25,24 @@ struct Entry {
     token: Option<LeaseToken>,
 }
 
+impl Default for MemoryStore {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl MemoryStore {
+    /// An empty store with the default `store.timeout`.
     pub fn new() -> Self {
-        Self::default()
+        Self {
+            records: Mutex::default(),
+            timeout: DEFAULT_STORE_TIMEOUT,
+        }
+    }
+
+    /// The same, bounded by the configured `store.timeout`.
+    pub fn with_timeout(self, timeout: Duration) -> Self {
+        Self { timeout, ..self }
     }
 
     fn with<T>(&self, f: impl FnOnce(&mut HashMap<RecordKey, Entry>) -> T) -> T {
@@ -142,5 +160,9 @@ impl Store for MemoryStore {
 
     fn backend(&self) -> &'static str {
         "memory"
+    }
+
+    fn call_bound(&self) -> Duration {
+        self.timeout
     }
 }

@@ -47,6 +47,12 @@ const CLAIM_ATTEMPTS: usize = 5;
 /// Detects a half-open connection (peer vanished without FIN) well before
 /// the kernel's default of ~15 minutes of retransmissions.
 const TCP_USER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Added to `store.timeout` for the call bound: this store enforces the
+/// timeout itself (and takes a stuck connection out of the pool when it
+/// fires), so its own deadline must fire first; the outer bound only catches
+/// what is stuck beyond it.
+const CALL_BOUND_MARGIN: Duration = Duration::from_millis(250);
 const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
 
 pub struct PostgresStore {
@@ -448,5 +454,9 @@ impl Store for PostgresStore {
 
     fn backend(&self) -> &'static str {
         "postgres"
+    }
+
+    fn call_bound(&self) -> Duration {
+        self.timeout + CALL_BOUND_MARGIN
     }
 }

@@ -610,26 +610,18 @@ impl Store for RedisFastPath {
     fn backend(&self) -> &'static str {
         self.inner.backend()
     }
+
+    /// The inner store's bound plus the Redis round trips a claim can make
+    /// in front of it (`SET NX`, then `GET`+`PTTL`), each within `redis.timeout`.
+    fn call_bound(&self) -> Duration {
+        self.inner.call_bound() + self.timeout * 2
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::idempotency::Scope;
-
-    fn claim() -> Claim {
-        Claim {
-            key: RecordKey {
-                scope: Scope([1; 32]),
-                key: [2; 32],
-            },
-            fingerprint: Fingerprint([3; 32]),
-            token: LeaseToken([4; 16]),
-            now: 1_000,
-            lease_ms: 30_000,
-            ttl_ms: 86_400_000,
-        }
-    }
+    use crate::store::sample_claim as claim;
 
     #[test]
     fn lock_layout_matches_the_lua_offsets() {

@@ -12,7 +12,7 @@ use super::sql::{Dialect, KeyParams, OwnerParams, Statements, SQLITE_MIGRATIONS}
 use super::{
     Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, Store, StoreError, UnixMillis,
 };
-use crate::config::SqliteSync;
+use crate::config::{SqliteSync, DEFAULT_STORE_TIMEOUT};
 use crate::idempotency::RecordKey;
 use async_trait::async_trait;
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
@@ -30,10 +30,14 @@ static SQL: LazyLock<Statements> =
 pub struct SqliteStore {
     conn: Arc<Mutex<Connection>>,
     path: PathBuf,
+    /// `store.timeout`, the call bound: SQLite has no deadline of its own
+    /// (a statement waits up to [`BUSY_TIMEOUT`] for another process's lock).
+    timeout: Duration,
 }
 
 impl SqliteStore {
-    /// Opens (creating the file and its directory if needed) and migrates.
+    /// Opens (creating the file and its directory if needed) and migrates,
+    /// with the default `store.timeout` (see [`SqliteStore::with_timeout`]).
     pub fn open(path: &Path, sync: SqliteSync) -> Result<Self, StoreError> {
         if let Some(dir) = path.parent().filter(|dir| !dir.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|err| {
@@ -65,7 +69,13 @@ impl SqliteStore {
         Ok(Self {
             conn: Arc::new(Mutex::new(conn)),
             path,
+            timeout: DEFAULT_STORE_TIMEOUT,
         })
+    }
+
+    /// The same store, bounded by the configured `store.timeout`.
+    pub fn with_timeout(self, timeout: Duration) -> Self {
+        Self { timeout, ..self }
     }
 
     pub fn path(&self) -> &Path {
@@ -260,5 +270,9 @@ impl Store for SqliteStore {
 
     fn backend(&self) -> &'static str {
         "sqlite"
+    }
+
+    fn call_bound(&self) -> Duration {
+        self.timeout
     }
 }
