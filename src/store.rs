@@ -11,6 +11,14 @@
 //!   [`Fence::Lost`] and changes nothing.
 //! - Time is an argument (`now`, unix milliseconds), so every backend agrees
 //!   with the proxy's clock and tests control it.
+//! - Each backend reports how long a call may take ([`Store::call_bound`]);
+//!   [`instrumented::Instrumented`] enforces it and times every call.
+//!
+//! This file holds the trait and its types. The backends are `memory`
+//! (reference, not durable), `sqlite` (the embedded default), `postgres`
+//! (shared) and `redis` (a fast path in front of PostgreSQL, never the
+//! guard); `codec` and `sql` hold what they share, and `open` builds the
+//! configured one from the config.
 
 pub(crate) mod codec;
 pub mod instrumented;
@@ -261,7 +269,7 @@ pub trait Store: Send + Sync + 'static {
 /// Whether a claim at `now` replaces `record`: an in-flight record only
 /// once its lease ran out (its ttl alone never ends a live execution), any
 /// other record once its ttl ran out. Every backend's claim implements this;
-/// the SQL twin is [`sql::CLAIMABLE`].
+/// the SQL twin is `store::sql::CLAIMABLE`.
 pub fn is_claimable(record: &Record, now: UnixMillis) -> bool {
     match record.state {
         RecordState::InFlight { locked_until } => locked_until <= now,
@@ -270,7 +278,7 @@ pub fn is_claimable(record: &Record, now: UnixMillis) -> bool {
 }
 
 /// Whether a sweep at `now` deletes `record`: expired, and not an in-flight
-/// record whose lease is still live. The SQL twin is [`sql::SWEEPABLE`].
+/// record whose lease is still live. The SQL twin is `store::sql::SWEEPABLE`.
 pub fn is_sweepable(record: &Record, now: UnixMillis) -> bool {
     record.expires_at <= now
         && !matches!(record.state, RecordState::InFlight { locked_until } if locked_until > now)

@@ -132,7 +132,7 @@ impl Store for MemoryStore {
     }
 
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
-        Ok(self.with(|map| map.get(key).map(|e| e.record.clone())))
+        Ok(self.with(|map| map.get(key).map(|entry| entry.record.clone())))
     }
 
     async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {

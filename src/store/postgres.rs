@@ -32,7 +32,7 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::NoTls;
 
 /// Ordered schema migrations (the text lives with the SQLite twin in
-/// [`super::sql`]); `{schema}` is replaced by the quoted schema name.
+/// `store/sql.rs`); `{schema}` is replaced by the quoted schema name.
 pub use super::sql::POSTGRES_MIGRATIONS as MIGRATIONS;
 
 /// First key of the two-int advisory locks; the second is `hashtext(schema)`
@@ -85,7 +85,7 @@ impl PostgresStore {
             .ok_or_else(|| StoreError::Unavailable("store.url is not set".into()))?;
         // The parser's messages name the bad part, never the password.
         let mut pg = tokio_postgres::Config::from_str(url)
-            .map_err(|e| StoreError::Unavailable(format!("invalid store.url: {e}")))?;
+            .map_err(|err| StoreError::Unavailable(format!("invalid store.url: {err}")))?;
         let statement_timeout = format!(
             "-c statement_timeout={}",
             cfg.statement_timeout.as_millis().max(1)
@@ -120,7 +120,7 @@ impl PostgresStore {
             .create_timeout(Some(cfg.connect_timeout))
             .recycle_timeout(Some(cfg.connect_timeout))
             .build()
-            .map_err(|e| StoreError::Unavailable(format!("cannot build postgres pool: {e}")))?;
+            .map_err(|err| StoreError::Unavailable(format!("cannot build postgres pool: {err}")))?;
         let table = format!("{}.idempotency_records", quote_ident(&cfg.schema));
         Ok(Self {
             pool,
@@ -253,7 +253,7 @@ fn settle<T>(
 ) -> Result<T, StoreError> {
     match res {
         Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => Err(pg_err(e)),
+        Ok(Err(err)) => Err(pg_err(err)),
         Err(_) => {
             drop(Object::take(client));
             Err(StoreError::Timeout)
@@ -261,23 +261,23 @@ fn settle<T>(
     }
 }
 
-fn pg_err(e: tokio_postgres::Error) -> StoreError {
-    if e.code() == Some(&SqlState::QUERY_CANCELED) {
+fn pg_err(err: tokio_postgres::Error) -> StoreError {
+    if err.code() == Some(&SqlState::QUERY_CANCELED) {
         // statement_timeout fired.
         return StoreError::Timeout;
     }
-    match e.as_db_error() {
+    match err.as_db_error() {
         Some(db) => {
             StoreError::Unavailable(format!("postgres: {} ({})", db.message(), db.code().code()))
         }
-        None => StoreError::Unavailable(format!("postgres: {e}")),
+        None => StoreError::Unavailable(format!("postgres: {err}")),
     }
 }
 
-fn pool_err(e: PoolError) -> StoreError {
-    match e {
+fn pool_err(err: PoolError) -> StoreError {
+    match err {
         PoolError::Timeout(_) => StoreError::Timeout,
-        PoolError::Backend(e) => pg_err(e),
+        PoolError::Backend(err) => pg_err(err),
         other => StoreError::Unavailable(format!("postgres pool: {other}")),
     }
 }

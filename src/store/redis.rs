@@ -266,7 +266,7 @@ impl RedisFastPath {
     pub async fn new(inner: Arc<dyn Store>, cfg: &RedisConfig) -> Result<Self, StoreError> {
         // redis-rs parse errors do not echo the URL, so no password leaks.
         let client = redis::Client::open(cfg.url.as_str())
-            .map_err(|e| StoreError::Unavailable(format!("invalid redis.url: {e}")))?;
+            .map_err(|err| StoreError::Unavailable(format!("invalid redis.url: {err}")))?;
         let config = ConnectionManagerConfig::new()
             .set_response_timeout(Some(cfg.timeout))
             .set_connection_timeout(Some(cfg.timeout))
@@ -274,7 +274,7 @@ impl RedisFastPath {
             .set_min_delay(Duration::from_millis(50))
             .set_max_delay(Duration::from_millis(500));
         let conn = ConnectionManager::new_lazy_with_config(client, config)
-            .map_err(|e| StoreError::Unavailable(format!("redis connection manager: {e}")))?;
+            .map_err(|err| StoreError::Unavailable(format!("redis connection manager: {err}")))?;
         // Connect in the background so the first request does not pay for it.
         let mut warm = conn.clone();
         let timeout = cfg.timeout;
