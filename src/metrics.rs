@@ -1,8 +1,10 @@
 //! Prometheus metrics, built once and passed down (no globals), served on
 //! the admin port. Names are prefixed `idemgate_`; label values come from
 //! enums' `as_str`, never from request data.
+//!
+//! This module names no other part of the crate: the store layer reports
+//! into it ([`Metrics::store_op`], [`FastPathStats`]), never the reverse.
 
-pub use crate::store::redis::FastPathCounters;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
@@ -10,7 +12,6 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -228,7 +229,7 @@ impl Metrics {
     }
 
     /// Attaches the Redis fast path's counters.
-    pub fn attach_fast_path(&self, counters: Arc<FastPathCounters>) {
+    pub fn attach_fast_path(&self, counters: Arc<dyn FastPathStats>) {
         *self
             .fast_path
             .counters
@@ -256,9 +257,20 @@ impl Metrics {
     }
 }
 
+/// The Redis fast path's counters, read at each scrape (implemented by the
+/// store layer's `FastPathCounters`).
+pub trait FastPathStats: std::fmt::Debug + Send + Sync + 'static {
+    /// Claims answered from Redis alone.
+    fn hits(&self) -> u64;
+    /// Claims that went to the inner store because Redis had no answer.
+    fn misses(&self) -> u64;
+    /// Redis failures, timeouts or bypasses; the inner store answered alone.
+    fn errors(&self) -> u64;
+}
+
 #[derive(Debug, Default)]
 struct FastPathCollector {
-    counters: Mutex<Option<Arc<FastPathCounters>>>,
+    counters: Mutex<Option<Arc<dyn FastPathStats>>>,
 }
 
 impl Collector for FastPathCollector {
@@ -268,27 +280,27 @@ impl Collector for FastPathCollector {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone();
-        let Some(c) = counters else {
+        let Some(stats) = counters else {
             return Ok(());
         };
         for (name, help, value) in [
             (
                 "redis_fast_path_hits",
                 "Requests answered from Redis without asking the authoritative store",
-                &c.hits,
+                stats.hits(),
             ),
             (
                 "redis_fast_path_misses",
                 "Requests that Redis could not answer and went to the authoritative store",
-                &c.misses,
+                stats.misses(),
             ),
             (
                 "redis_fast_path_errors",
                 "Redis failures or timeouts that fell back to the authoritative store",
-                &c.errors,
+                stats.errors(),
             ),
         ] {
-            let counter = ConstCounter::new(value.load(Ordering::Relaxed));
+            let counter = ConstCounter::new(value);
             let metric = encoder.encode_descriptor(name, help, None, counter.metric_type())?;
             counter.encode(metric)?;
         }
@@ -300,6 +312,21 @@ impl Collector for FastPathCollector {
 mod tests {
     use super::*;
 
+    #[derive(Debug)]
+    struct FixedStats;
+
+    impl FastPathStats for FixedStats {
+        fn hits(&self) -> u64 {
+            3
+        }
+        fn misses(&self) -> u64 {
+            0
+        }
+        fn errors(&self) -> u64 {
+            0
+        }
+    }
+
     #[test]
     fn exposition_has_prefixed_names_and_labels() {
         let m = Metrics::new();
@@ -307,9 +334,7 @@ mod tests {
         m.request(&route, Outcome::Replayed);
         m.request(&route, Outcome::Replayed);
         m.takeover(&route);
-        let fp = Arc::new(FastPathCounters::default());
-        fp.hits.fetch_add(3, Ordering::Relaxed);
-        m.attach_fast_path(fp);
+        m.attach_fast_path(Arc::new(FixedStats));
         let text = m.encode();
         assert!(
             text.contains(r#"idemgate_requests_total{route="/orders",outcome="replayed"} 2"#),

@@ -11,16 +11,31 @@
 //!   [`Fence::Lost`] and changes nothing.
 //! - Time is an argument (`now`, unix milliseconds), so every backend agrees
 //!   with the proxy's clock and tests control it.
+//! - Each backend reports how long a call may take ([`Store::call_bound`]);
+//!   [`instrumented::Instrumented`] enforces it and times every call.
+//!
+//! This file holds the trait and its types. The backends are `memory`
+//! (reference, not durable), `sqlite` (the embedded default), `postgres`
+//! (shared) and `redis` (a fast path in front of PostgreSQL, never the
+//! guard); `codec` and `sql` hold what they share, and `open` builds the
+//! configured one from the config.
 
+pub(crate) mod codec;
+pub mod instrumented;
 pub mod memory;
+mod open;
 pub mod postgres;
 pub mod redis;
+pub(crate) mod sql;
 pub mod sqlite;
+
+pub use open::{migrate, open, open_with_metrics};
 
 use crate::idempotency::{Fingerprint, RecordKey};
 use async_trait::async_trait;
 use bytes::Bytes;
 use std::fmt;
+use std::time::Duration;
 
 /// Milliseconds since the unix epoch.
 pub type UnixMillis = i64;
@@ -148,6 +163,44 @@ pub enum Completion {
     Unstored { status: u16 },
 }
 
+/// The state a completion leaves its record in.
+impl From<&Completion> for RecordState {
+    fn from(completion: &Completion) -> Self {
+        match completion {
+            Completion::Stored(response) => RecordState::Completed(response.clone()),
+            Completion::Unstored { status } => RecordState::Unstored { status: *status },
+        }
+    }
+}
+
+/// A completion as the SQL backends write it: the `state`, `status`,
+/// `headers` and `body` columns.
+pub(crate) struct CompletionColumns<'a> {
+    pub state: &'static str,
+    pub status: u16,
+    pub headers: Option<Vec<u8>>,
+    pub body: Option<&'a [u8]>,
+}
+
+impl Completion {
+    pub(crate) fn columns(&self) -> CompletionColumns<'_> {
+        match self {
+            Completion::Stored(response) => CompletionColumns {
+                state: "completed",
+                status: response.status,
+                headers: Some(codec::encode_headers(&response.headers)),
+                body: Some(&response.body[..]),
+            },
+            Completion::Unstored { status } => CompletionColumns {
+                state: "unstored",
+                status: *status,
+                headers: None,
+                body: None,
+            },
+        }
+    }
+}
+
 /// Why the store could not answer. Every variant means "unknown": the
 /// proxy must not forward unguarded on any of them.
 #[derive(Debug, thiserror::Error)]
@@ -203,53 +256,20 @@ pub trait Store: Send + Sync + 'static {
 
     /// The backend's name for logs and metrics.
     fn backend(&self) -> &'static str;
+
+    /// How long any one call may take before the caller stops waiting and
+    /// treats it as [`StoreError::Timeout`] ([`instrumented::Instrumented`]
+    /// applies it). A backend that enforces `store.timeout` itself reports
+    /// a little more, so its own deadline fires first and cleans up.
+    fn call_bound(&self) -> Duration;
 }
 
-// === stored header encoding, shared by the backends that keep bytes ===
-
-/// Encodes headers as `count:u32, (name_len:u16, name, value_len:u32, value)*`.
-pub fn encode_headers(headers: &[(String, Bytes)]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(4 + headers.len() * 32);
-    out.extend_from_slice(&(headers.len() as u32).to_be_bytes());
-    for (name, value) in headers {
-        out.extend_from_slice(&(name.len() as u16).to_be_bytes());
-        out.extend_from_slice(name.as_bytes());
-        out.extend_from_slice(&(value.len() as u32).to_be_bytes());
-        out.extend_from_slice(value);
-    }
-    out
-}
-
-/// Inverse of [`encode_headers`].
-pub fn decode_headers(mut buf: &[u8]) -> Result<Vec<(String, Bytes)>, StoreError> {
-    fn take<'a>(buf: &mut &'a [u8], n: usize) -> Result<&'a [u8], StoreError> {
-        if buf.len() < n {
-            return Err(StoreError::Corrupt("truncated header block".into()));
-        }
-        let (head, rest) = buf.split_at(n);
-        *buf = rest;
-        Ok(head)
-    }
-    let count = u32::from_be_bytes(take(&mut buf, 4)?.try_into().expect("4 bytes"));
-    let mut headers = Vec::with_capacity(count.min(1024) as usize);
-    for _ in 0..count {
-        let nlen = u16::from_be_bytes(take(&mut buf, 2)?.try_into().expect("2 bytes")) as usize;
-        let name = std::str::from_utf8(take(&mut buf, nlen)?)
-            .map_err(|_| StoreError::Corrupt("header name is not UTF-8".into()))?
-            .to_string();
-        let vlen = u32::from_be_bytes(take(&mut buf, 4)?.try_into().expect("4 bytes")) as usize;
-        let value = Bytes::copy_from_slice(take(&mut buf, vlen)?);
-        headers.push((name, value));
-    }
-    if !buf.is_empty() {
-        return Err(StoreError::Corrupt("trailing bytes after headers".into()));
-    }
-    Ok(headers)
-}
+// === the two record rules every backend implements ===
 
 /// Whether a claim at `now` replaces `record`: an in-flight record only
 /// once its lease ran out (its ttl alone never ends a live execution), any
-/// other record once its ttl ran out. Every backend's claim implements this.
+/// other record once its ttl ran out. Every backend's claim implements this;
+/// the SQL twin is `store::sql::CLAIMABLE`.
 pub fn is_claimable(record: &Record, now: UnixMillis) -> bool {
     match record.state {
         RecordState::InFlight { locked_until } => locked_until <= now,
@@ -257,132 +277,25 @@ pub fn is_claimable(record: &Record, now: UnixMillis) -> bool {
     }
 }
 
-/// A record's columns as the SQL backends keep them; [`RecordRow::into_record`]
-/// is the one place they become a [`Record`].
-pub struct RecordRow {
-    pub fingerprint: Vec<u8>,
-    pub state: String,
-    pub locked_until: i64,
-    pub created_at: i64,
-    pub expires_at: i64,
-    pub status: Option<i64>,
-    pub headers: Option<Vec<u8>>,
-    pub body: Option<Vec<u8>>,
+/// Whether a sweep at `now` deletes `record`: expired, and not an in-flight
+/// record whose lease is still live. The SQL twin is `store::sql::SWEEPABLE`.
+pub fn is_sweepable(record: &Record, now: UnixMillis) -> bool {
+    record.expires_at <= now
+        && !matches!(record.state, RecordState::InFlight { locked_until } if locked_until > now)
 }
 
-impl RecordRow {
-    pub fn into_record(self) -> Result<Record, StoreError> {
-        let status = || -> Result<u16, StoreError> {
-            self.status
-                .and_then(|s| u16::try_from(s).ok())
-                .ok_or_else(|| StoreError::Corrupt("record has no valid status".into()))
-        };
-        let state = match self.state.as_str() {
-            "in_flight" => RecordState::InFlight {
-                locked_until: self.locked_until,
-            },
-            "completed" => RecordState::Completed(StoredResponse {
-                status: status()?,
-                headers: decode_headers(self.headers.as_deref().unwrap_or_default())?,
-                body: Bytes::from(self.body.unwrap_or_default()),
-            }),
-            "unstored" => RecordState::Unstored { status: status()? },
-            other => return Err(StoreError::Corrupt(format!("unknown state {other:?}"))),
-        };
-        Ok(Record {
-            fingerprint: crate::idempotency::Fingerprint(array_from(
-                &self.fingerprint,
-                "fingerprint",
-            )?),
-            state,
-            created_at: self.created_at,
-            expires_at: self.expires_at,
-        })
-    }
-}
-
-/// Fixed-size byte columns read back from a backend.
-pub fn array_from<const N: usize>(bytes: &[u8], what: &str) -> Result<[u8; N], StoreError> {
-    bytes
-        .try_into()
-        .map_err(|_| StoreError::Corrupt(format!("{what} has {} bytes, expected {N}", bytes.len())))
-}
-
-/// Opens the backend the config names, with the Redis fast path in front
-/// of PostgreSQL when `[redis]` is set (its counters go to `metrics`).
-/// Neither PostgreSQL nor Redis has to be up yet: both connect lazily and
-/// recover by themselves.
-pub async fn open_with_metrics(
-    cfg: &crate::config::Config,
-    metrics: &crate::metrics::Metrics,
-) -> Result<std::sync::Arc<dyn Store>, StoreError> {
-    use crate::config::Backend;
-    use std::sync::Arc;
-    let store: Arc<dyn Store> = match cfg.store.backend {
-        Backend::Memory => Arc::new(memory::MemoryStore::new()),
-        Backend::Sqlite => {
-            let path = cfg.store.path.clone();
-            let sync = cfg.store.synchronous;
-            Arc::new(
-                tokio::task::spawn_blocking(move || sqlite::SqliteStore::open(&path, sync))
-                    .await
-                    .map_err(|e| StoreError::Unavailable(e.to_string()))??,
-            )
-        }
-        Backend::Postgres => {
-            let pg = postgres::PostgresStore::connect(&cfg.store).await?;
-            // Migrate now when the database answers; otherwise the first
-            // store call does it, so a proxy started before its database
-            // heals by itself.
-            match pg.migrate().await {
-                Ok(0) => {}
-                Ok(n) => tracing::info!(applied = n, schema = pg.schema(), "applied migrations"),
-                Err(e) => {
-                    tracing::warn!(error = %e, "postgres not ready at start-up; will retry on first use")
-                }
-            }
-            let pg: Arc<dyn Store> = Arc::new(pg);
-            match &cfg.redis {
-                None => pg,
-                Some(redis_cfg) => {
-                    let fast = redis::RedisFastPath::new(pg, redis_cfg).await?;
-                    metrics.attach_fast_path(fast.counters());
-                    Arc::new(fast)
-                }
-            }
-        }
-    };
-    Ok(store)
-}
-
-/// [`open_with_metrics`] for callers that do not export metrics.
-pub async fn open(cfg: &crate::config::Config) -> Result<std::sync::Arc<dyn Store>, StoreError> {
-    open_with_metrics(cfg, &crate::metrics::Metrics::new()).await
-}
-
-/// Applies the PostgreSQL migrations (`idemgate migrate`); returns how many ran.
-pub async fn migrate(cfg: &crate::config::Config) -> Result<u32, StoreError> {
-    postgres::PostgresStore::connect(&cfg.store)
-        .await?
-        .migrate()
-        .await
-}
-
+/// A claim with fixed, recognizable bytes, for unit tests.
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn header_encoding_round_trips_repeated_and_binary_values() {
-        let headers = vec![
-            ("location".to_string(), Bytes::from_static(b"/orders/1")),
-            ("x-multi".to_string(), Bytes::from_static(b"a, b")),
-            ("x-multi".to_string(), Bytes::from_static(b"c")),
-            ("x-bin".to_string(), Bytes::from_static(b"\xff\x00")),
-        ];
-        let enc = encode_headers(&headers);
-        assert_eq!(decode_headers(&enc).unwrap(), headers);
-        assert!(decode_headers(&enc[..enc.len() - 1]).is_err());
-        assert_eq!(decode_headers(&encode_headers(&[])).unwrap(), vec![]);
+pub(crate) fn sample_claim() -> Claim {
+    Claim {
+        key: RecordKey {
+            scope: crate::idempotency::Scope([1; 32]),
+            key: [2; 32],
+        },
+        fingerprint: Fingerprint([3; 32]),
+        token: LeaseToken([4; 16]),
+        now: 1_000,
+        lease_ms: 30_000,
+        ttl_ms: 86_400_000,
     }
 }

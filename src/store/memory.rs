@@ -3,18 +3,21 @@
 //! between replicas. It is also the reference the other backends match.
 
 use super::{
-    Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, RecordState, Store, StoreError,
-    UnixMillis,
+    is_claimable, is_sweepable, Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record,
+    RecordState, Store, StoreError, UnixMillis,
 };
+use crate::config::DEFAULT_STORE_TIMEOUT;
 use crate::idempotency::RecordKey;
 use async_trait::async_trait;
 use std::collections::HashMap;
 use std::sync::Mutex;
+use std::time::Duration;
 
-#[derive(Default)]
 pub struct MemoryStore {
     // A std mutex: no await happens while it is held.
     records: Mutex<HashMap<RecordKey, Entry>>,
+    /// `store.timeout`: reported as the call bound, never waited for here.
+    timeout: Duration,
 }
 
 struct Entry {
@@ -22,9 +25,24 @@ struct Entry {
     token: Option<LeaseToken>,
 }
 
+impl Default for MemoryStore {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl MemoryStore {
+    /// An empty store with the default `store.timeout`.
     pub fn new() -> Self {
-        Self::default()
+        Self {
+            records: Mutex::default(),
+            timeout: DEFAULT_STORE_TIMEOUT,
+        }
+    }
+
+    /// The same, bounded by the configured `store.timeout`.
+    pub fn with_timeout(self, timeout: Duration) -> Self {
+        Self { timeout, ..self }
     }
 
     fn with<T>(&self, f: impl FnOnce(&mut HashMap<RecordKey, Entry>) -> T) -> T {
@@ -33,35 +51,37 @@ impl MemoryStore {
     }
 }
 
-/// Whether `token` currently owns an in-flight `entry`.
-fn owns(entry: Option<&Entry>, token: &LeaseToken) -> bool {
-    matches!(entry, Some(e) if e.token.as_ref() == Some(token)
-        && matches!(e.record.state, RecordState::InFlight { .. }))
+impl Entry {
+    /// Whether `token` currently owns this record, in flight.
+    fn is_owned_by(&self, token: &LeaseToken) -> bool {
+        self.token.as_ref() == Some(token)
+            && matches!(self.record.state, RecordState::InFlight { .. })
+    }
 }
 
 #[async_trait]
 impl Store for MemoryStore {
-    async fn claim(&self, c: &Claim) -> Result<ClaimOutcome, StoreError> {
+    async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
         Ok(self.with(|map| {
-            let takeover = match map.get(&c.key) {
+            let takeover = match map.get(&claim.key) {
                 None => false,
-                Some(e) if super::is_claimable(&e.record, c.now) => {
-                    matches!(e.record.state, RecordState::InFlight { .. })
+                Some(entry) if is_claimable(&entry.record, claim.now) => {
+                    matches!(entry.record.state, RecordState::InFlight { .. })
                 }
-                Some(e) => return ClaimOutcome::Existing(e.record.clone()),
+                Some(entry) => return ClaimOutcome::Existing(entry.record.clone()),
             };
             map.insert(
-                c.key,
+                claim.key,
                 Entry {
                     record: Record {
-                        fingerprint: c.fingerprint,
+                        fingerprint: claim.fingerprint,
                         state: RecordState::InFlight {
-                            locked_until: c.locked_until(),
+                            locked_until: claim.locked_until(),
                         },
-                        created_at: c.now,
-                        expires_at: c.expires_at(),
+                        created_at: claim.now,
+                        expires_at: claim.expires_at(),
                     },
-                    token: Some(c.token),
+                    token: Some(claim.token),
                 },
             );
             ClaimOutcome::Claimed { takeover }
@@ -74,13 +94,12 @@ impl Store for MemoryStore {
         token: &LeaseToken,
         locked_until: UnixMillis,
     ) -> Result<Fence, StoreError> {
-        Ok(self.with(|map| {
-            if !owns(map.get(key), token) {
-                return Fence::Lost;
+        Ok(self.with(|map| match map.get_mut(key) {
+            Some(entry) if entry.is_owned_by(token) => {
+                entry.record.state = RecordState::InFlight { locked_until };
+                Fence::Held
             }
-            let e = map.get_mut(key).expect("checked above");
-            e.record.state = RecordState::InFlight { locked_until };
-            Fence::Held
+            _ => Fence::Lost,
         }))
     }
 
@@ -91,24 +110,20 @@ impl Store for MemoryStore {
         completion: &Completion,
         expires_at: UnixMillis,
     ) -> Result<Fence, StoreError> {
-        Ok(self.with(|map| {
-            if !owns(map.get(key), token) {
-                return Fence::Lost;
+        Ok(self.with(|map| match map.get_mut(key) {
+            Some(entry) if entry.is_owned_by(token) => {
+                entry.record.state = RecordState::from(completion);
+                entry.token = None;
+                entry.record.expires_at = expires_at;
+                Fence::Held
             }
-            let e = map.get_mut(key).expect("checked above");
-            e.record.state = match completion {
-                Completion::Stored(r) => RecordState::Completed(r.clone()),
-                Completion::Unstored { status } => RecordState::Unstored { status: *status },
-            };
-            e.token = None;
-            e.record.expires_at = expires_at;
-            Fence::Held
+            _ => Fence::Lost,
         }))
     }
 
     async fn release(&self, key: &RecordKey, token: &LeaseToken) -> Result<Fence, StoreError> {
         Ok(self.with(|map| {
-            if !owns(map.get(key), token) {
+            if !map.get(key).is_some_and(|entry| entry.is_owned_by(token)) {
                 return Fence::Lost;
             }
             map.remove(key);
@@ -117,7 +132,7 @@ impl Store for MemoryStore {
     }
 
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
-        Ok(self.with(|map| map.get(key).map(|e| e.record.clone())))
+        Ok(self.with(|map| map.get(key).map(|entry| entry.record.clone())))
     }
 
     async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
@@ -128,12 +143,12 @@ impl Store for MemoryStore {
         Ok(self.with(|map| {
             let doomed: Vec<RecordKey> = map
                 .iter()
-                .filter(|(_, e)| is_sweepable(&e.record, now))
-                .map(|(k, _)| *k)
+                .filter(|(_, entry)| is_sweepable(&entry.record, now))
+                .map(|(key, _)| *key)
                 .take(batch as usize)
                 .collect();
-            for k in &doomed {
-                map.remove(k);
+            for key in &doomed {
+                map.remove(key);
             }
             doomed.len() as u64
         }))
@@ -146,10 +161,8 @@ impl Store for MemoryStore {
     fn backend(&self) -> &'static str {
         "memory"
     }
-}
 
-/// Expired, and not an in-flight record whose lease is still live.
-pub(crate) fn is_sweepable(record: &Record, now: UnixMillis) -> bool {
-    record.expires_at <= now
-        && !matches!(record.state, RecordState::InFlight { locked_until } if locked_until > now)
+    fn call_bound(&self) -> Duration {
+        self.timeout
+    }
 }

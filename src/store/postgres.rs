@@ -12,9 +12,11 @@
 //! Claims commit with the server's `synchronous_commit` (durable): the
 //! upstream is only called after the claim is remembered.
 
+use super::codec::RecordRow;
+use super::sql::{Dialect, KeyParams, OwnerParams, Statements};
 use super::{
-    encode_headers, Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, RecordRow, Store,
-    StoreError, UnixMillis,
+    is_claimable, Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, Store, StoreError,
+    UnixMillis,
 };
 use crate::config::StoreConfig;
 use crate::idempotency::RecordKey;
@@ -29,28 +31,9 @@ use tokio::time::Instant;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::NoTls;
 
-/// Ordered schema migrations; `{schema}` is replaced by the quoted schema
-/// name. Never edit an entry that shipped: append a new one.
-pub const MIGRATIONS: &[&str] = &[r#"
-CREATE TABLE {schema}.idempotency_records (
-    scope        bytea   NOT NULL,
-    key          bytea   NOT NULL,
-    fingerprint  bytea   NOT NULL,
-    state        text    NOT NULL CHECK (state IN ('in_flight', 'completed', 'unstored')),
-    token        bytea,
-    locked_until bigint  NOT NULL,
-    created_at   bigint  NOT NULL,
-    expires_at   bigint  NOT NULL,
-    status       int,
-    headers      bytea,
-    body         bytea,
-    -- Set by the claim's ON CONFLICT branch from the old row: RETURNING only
-    -- sees new values (before PostgreSQL 18), so this carries "was a takeover".
-    takeover     boolean NOT NULL DEFAULT false,
-    PRIMARY KEY (scope, key)
-);
-CREATE INDEX idempotency_records_expires_at ON {schema}.idempotency_records (expires_at);
-"#];
+/// Ordered schema migrations (the text lives with the SQLite twin in
+/// `store/sql.rs`); `{schema}` is replaced by the quoted schema name.
+pub use super::sql::POSTGRES_MIGRATIONS as MIGRATIONS;
 
 /// First key of the two-int advisory locks; the second is `hashtext(schema)`
 /// so replicas sharing a database but not a schema do not serialize.
@@ -64,6 +47,12 @@ const CLAIM_ATTEMPTS: usize = 5;
 /// Detects a half-open connection (peer vanished without FIN) well before
 /// the kernel's default of ~15 minutes of retransmissions.
 const TCP_USER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Added to `store.timeout` for the call bound: this store enforces the
+/// timeout itself (and takes a stuck connection out of the pool when it
+/// fires), so its own deadline must fire first; the outer bound only catches
+/// what is stuck beyond it.
+const CALL_BOUND_MARGIN: Duration = Duration::from_millis(250);
 const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
 
 pub struct PostgresStore {
@@ -75,56 +64,8 @@ pub struct PostgresStore {
     schema: String,
     /// Whole-call deadline: pool wait, connect and the statements together.
     timeout: Duration,
-    sql: Sql,
-}
-
-/// Statement texts, schema-qualified once at connect.
-struct Sql {
-    claim: String,
-    select: String,
-    renew: String,
-    complete: String,
-    release: String,
-    delete: String,
-    sweep: String,
-}
-
-impl Sql {
-    fn new(table: &str) -> Self {
-        const OWNED: &str = "scope = $1 AND key = $2 AND token = $3 AND state = 'in_flight'";
-        Self {
-            claim: format!(
-                "INSERT INTO {table} AS r \
-                   (scope, key, fingerprint, state, token, locked_until, created_at, expires_at, takeover) \
-                 VALUES ($1, $2, $3, 'in_flight', $4, $5, $6, $7, false) \
-                 ON CONFLICT (scope, key) DO UPDATE SET \
-                   fingerprint = EXCLUDED.fingerprint, state = 'in_flight', token = EXCLUDED.token, \
-                   locked_until = EXCLUDED.locked_until, created_at = EXCLUDED.created_at, \
-                   expires_at = EXCLUDED.expires_at, status = NULL, headers = NULL, body = NULL, \
-                   takeover = (r.state = 'in_flight') \
-                 WHERE (r.state <> 'in_flight' AND r.expires_at <= $6) \
-                    OR (r.state = 'in_flight' AND r.locked_until <= $6) \
-                 RETURNING takeover"
-            ),
-            select: format!(
-                "SELECT fingerprint, state, locked_until, created_at, expires_at, status, headers, body \
-                 FROM {table} WHERE scope = $1 AND key = $2"
-            ),
-            renew: format!("UPDATE {table} SET locked_until = $4 WHERE {OWNED}"),
-            complete: format!(
-                "UPDATE {table} SET state = $4, status = $5, headers = $6, body = $7, \
-                 token = NULL, locked_until = 0, expires_at = $8 WHERE {OWNED}"
-            ),
-            release: format!("DELETE FROM {table} WHERE {OWNED}"),
-            delete: format!("DELETE FROM {table} WHERE scope = $1 AND key = $2"),
-            sweep: format!(
-                "DELETE FROM {table} WHERE ctid = ANY(ARRAY( \
-                   SELECT ctid FROM {table} \
-                   WHERE expires_at <= $1 AND NOT (state = 'in_flight' AND locked_until > $1) \
-                   ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED))"
-            ),
-        }
-    }
+    /// Statement texts, schema-qualified once at connect.
+    sql: Statements,
 }
 
 /// `"name"` with embedded quotes doubled (config already restricts the
@@ -144,7 +85,7 @@ impl PostgresStore {
             .ok_or_else(|| StoreError::Unavailable("store.url is not set".into()))?;
         // The parser's messages name the bad part, never the password.
         let mut pg = tokio_postgres::Config::from_str(url)
-            .map_err(|e| StoreError::Unavailable(format!("invalid store.url: {e}")))?;
+            .map_err(|err| StoreError::Unavailable(format!("invalid store.url: {err}")))?;
         let statement_timeout = format!(
             "-c statement_timeout={}",
             cfg.statement_timeout.as_millis().max(1)
@@ -179,14 +120,14 @@ impl PostgresStore {
             .create_timeout(Some(cfg.connect_timeout))
             .recycle_timeout(Some(cfg.connect_timeout))
             .build()
-            .map_err(|e| StoreError::Unavailable(format!("cannot build postgres pool: {e}")))?;
+            .map_err(|err| StoreError::Unavailable(format!("cannot build postgres pool: {err}")))?;
         let table = format!("{}.idempotency_records", quote_ident(&cfg.schema));
         Ok(Self {
             pool,
             migrated: OnceCell::new(),
             schema: cfg.schema.clone(),
             timeout: cfg.timeout,
-            sql: Sql::new(&table),
+            sql: Statements::new(Dialect::Postgres, &table),
         })
     }
 
@@ -312,7 +253,7 @@ fn settle<T>(
 ) -> Result<T, StoreError> {
     match res {
         Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => Err(pg_err(e)),
+        Ok(Err(err)) => Err(pg_err(err)),
         Err(_) => {
             drop(Object::take(client));
             Err(StoreError::Timeout)
@@ -320,55 +261,51 @@ fn settle<T>(
     }
 }
 
-fn pg_err(e: tokio_postgres::Error) -> StoreError {
-    if e.code() == Some(&SqlState::QUERY_CANCELED) {
+fn pg_err(err: tokio_postgres::Error) -> StoreError {
+    if err.code() == Some(&SqlState::QUERY_CANCELED) {
         // statement_timeout fired.
         return StoreError::Timeout;
     }
-    match e.as_db_error() {
+    match err.as_db_error() {
         Some(db) => {
             StoreError::Unavailable(format!("postgres: {} ({})", db.message(), db.code().code()))
         }
-        None => StoreError::Unavailable(format!("postgres: {e}")),
+        None => StoreError::Unavailable(format!("postgres: {err}")),
     }
 }
 
-fn pool_err(e: PoolError) -> StoreError {
-    match e {
+fn pool_err(err: PoolError) -> StoreError {
+    match err {
         PoolError::Timeout(_) => StoreError::Timeout,
-        PoolError::Backend(e) => pg_err(e),
+        PoolError::Backend(err) => pg_err(err),
         other => StoreError::Unavailable(format!("postgres pool: {other}")),
     }
 }
 
-/// Whether a claim at `now` would take `record` over. A record read back
-/// after a claim found a live one may have changed in between; then the
-/// claim is retried rather than reporting a record that is no longer live.
-fn claimable(record: &Record, now: UnixMillis) -> bool {
-    super::is_claimable(record, now)
-}
-
 fn decode_row(row: &tokio_postgres::Row) -> Result<Record, StoreError> {
-    let e = |e: tokio_postgres::Error| StoreError::Corrupt(format!("postgres row: {e}"));
+    let corrupt = |err: tokio_postgres::Error| StoreError::Corrupt(format!("postgres row: {err}"));
     RecordRow {
-        fingerprint: row.try_get(0).map_err(e)?,
-        state: row.try_get(1).map_err(e)?,
-        locked_until: row.try_get(2).map_err(e)?,
-        created_at: row.try_get(3).map_err(e)?,
-        expires_at: row.try_get(4).map_err(e)?,
-        status: row.try_get::<_, Option<i32>>(5).map_err(e)?.map(i64::from),
-        headers: row.try_get(6).map_err(e)?,
-        body: row.try_get(7).map_err(e)?,
+        fingerprint: row.try_get(0).map_err(corrupt)?,
+        state: row.try_get(1).map_err(corrupt)?,
+        locked_until: row.try_get(2).map_err(corrupt)?,
+        created_at: row.try_get(3).map_err(corrupt)?,
+        expires_at: row.try_get(4).map_err(corrupt)?,
+        status: row
+            .try_get::<_, Option<i32>>(5)
+            .map_err(corrupt)?
+            .map(i64::from),
+        headers: row.try_get(6).map_err(corrupt)?,
+        body: row.try_get(7).map_err(corrupt)?,
     }
     .into_record()
 }
 
 #[async_trait]
 impl Store for PostgresStore {
-    async fn claim(&self, c: &Claim) -> Result<ClaimOutcome, StoreError> {
+    async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
         let deadline = self.deadline();
         let client = self.checkout(deadline).await?;
-        let (scope, key) = (&c.key.scope.0[..], &c.key.key[..]);
+        let key = KeyParams::new(&claim.key);
         let res = tokio::time::timeout_at(deadline, async {
             for _ in 0..CLAIM_ATTEMPTS {
                 let stmt = client.prepare_cached(&self.sql.claim).await?;
@@ -376,13 +313,13 @@ impl Store for PostgresStore {
                     .query_opt(
                         &stmt,
                         &[
-                            &scope,
-                            &key,
-                            &&c.fingerprint.0[..],
-                            &&c.token.0[..],
-                            &c.locked_until(),
-                            &c.now,
-                            &c.expires_at(),
+                            &key.scope,
+                            &key.key,
+                            &&claim.fingerprint.0[..],
+                            &&claim.token.0[..],
+                            &claim.locked_until(),
+                            &claim.now,
+                            &claim.expires_at(),
                         ],
                     )
                     .await?;
@@ -393,13 +330,15 @@ impl Store for PostgresStore {
                 }
                 // A live record is there. This SELECT is a new snapshot, so it
                 // sees the row the claim conflicted with, unless that was
-                // released or swept in between: then claim again.
+                // released or swept in between: then claim again. It may also
+                // have changed in between: a record that is claimable by now
+                // is claimed again rather than reported as live.
                 let stmt = client.prepare_cached(&self.sql.select).await?;
-                if let Some(row) = client.query_opt(&stmt, &[&scope, &key]).await? {
+                if let Some(row) = client.query_opt(&stmt, &[&key.scope, &key.key]).await? {
                     match decode_row(&row) {
-                        Ok(record) if claimable(&record, c.now) => continue,
+                        Ok(record) if is_claimable(&record, claim.now) => continue,
                         Ok(record) => return Ok(Ok(ClaimOutcome::Existing(record))),
-                        Err(e) => return Ok(Err(e)),
+                        Err(err) => return Ok(Err(err)),
                     }
                 }
             }
@@ -417,14 +356,10 @@ impl Store for PostgresStore {
         token: &LeaseToken,
         locked_until: UnixMillis,
     ) -> Result<Fence, StoreError> {
+        let owner = OwnerParams::new(key, token);
         self.execute(
             &self.sql.renew,
-            &[
-                &&key.scope.0[..],
-                &&key.key[..],
-                &&token.0[..],
-                &locked_until,
-            ],
+            &[&owner.scope, &owner.key, &owner.token, &locked_until],
         )
         .await
         .map(Fence::from_rows)
@@ -437,27 +372,19 @@ impl Store for PostgresStore {
         completion: &Completion,
         expires_at: UnixMillis,
     ) -> Result<Fence, StoreError> {
-        let (state, status, headers, body): (&str, u16, Option<Vec<u8>>, Option<&[u8]>) =
-            match completion {
-                Completion::Stored(r) => (
-                    "completed",
-                    r.status,
-                    Some(encode_headers(&r.headers)),
-                    Some(&r.body[..]),
-                ),
-                Completion::Unstored { status } => ("unstored", *status, None, None),
-            };
-        let status = i32::from(status);
+        let owner = OwnerParams::new(key, token);
+        let columns = completion.columns();
+        let status = i32::from(columns.status);
         self.execute(
             &self.sql.complete,
             &[
-                &&key.scope.0[..],
-                &&key.key[..],
-                &&token.0[..],
-                &state,
+                &owner.scope,
+                &owner.key,
+                &owner.token,
+                &columns.state,
                 &status,
-                &headers,
-                &body,
+                &columns.headers,
+                &columns.body,
                 &expires_at,
             ],
         )
@@ -466,29 +393,27 @@ impl Store for PostgresStore {
     }
 
     async fn release(&self, key: &RecordKey, token: &LeaseToken) -> Result<Fence, StoreError> {
-        self.execute(
-            &self.sql.release,
-            &[&&key.scope.0[..], &&key.key[..], &&token.0[..]],
-        )
-        .await
-        .map(Fence::from_rows)
+        let owner = OwnerParams::new(key, token);
+        self.execute(&self.sql.release, &[&owner.scope, &owner.key, &owner.token])
+            .await
+            .map(Fence::from_rows)
     }
 
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
         let deadline = self.deadline();
         let client = self.checkout(deadline).await?;
         let res = tokio::time::timeout_at(deadline, async {
+            let key = KeyParams::new(key);
             let stmt = client.prepare_cached(&self.sql.select).await?;
-            client
-                .query_opt(&stmt, &[&&key.scope.0[..], &&key.key[..]])
-                .await
+            client.query_opt(&stmt, &[&key.scope, &key.key]).await
         })
         .await;
         settle(client, res)?.as_ref().map(decode_row).transpose()
     }
 
     async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
-        self.execute(&self.sql.delete, &[&&key.scope.0[..], &&key.key[..]])
+        let key = KeyParams::new(key);
+        self.execute(&self.sql.delete, &[&key.scope, &key.key])
             .await
             .map(|n| n > 0)
     }
@@ -529,5 +454,9 @@ impl Store for PostgresStore {
 
     fn backend(&self) -> &'static str {
         "postgres"
+    }
+
+    fn call_bound(&self) -> Duration {
+        self.timeout + CALL_BOUND_MARGIN
     }
 }

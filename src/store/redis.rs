@@ -18,12 +18,14 @@
 //! Key names are `{prefix}:{hex(scope)}:{hex(key)}`: digests only, never a
 //! raw credential or idempotency key.
 
+use super::codec::{decode_headers, encode_headers};
 use super::{
-    decode_headers, encode_headers, now_millis, Claim, ClaimOutcome, Completion, Fence, LeaseToken,
-    Record, RecordState, Store, StoreError, StoredResponse, UnixMillis,
+    now_millis, Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, RecordState, Store,
+    StoreError, StoredResponse, UnixMillis,
 };
 use crate::config::RedisConfig;
 use crate::idempotency::{Fingerprint, RecordKey};
+use crate::metrics::FastPathStats;
 use async_trait::async_trait;
 use bytes::Bytes;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -51,6 +53,18 @@ pub struct FastPathCounters {
     /// Redis calls that failed, timed out, or were bypassed during
     /// [`BACKOFF`]; the inner store answered alone.
     pub errors: AtomicU64,
+}
+
+impl FastPathStats for FastPathCounters {
+    fn hits(&self) -> u64 {
+        self.hits.load(Ordering::Relaxed)
+    }
+    fn misses(&self) -> u64 {
+        self.misses.load(Ordering::Relaxed)
+    }
+    fn errors(&self) -> u64 {
+        self.errors.load(Ordering::Relaxed)
+    }
 }
 
 pub struct RedisFastPath {
@@ -138,23 +152,29 @@ fn head(tag: u8, created_at: i64, expires_at: i64, fp: &Fingerprint, extra: usiz
     out
 }
 
-fn encode_lock(c: &Claim) -> Vec<u8> {
-    let mut out = head(TAG_LOCK, c.now, c.expires_at(), &c.fingerprint, 16);
-    out.extend_from_slice(&c.token.0);
+fn encode_lock(claim: &Claim) -> Vec<u8> {
+    let mut out = head(
+        TAG_LOCK,
+        claim.now,
+        claim.expires_at(),
+        &claim.fingerprint,
+        16,
+    );
+    out.extend_from_slice(&claim.token.0);
     out
 }
 
 /// Encodes a completed or unstored record; `None` for in-flight (never cached).
-fn encode_record(r: &Record) -> Option<Vec<u8>> {
-    match &r.state {
+fn encode_record(record: &Record) -> Option<Vec<u8>> {
+    match &record.state {
         RecordState::InFlight { .. } => None,
         RecordState::Completed(resp) => {
             let headers = encode_headers(&resp.headers);
             let mut out = head(
                 TAG_COMPLETED,
-                r.created_at,
-                r.expires_at,
-                &r.fingerprint,
+                record.created_at,
+                record.expires_at,
+                &record.fingerprint,
                 6 + headers.len() + resp.body.len(),
             );
             out.extend_from_slice(&resp.status.to_be_bytes());
@@ -164,7 +184,13 @@ fn encode_record(r: &Record) -> Option<Vec<u8>> {
             Some(out)
         }
         RecordState::Unstored { status } => {
-            let mut out = head(TAG_UNSTORED, r.created_at, r.expires_at, &r.fingerprint, 2);
+            let mut out = head(
+                TAG_UNSTORED,
+                record.created_at,
+                record.expires_at,
+                &record.fingerprint,
+                2,
+            );
             out.extend_from_slice(&status.to_be_bytes());
             Some(out)
         }
@@ -226,8 +252,11 @@ fn decode(buf: &[u8]) -> Result<Cached, StoreError> {
 
 /// Whether a Redis error means the connection is gone (step aside) rather
 /// than a server-side answer to one command.
-fn is_connection_error(e: &RedisError) -> bool {
-    e.is_io_error() || e.is_connection_dropped() || e.is_timeout() || e.is_unrecoverable_error()
+fn is_connection_error(err: &RedisError) -> bool {
+    err.is_io_error()
+        || err.is_connection_dropped()
+        || err.is_timeout()
+        || err.is_unrecoverable_error()
 }
 
 impl RedisFastPath {
@@ -237,7 +266,7 @@ impl RedisFastPath {
     pub async fn new(inner: Arc<dyn Store>, cfg: &RedisConfig) -> Result<Self, StoreError> {
         // redis-rs parse errors do not echo the URL, so no password leaks.
         let client = redis::Client::open(cfg.url.as_str())
-            .map_err(|e| StoreError::Unavailable(format!("invalid redis.url: {e}")))?;
+            .map_err(|err| StoreError::Unavailable(format!("invalid redis.url: {err}")))?;
         let config = ConnectionManagerConfig::new()
             .set_response_timeout(Some(cfg.timeout))
             .set_connection_timeout(Some(cfg.timeout))
@@ -245,7 +274,7 @@ impl RedisFastPath {
             .set_min_delay(Duration::from_millis(50))
             .set_max_delay(Duration::from_millis(500));
         let conn = ConnectionManager::new_lazy_with_config(client, config)
-            .map_err(|e| StoreError::Unavailable(format!("redis connection manager: {e}")))?;
+            .map_err(|err| StoreError::Unavailable(format!("redis connection manager: {err}")))?;
         // Connect in the background so the first request does not pay for it.
         let mut warm = conn.clone();
         let timeout = cfg.timeout;
@@ -291,9 +320,9 @@ impl RedisFastPath {
         let res = tokio::time::timeout(self.timeout, fut).await;
         let failure = match res {
             Ok(Ok(v)) => return Some(v),
-            Ok(Err(e)) => {
-                let conn_level = is_connection_error(&e);
-                (e.to_string(), conn_level)
+            Ok(Err(err)) => {
+                let conn_level = is_connection_error(&err);
+                (err.to_string(), conn_level)
             }
             Err(_) => ("timed out".to_string(), true),
         };
@@ -322,28 +351,28 @@ impl RedisFastPath {
         }
     }
 
-    /// `SET k lock NX PX lease`: `Some(true)` when set, `Some(false)` when
+    /// `SET name lock NX PX lease`: `Some(true)` when set, `Some(false)` when
     /// something is there, `None` when Redis did not answer.
-    async fn try_lock(&self, k: &str, c: &Claim) -> Option<bool> {
+    async fn try_lock(&self, name: &str, claim: &Claim) -> Option<bool> {
         let mut conn = self.conn.clone();
         let cmd = redis::cmd("SET")
-            .arg(k)
-            .arg(encode_lock(c))
+            .arg(name)
+            .arg(encode_lock(claim))
             .arg("NX")
             .arg("PX")
-            .arg(c.lease_ms.max(1))
+            .arg(claim.lease_ms.max(1))
             .to_owned();
         let v: Value = self.run(cmd.query_async(&mut conn)).await?;
         Some(!matches!(v, Value::Nil))
     }
 
-    async fn peek(&self, k: &str) -> Option<(Option<Vec<u8>>, i64)> {
+    async fn peek(&self, name: &str) -> Option<(Option<Vec<u8>>, i64)> {
         let mut conn = self.conn.clone();
         let pipe = redis::pipe()
             .cmd("GET")
-            .arg(k)
+            .arg(name)
             .cmd("PTTL")
-            .arg(k)
+            .arg(name)
             .to_owned();
         self.run(pipe.query_async(&mut conn)).await
     }
@@ -351,26 +380,26 @@ impl RedisFastPath {
     /// Removes our lock without waiting, for use while in [`BACKOFF`]: a
     /// lock left behind would answer retries with 409 for up to a lease
     /// after the inner store released or completed the key.
-    fn unlock_in_background(&self, k: String, token: LeaseToken) {
+    fn unlock_in_background(&self, name: String, token: LeaseToken) {
         let mut conn = self.conn.clone();
         let script = self.scripts.unlock.clone();
         let timeout = self.timeout;
         tokio::spawn(async move {
             let mut inv = script.prepare_invoke();
-            inv.key(&k).arg(&token.0[..]);
+            inv.key(&name).arg(&token.0[..]);
             let _ = tokio::time::timeout(timeout, inv.invoke_async::<Option<i64>>(&mut conn)).await;
         });
     }
 
-    async fn unlock(&self, k: &str, token: &LeaseToken) {
+    async fn unlock(&self, name: &str, token: &LeaseToken) {
         let mut conn = self.conn.clone();
         let mut inv = self.scripts.unlock.prepare_invoke();
-        inv.key(k).arg(&token.0[..]);
+        inv.key(name).arg(&token.0[..]);
         let _: Option<i64> = self.run(inv.invoke_async(&mut conn)).await;
     }
 
     /// Caches a completed/unstored record the inner store reported.
-    async fn cache(&self, k: &str, record: &Record) {
+    async fn cache(&self, name: &str, record: &Record) {
         let ttl = record.expires_at - now_millis();
         let Some(value) = encode_record(record) else {
             return;
@@ -380,7 +409,7 @@ impl RedisFastPath {
         }
         let mut conn = self.conn.clone();
         let cmd = redis::cmd("SET")
-            .arg(k)
+            .arg(name)
             .arg(value)
             .arg("PX")
             .arg(ttl)
@@ -390,7 +419,7 @@ impl RedisFastPath {
 
     /// After the inner store answered a claim: make Redis agree with it.
     /// `locked` says whether our lock went into Redis.
-    async fn follow(&self, k: &str, c: &Claim, locked: bool, outcome: &ClaimOutcome) {
+    async fn follow(&self, name: &str, claim: &Claim, locked: bool, outcome: &ClaimOutcome) {
         match outcome {
             ClaimOutcome::Claimed { .. } => {}
             ClaimOutcome::Existing(
@@ -398,16 +427,18 @@ impl RedisFastPath {
                     state: RecordState::Completed(_) | RecordState::Unstored { .. },
                     ..
                 },
-            ) => self.cache(k, record).await,
-            ClaimOutcome::Existing(_) if locked => self.unlock(k, &c.token).await,
+            ) => self.cache(name, record).await,
+            ClaimOutcome::Existing(_) if locked => self.unlock(name, &claim.token).await,
             ClaimOutcome::Existing(_) => {}
         }
     }
 
     /// Answers a claim from what Redis holds, if it can.
-    fn answer(c: &Claim, value: &[u8], pttl: i64) -> Option<ClaimOutcome> {
+    fn answer(claim: &Claim, value: &[u8], pttl: i64) -> Option<ClaimOutcome> {
         match decode(value).ok()? {
-            Cached::Record(r) if r.expires_at > c.now => Some(ClaimOutcome::Existing(r)),
+            Cached::Record(record) if record.expires_at > claim.now => {
+                Some(ClaimOutcome::Existing(record))
+            }
             Cached::Lock {
                 token,
                 fingerprint,
@@ -416,11 +447,11 @@ impl RedisFastPath {
                 // A lock for another request (another fingerprint) may belong to
                 // a claimant that lost in the inner store and left its lock
                 // behind; only the inner store may answer that with a 422.
-            } if token != c.token && pttl > 0 && fingerprint == c.fingerprint => {
+            } if token != claim.token && pttl > 0 && fingerprint == claim.fingerprint => {
                 Some(ClaimOutcome::Existing(Record {
                     fingerprint,
                     state: RecordState::InFlight {
-                        locked_until: c.now + pttl,
+                        locked_until: claim.now + pttl,
                     },
                     created_at,
                     expires_at,
@@ -433,20 +464,20 @@ impl RedisFastPath {
 
 #[async_trait]
 impl Store for RedisFastPath {
-    async fn claim(&self, c: &Claim) -> Result<ClaimOutcome, StoreError> {
+    async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
         if !self.enabled() {
-            return self.inner.claim(c).await;
+            return self.inner.claim(claim).await;
         }
-        let k = self.redis_key(&c.key);
-        let locked = match self.try_lock(&k, c).await {
+        let name = self.redis_key(&claim.key);
+        let locked = match self.try_lock(&name, claim).await {
             // No answer: the inner store decides alone.
-            None => return self.inner.claim(c).await,
+            None => return self.inner.claim(claim).await,
             Some(true) => true,
             Some(false) => {
-                match self.peek(&k).await {
-                    None => return self.inner.claim(c).await,
+                match self.peek(&name).await {
+                    None => return self.inner.claim(claim).await,
                     Some((Some(value), pttl)) => {
-                        if let Some(outcome) = Self::answer(c, &value, pttl) {
+                        if let Some(outcome) = Self::answer(claim, &value, pttl) {
                             self.counters.hits.fetch_add(1, Ordering::Relaxed);
                             return Ok(outcome);
                         }
@@ -460,18 +491,18 @@ impl Store for RedisFastPath {
         self.counters.misses.fetch_add(1, Ordering::Relaxed);
         // Redis is never the only guard: a lock we just set still goes to
         // the inner store, whose answer wins.
-        match self.inner.claim(c).await {
+        match self.inner.claim(claim).await {
             Ok(outcome) => {
-                self.follow(&k, c, locked, &outcome).await;
+                self.follow(&name, claim, locked, &outcome).await;
                 Ok(outcome)
             }
-            Err(e) => {
+            Err(err) => {
                 if locked {
                     // The claim is unknown; a lock left behind would 409
                     // the client's retry for a whole lease.
-                    self.unlock(&k, &c.token).await;
+                    self.unlock(&name, &claim.token).await;
                 }
-                Err(e)
+                Err(err)
             }
         }
     }
@@ -484,17 +515,17 @@ impl Store for RedisFastPath {
     ) -> Result<Fence, StoreError> {
         let fence = self.inner.renew(key, token, locked_until).await?;
         if self.enabled() {
-            let k = self.redis_key(key);
+            let name = self.redis_key(key);
             match fence {
                 Fence::Held => {
                     let mut conn = self.conn.clone();
                     let mut inv = self.scripts.extend.prepare_invoke();
-                    inv.key(&k)
+                    inv.key(&name)
                         .arg(&token.0[..])
                         .arg((locked_until - now_millis()).max(1));
                     let _: Option<i64> = self.run(inv.invoke_async(&mut conn)).await;
                 }
-                Fence::Lost => self.unlock(&k, token).await,
+                Fence::Lost => self.unlock(&name, token).await,
             }
         } else if fence == Fence::Lost {
             self.unlock_in_background(self.redis_key(key), *token);
@@ -520,26 +551,23 @@ impl Store for RedisFastPath {
             self.unlock_in_background(self.redis_key(key), *token);
             return Ok(fence);
         }
-        let k = self.redis_key(key);
+        let name = self.redis_key(key);
         let ttl = expires_at - now_millis();
         if fence == Fence::Lost || ttl <= 0 {
-            self.unlock(&k, token).await;
+            self.unlock(&name, token).await;
             return Ok(fence);
         }
         let record = Record {
             // Placeholders: the script takes both from our lock.
             fingerprint: Fingerprint([0; 32]),
-            state: match completion {
-                Completion::Stored(r) => RecordState::Completed(r.clone()),
-                Completion::Unstored { status } => RecordState::Unstored { status: *status },
-            },
+            state: RecordState::from(completion),
             created_at: 0,
             expires_at,
         };
         if let Some(value) = encode_record(&record) {
             let mut conn = self.conn.clone();
             let mut inv = self.scripts.complete.prepare_invoke();
-            inv.key(&k).arg(&token.0[..]).arg(value).arg(ttl);
+            inv.key(&name).arg(&token.0[..]).arg(value).arg(ttl);
             let _: Option<i64> = self.run(inv.invoke_async(&mut conn)).await;
         }
         Ok(fence)
@@ -582,26 +610,18 @@ impl Store for RedisFastPath {
     fn backend(&self) -> &'static str {
         self.inner.backend()
     }
+
+    /// The inner store's bound plus the Redis round trips a claim can make
+    /// in front of it (`SET NX`, then `GET`+`PTTL`), each within `redis.timeout`.
+    fn call_bound(&self) -> Duration {
+        self.inner.call_bound() + self.timeout * 2
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::idempotency::Scope;
-
-    fn claim() -> Claim {
-        Claim {
-            key: RecordKey {
-                scope: Scope([1; 32]),
-                key: [2; 32],
-            },
-            fingerprint: Fingerprint([3; 32]),
-            token: LeaseToken([4; 16]),
-            now: 1_000,
-            lease_ms: 30_000,
-            ttl_ms: 86_400_000,
-        }
-    }
+    use crate::store::sample_claim as claim;
 
     #[test]
     fn lock_layout_matches_the_lua_offsets() {

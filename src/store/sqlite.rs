@@ -7,91 +7,56 @@
 //! `synchronous = FULL` by default: a claim is on disk before the upstream
 //! is called.
 
+use super::codec::RecordRow;
+use super::sql::{Dialect, KeyParams, OwnerParams, Statements, SQLITE_MIGRATIONS};
 use super::{
-    encode_headers, Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, RecordRow, Store,
-    StoreError, UnixMillis,
+    Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, Store, StoreError, UnixMillis,
 };
-use crate::config::SqliteSync;
+use crate::config::{SqliteSync, DEFAULT_STORE_TIMEOUT};
 use crate::idempotency::RecordKey;
 use async_trait::async_trait;
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
-
-/// Ordered schema migrations; `PRAGMA user_version` records how many ran.
-const MIGRATIONS: &[&str] = &[r#"
-CREATE TABLE idempotency_records (
-    scope        BLOB    NOT NULL,
-    key          BLOB    NOT NULL,
-    fingerprint  BLOB    NOT NULL,
-    state        TEXT    NOT NULL CHECK (state IN ('in_flight', 'completed', 'unstored')),
-    token        BLOB,
-    locked_until INTEGER NOT NULL,
-    created_at   INTEGER NOT NULL,
-    expires_at   INTEGER NOT NULL,
-    status       INTEGER,
-    headers      BLOB,
-    body         BLOB,
-    takeover     INTEGER NOT NULL DEFAULT 0,
-    PRIMARY KEY (scope, key)
-) WITHOUT ROWID;
-CREATE INDEX idempotency_records_expires_at ON idempotency_records (expires_at);
-"#];
 
 /// How long a writer waits for another process's lock on the same file.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 
-const CLAIM_SQL: &str = r#"
-INSERT INTO idempotency_records
-    (scope, key, fingerprint, state, token, locked_until, created_at, expires_at, takeover)
-VALUES (?1, ?2, ?3, 'in_flight', ?4, ?5, ?6, ?7, 0)
-ON CONFLICT (scope, key) DO UPDATE SET
-    fingerprint  = excluded.fingerprint,
-    state        = 'in_flight',
-    token        = excluded.token,
-    locked_until = excluded.locked_until,
-    created_at   = excluded.created_at,
-    expires_at   = excluded.expires_at,
-    status       = NULL,
-    headers      = NULL,
-    body         = NULL,
-    takeover     = (idempotency_records.state = 'in_flight')
-WHERE (idempotency_records.state <> 'in_flight' AND idempotency_records.expires_at <= ?6)
-   OR (idempotency_records.state = 'in_flight' AND idempotency_records.locked_until <= ?6)
-RETURNING takeover
-"#;
-
-const SELECT_SQL: &str =
-    "SELECT fingerprint, state, locked_until, created_at, expires_at, status, headers, body \
-     FROM idempotency_records WHERE scope = ?1 AND key = ?2";
-
-const OWNED: &str = "scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in_flight'";
+/// The table's statements, in SQLite's dialect.
+static SQL: LazyLock<Statements> =
+    LazyLock::new(|| Statements::new(Dialect::Sqlite, "idempotency_records"));
 
 pub struct SqliteStore {
     conn: Arc<Mutex<Connection>>,
     path: PathBuf,
+    /// `store.timeout`, the call bound: SQLite has no deadline of its own
+    /// (a statement waits up to [`BUSY_TIMEOUT`] for another process's lock).
+    timeout: Duration,
 }
 
 impl SqliteStore {
-    /// Opens (creating the file and its directory if needed) and migrates.
+    /// Opens (creating the file and its directory if needed) and migrates,
+    /// with the default `store.timeout` (see [`SqliteStore::with_timeout`]).
     pub fn open(path: &Path, sync: SqliteSync) -> Result<Self, StoreError> {
-        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).map_err(|e| {
-                StoreError::Unavailable(format!("cannot create {}: {e}", dir.display()))
+        if let Some(dir) = path.parent().filter(|dir| !dir.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|err| {
+                StoreError::Unavailable(format!("cannot create {}: {err}", dir.display()))
             })?;
         }
-        let conn = Connection::open(path)
-            .map_err(|e| StoreError::Unavailable(format!("cannot open {}: {e}", path.display())))?;
+        let conn = Connection::open(path).map_err(|err| {
+            StoreError::Unavailable(format!("cannot open {}: {err}", path.display()))
+        })?;
         Self::init(conn, sync, path.to_path_buf())
     }
 
     fn init(mut conn: Connection, sync: SqliteSync, path: PathBuf) -> Result<Self, StoreError> {
-        let e = |e: rusqlite::Error| StoreError::Unavailable(format!("{}: {e}", path.display()));
-        conn.busy_timeout(BUSY_TIMEOUT).map_err(e)?;
+        let unavailable =
+            |err: rusqlite::Error| StoreError::Unavailable(format!("{}: {err}", path.display()));
+        conn.busy_timeout(BUSY_TIMEOUT).map_err(unavailable)?;
         let mode: String = conn
-            .query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0))
-            .map_err(e)?;
+            .query_row("PRAGMA journal_mode = WAL", [], |row| row.get(0))
+            .map_err(unavailable)?;
         if !mode.eq_ignore_ascii_case("wal") {
             tracing::warn!(journal_mode = %mode, "sqlite did not switch to WAL");
         }
@@ -99,12 +64,18 @@ impl SqliteStore {
             SqliteSync::Full => "PRAGMA synchronous = FULL",
             SqliteSync::Normal => "PRAGMA synchronous = NORMAL",
         };
-        conn.execute_batch(sync_sql).map_err(e)?;
-        migrate(&mut conn).map_err(e)?;
+        conn.execute_batch(sync_sql).map_err(unavailable)?;
+        migrate(&mut conn).map_err(unavailable)?;
         Ok(Self {
             conn: Arc::new(Mutex::new(conn)),
             path,
+            timeout: DEFAULT_STORE_TIMEOUT,
         })
+    }
+
+    /// The same store, bounded by the configured `store.timeout`.
+    pub fn with_timeout(self, timeout: Duration) -> Self {
+        Self { timeout, ..self }
     }
 
     pub fn path(&self) -> &Path {
@@ -122,37 +93,38 @@ impl SqliteStore {
             f(&mut guard)
         })
         .await
-        .map_err(|e| StoreError::Unavailable(format!("sqlite worker failed: {e}")))?
+        .map_err(|err| StoreError::Unavailable(format!("sqlite worker failed: {err}")))?
     }
 }
 
 fn migrate(conn: &mut Connection) -> rusqlite::Result<()> {
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-    let version: usize = tx.query_row("PRAGMA user_version", [], |r| r.get(0))?;
-    for (i, sql) in MIGRATIONS.iter().enumerate().skip(version) {
+    let version: usize = tx.query_row("PRAGMA user_version", [], |row| row.get(0))?;
+    for (i, sql) in SQLITE_MIGRATIONS.iter().enumerate().skip(version) {
         tx.execute_batch(sql)?;
         tx.execute_batch(&format!("PRAGMA user_version = {}", i + 1))?;
     }
     tx.commit()
 }
 
-fn db_err(e: rusqlite::Error) -> StoreError {
-    StoreError::Unavailable(format!("sqlite: {e}"))
+fn db_err(err: rusqlite::Error) -> StoreError {
+    StoreError::Unavailable(format!("sqlite: {err}"))
 }
 
 fn read_record(conn: &Connection, key: &RecordKey) -> Result<Option<Record>, StoreError> {
-    conn.prepare_cached(SELECT_SQL)
+    let key = KeyParams::new(key);
+    conn.prepare_cached(&SQL.select)
         .map_err(db_err)?
-        .query_row(params![&key.scope.0[..], &key.key[..]], |r| {
+        .query_row(params![key.scope, key.key], |row| {
             Ok(RecordRow {
-                fingerprint: r.get(0)?,
-                state: r.get(1)?,
-                locked_until: r.get(2)?,
-                created_at: r.get(3)?,
-                expires_at: r.get(4)?,
-                status: r.get(5)?,
-                headers: r.get(6)?,
-                body: r.get(7)?,
+                fingerprint: row.get(0)?,
+                state: row.get(1)?,
+                locked_until: row.get(2)?,
+                created_at: row.get(3)?,
+                expires_at: row.get(4)?,
+                status: row.get(5)?,
+                headers: row.get(6)?,
+                body: row.get(7)?,
             })
         })
         .optional()
@@ -163,32 +135,33 @@ fn read_record(conn: &Connection, key: &RecordKey) -> Result<Option<Record>, Sto
 
 #[async_trait]
 impl Store for SqliteStore {
-    async fn claim(&self, c: &Claim) -> Result<ClaimOutcome, StoreError> {
-        let c = c.clone();
+    async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
+        let claim = claim.clone();
         self.call(move |conn| {
             let tx = conn
                 .transaction_with_behavior(TransactionBehavior::Immediate)
                 .map_err(db_err)?;
+            let key = KeyParams::new(&claim.key);
             let claimed: Option<bool> = tx
-                .prepare_cached(CLAIM_SQL)
+                .prepare_cached(&SQL.claim)
                 .map_err(db_err)?
                 .query_row(
                     params![
-                        &c.key.scope.0[..],
-                        &c.key.key[..],
-                        &c.fingerprint.0[..],
-                        &c.token.0[..],
-                        c.locked_until(),
-                        c.now,
-                        c.expires_at(),
+                        key.scope,
+                        key.key,
+                        &claim.fingerprint.0[..],
+                        &claim.token.0[..],
+                        claim.locked_until(),
+                        claim.now,
+                        claim.expires_at(),
                     ],
-                    |r| r.get(0),
+                    |row| row.get(0),
                 )
                 .optional()
                 .map_err(db_err)?;
             let outcome = match claimed {
                 Some(takeover) => ClaimOutcome::Claimed { takeover },
-                None => ClaimOutcome::Existing(read_record(&tx, &c.key)?.ok_or_else(|| {
+                None => ClaimOutcome::Existing(read_record(&tx, &claim.key)?.ok_or_else(|| {
                     StoreError::Corrupt("conflicting record vanished inside a transaction".into())
                 })?),
             };
@@ -206,17 +179,11 @@ impl Store for SqliteStore {
     ) -> Result<Fence, StoreError> {
         let (key, token) = (*key, *token);
         self.call(move |conn| {
+            let owner = OwnerParams::new(&key, &token);
             let n = conn
-                .prepare_cached(&format!(
-                    "UPDATE idempotency_records SET locked_until = ?4 WHERE {OWNED}"
-                ))
+                .prepare_cached(&SQL.renew)
                 .map_err(db_err)?
-                .execute(params![
-                    &key.scope.0[..],
-                    &key.key[..],
-                    &token.0[..],
-                    locked_until
-                ])
+                .execute(params![owner.scope, owner.key, owner.token, locked_until])
                 .map_err(db_err)?;
             Ok(Fence::from_rows(n as u64))
         })
@@ -232,29 +199,19 @@ impl Store for SqliteStore {
     ) -> Result<Fence, StoreError> {
         let (key, token, completion) = (*key, *token, completion.clone());
         self.call(move |conn| {
-            let (state, status, headers, body) = match &completion {
-                Completion::Stored(r) => (
-                    "completed",
-                    r.status,
-                    Some(encode_headers(&r.headers)),
-                    Some(r.body.to_vec()),
-                ),
-                Completion::Unstored { status } => ("unstored", *status, None, None),
-            };
+            let owner = OwnerParams::new(&key, &token);
+            let columns = completion.columns();
             let n = conn
-                .prepare_cached(&format!(
-                    "UPDATE idempotency_records SET state = ?4, status = ?5, headers = ?6, body = ?7, \
-                     token = NULL, locked_until = 0, expires_at = ?8 WHERE {OWNED}"
-                ))
+                .prepare_cached(&SQL.complete)
                 .map_err(db_err)?
                 .execute(params![
-                    &key.scope.0[..],
-                    &key.key[..],
-                    &token.0[..],
-                    state,
-                    status,
-                    headers,
-                    body,
+                    owner.scope,
+                    owner.key,
+                    owner.token,
+                    columns.state,
+                    columns.status,
+                    columns.headers,
+                    columns.body,
                     expires_at
                 ])
                 .map_err(db_err)?;
@@ -266,10 +223,11 @@ impl Store for SqliteStore {
     async fn release(&self, key: &RecordKey, token: &LeaseToken) -> Result<Fence, StoreError> {
         let (key, token) = (*key, *token);
         self.call(move |conn| {
+            let owner = OwnerParams::new(&key, &token);
             let n = conn
-                .prepare_cached(&format!("DELETE FROM idempotency_records WHERE {OWNED}"))
+                .prepare_cached(&SQL.release)
                 .map_err(db_err)?
-                .execute(params![&key.scope.0[..], &key.key[..], &token.0[..]])
+                .execute(params![owner.scope, owner.key, owner.token])
                 .map_err(db_err)?;
             Ok(Fence::from_rows(n as u64))
         })
@@ -284,11 +242,9 @@ impl Store for SqliteStore {
     async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
         let key = *key;
         self.call(move |conn| {
+            let key = KeyParams::new(&key);
             let n = conn
-                .execute(
-                    "DELETE FROM idempotency_records WHERE scope = ?1 AND key = ?2",
-                    params![&key.scope.0[..], &key.key[..]],
-                )
+                .execute(&SQL.delete, params![key.scope, key.key])
                 .map_err(db_err)?;
             Ok(n > 0)
         })
@@ -298,12 +254,7 @@ impl Store for SqliteStore {
     async fn sweep(&self, now: UnixMillis, batch: u32) -> Result<u64, StoreError> {
         self.call(move |conn| {
             let n = conn
-                .prepare_cached(
-                    "DELETE FROM idempotency_records WHERE (scope, key) IN ( \
-                       SELECT scope, key FROM idempotency_records \
-                       WHERE expires_at <= ?1 AND NOT (state = 'in_flight' AND locked_until > ?1) \
-                       ORDER BY expires_at LIMIT ?2)",
-                )
+                .prepare_cached(&SQL.sweep)
                 .map_err(db_err)?
                 .execute(params![now, batch])
                 .map_err(db_err)?;
@@ -319,5 +270,9 @@ impl Store for SqliteStore {
 
     fn backend(&self) -> &'static str {
         "sqlite"
+    }
+
+    fn call_bound(&self) -> Duration {
+        self.timeout
     }
 }

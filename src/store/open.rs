@@ -1,0 +1,109 @@
+//! Building the configured store: Memory | SQLite | PostgreSQL, with the
+//! Redis fast path in front of PostgreSQL when `[redis]` is set, all behind
+//! [`Instrumented`]. The one place a [`Config`] becomes a [`Store`].
+
+use super::instrumented::Instrumented;
+use super::memory::MemoryStore;
+use super::postgres::PostgresStore;
+use super::redis::RedisFastPath;
+use super::sqlite::SqliteStore;
+use super::{Store, StoreError};
+use crate::config::{Backend, Config};
+use crate::metrics::Metrics;
+use std::sync::Arc;
+
+/// Opens the backend the config names, with the Redis fast path in front
+/// of PostgreSQL when `[redis]` is set, behind [`Instrumented`]: every call
+/// is bounded by the backend's [`Store::call_bound`] and timed into
+/// `metrics` (which also gets the fast path's counters).
+/// Neither PostgreSQL nor Redis has to be up yet: both connect lazily and
+/// recover by themselves.
+pub async fn open_with_metrics(
+    cfg: &Config,
+    metrics: &Arc<Metrics>,
+) -> Result<Arc<dyn Store>, StoreError> {
+    let backend = open_backend(cfg, metrics).await?;
+    Ok(Arc::new(Instrumented::new(backend, metrics.clone())))
+}
+
+/// [`open_with_metrics`] for callers that do not export metrics.
+pub async fn open(cfg: &Config) -> Result<Arc<dyn Store>, StoreError> {
+    open_with_metrics(cfg, &Arc::new(Metrics::new())).await
+}
+
+/// Applies the PostgreSQL migrations (`idemgate migrate`); returns how many ran.
+pub async fn migrate(cfg: &Config) -> Result<u32, StoreError> {
+    PostgresStore::connect(&cfg.store).await?.migrate().await
+}
+
+/// The backend alone, not yet instrumented.
+async fn open_backend(cfg: &Config, metrics: &Metrics) -> Result<Arc<dyn Store>, StoreError> {
+    let store: Arc<dyn Store> = match cfg.store.backend {
+        Backend::Memory => Arc::new(MemoryStore::new().with_timeout(cfg.store.timeout)),
+        Backend::Sqlite => {
+            let path = cfg.store.path.clone();
+            let sync = cfg.store.synchronous;
+            let sqlite = tokio::task::spawn_blocking(move || SqliteStore::open(&path, sync))
+                .await
+                .map_err(|err| StoreError::Unavailable(err.to_string()))??;
+            Arc::new(sqlite.with_timeout(cfg.store.timeout))
+        }
+        Backend::Postgres => {
+            let pg = PostgresStore::connect(&cfg.store).await?;
+            // Migrate now when the database answers; otherwise the first
+            // store call does it, so a proxy started before its database
+            // heals by itself.
+            match pg.migrate().await {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(applied = n, schema = pg.schema(), "applied migrations"),
+                Err(err) => {
+                    tracing::warn!(error = %err, "postgres not ready at start-up; will retry on first use")
+                }
+            }
+            let pg: Arc<dyn Store> = Arc::new(pg);
+            match &cfg.redis {
+                None => pg,
+                Some(redis_cfg) => {
+                    let fast = RedisFastPath::new(pg, redis_cfg).await?;
+                    metrics.attach_fast_path(fast.counters());
+                    Arc::new(fast)
+                }
+            }
+        }
+    };
+    Ok(store)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    async fn bound_of(store_section: &str, extra: &str) -> Duration {
+        let text = format!(
+            "[server]\nupstream = \"http://127.0.0.1:9\"\n\n[store]\ntimeout = \"300ms\"\n{store_section}\n{extra}"
+        );
+        let config = Config::parse(&text, "test.toml").expect("test config parses");
+        open(&config).await.expect("opens").call_bound()
+    }
+
+    /// The bounds the proxy applied before the backends reported their own:
+    /// PostgreSQL enforces `store.timeout` itself and gets a 250 ms margin;
+    /// Redis in front adds two of its round trips.
+    #[tokio::test]
+    async fn each_backend_reports_its_call_bound() {
+        let dir = tempfile::tempdir().unwrap();
+        let ms = Duration::from_millis;
+        assert_eq!(bound_of("backend = \"memory\"", "").await, ms(300));
+        let sqlite = format!(
+            "backend = \"sqlite\"\npath = {:?}",
+            dir.path().join("bound.db").display().to_string()
+        );
+        assert_eq!(bound_of(&sqlite, "").await, ms(300));
+        // Nothing listens on port 1: both connect lazily, so opening works.
+        let postgres = "backend = \"postgres\"\nurl = \"postgres://idemgate@127.0.0.1:1/idemgate\"";
+        assert_eq!(bound_of(postgres, "").await, ms(550));
+        let redis = "[redis]\nurl = \"redis://127.0.0.1:1\"\ntimeout = \"100ms\"";
+        assert_eq!(bound_of(postgres, redis).await, ms(750));
+    }
+}
