@@ -160,14 +160,13 @@ fn jitter() -> f64 {
 
 /// What every lease of this process shares.
 pub struct Leases {
+    /// The instrumented store: every call is already bounded and timed.
     store: Arc<dyn Store>,
     metrics: Arc<Metrics>,
     /// Background writes (give-backs, completions through an outage) run
     /// here, so a graceful shutdown waits for them.
     tasks: TaskTracker,
     clock: Clock,
-    /// The proxy's bound on one store call (see `proxy::store_call_bound`).
-    call_bound: Duration,
 }
 
 /// What a claim asks for.
@@ -196,14 +195,12 @@ impl Leases {
         metrics: Arc<Metrics>,
         tasks: TaskTracker,
         clock: Clock,
-        call_bound: Duration,
     ) -> Arc<Self> {
         Arc::new(Self {
             store,
             metrics,
             tasks,
             clock,
-            call_bound,
         })
     }
 
@@ -222,7 +219,7 @@ impl Leases {
             lease_ms: millis(req.lease),
             ttl_ms: millis(req.ttl),
         };
-        let answer = self.call("claim", self.store.claim(&claim)).await;
+        let answer = self.store.claim(&claim).await;
         let fenced = Fenced {
             leases: self.clone(),
             key: claim.key,
@@ -250,21 +247,6 @@ impl Leases {
                 Err(e)
             }
         }
-    }
-
-    /// One store call, bounded, with its latency recorded.
-    async fn call<T>(
-        &self,
-        op: &'static str,
-        fut: impl Future<Output = Result<T, StoreError>>,
-    ) -> Result<T, StoreError> {
-        let started = Instant::now();
-        let result = match tokio::time::timeout(self.call_bound, fut).await {
-            Ok(r) => r,
-            Err(_) => Err(StoreError::Timeout),
-        };
-        self.metrics.store_op(op, started.elapsed());
-        result
     }
 }
 
@@ -398,9 +380,7 @@ impl Fenced {
     async fn renew_once(&self) -> Result<Fence, StoreError> {
         let until = self.leases.clock.after(self.length);
         let store = &self.leases.store;
-        self.leases
-            .call("renew", store.renew(&self.key, &self.token, until))
-            .await
+        store.renew(&self.key, &self.token, until).await
     }
 
     async fn complete_once(&self, completion: &Completion) -> Result<Fence, StoreError> {
@@ -408,19 +388,14 @@ impl Fenced {
         // long as its ttl must still replay for at least a lease afterwards.
         let expires_at = self.expires_at.max(self.leases.clock.after(self.length));
         let store = &self.leases.store;
-        self.leases
-            .call(
-                "complete",
-                store.complete(&self.key, &self.token, completion, expires_at),
-            )
+        store
+            .complete(&self.key, &self.token, completion, expires_at)
             .await
     }
 
     async fn release_once(&self) -> Result<Fence, StoreError> {
         let store = &self.leases.store;
-        self.leases
-            .call("release", store.release(&self.key, &self.token))
-            .await
+        store.release(&self.key, &self.token).await
     }
 
     /// What a final completion answer means for the key.
@@ -449,7 +424,8 @@ impl Fenced {
         loop {
             tokio::time::sleep(wait).await;
             // Each renewal must give up in time for another try within the
-            // lease, whatever the store's own bound.
+            // lease, whatever the store's own bound (its latency is still
+            // recorded: `Instrumented` records calls that are cancelled).
             let answer = tokio::time::timeout(every, self.renew_once())
                 .await
                 .unwrap_or(Err(StoreError::Timeout));

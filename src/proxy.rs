@@ -19,7 +19,7 @@ pub use replay::REPLAYED_HEADER;
 
 use crate::body::{boxed, ProxyBody};
 use crate::clock::Clock;
-use crate::config::{Backend, Config, Secret};
+use crate::config::{Config, Secret};
 use crate::error::{KeyFate, Origin, ProxyError};
 use crate::lease::Leases;
 use crate::metrics::{Metrics, Outcome};
@@ -69,13 +69,7 @@ impl Proxy {
         let tasks = TaskTracker::new();
         Self {
             routes: config.routes.clone(),
-            leases: Leases::new(
-                store,
-                metrics.clone(),
-                tasks.clone(),
-                clock,
-                store_call_bound(config),
-            ),
+            leases: Leases::new(store, metrics.clone(), tasks.clone(), clock),
             request_body_timeout: config.server.request_body_timeout,
             scope_secret: config.scope_secret.clone(),
             forwarder: Forwarder::new(&config.server),
@@ -180,25 +174,6 @@ fn respond(result: Result<Served, ProxyError>) -> Served {
             let problem = Problem::from_error(&err);
             (problem.outcome, problem.into_response())
         }
-    }
-}
-
-/// The proxy's own bound on a store call. PostgreSQL enforces
-/// `store.timeout` itself (and cleans up after it), so the proxy allows
-/// that plus the Redis round trips in front of it and a margin: the inner
-/// deadline fires first and the outer one only catches what is stuck.
-fn store_call_bound(config: &Config) -> Duration {
-    const MARGIN: Duration = Duration::from_millis(250);
-    match config.store.backend {
-        Backend::Postgres => {
-            let redis = config
-                .redis
-                .as_ref()
-                .map(|r| r.timeout * 2)
-                .unwrap_or_default();
-            config.store.timeout + redis + MARGIN
-        }
-        Backend::Sqlite | Backend::Memory => config.store.timeout,
     }
 }
 

@@ -4,6 +4,7 @@
 
 use super::*;
 use crate::idempotency::Scope;
+use crate::store::instrumented::Instrumented;
 use crate::store::memory::MemoryStore;
 use crate::store::{RecordState, StoredResponse};
 use async_trait::async_trait;
@@ -198,6 +199,9 @@ impl Store for FlakyStore {
     fn backend(&self) -> &'static str {
         "flaky"
     }
+    fn call_bound(&self) -> Duration {
+        BOUND
+    }
 }
 
 const LEASE: Duration = Duration::from_secs(3);
@@ -214,12 +218,13 @@ fn harness() -> Harness {
     let store = Arc::new(FlakyStore::default());
     let metrics = Arc::new(Metrics::new());
     let tasks = TaskTracker::new();
+    // Behind the same seam as production: every call bounded and timed.
+    let instrumented = Instrumented::new(store.clone(), metrics.clone());
     let leases = Leases::new(
-        store.clone(),
+        Arc::new(instrumented),
         metrics.clone(),
         tasks.clone(),
         Clock::following_tokio(),
-        BOUND,
     );
     Harness {
         store,

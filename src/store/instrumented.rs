@@ -71,12 +71,29 @@ impl Instrumented {
         op: Op,
         call: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
-        let started = Instant::now();
-        let result = tokio::time::timeout(self.bound, call)
+        let _timer = Timer {
+            op,
+            started: Instant::now(),
+            metrics: &self.metrics,
+        };
+        tokio::time::timeout(self.bound, call)
             .await
-            .unwrap_or(Err(StoreError::Timeout));
-        self.metrics.store_op(op.as_str(), started.elapsed());
-        result
+            .unwrap_or(Err(StoreError::Timeout))
+    }
+}
+
+/// Records a call's latency when dropped, so a call its caller gave up on
+/// (a renewal past its own deadline) is measured too.
+struct Timer<'a> {
+    op: Op,
+    started: Instant,
+    metrics: &'a Metrics,
+}
+
+impl Drop for Timer<'_> {
+    fn drop(&mut self) {
+        self.metrics
+            .store_op(self.op.as_str(), self.started.elapsed());
     }
 }
 

@@ -612,9 +612,10 @@ impl Store for RedisFastPath {
     }
 
     /// The inner store's bound plus the Redis round trips a claim can make
-    /// in front of it (`SET NX`, then `GET`+`PTTL`), each within `redis.timeout`.
+    /// around it (`SET NX`, `GET`+`PTTL`, then caching or unlocking), each
+    /// within `redis.timeout`.
     fn call_bound(&self) -> Duration {
-        self.inner.call_bound() + self.timeout * 2
+        self.inner.call_bound() + self.timeout * 3
     }
 }
 
