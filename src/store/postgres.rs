@@ -212,16 +212,17 @@ impl PostgresStore {
 
     /// Migrates (once per process) and checks a connection out, all before
     /// `deadline`.
-    async fn checkout(&self, deadline: Instant) -> Result<Object, StoreError> {
+    async fn checkout(&self, deadline: Instant) -> Result<InUse, StoreError> {
         let ready = async {
             self.migrated
                 .get_or_try_init(|| async { self.run_migrations().await.map(|_| ()) })
                 .await?;
             self.pool.get().await.map_err(pool_err)
         };
-        tokio::time::timeout_at(deadline, ready)
+        let object = tokio::time::timeout_at(deadline, ready)
             .await
-            .map_err(|_| StoreError::Timeout)?
+            .map_err(|_| StoreError::Timeout)??;
+        Ok(InUse(Some(object)))
     }
 
     fn deadline(&self) -> Instant {
@@ -245,19 +246,48 @@ impl PostgresStore {
     }
 }
 
-/// Ends a call: on a timeout the connection may be wedged mid-statement, so
-/// it leaves the pool instead of going back to it.
+/// A pooled connection in the middle of one call. Only [`settle`] puts it
+/// back in the pool; dropped any other way (the call timed out, or the
+/// caller's own deadline dropped the call's future) its connection may still
+/// be running a statement, so it leaves the pool instead: the next call must
+/// not queue behind a statement nobody waits for.
+struct InUse(Option<Object>);
+
+impl std::ops::Deref for InUse {
+    type Target = Object;
+    fn deref(&self) -> &Object {
+        self.0.as_ref().expect("present until dropped")
+    }
+}
+
+impl std::ops::DerefMut for InUse {
+    fn deref_mut(&mut self) -> &mut Object {
+        self.0.as_mut().expect("present until dropped")
+    }
+}
+
+impl Drop for InUse {
+    fn drop(&mut self) {
+        if let Some(object) = self.0.take() {
+            drop(Object::take(object));
+        }
+    }
+}
+
+/// Ends a call: an answered call's connection goes back to the pool; a
+/// timed-out one may be wedged mid-statement, so it is dropped (see [`InUse`]).
 fn settle<T>(
-    client: Object,
+    mut client: InUse,
     res: Result<Result<T, tokio_postgres::Error>, tokio::time::error::Elapsed>,
 ) -> Result<T, StoreError> {
+    let answered = res.is_ok();
+    if answered {
+        drop(client.0.take());
+    }
     match res {
         Ok(Ok(v)) => Ok(v),
         Ok(Err(err)) => Err(pg_err(err)),
-        Err(_) => {
-            drop(Object::take(client));
-            Err(StoreError::Timeout)
-        }
+        Err(_) => Err(StoreError::Timeout),
     }
 }
 

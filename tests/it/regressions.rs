@@ -207,3 +207,60 @@ async fn during_the_shutdown_delay_readiness_fails_but_requests_are_still_served
     assert_eq!(served.status(), 201, "{}", served.text());
     proxy.stopped().await;
 }
+
+/// Pins: a PostgreSQL call whose future was dropped mid-statement (the
+/// store seam's deadline fired first) put its connection back in the pool
+/// with the statement still running, so the next call queued behind a
+/// statement nobody waited for. Such a connection now leaves the pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgres_call_cut_off_mid_statement_does_not_block_the_next_one() {
+    use idemgate::idempotency::{Fingerprint, RecordKey, Scope};
+    use idemgate::store::postgres::PostgresStore;
+    use idemgate::store::{Claim, LeaseToken, Store};
+    use std::time::Duration;
+    let url = support::services::database_url();
+    support::services::require_postgres(&url).await;
+    let schema = support::services::unique_schema("t");
+    let mut config = support::services::pg_store_config(&url, &schema);
+    config.pool_size = 1;
+    config.timeout = Duration::from_secs(10);
+    config.statement_timeout = Duration::from_secs(10);
+    let store = PostgresStore::connect(&config).await.unwrap();
+    let key = RecordKey {
+        scope: Scope([7; 32]),
+        key: [8; 32],
+    };
+    let claim = |token: u8| Claim {
+        key,
+        fingerprint: Fingerprint([1; 32]),
+        token: LeaseToken([token; 16]),
+        now: 1_000,
+        lease_ms: 60_000,
+        ttl_ms: 60_000,
+    };
+    store.claim(&claim(1)).await.unwrap();
+
+    // Another session holds the record's row lock, so the next claim's
+    // statement waits on it.
+    let (locker, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    locker
+        .batch_execute(&format!(
+            "BEGIN; SELECT 1 FROM \"{schema}\".idempotency_records FOR UPDATE"
+        ))
+        .await
+        .unwrap();
+    let cut_off = tokio::time::timeout(Duration::from_millis(300), store.claim(&claim(2))).await;
+    assert!(cut_off.is_err(), "the claim should wait on the lock");
+
+    let next = tokio::time::timeout(Duration::from_secs(2), store.ping()).await;
+    locker.batch_execute("ROLLBACK").await.unwrap();
+    drop(locker);
+    support::services::drop_schema(&url, &schema).await;
+    assert!(
+        matches!(next, Ok(Ok(()))),
+        "the next call queued behind the abandoned statement: {next:?}"
+    );
+}
