@@ -8,7 +8,7 @@
 //! sleeps, or shift them ([`Clock::offset_by`]) to play a replica whose clock
 //! is wrong.
 
-use crate::store::UnixMillis;
+use crate::idempotency::UnixMillis;
 use std::time::Duration;
 use tokio::time::Instant;
 

@@ -10,6 +10,10 @@
 //! - `GET /orders` lists what was created, i.e. how often the upstream ran.
 
 use crate::body::{full, ProxyBody};
+use crate::config::Config;
+use crate::metrics::Metrics;
+use crate::{server, shutdown};
+use anyhow::Context;
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
@@ -209,4 +213,55 @@ idemgate demo: proxy on {u}, in front of a demo orders API.
 Ctrl-C stops the demo.
 "#
     )
+}
+
+/// `idemgate demo`: the demo orders API on an ephemeral port, the proxy in
+/// front of it on `listen`, SQLite at `db`.
+pub async fn run(listen: std::net::SocketAddr, db: std::path::PathBuf) -> anyhow::Result<()> {
+    // The demo API keeps its orders in memory, so the demo's keys start
+    // fresh too: an old run's keys would replay orders the API forgot.
+    // Only a file named as a demo store is ever reset.
+    let is_demo_file = db
+        .file_name()
+        .and_then(|n| n.to_str())
+        .is_some_and(|n| n.contains("demo"));
+    if !is_demo_file {
+        anyhow::bail!(
+            "demo resets its store at start; give --db a file whose name contains \"demo\" (not {})",
+            db.display()
+        );
+    }
+    for suffix in ["", "-wal", "-shm"] {
+        let mut f = db.clone().into_os_string();
+        f.push(suffix);
+        match std::fs::remove_file(&f) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => anyhow::bail!("cannot reset the demo store {}: {e}", db.display()),
+        }
+    }
+    let api = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let api_addr = api.local_addr()?;
+    tokio::spawn(serve_orders_api(api));
+    let text = demo_config(listen, api_addr, &db);
+    let config = Config::parse(&text, "<demo>")?;
+    let listeners = server::Listeners::bind(&config).await?;
+    let addr = listeners.proxy.local_addr()?;
+    let metrics = Arc::new(Metrics::new());
+    let server = server::Server::open(config, metrics, listeners).await?;
+    println!("{}", walkthrough(addr));
+    server.run(shutdown::signal()).await
+}
+
+/// `idemgate demo-upstream`: only the demo orders API.
+pub async fn run_upstream(listen: std::net::SocketAddr) -> anyhow::Result<()> {
+    let api = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("cannot listen on {listen}"))?;
+    tracing::info!(addr = %listen, "demo orders API listening");
+    tokio::select! {
+        _ = serve_orders_api(api) => {}
+        _ = shutdown::signal() => {}
+    }
+    Ok(())
 }

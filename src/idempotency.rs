@@ -18,7 +18,9 @@
 pub mod decision;
 pub mod fingerprint;
 pub mod key;
+pub mod record;
 
 pub use decision::{decide, settle, Decision, Settlement};
 pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, KeyError, RecordKey, Scope};
+pub use record::{Record, RecordState, StoredResponse, UnixMillis};

@@ -5,8 +5,10 @@
 //! as printed by `show`, or `--anonymous` for requests without the header.
 
 use crate::clock::Clock;
+use crate::config::Config;
 use crate::idempotency::{IdempotencyKey, RecordKey, Scope};
 use crate::store::{Record, RecordState, Store, StoreError, UnixMillis};
+use anyhow::Context;
 use std::fmt::Write;
 use std::time::{Duration, UNIX_EPOCH};
 
@@ -139,6 +141,43 @@ pub async fn purge_expired(
             return Ok(total);
         }
     }
+}
+
+/// What `idemgate keys` was asked to do.
+pub enum KeysAction {
+    Show(RecordKey),
+    Delete(RecordKey),
+    PurgeExpired,
+}
+
+/// `idemgate keys ...` against the configured store.
+pub async fn run(config: Config, action: KeysAction) -> anyhow::Result<()> {
+    if config.store.backend == crate::config::Backend::Memory {
+        anyhow::bail!(
+            "the memory store lives inside the proxy process; nothing outside it can inspect its keys"
+        );
+    }
+    let store = crate::store::open(&config)
+        .await
+        .context("cannot open the store")?;
+    match action {
+        KeysAction::Show(key) => {
+            print!("{}", show(store.as_ref(), &key, &Clock::system()).await?);
+        }
+        KeysAction::Delete(key) => {
+            if store.delete(&key).await? {
+                println!("deleted key id {}", key.log_id());
+            } else {
+                println!("no record for key id {}", key.log_id());
+            }
+        }
+        KeysAction::PurgeExpired => {
+            let n =
+                purge_expired(store.as_ref(), config.store.sweep_batch, &Clock::system()).await?;
+            println!("deleted {n} expired records");
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

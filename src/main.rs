@@ -40,7 +40,7 @@ fn main() -> ExitCode {
                 return ExitCode::from(EX_USAGE);
             };
             idemgate::telemetry::init(&cfg.log);
-            exit(runtime().and_then(|rt| rt.block_on(idemgate::run_migrate(cfg))))
+            exit(runtime().and_then(|rt| rt.block_on(idemgate::store::run_migrate(cfg))))
         }
         Command::Keys { config, command } => {
             let Some(cfg) = load(&config) else {
@@ -56,12 +56,12 @@ fn main() -> ExitCode {
             };
             let action = match command {
                 KeysCommand::Show { scope, key } => {
-                    named(scope, key).map(idemgate::KeysAction::Show)
+                    named(scope, key).map(idemgate::keys::KeysAction::Show)
                 }
                 KeysCommand::Delete { scope, key } => {
-                    named(scope, key).map(idemgate::KeysAction::Delete)
+                    named(scope, key).map(idemgate::keys::KeysAction::Delete)
                 }
-                KeysCommand::PurgeExpired => Ok(idemgate::KeysAction::PurgeExpired),
+                KeysCommand::PurgeExpired => Ok(idemgate::keys::KeysAction::PurgeExpired),
             };
             let action = match action {
                 Ok(a) => a,
@@ -70,15 +70,15 @@ fn main() -> ExitCode {
                     return ExitCode::from(EX_USAGE);
                 }
             };
-            exit(runtime().and_then(|rt| rt.block_on(idemgate::run_keys(cfg, action))))
+            exit(runtime().and_then(|rt| rt.block_on(idemgate::keys::run(cfg, action))))
         }
         Command::Demo { listen, db } => {
             idemgate::telemetry::init(&Default::default());
-            exit(runtime().and_then(|rt| rt.block_on(idemgate::run_demo(listen, db))))
+            exit(runtime().and_then(|rt| rt.block_on(idemgate::demo::run(listen, db))))
         }
         Command::DemoUpstream { listen } => {
             idemgate::telemetry::init(&Default::default());
-            exit(runtime().and_then(|rt| rt.block_on(idemgate::run_demo_upstream(listen))))
+            exit(runtime().and_then(|rt| rt.block_on(idemgate::demo::run_upstream(listen))))
         }
     }
 }

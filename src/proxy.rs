@@ -13,9 +13,7 @@ pub mod forward;
 pub mod headers;
 mod log;
 mod protected;
-pub mod replay;
-
-pub use replay::REPLAYED_HEADER;
+mod replay;
 
 use crate::body::{boxed, ProxyBody};
 use crate::clock::Clock;

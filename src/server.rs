@@ -9,6 +9,7 @@ use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
 use crate::store::Store;
+use anyhow::Context;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
@@ -56,8 +57,46 @@ impl Listeners {
     }
 }
 
-/// Runs the proxy until `shutdown` resolves, then drains.
-pub async fn serve(
+/// A proxy whose store is open and whose sockets are bound: ready to run.
+pub struct Server {
+    config: Config,
+    store: Arc<dyn Store>,
+    metrics: Arc<Metrics>,
+    listeners: Listeners,
+}
+
+impl Server {
+    /// Opens the configured store (instrumented, with its metrics in
+    /// `metrics`, which stays the caller's so tests can read it).
+    pub async fn open(
+        config: Config,
+        metrics: Arc<Metrics>,
+        listeners: Listeners,
+    ) -> anyhow::Result<Self> {
+        let store = crate::store::open_with_metrics(&config, &metrics)
+            .await
+            .context("cannot open the store")?;
+        Ok(Self {
+            config,
+            store,
+            metrics,
+            listeners,
+        })
+    }
+
+    /// Runs until `shutdown` resolves, then drains.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+        let Self {
+            config,
+            store,
+            metrics,
+            listeners,
+        } = self;
+        serve(config, store, metrics, listeners, shutdown).await
+    }
+}
+
+async fn serve(
     config: Config,
     store: Arc<dyn Store>,
     metrics: Arc<Metrics>,

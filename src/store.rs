@@ -29,24 +29,13 @@ pub mod redis;
 pub(crate) mod sql;
 pub mod sqlite;
 
-pub use open::{migrate, open, open_with_metrics};
+pub use crate::idempotency::record::{Record, RecordState, StoredResponse, UnixMillis};
+pub use open::{migrate, open, open_with_metrics, run_migrate};
 
 use crate::idempotency::{Fingerprint, RecordKey};
 use async_trait::async_trait;
-use bytes::Bytes;
 use std::fmt;
 use std::time::Duration;
-
-/// Milliseconds since the unix epoch.
-pub type UnixMillis = i64;
-
-/// The wall clock, in the unit the store uses.
-pub fn now_millis() -> UnixMillis {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
-}
 
 /// Random per-claim owner token; completion and release must present it.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
@@ -62,46 +51,6 @@ impl fmt::Debug for LeaseToken {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "LeaseToken({})", hex::encode(&self.0[..4]))
     }
-}
-
-/// A response as stored and replayed: status, headers in order (repeated
-/// names kept as separate entries), body bytes.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct StoredResponse {
-    pub status: u16,
-    pub headers: Vec<(String, Bytes)>,
-    pub body: Bytes,
-}
-
-/// What a record holds.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum RecordState {
-    /// Someone is executing it; their lease runs until `locked_until`.
-    InFlight { locked_until: UnixMillis },
-    /// Executed and stored: replay it.
-    Completed(StoredResponse),
-    /// Executed, but the response was over `max_response_body`: never run
-    /// again, never replayed. `status` is what the upstream answered.
-    Unstored { status: u16 },
-}
-
-impl RecordState {
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            RecordState::InFlight { .. } => "in_flight",
-            RecordState::Completed(_) => "completed",
-            RecordState::Unstored { .. } => "unstored",
-        }
-    }
-}
-
-/// A stored record, as read back.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Record {
-    pub fingerprint: Fingerprint,
-    pub state: RecordState,
-    pub created_at: UnixMillis,
-    pub expires_at: UnixMillis,
 }
 
 /// Everything a claim writes.

@@ -1,8 +1,7 @@
 //! What to do with a request, given what the store said, and what to do with
 //! the upstream's answer. Pure functions with table tests.
 
-use crate::idempotency::Fingerprint;
-use crate::store::{Record, RecordState, StoredResponse, UnixMillis};
+use super::{Fingerprint, Record, RecordState, StoredResponse, UnixMillis};
 
 /// What a request with a key gets when its claim found a live record.
 #[derive(Clone, Debug, PartialEq, Eq)]

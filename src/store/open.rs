@@ -36,6 +36,23 @@ pub async fn migrate(cfg: &Config) -> Result<u32, StoreError> {
     PostgresStore::connect(&cfg.store).await?.migrate().await
 }
 
+/// `idemgate migrate`: applies the PostgreSQL migrations.
+pub async fn run_migrate(config: Config) -> anyhow::Result<()> {
+    if config.store.backend != Backend::Postgres {
+        println!(
+            "store.backend = \"{}\": its schema is created when it is opened; nothing to migrate",
+            config.store.backend.as_str()
+        );
+        return Ok(());
+    }
+    let applied = migrate(&config).await?;
+    println!(
+        "schema {:?} is current ({applied} migration(s) applied now)",
+        config.store.schema
+    );
+    Ok(())
+}
+
 /// The backend alone, not yet instrumented.
 async fn open_backend(cfg: &Config, metrics: &Metrics) -> Result<Arc<dyn Store>, StoreError> {
     let store: Arc<dyn Store> = match cfg.store.backend {

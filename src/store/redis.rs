@@ -20,9 +20,10 @@
 
 use super::codec::{decode_headers, encode_headers};
 use super::{
-    now_millis, Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, RecordState, Store,
-    StoreError, StoredResponse, UnixMillis,
+    Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, RecordState, Store, StoreError,
+    StoredResponse, UnixMillis,
 };
+use crate::clock::Clock;
 use crate::config::RedisConfig;
 use crate::idempotency::{Fingerprint, RecordKey};
 use crate::metrics::FastPathStats;
@@ -76,6 +77,9 @@ pub struct RedisFastPath {
     /// Unix millis until which Redis is bypassed (see [`BACKOFF`]).
     down_until: AtomicI64,
     scripts: Scripts,
+    /// Turns absolute times (`expires_at`, `locked_until`) into the relative
+    /// expiries Redis takes, and times the backoff.
+    clock: Clock,
 }
 
 struct Scripts {
@@ -294,6 +298,7 @@ impl RedisFastPath {
                 extend: Script::new(EXTEND_LUA),
                 complete: Script::new(COMPLETE_LUA),
             },
+            clock: Clock::system(),
         })
     }
 
@@ -329,10 +334,10 @@ impl RedisFastPath {
         self.counters.errors.fetch_add(1, Ordering::Relaxed);
         let (message, conn_level) = failure;
         if conn_level {
-            let until = now_millis() + BACKOFF.as_millis() as i64;
+            let until = self.clock.now_millis() + BACKOFF.as_millis() as i64;
             let prev = self.down_until.swap(until, Ordering::Relaxed);
             // Log the transition, not every request during an outage.
-            if prev < now_millis() - BACKOFF.as_millis() as i64 {
+            if prev < self.clock.now_millis() - BACKOFF.as_millis() as i64 {
                 tracing::warn!(error = %message, "redis fast path unavailable; using the store alone");
             }
         } else {
@@ -343,7 +348,7 @@ impl RedisFastPath {
 
     /// False while in [`BACKOFF`]; such skips count as errors.
     fn enabled(&self) -> bool {
-        if self.down_until.load(Ordering::Relaxed) > now_millis() {
+        if self.down_until.load(Ordering::Relaxed) > self.clock.now_millis() {
             self.counters.errors.fetch_add(1, Ordering::Relaxed);
             false
         } else {
@@ -400,7 +405,7 @@ impl RedisFastPath {
 
     /// Caches a completed/unstored record the inner store reported.
     async fn cache(&self, name: &str, record: &Record) {
-        let ttl = record.expires_at - now_millis();
+        let ttl = record.expires_at - self.clock.now_millis();
         let Some(value) = encode_record(record) else {
             return;
         };
@@ -522,7 +527,7 @@ impl Store for RedisFastPath {
                     let mut inv = self.scripts.extend.prepare_invoke();
                     inv.key(&name)
                         .arg(&token.0[..])
-                        .arg((locked_until - now_millis()).max(1));
+                        .arg((locked_until - self.clock.now_millis()).max(1));
                     let _: Option<i64> = self.run(inv.invoke_async(&mut conn)).await;
                 }
                 Fence::Lost => self.unlock(&name, token).await,
@@ -552,7 +557,7 @@ impl Store for RedisFastPath {
             return Ok(fence);
         }
         let name = self.redis_key(key);
-        let ttl = expires_at - now_millis();
+        let ttl = expires_at - self.clock.now_millis();
         if fence == Fence::Lost || ttl <= 0 {
             self.unlock(&name, token).await;
             return Ok(fence);

@@ -19,14 +19,18 @@ use idemgate::store::postgres::PostgresStore;
 use idemgate::store::redis::{FastPathCounters, RedisFastPath};
 use idemgate::store::sqlite::SqliteStore;
 use idemgate::store::{
-    now_millis, Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, RecordState, Store,
-    StoreError, StoredResponse,
+    Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, RecordState, Store, StoreError,
+    StoredResponse,
 };
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const LEASE_MS: i64 = 10_000;
+
+fn now_millis() -> i64 {
+    idemgate::clock::Clock::system().now_millis()
+}
 const TTL_MS: i64 = 60_000;
 
 // ===== helpers =====

@@ -5,7 +5,7 @@ use super::services::{database_url, redis_url, require_postgres, require_redis, 
 use super::{bounded, metric_value, trace_init, Req, Route, TestConfig, ORDERS};
 use http::Method;
 use idemgate::metrics::Metrics;
-use idemgate::server::{serve, Listeners};
+use idemgate::server::{Listeners, Server};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -166,10 +166,6 @@ impl ProxyBuilder {
         };
         let config = self.config(&sqlite_path, schema.as_deref()).parse();
         let metrics = Arc::new(Metrics::new());
-        // With metrics, so the fast-path counters reach `/metrics`.
-        let store = idemgate::store::open_with_metrics(&config, &metrics)
-            .await
-            .expect("open the store");
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
         let addr = listener.local_addr().expect("proxy addr");
         let admin = if self.admin {
@@ -179,18 +175,16 @@ impl ProxyBuilder {
         };
         let admin_addr = admin.as_ref().map(|l| l.local_addr().expect("admin addr"));
         let (tx, rx) = oneshot::channel::<()>();
-        let task = tokio::spawn(serve(
-            config,
-            store,
-            metrics.clone(),
-            Listeners {
-                proxy: listener,
-                admin,
-            },
-            async move {
-                let _ = rx.await;
-            },
-        ));
+        let listeners = Listeners {
+            proxy: listener,
+            admin,
+        };
+        let server = Server::open(config, metrics.clone(), listeners)
+            .await
+            .expect("open the store");
+        let task = tokio::spawn(server.run(async move {
+            let _ = rx.await;
+        }));
         Proxy {
             addr,
             admin_addr,

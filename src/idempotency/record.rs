@@ -1,0 +1,48 @@
+//! A key's record as the protocol sees it: what a claim finds and what a
+//! replay returns. The store keeps these; `decision.rs` reads them.
+
+use super::Fingerprint;
+use bytes::Bytes;
+
+/// Milliseconds since the unix epoch.
+pub type UnixMillis = i64;
+
+/// A response as stored and replayed: status, headers in order (repeated
+/// names kept as separate entries), body bytes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoredResponse {
+    pub status: u16,
+    pub headers: Vec<(String, Bytes)>,
+    pub body: Bytes,
+}
+
+/// What a record holds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RecordState {
+    /// Someone is executing it; their lease runs until `locked_until`.
+    InFlight { locked_until: UnixMillis },
+    /// Executed and stored: replay it.
+    Completed(StoredResponse),
+    /// Executed, but the response was over `max_response_body`: never run
+    /// again, never replayed. `status` is what the upstream answered.
+    Unstored { status: u16 },
+}
+
+impl RecordState {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            RecordState::InFlight { .. } => "in_flight",
+            RecordState::Completed(_) => "completed",
+            RecordState::Unstored { .. } => "unstored",
+        }
+    }
+}
+
+/// A stored record, as read back.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Record {
+    pub fingerprint: Fingerprint,
+    pub state: RecordState,
+    pub created_at: UnixMillis,
+    pub expires_at: UnixMillis,
+}
