@@ -4,7 +4,7 @@
 //! `deny_unknown_fields`, values already typed where a type can say what is
 //! wrong, so TOML's own error names the line), then each section is turned
 //! into its typed settings with its own defaults and checks (`server.rs`,
-//! `store.rs`, `log.rs`, `routes.rs`); [`Config::from_raw`] only composes
+//! `store.rs`, `log.rs`, `routes.rs`); `Config::from_raw` only composes
 //! them and checks what spans sections. Every default is a `DEFAULT_*`
 //! constant; `config/idemgate.toml` lists them all and a test parses it.
 //!

@@ -5,16 +5,20 @@
 //!
 //! # Layout
 //! - [`config`]: the TOML file, parsed strictly into typed settings.
-//! - [`route`]: path patterns and the protected-route table.
+//! - `route`: path patterns and the protected-route table.
 //! - [`idempotency`]: the protocol as pure functions: key parsing, scope,
 //!   fingerprint, and the decision from a stored record.
-//! - [`store`]: the storage trait and its backends (memory, SQLite, ...).
-//! - [`proxy`]: the request path: protected requests, forwarding, headers.
-//! - [`problem`]: RFC 9457 responses, the one error-to-response mapping.
+//! - [`store`]: the storage trait, its backends (memory, SQLite, ...) and
+//!   the seam every call goes through (bounded, timed).
+//! - `lease`: holding a claimed key: renew, complete, release, and the
+//!   one rule for writes whose answer was lost.
+//! - `proxy`: the request path: protected requests, replay, forwarding.
+//! - [`clock`]: the wall clock, injected so tests can pause it.
+//! - `problem`: RFC 9457 responses, the one error-to-response mapping.
 //! - [`server`]: listeners, connection limits, sweeper, graceful shutdown.
-//! - [`admin`], [`metrics`], [`telemetry`]: health, Prometheus, logs.
+//! - `admin`, [`metrics`], [`telemetry`]: health, Prometheus, logs.
 //! - [`keys`]: the `keys` commands that inspect and repair records.
-//! - [`demo`]: a small orders API to try idemgate against.
+//! - [`demo`]: a small orders API to try idemgate against, and its commands.
 
 pub(crate) mod admin;
 pub mod body;

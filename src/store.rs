@@ -1,7 +1,7 @@
 //! The store interface: where claims, leases and stored responses live.
 //!
 //! Every backend gives the same guarantees (the contract suite in
-//! `tests/store_contract.rs` runs one body against all of them):
+//! `tests/it/store_contract.rs` runs one body against all of them):
 //! - [`Store::claim`] is one atomic step: insert the key as in flight, or take
 //!   over a record whose ttl ran out or whose lease ran out, or report the
 //!   record that is there. The backend decides, never a read-then-write in
