@@ -30,6 +30,10 @@ enum Source {
     },
 }
 
+/// Test-only: milliseconds added to this process's clock, so fault tests
+/// can run a replica whose clock is wrong. Never set it in production.
+pub const TEST_OFFSET_ENV: &str = "IDEMGATE_TEST_CLOCK_OFFSET_MS";
+
 impl Default for Clock {
     fn default() -> Self {
         Self::system()
@@ -43,6 +47,21 @@ impl Clock {
             source: Source::System,
             offset_ms: 0,
         }
+    }
+
+    /// The system clock, shifted by [`TEST_OFFSET_ENV`] when that is set.
+    pub fn from_env() -> Self {
+        let offset = std::env::var(TEST_OFFSET_ENV)
+            .ok()
+            .and_then(|v| v.trim().parse::<i64>().ok())
+            .unwrap_or(0);
+        if offset != 0 {
+            tracing::warn!(
+                offset_ms = offset,
+                "{TEST_OFFSET_ENV} is set: this process's clock is shifted (tests only)"
+            );
+        }
+        Self::system().offset_by(offset)
     }
 
     /// Starts at the system's wall time and then advances with

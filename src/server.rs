@@ -63,6 +63,8 @@ pub struct Server {
     store: Arc<dyn Store>,
     metrics: Arc<Metrics>,
     listeners: Listeners,
+    /// The process's clock (see [`Clock::from_env`]).
+    clock: Clock,
 }
 
 impl Server {
@@ -73,7 +75,8 @@ impl Server {
         metrics: Arc<Metrics>,
         listeners: Listeners,
     ) -> anyhow::Result<Self> {
-        let store = crate::store::open_with_metrics(&config, &metrics)
+        let clock = Clock::from_env();
+        let store = crate::store::open_with_metrics(&config, &metrics, clock)
             .await
             .context("cannot open the store")?;
         Ok(Self {
@@ -81,6 +84,7 @@ impl Server {
             store,
             metrics,
             listeners,
+            clock,
         })
     }
 
@@ -91,8 +95,9 @@ impl Server {
             store,
             metrics,
             listeners,
+            clock,
         } = self;
-        serve(config, store, metrics, listeners, shutdown).await
+        serve(config, store, metrics, listeners, clock, shutdown).await
     }
 }
 
@@ -101,13 +106,13 @@ async fn serve(
     store: Arc<dyn Store>,
     metrics: Arc<Metrics>,
     listeners: Listeners,
+    clock: Clock,
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
     for w in config.warnings() {
         warn!("{w}");
     }
     metrics.register_routes(config.routes.iter().map(|r| &r.label));
-    let clock = Clock::system();
     let proxy = Arc::new(Proxy::new(&config, store.clone(), metrics.clone(), clock));
     let stop = CancellationToken::new();
     let draining = Arc::new(std::sync::atomic::AtomicBool::new(false));

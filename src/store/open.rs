@@ -8,6 +8,7 @@ use super::postgres::PostgresStore;
 use super::redis::RedisFastPath;
 use super::sqlite::SqliteStore;
 use super::{Store, StoreError};
+use crate::clock::Clock;
 use crate::config::{Backend, Config};
 use crate::metrics::Metrics;
 use std::sync::Arc;
@@ -21,14 +22,15 @@ use std::sync::Arc;
 pub async fn open_with_metrics(
     cfg: &Config,
     metrics: &Arc<Metrics>,
+    clock: Clock,
 ) -> Result<Arc<dyn Store>, StoreError> {
-    let backend = open_backend(cfg, metrics).await?;
+    let backend = open_backend(cfg, metrics, clock).await?;
     Ok(Arc::new(Instrumented::new(backend, metrics.clone())))
 }
 
 /// [`open_with_metrics`] for callers that do not export metrics.
 pub async fn open(cfg: &Config) -> Result<Arc<dyn Store>, StoreError> {
-    open_with_metrics(cfg, &Arc::new(Metrics::new())).await
+    open_with_metrics(cfg, &Arc::new(Metrics::new()), Clock::system()).await
 }
 
 /// Applies the PostgreSQL migrations (`idemgate migrate`); returns how many ran.
@@ -54,7 +56,11 @@ pub async fn run_migrate(config: Config) -> anyhow::Result<()> {
 }
 
 /// The backend alone, not yet instrumented.
-async fn open_backend(cfg: &Config, metrics: &Metrics) -> Result<Arc<dyn Store>, StoreError> {
+async fn open_backend(
+    cfg: &Config,
+    metrics: &Metrics,
+    clock: Clock,
+) -> Result<Arc<dyn Store>, StoreError> {
     let store: Arc<dyn Store> = match cfg.store.backend {
         Backend::Memory => Arc::new(MemoryStore::new().with_timeout(cfg.store.timeout)),
         Backend::Sqlite => {
@@ -81,7 +87,7 @@ async fn open_backend(cfg: &Config, metrics: &Metrics) -> Result<Arc<dyn Store>,
             match &cfg.redis {
                 None => pg,
                 Some(redis_cfg) => {
-                    let fast = RedisFastPath::new(pg, redis_cfg).await?;
+                    let fast = RedisFastPath::new(pg, redis_cfg).await?.with_clock(clock);
                     metrics.attach_fast_path(fast.counters());
                     Arc::new(fast)
                 }

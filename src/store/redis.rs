@@ -302,6 +302,13 @@ impl RedisFastPath {
         })
     }
 
+    /// The same fast path reading `clock` (the process's, possibly shifted
+    /// in tests) instead of the system clock.
+    pub fn with_clock(mut self, clock: Clock) -> Self {
+        self.clock = clock;
+        self
+    }
+
     pub fn counters(&self) -> Arc<FastPathCounters> {
         self.counters.clone()
     }
