@@ -215,14 +215,19 @@ pub trait Store: Send + Sync + 'static {
 
 // === the two record rules every backend implements ===
 
-/// Whether a claim at `now` replaces `record`: an in-flight record only
-/// once its lease ran out (its ttl alone never ends a live execution), any
-/// other record once its ttl ran out. Every backend's claim implements this;
-/// the SQL twin is `store::sql::CLAIMABLE`.
-pub fn is_claimable(record: &Record, now: UnixMillis) -> bool {
+/// Whether a claim for `fingerprint` at `now` replaces `record`: an
+/// in-flight record only once its lease ran out (its ttl alone never ends a
+/// live execution), and then only by the same request (another request
+/// under the key is a 422 whether the holder is alive or dead) unless the
+/// record's ttl ran out too; any other record once its ttl ran out. Every
+/// backend's claim implements this; the SQL twin is `store::sql::CLAIMABLE`.
+pub fn is_claimable(record: &Record, fingerprint: &Fingerprint, now: UnixMillis) -> bool {
+    let expired = record.expires_at <= now;
     match record.state {
-        RecordState::InFlight { locked_until } => locked_until <= now,
-        _ => record.expires_at <= now,
+        RecordState::InFlight { locked_until } => {
+            locked_until <= now && (record.fingerprint == *fingerprint || expired)
+        }
+        _ => expired,
     }
 }
 

@@ -275,7 +275,7 @@ impl Harness {
     async fn held_by_someone(&self) -> bool {
         let now = self.leases.clock().now_millis();
         match self.store.get(&key()).await.unwrap() {
-            Some(r) => !crate::store::is_claimable(&r, now),
+            Some(r) => !crate::store::is_claimable(&r, &r.fingerprint, now),
             None => false,
         }
     }

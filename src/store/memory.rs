@@ -65,7 +65,7 @@ impl Store for MemoryStore {
         Ok(self.with(|map| {
             let takeover = match map.get(&claim.key) {
                 None => false,
-                Some(entry) if is_claimable(&entry.record, claim.now) => {
+                Some(entry) if is_claimable(&entry.record, &claim.fingerprint, claim.now) => {
                     matches!(entry.record.state, RecordState::InFlight { .. })
                 }
                 Some(entry) => return ClaimOutcome::Existing(entry.record.clone()),

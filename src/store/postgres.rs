@@ -366,7 +366,9 @@ impl Store for PostgresStore {
                 let stmt = client.prepare_cached(&self.sql.select).await?;
                 if let Some(row) = client.query_opt(&stmt, &[&key.scope, &key.key]).await? {
                     match decode_row(&row) {
-                        Ok(record) if is_claimable(&record, claim.now) => continue,
+                        Ok(record) if is_claimable(&record, &claim.fingerprint, claim.now) => {
+                            continue
+                        }
                         Ok(record) => return Ok(Ok(ClaimOutcome::Existing(record))),
                         Err(err) => return Ok(Err(err)),
                     }

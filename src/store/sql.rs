@@ -76,9 +76,10 @@ CREATE INDEX idempotency_records_expires_at ON {schema}.idempotency_records (exp
 // === the record rules, as predicates ===
 
 /// [`super::is_claimable`] in SQL, for the claim's `ON CONFLICT` branch:
-/// `r` is the row already there and `$6` the claim's `now`.
+/// `r` is the row already there, `EXCLUDED` the claim and `$6` its `now`.
 pub(crate) const CLAIMABLE: &str = "(r.state <> 'in_flight' AND r.expires_at <= $6) \
-     OR (r.state = 'in_flight' AND r.locked_until <= $6)";
+     OR (r.state = 'in_flight' AND r.locked_until <= $6 \
+         AND (r.fingerprint = EXCLUDED.fingerprint OR r.expires_at <= $6))";
 
 /// [`super::is_sweepable`] in SQL; `$1` is `now`.
 pub(crate) const SWEEPABLE: &str =

@@ -99,6 +99,7 @@ async fn run_contract(store: Arc<dyn Store>) {
     duplicate_claim_reports_in_flight(&*store).await;
     concurrent_claims_have_one_winner(store.clone()).await;
     takeover_after_lease_fences_old_holder(&*store).await;
+    an_abandoned_claim_is_taken_over_only_by_the_same_request(&*store).await;
     complete_stores_exactly(&*store).await;
     release_frees_the_key(&*store).await;
     expired_record_is_claimable_again(&*store).await;
@@ -178,7 +179,11 @@ async fn takeover_after_lease_fences_old_holder(store: &dyn Store) {
     let old = claim_for(record_key(), 300, TTL_MS);
     assert!(claimed(&store.claim(&old).await.unwrap()));
     sleep_ms(450).await;
-    let new = claim_for(old.key, LEASE_MS, TTL_MS);
+    // The same request retried (only it may take an abandoned claim over).
+    let new = Claim {
+        lease_ms: LEASE_MS,
+        ..again(&old)
+    };
     assert_eq!(
         store.claim(&new).await.unwrap(),
         ClaimOutcome::Claimed { takeover: true }
@@ -224,6 +229,28 @@ async fn takeover_after_lease_fences_old_holder(store: &dyn Store) {
     );
     let dup = existing(store.claim(&again(&new)).await.unwrap());
     assert!(matches!(dup.state, RecordState::InFlight { .. }));
+}
+
+/// Pins: after a killed holder's lease ran out, the same key with a
+/// different body was claimed and executed, and the genuine retry got 422.
+async fn an_abandoned_claim_is_taken_over_only_by_the_same_request(store: &dyn Store) {
+    let dead = claim_for(record_key(), 200, TTL_MS);
+    assert!(claimed(&store.claim(&dead).await.unwrap()));
+    sleep_ms(300).await;
+    let other = Claim {
+        fingerprint: Fingerprint([0xd1; 32]),
+        ..again(&dead)
+    };
+    let found = existing(store.claim(&other).await.unwrap());
+    assert_eq!(
+        found.fingerprint, dead.fingerprint,
+        "a different request is 422"
+    );
+    assert_eq!(
+        store.claim(&again(&dead)).await.unwrap(),
+        ClaimOutcome::Claimed { takeover: true },
+        "the genuine retry takes the abandoned claim over"
+    );
 }
 
 async fn complete_stores_exactly(store: &dyn Store) {
