@@ -9,6 +9,7 @@
 //! is wrong.
 
 use crate::idempotency::UnixMillis;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 use tokio::time::Instant;
 
@@ -22,6 +23,7 @@ pub struct Clock {
 
 #[derive(Clone, Copy, Debug)]
 enum Source {
+    /// The system clock, never read backwards (see [`never_backwards`]).
     System,
     /// Wall time at `start`, then advancing with tokio's (pausable) clock.
     Tokio {
@@ -87,7 +89,7 @@ impl Clock {
     /// Milliseconds since the unix epoch.
     pub fn now_millis(&self) -> UnixMillis {
         let base = match self.source {
-            Source::System => system_millis(),
+            Source::System => never_backwards(&LATEST, system_millis()),
             Source::Tokio {
                 wall_at_start,
                 start,
@@ -106,6 +108,20 @@ impl Clock {
 /// below `i64::MAX` milliseconds).
 pub fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// The latest system clock reading this process has handed out.
+static LATEST: AtomicI64 = AtomicI64::new(0);
+
+/// `reading`, or the latest one handed out if the clock stepped back (an NTP
+/// step, a VM restore): on SQLite and the memory store this process's clock
+/// judges leases, and a clock going back would stretch a dead holder's
+/// lease or bring an expired record back. A forward step is followed (the
+/// lease of a request in flight may then look shorter until it renews);
+/// PostgreSQL judges time by its own clock.
+fn never_backwards(latest: &AtomicI64, reading: UnixMillis) -> UnixMillis {
+    let previous = latest.fetch_max(reading, Ordering::Relaxed);
+    previous.max(reading)
 }
 
 fn system_millis() -> UnixMillis {
@@ -127,6 +143,17 @@ mod tests {
         tokio::time::advance(Duration::from_millis(1_500)).await;
         assert_eq!(clock.now_millis(), t0 + 1_500);
         assert_eq!(clock.after(Duration::from_secs(2)), t0 + 3_500);
+    }
+
+    #[test]
+    fn a_clock_stepping_back_is_held_at_its_latest_reading() {
+        let latest = AtomicI64::new(0);
+        assert_eq!(never_backwards(&latest, 1_000), 1_000);
+        assert_eq!(never_backwards(&latest, 1_500), 1_500);
+        // An NTP step back by a second.
+        assert_eq!(never_backwards(&latest, 500), 1_500);
+        assert_eq!(never_backwards(&latest, 1_400), 1_500);
+        assert_eq!(never_backwards(&latest, 1_600), 1_600);
     }
 
     #[test]

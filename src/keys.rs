@@ -185,7 +185,7 @@ mod tests {
     use super::*;
     use crate::idempotency::Fingerprint;
     use crate::store::memory::MemoryStore;
-    use crate::store::{Claim, Completion, LeaseToken, StoredResponse};
+    use crate::store::{Claim, Completion, LeaseToken, Span, StoredResponse};
     use bytes::Bytes;
 
     #[tokio::test]
@@ -216,7 +216,12 @@ mod tests {
             body: Bytes::from_static(b"{}"),
         };
         store
-            .complete(&key, &token, &Completion::Stored(resp), now + 60_000)
+            .complete(
+                &key,
+                &token,
+                &Completion::Stored(resp),
+                Span { now, ms: 60_000 },
+            )
             .await
             .unwrap();
         let text = show(&store, &key, &clock).await.unwrap();

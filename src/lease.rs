@@ -24,7 +24,7 @@ use crate::error::KeyFate;
 use crate::idempotency::{Fingerprint, RecordKey};
 use crate::metrics::Metrics;
 use crate::store::{
-    Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, Store, StoreError, UnixMillis,
+    Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, Span, Store, StoreError,
 };
 use std::convert::Infallible;
 use std::future::Future;
@@ -225,7 +225,6 @@ impl Leases {
             key: claim.key,
             token: claim.token,
             length: req.lease,
-            expires_at: claim.expires_at(),
             route: req.route,
         };
         match answer {
@@ -268,8 +267,6 @@ struct Fenced {
     token: LeaseToken,
     /// The route's lease length.
     length: Duration,
-    /// The claim's `expires_at` (claim time + ttl).
-    expires_at: UnixMillis,
     route: Arc<String>,
 }
 
@@ -378,19 +375,25 @@ where
 
 impl Fenced {
     async fn renew_once(&self) -> Result<Fence, StoreError> {
-        let until = self.leases.clock.after(self.length);
         let store = &self.leases.store;
-        store.renew(&self.key, &self.token, until).await
+        store.renew(&self.key, &self.token, self.span()).await
     }
 
     async fn complete_once(&self, completion: &Completion) -> Result<Fence, StoreError> {
         // The ttl counts from the claim, but a request that ran nearly as
         // long as its ttl must still replay for at least a lease afterwards.
-        let expires_at = self.expires_at.max(self.leases.clock.after(self.length));
         let store = &self.leases.store;
         store
-            .complete(&self.key, &self.token, completion, expires_at)
+            .complete(&self.key, &self.token, completion, self.span())
             .await
+    }
+
+    /// One lease length from now.
+    fn span(&self) -> Span {
+        Span {
+            now: self.leases.clock.now_millis(),
+            ms: millis(self.length),
+        }
     }
 
     async fn release_once(&self) -> Result<Fence, StoreError> {

@@ -53,12 +53,33 @@ impl fmt::Debug for LeaseToken {
     }
 }
 
+/// A length of time from the caller's `now`.
+///
+/// Who judges time: a backend private to one process (memory, SQLite)
+/// trusts the caller's clock, `now`. A backend shared by several processes
+/// (PostgreSQL) measures every span from its own server clock and ignores
+/// `now`, so replicas whose clocks disagree still agree on every lease and
+/// expiry; the records it returns from a claim are shifted into the
+/// caller's frame (`now`), so the caller can compare them with its clock.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Span {
+    pub now: UnixMillis,
+    pub ms: i64,
+}
+
+impl Span {
+    pub fn end(&self) -> UnixMillis {
+        self.now.saturating_add(self.ms)
+    }
+}
+
 /// Everything a claim writes.
 #[derive(Clone, Debug)]
 pub struct Claim {
     pub key: RecordKey,
     pub fingerprint: Fingerprint,
     pub token: LeaseToken,
+    /// The caller's clock (see [`Span`] for who judges time).
     pub now: UnixMillis,
     /// `locked_until = now + lease_ms`.
     pub lease_ms: i64,
@@ -168,23 +189,24 @@ pub trait Store: Send + Sync + 'static {
     /// Atomically claims `claim.key`, or returns the live record there.
     async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome, StoreError>;
 
-    /// Extends the holder's lease to `locked_until`.
+    /// Extends the holder's lease to `lease.end()`.
     async fn renew(
         &self,
         key: &RecordKey,
         token: &LeaseToken,
-        locked_until: UnixMillis,
+        lease: Span,
     ) -> Result<Fence, StoreError>;
 
-    /// Marks the holder's record completed. `expires_at` is the claim's
-    /// (`Claim::expires_at`): the ttl counts from the claim, and a cache in
-    /// front of the store needs it to expire its copy at the same moment.
+    /// Marks the holder's record completed. It expires when the claim's ttl
+    /// runs out (the ttl counts from the claim), but not before
+    /// `keep.end()`: a request that ran nearly as long as its ttl must
+    /// still replay for a while afterwards.
     async fn complete(
         &self,
         key: &RecordKey,
         token: &LeaseToken,
         completion: &Completion,
-        expires_at: UnixMillis,
+        keep: Span,
     ) -> Result<Fence, StoreError>;
 
     /// Deletes the holder's in-flight record so a retry runs again.
@@ -197,7 +219,8 @@ pub trait Store: Send + Sync + 'static {
     async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError>;
 
     /// Deletes up to `batch` records whose ttl ran out before `now` (never a
-    /// live lease). Returns how many went.
+    /// live lease; a shared backend judges by its own clock, see [`Span`]).
+    /// Returns how many went.
     async fn sweep(&self, now: UnixMillis, batch: u32) -> Result<u64, StoreError>;
 
     /// Cheap liveness probe for readiness.
@@ -220,7 +243,7 @@ pub trait Store: Send + Sync + 'static {
 /// live execution), and then only by the same request (another request
 /// under the key is a 422 whether the holder is alive or dead) unless the
 /// record's ttl ran out too; any other record once its ttl ran out. Every
-/// backend's claim implements this; the SQL twin is `store::sql::CLAIMABLE`.
+/// backend's claim implements this; the SQL twin is `store::sql::claimable`.
 pub fn is_claimable(record: &Record, fingerprint: &Fingerprint, now: UnixMillis) -> bool {
     let expired = record.expires_at <= now;
     match record.state {
@@ -232,7 +255,7 @@ pub fn is_claimable(record: &Record, fingerprint: &Fingerprint, now: UnixMillis)
 }
 
 /// Whether a sweep at `now` deletes `record`: expired, and not an in-flight
-/// record whose lease is still live. The SQL twin is `store::sql::SWEEPABLE`.
+/// record whose lease is still live. The SQL twin is `store::sql::sweepable`.
 pub fn is_sweepable(record: &Record, now: UnixMillis) -> bool {
     record.expires_at <= now
         && !matches!(record.state, RecordState::InFlight { locked_until } if locked_until > now)

@@ -157,12 +157,12 @@ impl Store for FlakyStore {
         &self,
         key: &RecordKey,
         token: &LeaseToken,
-        until: UnixMillis,
+        lease: Span,
     ) -> Result<Fence, StoreError> {
         let (inner, key, token) = (self.inner.clone(), *key, *token);
         self.run(
             "renew",
-            async move { inner.renew(&key, &token, until).await },
+            async move { inner.renew(&key, &token, lease).await },
         )
         .await
     }
@@ -171,11 +171,11 @@ impl Store for FlakyStore {
         key: &RecordKey,
         token: &LeaseToken,
         completion: &Completion,
-        expires_at: UnixMillis,
+        keep: Span,
     ) -> Result<Fence, StoreError> {
         let (inner, key, token, c) = (self.inner.clone(), *key, *token, completion.clone());
         self.run("complete", async move {
-            inner.complete(&key, &token, &c, expires_at).await
+            inner.complete(&key, &token, &c, keep).await
         })
         .await
     }
@@ -190,7 +190,7 @@ impl Store for FlakyStore {
     async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
         self.inner.delete(key).await
     }
-    async fn sweep(&self, now: UnixMillis, batch: u32) -> Result<u64, StoreError> {
+    async fn sweep(&self, now: crate::store::UnixMillis, batch: u32) -> Result<u64, StoreError> {
         self.inner.sweep(now, batch).await
     }
     async fn ping(&self) -> Result<(), StoreError> {

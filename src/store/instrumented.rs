@@ -8,7 +8,7 @@
 //! not undone (it may still land; the caller's token decides what it means).
 
 use super::{
-    Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, Store, StoreError, UnixMillis,
+    Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, Span, Store, StoreError, UnixMillis,
 };
 use crate::idempotency::RecordKey;
 use crate::metrics::Metrics;
@@ -107,9 +107,9 @@ impl Store for Instrumented {
         &self,
         key: &RecordKey,
         token: &LeaseToken,
-        locked_until: UnixMillis,
+        lease: Span,
     ) -> Result<Fence, StoreError> {
-        self.call(Op::Renew, self.inner.renew(key, token, locked_until))
+        self.call(Op::Renew, self.inner.renew(key, token, lease))
             .await
     }
 
@@ -118,11 +118,11 @@ impl Store for Instrumented {
         key: &RecordKey,
         token: &LeaseToken,
         completion: &Completion,
-        expires_at: UnixMillis,
+        keep: Span,
     ) -> Result<Fence, StoreError> {
         self.call(
             Op::Complete,
-            self.inner.complete(key, token, completion, expires_at),
+            self.inner.complete(key, token, completion, keep),
         )
         .await
     }
@@ -170,7 +170,7 @@ mod tests {
         async fn claim(&self, _: &Claim) -> Result<ClaimOutcome, StoreError> {
             stuck().await
         }
-        async fn renew(&self, _: &RecordKey, _: &LeaseToken, _: i64) -> Result<Fence, StoreError> {
+        async fn renew(&self, _: &RecordKey, _: &LeaseToken, _: Span) -> Result<Fence, StoreError> {
             stuck().await
         }
         async fn complete(
@@ -178,7 +178,7 @@ mod tests {
             _: &RecordKey,
             _: &LeaseToken,
             _: &Completion,
-            _: i64,
+            _: Span,
         ) -> Result<Fence, StoreError> {
             stuck().await
         }
@@ -247,10 +247,34 @@ mod tests {
             store.claim(&claim).await,
             Ok(ClaimOutcome::Claimed { .. })
         ));
-        assert_eq!(store.renew(key, token, 2_000).await.unwrap(), Fence::Held);
+        assert_eq!(
+            store
+                .renew(
+                    key,
+                    token,
+                    Span {
+                        now: 1_000,
+                        ms: 1_000
+                    }
+                )
+                .await
+                .unwrap(),
+            Fence::Held
+        );
         let done = Completion::Unstored { status: 200 };
         assert_eq!(
-            store.complete(key, token, &done, 5_000).await.unwrap(),
+            store
+                .complete(
+                    key,
+                    token,
+                    &done,
+                    Span {
+                        now: 1_000,
+                        ms: 4_000
+                    }
+                )
+                .await
+                .unwrap(),
             Fence::Held
         );
         assert_eq!(store.release(key, token).await.unwrap(), Fence::Lost);

@@ -4,7 +4,7 @@
 
 use super::{
     is_claimable, is_sweepable, Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record,
-    RecordState, Store, StoreError, UnixMillis,
+    RecordState, Span, Store, StoreError, UnixMillis,
 };
 use crate::config::DEFAULT_STORE_TIMEOUT;
 use crate::idempotency::RecordKey;
@@ -92,11 +92,13 @@ impl Store for MemoryStore {
         &self,
         key: &RecordKey,
         token: &LeaseToken,
-        locked_until: UnixMillis,
+        lease: Span,
     ) -> Result<Fence, StoreError> {
         Ok(self.with(|map| match map.get_mut(key) {
             Some(entry) if entry.is_owned_by(token) => {
-                entry.record.state = RecordState::InFlight { locked_until };
+                entry.record.state = RecordState::InFlight {
+                    locked_until: lease.end(),
+                };
                 Fence::Held
             }
             _ => Fence::Lost,
@@ -108,13 +110,13 @@ impl Store for MemoryStore {
         key: &RecordKey,
         token: &LeaseToken,
         completion: &Completion,
-        expires_at: UnixMillis,
+        keep: Span,
     ) -> Result<Fence, StoreError> {
         Ok(self.with(|map| match map.get_mut(key) {
             Some(entry) if entry.is_owned_by(token) => {
                 entry.record.state = RecordState::from(completion);
                 entry.token = None;
-                entry.record.expires_at = expires_at;
+                entry.record.expires_at = entry.record.expires_at.max(keep.end());
                 Fence::Held
             }
             _ => Fence::Lost,

@@ -15,8 +15,8 @@
 use super::codec::RecordRow;
 use super::sql::{Dialect, KeyParams, OwnerParams, Statements};
 use super::{
-    is_claimable, Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, Store, StoreError,
-    UnixMillis,
+    is_claimable, Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, RecordState, Span,
+    Store, StoreError, UnixMillis,
 };
 use crate::config::StoreConfig;
 use crate::idempotency::RecordKey;
@@ -66,6 +66,9 @@ pub struct PostgresStore {
     timeout: Duration,
     /// Statement texts, schema-qualified once at connect.
     sql: Statements,
+    /// Added to the server's clock in every statement: zero, except in
+    /// tests that play time forward ([`PostgresStore::with_clock_offset`]).
+    clock_offset_ms: i64,
 }
 
 /// `"name"` with embedded quotes doubled (config already restricts the
@@ -128,7 +131,15 @@ impl PostgresStore {
             schema: cfg.schema.clone(),
             timeout: cfg.timeout,
             sql: Statements::new(Dialect::Postgres, &table),
+            clock_offset_ms: 0,
         })
+    }
+
+    /// Tests only: this handle sees the server's clock `ms` ahead, e.g. to
+    /// sweep or claim "later" without waiting.
+    pub fn with_clock_offset(mut self, ms: i64) -> Self {
+        self.clock_offset_ms = ms;
+        self
     }
 
     /// The schema this store lives in.
@@ -312,6 +323,17 @@ fn pool_err(err: PoolError) -> StoreError {
     }
 }
 
+/// `record` with its times moved by `by` milliseconds (from the server's
+/// frame into the caller's; see [`super::Span`]).
+fn shifted(mut record: Record, by: i64) -> Record {
+    if let RecordState::InFlight { locked_until } = &mut record.state {
+        *locked_until += by;
+    }
+    record.created_at += by;
+    record.expires_at += by;
+    record
+}
+
 fn decode_row(row: &tokio_postgres::Row) -> Result<Record, StoreError> {
     let corrupt = |err: tokio_postgres::Error| StoreError::Corrupt(format!("postgres row: {err}"));
     RecordRow {
@@ -347,9 +369,9 @@ impl Store for PostgresStore {
                             &key.key,
                             &&claim.fingerprint.0[..],
                             &&claim.token.0[..],
-                            &claim.locked_until(),
-                            &claim.now,
-                            &claim.expires_at(),
+                            &claim.lease_ms,
+                            &self.clock_offset_ms,
+                            &claim.ttl_ms,
                         ],
                     )
                     .await?;
@@ -363,9 +385,14 @@ impl Store for PostgresStore {
                 // released or swept in between: then claim again. It may also
                 // have changed in between: a record that is claimable by now
                 // is claimed again rather than reported as live.
-                let stmt = client.prepare_cached(&self.sql.select).await?;
-                if let Some(row) = client.query_opt(&stmt, &[&key.scope, &key.key]).await? {
-                    match decode_row(&row) {
+                let stmt = client.prepare_cached(&self.sql.select_at).await?;
+                let row = client
+                    .query_opt(&stmt, &[&key.scope, &key.key, &self.clock_offset_ms])
+                    .await?;
+                if let Some(row) = row {
+                    let server_now: i64 = row.get(8);
+                    let record = decode_row(&row).map(|r| shifted(r, claim.now - server_now));
+                    match record {
                         Ok(record) if is_claimable(&record, &claim.fingerprint, claim.now) => {
                             continue
                         }
@@ -386,12 +413,18 @@ impl Store for PostgresStore {
         &self,
         key: &RecordKey,
         token: &LeaseToken,
-        locked_until: UnixMillis,
+        lease: Span,
     ) -> Result<Fence, StoreError> {
         let owner = OwnerParams::new(key, token);
         self.execute(
             &self.sql.renew,
-            &[&owner.scope, &owner.key, &owner.token, &locked_until],
+            &[
+                &owner.scope,
+                &owner.key,
+                &owner.token,
+                &self.clock_offset_ms,
+                &lease.ms,
+            ],
         )
         .await
         .map(Fence::from_rows)
@@ -402,7 +435,7 @@ impl Store for PostgresStore {
         key: &RecordKey,
         token: &LeaseToken,
         completion: &Completion,
-        expires_at: UnixMillis,
+        keep: Span,
     ) -> Result<Fence, StoreError> {
         let owner = OwnerParams::new(key, token);
         let columns = completion.columns();
@@ -417,7 +450,8 @@ impl Store for PostgresStore {
                 &status,
                 &columns.headers,
                 &columns.body,
-                &expires_at,
+                &self.clock_offset_ms,
+                &keep.ms,
             ],
         )
         .await
@@ -450,7 +484,8 @@ impl Store for PostgresStore {
             .map(|n| n > 0)
     }
 
-    async fn sweep(&self, now: UnixMillis, batch: u32) -> Result<u64, StoreError> {
+    /// Sweeps by the server's clock; `now` (the caller's) is not used.
+    async fn sweep(&self, _now: UnixMillis, batch: u32) -> Result<u64, StoreError> {
         let deadline = self.deadline();
         let mut client = self.checkout(deadline).await?;
         let res = tokio::time::timeout_at(deadline, async {
@@ -469,7 +504,9 @@ impl Store for PostgresStore {
                 return Ok(0);
             }
             let stmt = tx.prepare_cached(&self.sql.sweep).await?;
-            let n = tx.execute(&stmt, &[&now, &i64::from(batch)]).await?;
+            let n = tx
+                .execute(&stmt, &[&self.clock_offset_ms, &i64::from(batch)])
+                .await?;
             tx.commit().await?;
             Ok(n)
         })

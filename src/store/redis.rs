@@ -20,8 +20,8 @@
 
 use super::codec::{decode_headers, encode_headers};
 use super::{
-    Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, RecordState, Store, StoreError,
-    StoredResponse, UnixMillis,
+    Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, RecordState, Span, Store,
+    StoreError, StoredResponse, UnixMillis,
 };
 use crate::clock::Clock;
 use crate::config::RedisConfig;
@@ -124,12 +124,23 @@ end
 return 0
 "#;
 
+// ARGV: token, the completed value (its created_at, expires_at and
+// fingerprint are placeholders), now, keep_ms. The lock's own expires_at
+// (the claim's, in the claiming process's clock, which is this one) gives
+// the expiry: max(claim's expiry, now + keep), written into the value and
+// turned into a relative PX, so no clock but the holder's is consulted.
 const COMPLETE_LUA: &str = r#"
 local v = redis.call('GET', KEYS[1])
 if v and string.byte(v, 1) == 1 and string.sub(v, 50, 65) == ARGV[1] then
-  local val = string.sub(ARGV[2], 1, 1) .. string.sub(v, 2, 9) .. string.sub(ARGV[2], 10, 17)
+  local exp = 0
+  for i = 10, 17 do exp = exp * 256 + string.byte(v, i) end
+  local now = tonumber(ARGV[3])
+  exp = math.max(exp, now + tonumber(ARGV[4]))
+  local bytes, n = {}, exp
+  for i = 8, 1, -1 do bytes[i] = string.char(n % 256); n = math.floor(n / 256) end
+  local val = string.sub(ARGV[2], 1, 1) .. string.sub(v, 2, 9) .. table.concat(bytes)
     .. string.sub(v, 18, 49) .. string.sub(ARGV[2], 50)
-  redis.call('SET', KEYS[1], val, 'PX', ARGV[3])
+  redis.call('SET', KEYS[1], val, 'PX', exp - now)
   return 1
 end
 return 0
@@ -523,18 +534,16 @@ impl Store for RedisFastPath {
         &self,
         key: &RecordKey,
         token: &LeaseToken,
-        locked_until: UnixMillis,
+        lease: Span,
     ) -> Result<Fence, StoreError> {
-        let fence = self.inner.renew(key, token, locked_until).await?;
+        let fence = self.inner.renew(key, token, lease).await?;
         if self.enabled() {
             let name = self.redis_key(key);
             match fence {
                 Fence::Held => {
                     let mut conn = self.conn.clone();
                     let mut inv = self.scripts.extend.prepare_invoke();
-                    inv.key(&name)
-                        .arg(&token.0[..])
-                        .arg((locked_until - self.clock.now_millis()).max(1));
+                    inv.key(&name).arg(&token.0[..]).arg(lease.ms.max(1));
                     let _: Option<i64> = self.run(inv.invoke_async(&mut conn)).await;
                 }
                 Fence::Lost => self.unlock(&name, token).await,
@@ -550,13 +559,10 @@ impl Store for RedisFastPath {
         key: &RecordKey,
         token: &LeaseToken,
         completion: &Completion,
-        expires_at: UnixMillis,
+        keep: Span,
     ) -> Result<Fence, StoreError> {
         // The inner store records it first: Redis never knows more than it.
-        let fence = self
-            .inner
-            .complete(key, token, completion, expires_at)
-            .await?;
+        let fence = self.inner.complete(key, token, completion, keep).await?;
         if !self.enabled() {
             // No cached copy now; the next claim reads the record from the
             // inner store and caches it.
@@ -564,22 +570,25 @@ impl Store for RedisFastPath {
             return Ok(fence);
         }
         let name = self.redis_key(key);
-        let ttl = expires_at - self.clock.now_millis();
-        if fence == Fence::Lost || ttl <= 0 {
+        if fence == Fence::Lost {
             self.unlock(&name, token).await;
             return Ok(fence);
         }
         let record = Record {
-            // Placeholders: the script takes both from our lock.
+            // Placeholders: the script takes all three from our lock.
             fingerprint: Fingerprint([0; 32]),
             state: RecordState::from(completion),
             created_at: 0,
-            expires_at,
+            expires_at: 0,
         };
         if let Some(value) = encode_record(&record) {
             let mut conn = self.conn.clone();
             let mut inv = self.scripts.complete.prepare_invoke();
-            inv.key(&name).arg(&token.0[..]).arg(value).arg(ttl);
+            inv.key(&name)
+                .arg(&token.0[..])
+                .arg(value)
+                .arg(keep.now)
+                .arg(keep.ms);
             let _: Option<i64> = self.run(inv.invoke_async(&mut conn)).await;
         }
         Ok(fence)

@@ -73,17 +73,39 @@ CREATE TABLE {schema}.idempotency_records (
 CREATE INDEX idempotency_records_expires_at ON {schema}.idempotency_records (expires_at);
 "#];
 
+// === time ===
+
+/// "now" at parameter `$n`, in milliseconds since the epoch: for SQLite the
+/// bound value is the caller's clock; for PostgreSQL it is the server's
+/// clock at the start of the statement plus the bound value, an offset that
+/// is zero except in tests. See [`super::Span`] for why the shared store
+/// judges time itself.
+fn now_at(dialect: Dialect, n: u8) -> String {
+    match dialect {
+        Dialect::Sqlite => format!("${n}"),
+        Dialect::Postgres => {
+            format!("(CAST(EXTRACT(EPOCH FROM statement_timestamp()) * 1000 AS bigint) + ${n})")
+        }
+    }
+}
+
 // === the record rules, as predicates ===
 
 /// [`super::is_claimable`] in SQL, for the claim's `ON CONFLICT` branch:
-/// `r` is the row already there, `EXCLUDED` the claim and `$6` its `now`.
-pub(crate) const CLAIMABLE: &str = "(r.state <> 'in_flight' AND r.expires_at <= $6) \
-     OR (r.state = 'in_flight' AND r.locked_until <= $6 \
-         AND (r.fingerprint = EXCLUDED.fingerprint OR r.expires_at <= $6))";
+/// `r` is the row already there, `EXCLUDED` the claim and `now` the claim's
+/// "now".
+fn claimable(now: &str) -> String {
+    format!(
+        "(r.state <> 'in_flight' AND r.expires_at <= {now}) \
+         OR (r.state = 'in_flight' AND r.locked_until <= {now} \
+             AND (r.fingerprint = EXCLUDED.fingerprint OR r.expires_at <= {now}))"
+    )
+}
 
-/// [`super::is_sweepable`] in SQL; `$1` is `now`.
-pub(crate) const SWEEPABLE: &str =
-    "expires_at <= $1 AND NOT (state = 'in_flight' AND locked_until > $1)";
+/// [`super::is_sweepable`] in SQL.
+fn sweepable(now: &str) -> String {
+    format!("expires_at <= {now} AND NOT (state = 'in_flight' AND locked_until > {now})")
+}
 
 /// The fence of renew, complete and release: the token (`$3`) still owns
 /// the record and it is in flight.
@@ -92,18 +114,25 @@ pub(crate) const OWNED: &str = "scope = $1 AND key = $2 AND token = $3 AND state
 /// One record by its key.
 const BY_KEY: &str = "scope = $1 AND key = $2";
 
+/// The record columns, in [`super::codec::RecordRow`]'s order.
+const COLUMNS: &str =
+    "fingerprint, state, locked_until, created_at, expires_at, status, headers, body";
+
 // === statements ===
 
 /// Every statement a SQL backend runs, in its dialect, for its table.
 pub(crate) struct Statements {
-    /// Binds scope, key, fingerprint, token, locked_until, now, expires_at;
+    /// Binds scope, key, fingerprint, token, lease_ms, now, ttl_ms;
     /// returns `takeover` when it claimed, no row when a live record is there.
     pub claim: String,
     /// Binds scope, key; returns the columns of [`super::codec::RecordRow`].
     pub select: String,
-    /// Binds scope, key, token, locked_until.
+    /// Binds scope, key, now; returns [`Statements::select`]'s columns and
+    /// the "now" they were read at, to shift them into the caller's frame.
+    pub select_at: String,
+    /// Binds scope, key, token, now, lease_ms.
     pub renew: String,
-    /// Binds scope, key, token, state, status, headers, body, expires_at.
+    /// Binds scope, key, token, state, status, headers, body, now, keep_ms.
     pub complete: String,
     /// Binds scope, key, token.
     pub release: String,
@@ -116,43 +145,55 @@ pub(crate) struct Statements {
 impl Statements {
     /// `table` is the table's name as written in a statement.
     pub(crate) fn new(dialect: Dialect, table: &str) -> Self {
-        let sweep = match dialect {
+        let now = |n| now_at(dialect, n);
+        let sweepable = sweepable(&now(1));
+        let (sweep, greatest) = match dialect {
             // No row locks in SQLite: the write transaction serializes sweeps.
-            Dialect::Sqlite => format!(
-                "DELETE FROM {table} WHERE (scope, key) IN ( \
-                   SELECT scope, key FROM {table} \
-                   WHERE {SWEEPABLE} \
-                   ORDER BY expires_at LIMIT $2)"
+            Dialect::Sqlite => (
+                format!(
+                    "DELETE FROM {table} WHERE (scope, key) IN ( \
+                       SELECT scope, key FROM {table} \
+                       WHERE {sweepable} \
+                       ORDER BY expires_at LIMIT $2)"
+                ),
+                "MAX",
             ),
             // Rows a claim is writing right now are skipped, not waited for.
-            Dialect::Postgres => format!(
-                "DELETE FROM {table} WHERE ctid = ANY(ARRAY( \
-                   SELECT ctid FROM {table} \
-                   WHERE {SWEEPABLE} \
-                   ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED))"
+            Dialect::Postgres => (
+                format!(
+                    "DELETE FROM {table} WHERE ctid = ANY(ARRAY( \
+                       SELECT ctid FROM {table} \
+                       WHERE {sweepable} \
+                       ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED))"
+                ),
+                "GREATEST",
             ),
         };
+        let (claim_now, claimable) = (now(6), claimable(&now(6)));
         let statements = Self {
             claim: format!(
                 "INSERT INTO {table} AS r \
                    (scope, key, fingerprint, state, token, locked_until, created_at, expires_at, takeover) \
-                 VALUES ($1, $2, $3, 'in_flight', $4, $5, $6, $7, FALSE) \
+                 VALUES ($1, $2, $3, 'in_flight', $4, {claim_now} + $5, {claim_now}, {claim_now} + $7, FALSE) \
                  ON CONFLICT (scope, key) DO UPDATE SET \
                    fingerprint = EXCLUDED.fingerprint, state = 'in_flight', token = EXCLUDED.token, \
                    locked_until = EXCLUDED.locked_until, created_at = EXCLUDED.created_at, \
                    expires_at = EXCLUDED.expires_at, status = NULL, headers = NULL, body = NULL, \
                    takeover = (r.state = 'in_flight') \
-                 WHERE {CLAIMABLE} \
+                 WHERE {claimable} \
                  RETURNING takeover"
             ),
-            select: format!(
-                "SELECT fingerprint, state, locked_until, created_at, expires_at, status, headers, body \
-                 FROM {table} WHERE {BY_KEY}"
+            select: format!("SELECT {COLUMNS} FROM {table} WHERE {BY_KEY}"),
+            select_at: format!("SELECT {COLUMNS}, {} FROM {table} WHERE {BY_KEY}", now(3)),
+            renew: format!(
+                "UPDATE {table} SET locked_until = {} + $5 WHERE {OWNED}",
+                now(4)
             ),
-            renew: format!("UPDATE {table} SET locked_until = $4 WHERE {OWNED}"),
             complete: format!(
                 "UPDATE {table} SET state = $4, status = $5, headers = $6, body = $7, \
-                 token = NULL, locked_until = 0, expires_at = $8 WHERE {OWNED}"
+                 token = NULL, locked_until = 0, expires_at = {greatest}(expires_at, {} + $9) \
+                 WHERE {OWNED}",
+                now(8)
             ),
             release: format!("DELETE FROM {table} WHERE {OWNED}"),
             delete: format!("DELETE FROM {table} WHERE {BY_KEY}"),
@@ -169,6 +210,7 @@ impl Statements {
         Self {
             claim: f(self.claim),
             select: f(self.select),
+            select_at: f(self.select_at),
             renew: f(self.renew),
             complete: f(self.complete),
             release: f(self.release),
@@ -245,7 +287,12 @@ mod tests {
         let postgres = Statements::new(Dialect::Postgres, "\"s\".idempotency_records");
         assert!(!sqlite.claim.contains('$'));
         assert!(sqlite.claim.contains("r.locked_until <= ?6"));
-        assert!(postgres.claim.contains("r.locked_until <= $6"));
+        // PostgreSQL judges time by its own clock; `$6` is only an offset.
+        assert!(postgres
+            .claim
+            .contains("r.locked_until <= (CAST(EXTRACT(EPOCH FROM statement_timestamp())"));
+        assert!(postgres.complete.contains("GREATEST(expires_at"));
+        assert!(sqlite.complete.contains("MAX(expires_at, ?8 + ?9)"));
         assert!(sqlite.sweep.contains("(scope, key) IN"));
         assert!(postgres.sweep.contains("FOR UPDATE SKIP LOCKED"));
         assert_eq!(

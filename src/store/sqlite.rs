@@ -10,7 +10,7 @@
 use super::codec::RecordRow;
 use super::sql::{Dialect, KeyParams, OwnerParams, Statements, SQLITE_MIGRATIONS};
 use super::{
-    Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, Store, StoreError, UnixMillis,
+    Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, Span, Store, StoreError, UnixMillis,
 };
 use crate::config::{SqliteSync, DEFAULT_STORE_TIMEOUT};
 use crate::idempotency::RecordKey;
@@ -151,9 +151,9 @@ impl Store for SqliteStore {
                         key.key,
                         &claim.fingerprint.0[..],
                         &claim.token.0[..],
-                        claim.locked_until(),
+                        claim.lease_ms,
                         claim.now,
-                        claim.expires_at(),
+                        claim.ttl_ms,
                     ],
                     |row| row.get(0),
                 )
@@ -175,7 +175,7 @@ impl Store for SqliteStore {
         &self,
         key: &RecordKey,
         token: &LeaseToken,
-        locked_until: UnixMillis,
+        lease: Span,
     ) -> Result<Fence, StoreError> {
         let (key, token) = (*key, *token);
         self.call(move |conn| {
@@ -183,7 +183,13 @@ impl Store for SqliteStore {
             let n = conn
                 .prepare_cached(&SQL.renew)
                 .map_err(db_err)?
-                .execute(params![owner.scope, owner.key, owner.token, locked_until])
+                .execute(params![
+                    owner.scope,
+                    owner.key,
+                    owner.token,
+                    lease.now,
+                    lease.ms
+                ])
                 .map_err(db_err)?;
             Ok(Fence::from_rows(n as u64))
         })
@@ -195,7 +201,7 @@ impl Store for SqliteStore {
         key: &RecordKey,
         token: &LeaseToken,
         completion: &Completion,
-        expires_at: UnixMillis,
+        keep: Span,
     ) -> Result<Fence, StoreError> {
         let (key, token, completion) = (*key, *token, completion.clone());
         self.call(move |conn| {
@@ -212,7 +218,8 @@ impl Store for SqliteStore {
                     columns.status,
                     columns.headers,
                     columns.body,
-                    expires_at
+                    keep.now,
+                    keep.ms
                 ])
                 .map_err(db_err)?;
             Ok(Fence::from_rows(n as u64))

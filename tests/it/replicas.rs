@@ -24,6 +24,18 @@ impl Cluster {
     /// `n` replicas, started together (migrations race under the advisory
     /// lock, as in a real rollout), with the fast path when `redis`.
     async fn start(n: usize, up: &Upstream, redis: bool) -> Self {
+        Self::start_with(n, up, redis, "3s", |_| Vec::new()).await
+    }
+
+    /// [`Cluster::start`] with the route's `lease` and each replica's extra
+    /// environment (`env_of(i)`).
+    async fn start_with(
+        n: usize,
+        up: &Upstream,
+        redis: bool,
+        lease: &str,
+        env_of: impl Fn(usize) -> Vec<(&'static str, String)>,
+    ) -> Self {
         let db = database_url();
         require_postgres(&db).await;
         if redis {
@@ -41,7 +53,7 @@ impl Cluster {
                 .set("store.schema", schema.schema.as_str())
                 .set("store.pool_size", 8)
                 .set("store.connect_timeout", "1s")
-                .route(Route::post(ORDERS).set("lease", "3s"));
+                .route(Route::post(ORDERS).set("lease", lease));
             if redis {
                 config = config
                     .set("redis.url", redis_url())
@@ -50,7 +62,11 @@ impl Cluster {
             }
             let path = dir.path().join(format!("replica-{i}.toml"));
             config.write(&path);
-            async move { ServeProcess::start(&path, listen, admin, &[]).await }
+            let env = env_of(i);
+            async move {
+                let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+                ServeProcess::start(&path, listen, admin, &env).await
+            }
         });
         let replicas = futures_util::future::join_all(starts).await;
         Self {
@@ -242,4 +258,44 @@ async fn the_same_key_with_a_different_body_through_another_replica_is_rejected_
 async fn the_same_key_with_a_different_body_through_another_replica_with_redis_is_rejected_with_422(
 ) {
     different_request_on_another_replica_is_422(true).await;
+}
+
+// ===== clocks that disagree =====
+
+/// Pins: leases followed each replica's own wall clock. With a 1 s lease and
+/// replica 1's clock 3 s ahead, a request still running (and renewing) on
+/// replica 0 was taken over by replica 1 and the upstream ran twice.
+async fn replicas_whose_clocks_disagree_never_run_a_live_key_twice(redis: bool) {
+    let up = Upstream::start().await;
+    let cluster = Cluster::start_with(2, &up, redis, "1s", |i| {
+        let offset = if i == 1 { "3000" } else { "0" };
+        vec![("IDEMGATE_TEST_CLOCK_OFFSET_MS", offset.to_string())]
+    })
+    .await;
+    up.push(Action::Delay(Duration::from_secs(3)));
+    let first = tokio::spawn(cluster.order(0, "k-skew", BODY).send());
+    up.wait_hits(ORDERS, 1).await;
+    for _ in 0..5 {
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        let dup = cluster.order(1, "k-skew", BODY).send().await;
+        dup.assert_problem(409);
+    }
+    let first = first.await.expect("request task");
+    assert_eq!(first.status(), 201, "{}", first.text());
+    assert_eq!(up.hits(ORDERS), 1, "the live key ran once");
+    let replay = cluster.order(1, "k-skew", BODY).send().await;
+    assert!(replay.replayed(), "{:?}", replay.headers);
+    assert_eq!(replay.body, first.body);
+    assert_eq!(up.hits(ORDERS), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_whose_clocks_disagree_by_more_than_a_lease_never_run_a_live_key_twice() {
+    replicas_whose_clocks_disagree_never_run_a_live_key_twice(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_whose_clocks_disagree_by_more_than_a_lease_never_run_a_live_key_twice_with_redis()
+{
+    replicas_whose_clocks_disagree_never_run_a_live_key_twice(true).await;
 }

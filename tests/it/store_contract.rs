@@ -19,17 +19,54 @@ use idemgate::store::postgres::PostgresStore;
 use idemgate::store::redis::{FastPathCounters, RedisFastPath};
 use idemgate::store::sqlite::SqliteStore;
 use idemgate::store::{
-    Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, RecordState, Store, StoreError,
-    StoredResponse,
+    Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, RecordState, Span, Store,
+    StoreError, StoredResponse,
 };
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const LEASE_MS: i64 = 10_000;
+/// How far ahead `later` (see [`run_contract`]) is.
+const LATER_MS: i64 = 5_000;
 
 fn now_millis() -> i64 {
     idemgate::clock::Clock::system().now_millis()
+}
+
+/// How far a backend that judges time by its own clock (PostgreSQL) may
+/// read "now" apart from the caller: the latency of one statement.
+const SLACK_MS: i64 = 1_000;
+
+fn assert_near(got: i64, want: i64, what: &str) {
+    assert!((got - want).abs() <= SLACK_MS, "{what}: {got} vs {want}");
+}
+
+/// `got` is `want`, its times within [`SLACK_MS`].
+fn assert_same_record(got: &Record, want: &Record) {
+    assert_eq!(got.fingerprint, want.fingerprint);
+    match (&got.state, &want.state) {
+        (
+            RecordState::InFlight { locked_until: got },
+            RecordState::InFlight { locked_until: want },
+        ) => assert_near(*got, *want, "locked_until"),
+        (got, want) => assert_eq!(got, want),
+    }
+    assert_near(got.created_at, want.created_at, "created_at");
+    assert_near(got.expires_at, want.expires_at, "expires_at");
+}
+
+/// `ms` from now, by the caller's clock.
+fn span(ms: i64) -> Span {
+    Span {
+        now: now_millis(),
+        ms,
+    }
+}
+
+/// A completion that keeps the claim's own expiry.
+fn keep() -> Span {
+    span(1)
 }
 const TTL_MS: i64 = 60_000;
 
@@ -92,9 +129,11 @@ async fn sleep_ms(ms: u64) {
 
 // ===== the contract =====
 
-async fn run_contract(store: Arc<dyn Store>) {
+/// `later` is the same store seen 5 s ahead (where the backend judges time
+/// by its own clock, a handle whose clock is offset; otherwise `store`).
+async fn run_contract(store: Arc<dyn Store>, later: Arc<dyn Store>) {
     // Sweep first: it is store-wide, so the other cases' records must not count.
-    sweep_deletes_only_expired_and_respects_batch(&*store).await;
+    sweep_deletes_only_expired_and_respects_batch(&*store, &*later).await;
     new_key_claims(&*store).await;
     duplicate_claim_reports_in_flight(&*store).await;
     concurrent_claims_have_one_winner(store.clone()).await;
@@ -116,15 +155,15 @@ async fn new_key_claims(store: &dyn Store) {
         ClaimOutcome::Claimed { takeover: false }
     );
     let r = store.get(&c.key).await.unwrap().expect("claimed record");
-    assert_eq!(r.fingerprint, c.fingerprint);
-    assert_eq!(
-        r.state,
-        RecordState::InFlight {
-            locked_until: c.locked_until()
-        }
-    );
-    assert_eq!(r.created_at, c.now);
-    assert_eq!(r.expires_at, c.expires_at());
+    let want = Record {
+        fingerprint: c.fingerprint,
+        state: RecordState::InFlight {
+            locked_until: c.locked_until(),
+        },
+        created_at: c.now,
+        expires_at: c.expires_at(),
+    };
+    assert_same_record(&r, &want);
 }
 
 async fn duplicate_claim_reports_in_flight(store: &dyn Store) {
@@ -191,14 +230,14 @@ async fn takeover_after_lease_fences_old_holder(store: &dyn Store) {
     let done = Completion::Stored(response());
     assert_eq!(
         store
-            .complete(&old.key, &old.token, &done, old.expires_at())
+            .complete(&old.key, &old.token, &done, keep())
             .await
             .unwrap(),
         Fence::Lost
     );
     assert_eq!(
         store
-            .renew(&old.key, &old.token, now_millis() + LEASE_MS)
+            .renew(&old.key, &old.token, span(LEASE_MS))
             .await
             .unwrap(),
         Fence::Lost
@@ -213,16 +252,16 @@ async fn takeover_after_lease_fences_old_holder(store: &dyn Store) {
         .unwrap()
         .expect("new holder's record");
     assert_eq!(r.fingerprint, new.fingerprint);
-    assert_eq!(
-        r.state,
-        RecordState::InFlight {
-            locked_until: new.locked_until()
+    match r.state {
+        RecordState::InFlight { locked_until } => {
+            assert_near(locked_until, new.locked_until(), "locked_until")
         }
-    );
+        other => panic!("{other:?}"),
+    }
     // The new holder's own fence still holds, and a duplicate still sees it.
     assert_eq!(
         store
-            .renew(&new.key, &new.token, new.locked_until() + 1000)
+            .renew(&new.key, &new.token, span(LEASE_MS + 1000))
             .await
             .unwrap(),
         Fence::Held
@@ -258,7 +297,7 @@ async fn complete_stores_exactly(store: &dyn Store) {
     assert!(claimed(&store.claim(&c).await.unwrap()));
     assert_eq!(
         store
-            .renew(&c.key, &c.token, c.locked_until() + 500)
+            .renew(&c.key, &c.token, span(LEASE_MS + 500))
             .await
             .unwrap(),
         Fence::Held
@@ -266,12 +305,7 @@ async fn complete_stores_exactly(store: &dyn Store) {
     let resp = response();
     assert_eq!(
         store
-            .complete(
-                &c.key,
-                &c.token,
-                &Completion::Stored(resp.clone()),
-                c.expires_at()
-            )
+            .complete(&c.key, &c.token, &Completion::Stored(resp.clone()), keep())
             .await
             .unwrap(),
         Fence::Held
@@ -282,17 +316,15 @@ async fn complete_stores_exactly(store: &dyn Store) {
         created_at: c.now,
         expires_at: c.expires_at(),
     };
-    assert_eq!(store.get(&c.key).await.unwrap(), Some(want.clone()));
+    assert_same_record(&store.get(&c.key).await.unwrap().unwrap(), &want);
     // A retry sees the same record (from a cache, if there is one).
     for _ in 0..2 {
-        assert_eq!(
-            store.claim(&again(&c)).await.unwrap(),
-            ClaimOutcome::Existing(want.clone())
-        );
+        let found = existing(store.claim(&again(&c)).await.unwrap());
+        assert_same_record(&found, &want);
     }
     // Completed: the token no longer fences anything.
     assert_eq!(store.release(&c.key, &c.token).await.unwrap(), Fence::Lost);
-    assert_eq!(store.get(&c.key).await.unwrap(), Some(want));
+    assert_same_record(&store.get(&c.key).await.unwrap().unwrap(), &want);
 }
 
 async fn release_frees_the_key(store: &dyn Store) {
@@ -312,12 +344,7 @@ async fn expired_record_is_claimable_again(store: &dyn Store) {
     assert!(claimed(&store.claim(&c).await.unwrap()));
     assert_eq!(
         store
-            .complete(
-                &c.key,
-                &c.token,
-                &Completion::Stored(response()),
-                c.expires_at()
-            )
+            .complete(&c.key, &c.token, &Completion::Stored(response()), keep())
             .await
             .unwrap(),
         Fence::Held
@@ -333,10 +360,11 @@ async fn expired_record_is_claimable_again(store: &dyn Store) {
     assert!(matches!(r.state, RecordState::InFlight { .. }));
 }
 
-async fn sweep_deletes_only_expired_and_respects_batch(store: &dyn Store) {
-    // Sweeping takes `now` as an argument: sweep "in the future" instead of waiting.
-    let future = now_millis() + 5_000;
-    while store.sweep(future, 1000).await.unwrap() > 0 {}
+async fn sweep_deletes_only_expired_and_respects_batch(store: &dyn Store, later: &dyn Store) {
+    // Sweep "in the future" instead of waiting: by `now` where the store
+    // trusts the caller's clock, through `later` where it has its own.
+    let future = now_millis() + LATER_MS;
+    while later.sweep(future, 1000).await.unwrap() > 0 {}
     let mut doomed = Vec::new();
     for _ in 0..3 {
         let c = claim_for(record_key(), 100, 1000);
@@ -344,7 +372,7 @@ async fn sweep_deletes_only_expired_and_respects_batch(store: &dyn Store) {
         let done = Completion::Stored(response());
         assert_eq!(
             store
-                .complete(&c.key, &c.token, &done, c.expires_at())
+                .complete(&c.key, &c.token, &done, keep())
                 .await
                 .unwrap(),
             Fence::Held
@@ -362,9 +390,9 @@ async fn sweep_deletes_only_expired_and_respects_batch(store: &dyn Store) {
     let fresh = claim_for(record_key(), LEASE_MS, TTL_MS);
     assert!(claimed(&store.claim(&fresh).await.unwrap()));
 
-    assert_eq!(store.sweep(future, 3).await.unwrap(), 3);
-    assert_eq!(store.sweep(future, 10).await.unwrap(), 1);
-    assert_eq!(store.sweep(future, 10).await.unwrap(), 0);
+    assert_eq!(later.sweep(future, 3).await.unwrap(), 3);
+    assert_eq!(later.sweep(future, 10).await.unwrap(), 1);
+    assert_eq!(later.sweep(future, 10).await.unwrap(), 0);
     for k in &doomed {
         assert_eq!(store.get(k).await.unwrap(), None);
     }
@@ -397,10 +425,9 @@ async fn live_lease_outlives_the_ttl(store: &dyn Store) {
         other => panic!("a live lease was taken over: {other:?}"),
     }
     let done = Completion::Stored(response());
-    let expires_at = now_millis() + 60_000;
     assert_eq!(
         store
-            .complete(&holder.key, &holder.token, &done, expires_at)
+            .complete(&holder.key, &holder.token, &done, span(60_000))
             .await
             .unwrap(),
         Fence::Held
@@ -413,7 +440,7 @@ async fn unstored_completion(store: &dyn Store) {
     let done = Completion::Unstored { status: 200 };
     assert_eq!(
         store
-            .complete(&c.key, &c.token, &done, c.expires_at())
+            .complete(&c.key, &c.token, &done, keep())
             .await
             .unwrap(),
         Fence::Held
@@ -424,12 +451,10 @@ async fn unstored_completion(store: &dyn Store) {
         created_at: c.now,
         expires_at: c.expires_at(),
     };
-    assert_eq!(store.get(&c.key).await.unwrap(), Some(want.clone()));
+    assert_same_record(&store.get(&c.key).await.unwrap().unwrap(), &want);
     for _ in 0..2 {
-        assert_eq!(
-            store.claim(&again(&c)).await.unwrap(),
-            ClaimOutcome::Existing(want.clone())
-        );
+        let found = existing(store.claim(&again(&c)).await.unwrap());
+        assert_same_record(&found, &want);
     }
 }
 
@@ -438,7 +463,7 @@ async fn delete_removes_any_record(store: &dyn Store) {
     assert!(claimed(&store.claim(&c).await.unwrap()));
     let done = Completion::Stored(response());
     store
-        .complete(&c.key, &c.token, &done, c.expires_at())
+        .complete(&c.key, &c.token, &done, keep())
         .await
         .unwrap();
     // Read it once so a cache holds it too.
@@ -458,12 +483,18 @@ async fn delete_removes_any_record(store: &dyn Store) {
 // ===== backends =====
 
 async fn postgres(schema: &str) -> Arc<PostgresStore> {
+    postgres_at(schema, 0).await
+}
+
+/// A handle on `schema` whose server clock reads `offset_ms` ahead.
+async fn postgres_at(schema: &str, offset_ms: i64) -> Arc<PostgresStore> {
     let url = database_url();
     require_postgres(&url).await;
     Arc::new(
         PostgresStore::connect(&pg_store_config(&url, schema))
             .await
-            .expect("postgres store"),
+            .expect("postgres store")
+            .with_clock_offset(offset_ms),
     )
 }
 
@@ -477,20 +508,23 @@ fn redis_config(url: String, prefix: &str) -> RedisConfig {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn contract_memory() {
-    run_contract(Arc::new(MemoryStore::new())).await;
+    let store = Arc::new(MemoryStore::new());
+    run_contract(store.clone(), store).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn contract_sqlite() {
     let dir = tempfile::tempdir().unwrap();
     let store = SqliteStore::open(&dir.path().join("idemgate.db"), SqliteSync::Full).unwrap();
-    run_contract(Arc::new(store)).await;
+    let store = Arc::new(store);
+    run_contract(store.clone(), store).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn contract_postgres() {
     let schema = unique_schema("t");
-    run_contract(postgres(&schema).await).await;
+    let later = postgres_at(&schema, LATER_MS).await;
+    run_contract(postgres(&schema).await, later).await;
     drop_schema(&database_url(), &schema).await;
 }
 
@@ -504,7 +538,7 @@ async fn contract_postgres_redis() {
         .await
         .unwrap();
     let counters = fast.counters();
-    run_contract(Arc::new(fast)).await;
+    run_contract(Arc::new(fast), postgres_at(&schema, LATER_MS).await).await;
     assert!(counters.hits.load(Ordering::Relaxed) > 0);
     assert_eq!(counters.errors.load(Ordering::Relaxed), 0);
     drop_schema(&database_url(), &schema).await;
@@ -527,7 +561,7 @@ async fn complete_one(store: &dyn Store) -> Claim {
     let done = Completion::Stored(response());
     assert_eq!(
         store
-            .complete(&c.key, &c.token, &done, c.expires_at())
+            .complete(&c.key, &c.token, &done, keep())
             .await
             .unwrap(),
         Fence::Held
@@ -561,20 +595,17 @@ async fn redis_answers_completed_keys_and_postgres_answers_the_rest() {
         .query_async(&mut conn)
         .await
         .unwrap();
-    assert_eq!(
-        existing(fast.claim(&again(&c)).await.unwrap()),
-        r,
-        "answered from postgres"
-    );
+    // Answered from PostgreSQL (its times by its own clock).
+    assert_same_record(&existing(fast.claim(&again(&c)).await.unwrap()), &r);
     let (h1, m1, _) = snapshot(&counters);
     assert_eq!((h1, m1), (h0 + 1, m0 + 1));
-    assert_eq!(existing(fast.claim(&again(&c)).await.unwrap()), r);
+    assert_same_record(&existing(fast.claim(&again(&c)).await.unwrap()), &r);
     assert_eq!(snapshot(&counters).0, h1 + 1, "cached again after the miss");
 
     // Stored while Redis never saw it (straight into PostgreSQL).
     let direct = complete_one(&*pg).await;
     let from_pg = existing(fast.claim(&again(&direct)).await.unwrap());
-    assert_eq!(Some(from_pg), pg.get(&direct.key).await.unwrap());
+    assert_same_record(&from_pg, &pg.get(&direct.key).await.unwrap().unwrap());
 
     // A fingerprint mismatch is still reported from Redis (the caller 422s).
     let mut other = again(&c);
@@ -614,7 +645,7 @@ async fn redis_outage_falls_back_to_postgres_and_recovers() {
         assert!(claimed(&fast.claim(&k).await.unwrap()));
         let done = Completion::Stored(response());
         assert_eq!(
-            fast.complete(&k.key, &k.token, &done, k.expires_at())
+            fast.complete(&k.key, &k.token, &done, keep())
                 .await
                 .unwrap(),
             Fence::Held
