@@ -15,7 +15,7 @@
 //! | write | until | then |
 //! |---|---|---|
 //! | renew | the request ends | a lost lease stops renewing |
-//! | complete | [`QUICK`] attempts, then in the background for at least [`MIN_COMPLETION_PERSIST`] | the key stays in flight meanwhile; renewed by the background task |
+//! | complete | [`QUICK`] attempts, then in the background for as long as the process lives ([`Backlog`]) | the key stays in flight meanwhile; renewed by the background task |
 //! | release | [`QUICK`] attempts | the key is locked until its lease runs out |
 //! | give back (a claim whose answer was lost) | the claim's lease would have run out | nothing left to free |
 
@@ -36,9 +36,10 @@ use tracing::{debug, error, info, warn};
 
 /// Renewing more often than this would only load the store.
 const MIN_RENEW_INTERVAL: Duration = Duration::from_millis(100);
-/// How long a completion keeps being retried in the background while the
-/// store is down (at least the route's lease).
-pub const MIN_COMPLETION_PERSIST: Duration = Duration::from_secs(60);
+/// Completions waiting for the store, at most: each holds a response of up
+/// to `max_response_body`, so this bounds their memory (256 x 1 MiB at the
+/// defaults). Past it new protected requests get 503.
+pub const MAX_PENDING_COMPLETIONS: usize = 256;
 
 /// Completion and release before the client gets its answer: a few quick
 /// tries (about 0.7 s in all), so a store blip costs the client little.
@@ -48,7 +49,7 @@ pub const QUICK: Policy = Policy {
     budget: None,
 };
 /// A completion still unrecorded after [`QUICK`], in the background.
-const PERSIST_BACKOFF: Backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(1));
+const PERSIST_BACKOFF: Backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
 /// Giving back a claim whose answer was lost.
 const GIVE_BACK_BACKOFF: Backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
 
@@ -167,6 +168,69 @@ pub struct Leases {
     /// here, so a graceful shutdown waits for them.
     tasks: TaskTracker,
     clock: Clock,
+    /// Completions the store has not taken yet.
+    backlog: Arc<Backlog>,
+}
+
+/// Completions the store has not taken yet: an upstream answer that was
+/// received means the request executed, so it keeps being recorded while
+/// the process lives (forgetting it would let a retry run the request
+/// again). Bounded: past `limit`, new protected work is refused.
+pub struct Backlog {
+    /// The key ids (for logs) of the completions waiting, by entry number.
+    waiting: std::sync::Mutex<std::collections::HashMap<u64, String>>,
+    next: std::sync::atomic::AtomicU64,
+    limit: usize,
+    metrics: Arc<Metrics>,
+}
+
+/// One waiting completion; leaves the backlog when dropped.
+struct Waiting {
+    backlog: Arc<Backlog>,
+    entry: u64,
+}
+
+impl Backlog {
+    fn new(limit: usize, metrics: Arc<Metrics>) -> Self {
+        Self {
+            waiting: Default::default(),
+            next: Default::default(),
+            limit,
+            metrics,
+        }
+    }
+
+    fn enter(self: &Arc<Self>, key_id: String) -> Waiting {
+        let entry = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.lock().insert(entry, key_id);
+        self.metrics.pending_completions().inc();
+        Waiting {
+            backlog: self.clone(),
+            entry,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<u64, String>> {
+        // A std mutex: no await happens while it is held.
+        self.waiting.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// How many completions are waiting.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// The key ids of the completions waiting.
+    pub fn key_ids(&self) -> Vec<String> {
+        self.lock().values().cloned().collect()
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.backlog.lock().remove(&self.entry);
+        self.backlog.metrics.pending_completions().dec();
+    }
 }
 
 /// What a claim asks for.
@@ -195,13 +259,20 @@ impl Leases {
         metrics: Arc<Metrics>,
         tasks: TaskTracker,
         clock: Clock,
+        max_pending: usize,
     ) -> Arc<Self> {
         Arc::new(Self {
+            backlog: Arc::new(Backlog::new(max_pending, metrics.clone())),
             store,
             metrics,
             tasks,
             clock,
         })
+    }
+
+    /// The completions waiting for the store.
+    pub fn backlog(&self) -> &Backlog {
+        &self.backlog
     }
 
     pub fn clock(&self) -> &Clock {
@@ -211,6 +282,10 @@ impl Leases {
     /// Claims a key: one atomic store step. A claim whose answer was lost
     /// may still commit, so it is given back in the background.
     pub async fn acquire(self: &Arc<Self>, req: ClaimRequest) -> Result<Acquired, StoreError> {
+        let pending = self.backlog.len();
+        if pending >= self.backlog.limit {
+            return Err(StoreError::Backlog { pending });
+        }
         let claim = Claim {
             key: req.key,
             fingerprint: req.fingerprint,
@@ -298,11 +373,13 @@ impl Lease {
         match answer {
             Some(fence) => fenced.completed(fence, unanswered),
             None => {
-                let persist = fenced.length.max(MIN_COMPLETION_PERSIST);
-                warn!(key.id = %fenced.key.log_id(), for_secs = persist.as_secs(),
+                warn!(key.id = %fenced.key.log_id(),
                     "could not record completion yet; retrying in the background");
+                // Counted before this returns, so no new work slips past a
+                // full backlog.
+                let waiting = fenced.leases.backlog.enter(fenced.key.log_id());
                 let tasks = fenced.leases.tasks.clone();
-                tasks.spawn(fenced.persist(completion, persist));
+                tasks.spawn(fenced.persist(completion, waiting));
                 KeyFate::Kept
             }
         }
@@ -453,22 +530,19 @@ impl Fenced {
         }
     }
 
-    /// Keeps trying to record `completion` for `budget`, renewing the lease
-    /// before each try: nothing else renews it now, and without it a retry
-    /// could take the key over and run the request again.
-    async fn persist(self, completion: Completion, budget: Duration) {
-        let policy = Policy::until(PERSIST_BACKOFF, budget);
-        let started = Instant::now();
+    /// Keeps trying to record `completion` until the store takes it (or the
+    /// lease turns out lost), renewing the lease before each try: nothing
+    /// else renews it now, and without it a retry could take the key over
+    /// and run the request again. Counted in the [`Backlog`] meanwhile.
+    async fn persist(self, completion: Completion, _waiting: Waiting) {
         // The quick attempts went unanswered: any of them may have landed.
         let unanswered = true;
-        let mut done = 1;
-        while let Some(wait) = policy.next(done, started.elapsed(), jitter()) {
-            tokio::time::sleep(wait).await;
-            done += 1;
+        let mut failures = 1;
+        loop {
+            tokio::time::sleep(PERSIST_BACKOFF.delay(failures, jitter())).await;
             let renewed = self.renew_once().await;
             let answer = self.complete_once(&completion).await;
-            let step = interpret(Write::Complete, &answer, unanswered);
-            match (renewed, step) {
+            match (renewed, interpret(Write::Complete, &answer, unanswered)) {
                 (_, Step::Done(fence)) => {
                     if fence == Fence::Held {
                         info!(key.id = %self.key.log_id(), "completion recorded after a store outage");
@@ -476,14 +550,16 @@ impl Fenced {
                     self.completed(fence, unanswered);
                     return;
                 }
-                // Taken over, or an earlier attempt did land: this last try
-                // could not say which, and the lease is gone either way.
-                (Ok(Fence::Lost), Step::Retry) => break,
-                (_, Step::Retry) => {}
+                // Taken over, or an earlier attempt did land: this try could
+                // not say which, and the lease is gone either way.
+                (Ok(Fence::Lost), Step::Retry) => {
+                    error!(key.id = %self.key.log_id(),
+                        "the lease was lost while its completion waited for the store; a retry may run the request again");
+                    return;
+                }
+                (_, Step::Retry) => failures = failures.saturating_add(1),
             }
         }
-        error!(key.id = %self.key.log_id(),
-            "gave up recording completion; a retry after the lease runs out will run the request again");
     }
 
     /// A fenced release of a claim whose answer was lost, retried until the

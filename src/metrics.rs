@@ -92,6 +92,7 @@ pub struct Metrics {
     store_latency: Family<OpLabels, Histogram>,
     upstream_latency: Family<RouteLabels, Histogram>,
     in_flight: Gauge,
+    pending_completions: Gauge,
     swept: Counter,
     fast_path: Arc<FastPathCollector>,
 }
@@ -148,6 +149,12 @@ impl Metrics {
             "Protected requests currently executing upstream",
             in_flight.clone(),
         );
+        let pending_completions = Gauge::default();
+        registry.register(
+            "pending_completions",
+            "Upstream answers received but not yet recorded in the store (retried in the background)",
+            pending_completions.clone(),
+        );
         let swept = Counter::default();
         registry.register(
             "swept_records",
@@ -164,6 +171,7 @@ impl Metrics {
             store_latency,
             upstream_latency,
             in_flight,
+            pending_completions,
             swept,
             fast_path,
         }
@@ -222,6 +230,10 @@ impl Metrics {
 
     pub fn in_flight(&self) -> &Gauge {
         &self.in_flight
+    }
+
+    pub fn pending_completions(&self) -> &Gauge {
+        &self.pending_completions
     }
 
     pub fn swept(&self, n: u64) {

@@ -67,7 +67,13 @@ impl Proxy {
         let tasks = TaskTracker::new();
         Self {
             routes: config.routes.clone(),
-            leases: Leases::new(store, metrics.clone(), tasks.clone(), clock),
+            leases: Leases::new(
+                store,
+                metrics.clone(),
+                tasks.clone(),
+                clock,
+                crate::lease::MAX_PENDING_COMPLETIONS,
+            ),
             request_body_timeout: config.server.request_body_timeout,
             scope_secret: config.scope_secret.clone(),
             forwarder: Forwarder::new(&config.server),
@@ -78,6 +84,11 @@ impl Proxy {
 
     pub fn tasks(&self) -> &TaskTracker {
         &self.tasks
+    }
+
+    /// The key ids of completions still waiting for the store.
+    pub fn pending_completions(&self) -> Vec<String> {
+        self.leases.backlog().key_ids()
     }
 
     /// Serves one request; never fails.

@@ -21,7 +21,7 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
 const H2_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
 const H2_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -223,6 +223,10 @@ async fn serve(
         .is_err()
     {
         warn!("grace period over with upstream requests still running; their keys recover when the lease runs out");
+        for key_id in proxy.pending_completions() {
+            error!(key.id = %key_id,
+                "shutting down with this completion not recorded: the request executed, but a retry after its lease runs out will run it again");
+        }
     }
     stop.cancel();
     let _ = sweeper.await;

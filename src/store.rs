@@ -181,6 +181,10 @@ pub enum StoreError {
     Timeout,
     #[error("store returned a corrupt record: {0}")]
     Corrupt(String),
+    /// The store has fallen behind: this many completions are still
+    /// waiting for it (see `lease::Backlog`), so no new work is taken.
+    #[error("{pending} completions are waiting for the store")]
+    Backlog { pending: usize },
 }
 
 /// The storage backend.

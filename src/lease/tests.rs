@@ -225,6 +225,7 @@ fn harness() -> Harness {
         metrics.clone(),
         tasks.clone(),
         Clock::following_tokio(),
+        2,
     );
     Harness {
         store,
@@ -405,4 +406,55 @@ async fn keep_alive_holds_the_key_past_its_lease_through_failed_renewals() {
     ));
     keeper.abort();
     assert_eq!(lease.complete(stored()).await, KeyFate::Kept);
+}
+
+/// Pins: a completion that could not be written was retried for 60 s and
+/// then dropped, after which a retry past the lease ran the upstream again.
+#[tokio::test(start_paused = true)]
+async fn a_received_answer_keeps_being_recorded_for_as_long_as_the_store_is_down() {
+    let h = harness();
+    let lease = h.hold().await;
+    // About five minutes of failures at the backoff's 2 s cap.
+    h.store.script("complete", &[Act::Fail; 160]);
+    assert_eq!(lease.complete(stored()).await, KeyFate::Kept);
+    assert_eq!(h.leases.backlog().len(), 1);
+    assert_eq!(h.metrics.pending_completions().get(), 1);
+    tokio::time::sleep(Duration::from_secs(120)).await;
+    assert!(h.held_by_someone().await, "still held, still renewed");
+    h.tasks.close();
+    h.tasks.wait().await;
+    assert!(matches!(h.state().await, Some(RecordState::Completed(_))));
+    assert_eq!(h.leases.backlog().len(), 0);
+    assert_eq!(h.metrics.pending_completions().get(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_full_backlog_refuses_new_claims_until_it_drains() {
+    let h = harness();
+    h.store.script("complete", &[Act::Fail; 14]);
+    for fp in [1, 2] {
+        let other = ClaimRequest {
+            key: RecordKey {
+                scope: Scope([fp; 32]),
+                key: [fp; 32],
+            },
+            ..request(fp)
+        };
+        let Ok(Acquired::Held(lease)) = h.leases.acquire(other).await else {
+            panic!("claim {fp}");
+        };
+        assert_eq!(lease.complete(stored()).await, KeyFate::Kept);
+    }
+    assert_eq!(h.leases.backlog().len(), 2, "the harness allows two");
+    let refused = h.leases.acquire(request(1)).await.err();
+    assert!(
+        matches!(refused, Some(StoreError::Backlog { pending: 2 })),
+        "{refused:?}"
+    );
+    h.tasks.close();
+    h.tasks.wait().await;
+    assert!(matches!(
+        h.leases.acquire(request(1)).await,
+        Ok(Acquired::Held(_))
+    ));
 }
