@@ -185,6 +185,13 @@ pub enum StoreError {
     /// waiting for it (see `lease::Backlog`), so no new work is taken.
     #[error("{pending} completions are waiting for the store")]
     Backlog { pending: usize },
+    /// The record was deleted, but a cache in front of the store could not
+    /// be told: it may still answer with the deleted response.
+    #[error(
+        "deleted in the store, but the Redis copy {name} could not be removed ({reason}); \
+             run the delete again once Redis answers, or DEL {name} in Redis"
+    )]
+    StaleCopy { name: String, reason: String },
 }
 
 /// The storage backend.

@@ -10,7 +10,24 @@
 //!
 //! Writes follow the truth: a completion is cached only after the inner
 //! store returned [`Fence::Held`], and a lock is removed whenever the inner
-//! store says the claim is not ours. Every Redis call is bounded by
+//! store says the claim is not ours.
+//!
+//! **A copy never outlives the record it copies** (the consistency rule):
+//! - a claim the inner store granted while Redis held something else puts
+//!   its own lock over it (whatever was there is stale: the inner store
+//!   just said the key is free);
+//! - a completion replaces whatever Redis holds for the key with the new
+//!   copy, or removes it;
+//! - where such a write to Redis fails (Redis down, stalled, in
+//!   [`BACKOFF`]), the key is marked **stale**: this process stops
+//!   answering it from Redis, and a background healer deletes the Redis
+//!   copy as soon as Redis answers again (then the next claim caches the
+//!   record afresh from the inner store);
+//! - an operator's delete removes the inner record, then the Redis copy,
+//!   and fails loudly if Redis could not be told ([`StoreError::StaleCopy`]).
+//!
+//! Another replica may still answer from a stale copy until the healer's
+//! delete lands (it retries every [`HEAL_INTERVAL`]). Every Redis call is bounded by
 //! `redis.timeout`; on a failure the fast path steps aside for
 //! [`BACKOFF`] and the inner store answers alone, then it probes again, so
 //! Redis coming back needs no restart.
@@ -39,6 +56,16 @@ use std::time::Duration;
 /// How long the fast path stays out of the way after a connection-level
 /// failure, so a dead Redis costs one timeout per second, not one per request.
 pub const BACKOFF: Duration = Duration::from_secs(1);
+
+/// How often the healer retries deleting stale copies while Redis is away.
+pub const HEAL_INTERVAL: Duration = Duration::from_millis(500);
+
+/// Stale keys tracked at most (about 150 bytes each); past it a stale copy
+/// is left to expire on its own, with an error logged.
+const MAX_STALE: usize = 100_000;
+
+/// Stale keys deleted per Redis call.
+const HEAL_BATCH: usize = 500;
 
 /// Reconnect attempts per failed connection inside the connection manager;
 /// further attempts happen on later calls, after [`BACKOFF`].
@@ -77,6 +104,9 @@ pub struct RedisFastPath {
     /// Unix millis until which Redis is bypassed (see [`BACKOFF`]).
     down_until: AtomicI64,
     scripts: Scripts,
+    /// Keys whose Redis copy may be stale (see the module docs), shared
+    /// with the healer task.
+    stale: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
     /// Turns absolute times (`expires_at`, `locked_until`) into the relative
     /// expiries Redis takes, and times the backoff.
     clock: Clock,
@@ -89,8 +119,9 @@ struct Scripts {
     extend: Script,
     /// Replaces the caller's lock with the completed value, carrying the
     /// lock's `created_at` and fingerprint over (a completion carries
-    /// neither). Without our lock there it writes nothing: the next claim
-    /// reads the record from the inner store and caches it then.
+    /// neither). Without our lock there it deletes whatever is there (older
+    /// than this completion): the next claim reads the record from the
+    /// inner store and caches it then.
     complete: Script,
 }
 
@@ -143,6 +174,8 @@ if v and string.byte(v, 1) == 1 and string.sub(v, 50, 65) == ARGV[1] then
   redis.call('SET', KEYS[1], val, 'PX', exp - now)
   return 1
 end
+-- Not our lock: whatever is there is older than this completion.
+redis.call('DEL', KEYS[1])
 return 0
 "#;
 
@@ -310,6 +343,7 @@ impl RedisFastPath {
                 complete: Script::new(COMPLETE_LUA),
             },
             clock: Clock::system(),
+            stale: Default::default(),
         })
     }
 
@@ -414,6 +448,37 @@ impl RedisFastPath {
         });
     }
 
+    /// Whether this process may answer `name` from Redis.
+    fn trusted(&self, name: &str) -> bool {
+        !self.stale_names().contains(name)
+    }
+
+    fn stale_names(&self) -> std::sync::MutexGuard<'_, std::collections::HashSet<String>> {
+        // A std mutex: no await happens while it is held.
+        self.stale.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Marks `name`'s Redis copy as possibly stale: this process stops
+    /// answering it from Redis, and the healer deletes it once Redis
+    /// answers. One healer task runs while anything is marked.
+    fn mark_stale(&self, name: String) {
+        let start_healer = {
+            let mut stale = self.stale_names();
+            if stale.len() >= MAX_STALE {
+                tracing::error!(
+                    "too many possibly stale Redis copies to track; this one expires on its own"
+                );
+                return;
+            }
+            let was_empty = stale.is_empty();
+            stale.insert(name);
+            was_empty
+        };
+        if start_healer {
+            tokio::spawn(heal(self.conn.clone(), self.stale.clone(), self.timeout));
+        }
+    }
+
     async fn unlock(&self, name: &str, token: &LeaseToken) {
         let mut conn = self.conn.clone();
         let mut inv = self.scripts.unlock.prepare_invoke();
@@ -444,7 +509,9 @@ impl RedisFastPath {
     /// `locked` says whether our lock went into Redis.
     async fn follow(&self, name: &str, claim: &Claim, locked: bool, outcome: &ClaimOutcome) {
         match outcome {
-            ClaimOutcome::Claimed { .. } => {}
+            ClaimOutcome::Claimed { .. } if locked => {}
+            // Granted while Redis holds something else: that is stale.
+            ClaimOutcome::Claimed { .. } => self.overwrite_with_lock(name, claim).await,
             ClaimOutcome::Existing(
                 record @ Record {
                     state: RecordState::Completed(_) | RecordState::Unstored { .. },
@@ -453,6 +520,35 @@ impl RedisFastPath {
             ) => self.cache(name, record).await,
             ClaimOutcome::Existing(_) if locked => self.unlock(name, &claim.token).await,
             ClaimOutcome::Existing(_) => {}
+        }
+    }
+
+    /// The inner store alone decides (Redis did not answer, or this key's
+    /// copy may be stale); a claim it grants marks the key stale, since
+    /// Redis may hold an older copy nobody could check.
+    async fn claim_bypassing(&self, name: &str, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
+        let outcome = self.inner.claim(claim).await?;
+        if matches!(outcome, ClaimOutcome::Claimed { .. }) {
+            self.mark_stale(name.to_string());
+        }
+        Ok(outcome)
+    }
+
+    /// Puts our lock over whatever Redis holds, or marks the key stale.
+    async fn overwrite_with_lock(&self, name: &str, claim: &Claim) {
+        let mut conn = self.conn.clone();
+        let cmd = redis::cmd("SET")
+            .arg(name)
+            .arg(encode_lock(claim))
+            .arg("PX")
+            .arg(claim.lease_ms.max(1))
+            .to_owned();
+        if self
+            .run(cmd.query_async::<Value>(&mut conn))
+            .await
+            .is_none()
+        {
+            self.mark_stale(name.to_string());
         }
     }
 
@@ -488,17 +584,20 @@ impl RedisFastPath {
 #[async_trait]
 impl Store for RedisFastPath {
     async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
-        if !self.enabled() {
-            return self.inner.claim(claim).await;
-        }
         let name = self.redis_key(&claim.key);
+        if !self.enabled() {
+            return self.claim_bypassing(&name, claim).await;
+        }
+        if !self.trusted(&name) {
+            return self.claim_bypassing(&name, claim).await;
+        }
         let locked = match self.try_lock(&name, claim).await {
             // No answer: the inner store decides alone.
-            None => return self.inner.claim(claim).await,
+            None => return self.claim_bypassing(&name, claim).await,
             Some(true) => true,
             Some(false) => {
                 match self.peek(&name).await {
-                    None => return self.inner.claim(claim).await,
+                    None => return self.claim_bypassing(&name, claim).await,
                     Some((Some(value), pttl)) => {
                         if let Some(outcome) = Self::answer(claim, &value, pttl) {
                             self.counters.hits.fetch_add(1, Ordering::Relaxed);
@@ -563,13 +662,17 @@ impl Store for RedisFastPath {
     ) -> Result<Fence, StoreError> {
         // The inner store records it first: Redis never knows more than it.
         let fence = self.inner.complete(key, token, completion, keep).await?;
+        let name = self.redis_key(key);
         if !self.enabled() {
-            // No cached copy now; the next claim reads the record from the
-            // inner store and caches it.
-            self.unlock_in_background(self.redis_key(key), *token);
+            // Redis may hold anything older; it must not answer this key
+            // until that is gone.
+            if fence == Fence::Held {
+                self.mark_stale(name);
+            } else {
+                self.unlock_in_background(name, *token);
+            }
             return Ok(fence);
         }
-        let name = self.redis_key(key);
         if fence == Fence::Lost {
             self.unlock(&name, token).await;
             return Ok(fence);
@@ -589,7 +692,10 @@ impl Store for RedisFastPath {
                 .arg(value)
                 .arg(keep.now)
                 .arg(keep.ms);
-            let _: Option<i64> = self.run(inv.invoke_async(&mut conn)).await;
+            let written: Option<i64> = self.run(inv.invoke_async(&mut conn)).await;
+            if written.is_none() {
+                self.mark_stale(name);
+            }
         }
         Ok(fence)
     }
@@ -608,14 +714,26 @@ impl Store for RedisFastPath {
         self.inner.get(key).await
     }
 
+    /// Deletes the record, then its Redis copy; if Redis cannot be told,
+    /// fails with [`StoreError::StaleCopy`] so the operator knows a replica
+    /// could still replay the deleted response.
     async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
         let deleted = self.inner.delete(key).await?;
-        if self.enabled() {
-            let mut conn = self.conn.clone();
-            let cmd = redis::cmd("DEL").arg(self.redis_key(key)).to_owned();
-            let _: Option<i64> = self.run(cmd.query_async(&mut conn)).await;
+        let name = self.redis_key(key);
+        let mut conn = self.conn.clone();
+        let cmd = redis::cmd("DEL").arg(&name).to_owned();
+        let removed = tokio::time::timeout(self.timeout, cmd.query_async::<i64>(&mut conn)).await;
+        match removed {
+            Ok(Ok(_)) => Ok(deleted),
+            Ok(Err(err)) => Err(StoreError::StaleCopy {
+                name,
+                reason: err.to_string(),
+            }),
+            Err(_) => Err(StoreError::StaleCopy {
+                name,
+                reason: "redis did not answer in time".into(),
+            }),
         }
-        Ok(deleted)
     }
 
     async fn sweep(&self, now: UnixMillis, batch: u32) -> Result<u64, StoreError> {
@@ -637,6 +755,39 @@ impl Store for RedisFastPath {
     /// within `redis.timeout`.
     fn call_bound(&self) -> Duration {
         self.inner.call_bound() + self.timeout * 3
+    }
+}
+
+/// Deletes the stale copies in `stale` as soon as Redis answers, in
+/// batches, until none are left. Runs on its own connection handle, so a
+/// proxy in [`BACKOFF`] still heals the moment Redis is back.
+async fn heal(
+    mut conn: ConnectionManager,
+    stale: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
+    timeout: Duration,
+) {
+    let names = || stale.lock().unwrap_or_else(|p| p.into_inner());
+    loop {
+        let batch: Vec<String> = names().iter().take(HEAL_BATCH).cloned().collect();
+        if batch.is_empty() {
+            return;
+        }
+        let cmd = redis::cmd("DEL").arg(&batch).to_owned();
+        match tokio::time::timeout(timeout, cmd.query_async::<i64>(&mut conn)).await {
+            Ok(Ok(_)) => {
+                let mut stale = names();
+                for name in &batch {
+                    stale.remove(name);
+                }
+                if stale.is_empty() {
+                    tracing::info!(
+                        "stale redis copies removed; the fast path answers every key again"
+                    );
+                    return;
+                }
+            }
+            _ => tokio::time::sleep(HEAL_INTERVAL).await,
+        }
     }
 }
 

@@ -623,6 +623,82 @@ async fn redis_answers_completed_keys_and_postgres_answers_the_rest() {
     drop_schema(&database_url(), &schema).await;
 }
 
+fn body_of(record: &Record) -> Bytes {
+    match &record.state {
+        RecordState::Completed(response) => response.body.clone(),
+        other => panic!("not completed: {other:?}"),
+    }
+}
+
+fn completion_with(body: &'static str) -> Completion {
+    Completion::Stored(StoredResponse {
+        status: 201,
+        headers: vec![],
+        body: Bytes::from_static(body.as_bytes()),
+    })
+}
+
+/// Pins: with Redis stalled, deleting a key reported success; a retry ran
+/// again (a new response in PostgreSQL), and once Redis came back retries
+/// were served the old response from Redis for the rest of the ttl.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_never_replays_what_postgres_no_longer_holds() {
+    let schema = unique_schema("t");
+    let redis = PrivateRedis::start();
+    let pg = postgres(&schema).await;
+    let fast = RedisFastPath::new(pg.clone(), &redis_config(redis.url(), "st"))
+        .await
+        .unwrap();
+    let counters = fast.counters();
+    let c = claim_for(record_key(), LEASE_MS, TTL_MS);
+    assert!(claimed(&fast.claim(&c).await.unwrap()));
+    let first = completion_with("first execution");
+    assert_eq!(
+        fast.complete(&c.key, &c.token, &first, keep())
+            .await
+            .unwrap(),
+        Fence::Held
+    );
+    let hits = snapshot(&counters).0;
+    let cached = existing(fast.claim(&again(&c)).await.unwrap());
+    assert_eq!(body_of(&cached), "first execution");
+    assert_eq!(snapshot(&counters).0, hits + 1, "served from Redis");
+
+    redis.pause();
+    let deleted = fast.delete(&c.key).await;
+    assert!(
+        matches!(&deleted, Err(StoreError::StaleCopy { .. })),
+        "a delete Redis did not hear of must not report success: {deleted:?}"
+    );
+    assert_eq!(pg.get(&c.key).await.unwrap(), None, "deleted in PostgreSQL");
+    // The retry runs again, decided by PostgreSQL alone.
+    let retry = again(&c);
+    assert!(claimed(&fast.claim(&retry).await.unwrap()));
+    let second = completion_with("second execution");
+    assert_eq!(
+        fast.complete(&retry.key, &retry.token, &second, keep())
+            .await
+            .unwrap(),
+        Fence::Held
+    );
+    redis.resume();
+
+    // From the moment Redis is back, and for good: only the new response.
+    let deadline = Instant::now() + Duration::from_secs(4);
+    while Instant::now() < deadline {
+        let found = existing(fast.claim(&again(&c)).await.unwrap());
+        assert_eq!(body_of(&found), "second execution");
+        sleep_ms(50).await;
+    }
+    let hits = snapshot(&counters).0;
+    assert_eq!(
+        body_of(&existing(fast.claim(&again(&c)).await.unwrap())),
+        "second execution"
+    );
+    assert_eq!(snapshot(&counters).0, hits + 1, "and Redis serves it again");
+    drop_schema(&database_url(), &schema).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_outage_falls_back_to_postgres_and_recovers() {
     let schema = unique_schema("t");
