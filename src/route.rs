@@ -7,6 +7,7 @@
 //! pattern match wins. A route's settings ([`RouteConfig`]) are resolved by
 //! `config`, which depends on this module and never the other way round.
 
+use crate::idempotency::decision::ReleaseStatuses;
 use http::{HeaderName, Method};
 use serde::Deserialize;
 use std::fmt;
@@ -33,6 +34,8 @@ pub struct RouteConfig {
     pub include_response_headers: Vec<HeaderName>,
     pub exclude_response_headers: Vec<HeaderName>,
     pub on_store_error: OnStoreError,
+    /// Upstream answers that release the key instead of being stored.
+    pub release_statuses: ReleaseStatuses,
 }
 
 /// What a protected route does when the store cannot answer.

@@ -150,6 +150,11 @@ impl Defaults {
                 .on_store_error
                 .or(defaults.on_store_error)
                 .unwrap_or(OnStoreError::Reject),
+            release_statuses: r
+                .release_statuses
+                .or_else(|| defaults.release_statuses.clone())
+                .map(|v| v.0)
+                .unwrap_or_default(),
         })
     }
 }
@@ -166,7 +171,7 @@ impl fmt::Display for RoutesDisplay<'_> {
         for r in self.0.iter() {
             writeln!(
                 f,
-                "  #{} {} {}  key={} required={} scope={} ttl={} lease={} max_request_body={} max_response_body={} on_store_error={}",
+                "  #{} {} {}  key={} required={} scope={} ttl={} lease={} max_request_body={} max_response_body={} on_store_error={} release={}",
                 r.index,
                 join_methods(&r.methods),
                 r.path,
@@ -181,6 +186,7 @@ impl fmt::Display for RoutesDisplay<'_> {
                     OnStoreError::Reject => "reject",
                     OnStoreError::Forward => "forward",
                 },
+                r.release_statuses,
             )?;
         }
         Ok(())

@@ -1,4 +1,5 @@
 use super::*;
+use crate::idempotency::decision::ReleaseStatuses;
 use std::path::PathBuf;
 
 const MINIMAL: &str = "[server]\nupstream = \"http://127.0.0.1:3000\"\n";
@@ -40,6 +41,7 @@ fn shipped_example_parses_and_uses_every_default() {
     assert_eq!(r.max_response_body, DEFAULT_MAX_RESPONSE_BODY);
     assert!(r.require_key);
     assert_eq!(r.on_store_error, OnStoreError::Reject);
+    assert_eq!(r.release_statuses, ReleaseStatuses::default());
     assert_eq!(routes[1].ttl, Duration::from_secs(48 * 3600));
 }
 
@@ -69,6 +71,27 @@ fn defaults_apply_to_routes_and_routes_override_them() {
         (r[1].ttl, r[1].require_key),
         (Duration::from_secs(3 * 3600), true)
     );
+}
+
+#[test]
+fn release_statuses_come_from_defaults_and_a_route_replaces_them() {
+    let text = format!(
+        "{MINIMAL}[defaults]\nrelease_statuses = [\"429\", \"5xx\"]\n\
+         [[route]]\nmethods = [\"POST\"]\npath = \"/a\"\n\
+         [[route]]\nmethods = [\"POST\"]\npath = \"/b\"\nrelease_statuses = [\"5xx\"]\n\
+         [[route]]\nmethods = [\"POST\"]\npath = \"/c\"\nrelease_statuses = []\n"
+    );
+    let cfg = parse(&text).unwrap();
+    let shown: Vec<String> = cfg
+        .routes
+        .iter()
+        .map(|r| r.release_statuses.to_string())
+        .collect();
+    assert_eq!(shown, ["429,5xx", "5xx", "none"]);
+    let printed = cfg.to_string();
+    assert!(printed.contains("release=429,5xx"), "{printed}");
+    let default = parse(&with_route("")).unwrap();
+    assert!(default.to_string().contains("release=408,425,429,5xx"));
 }
 
 /// Each bad input names the file and the field or line.
@@ -165,6 +188,34 @@ fn errors_name_file_line_and_field() {
         (
             &format!("{MINIMAL}[log]\nformat = \"xml\"\n"),
             &["line 4", "xml"],
+        ),
+        (
+            &with_route("release_statuses = [\"429\", \"2xx\"]\n"),
+            &["test.toml", "line 6", "release_statuses", "2xx", "executed"],
+        ),
+        (
+            &with_route("release_statuses = [\"201\"]\n"),
+            &["line 6", "release_statuses", "2xx answer", "run it again"],
+        ),
+        (
+            &with_route("release_statuses = [\"5XX\"]\n"),
+            &["line 6", "release_statuses", "expected a status"],
+        ),
+        (
+            &with_route("release_statuses = [429]\n"),
+            &["line 6", "release_statuses", "\"429\""],
+        ),
+        (
+            &with_route("release_statuses = \"5xx\"\n"),
+            &["line 6", "release_statuses"],
+        ),
+        (
+            &with_route("release_statuses = [\"5xx\", \"503\"]\n"),
+            &["line 6", "release_statuses", "overlap"],
+        ),
+        (
+            &format!("{MINIMAL}[defaults]\nrelease_statuses = [\"3xx\"]\n"),
+            &["line 4", "release_statuses", "3xx"],
         ),
         ("[server\n", &["test.toml", "line 1"]),
     ];

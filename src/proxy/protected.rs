@@ -229,7 +229,7 @@ impl Proxy {
             Ok(resp) => resp,
             Err(e) => return Err(forward_error(e, lease.release().await)),
         };
-        match settle(resp.status().as_u16()) {
+        match settle(resp.status().as_u16(), &route.release_statuses) {
             Settlement::Release => {
                 lease.release().await;
                 Ok((Outcome::UpstreamError, resp.map(boxed)))
