@@ -27,7 +27,9 @@ pub struct RouteConfig {
     pub require_key: bool,
     pub ttl: Duration,
     pub lease: Duration,
-    pub scope_header: HeaderName,
+    /// Keys are unique per combination of these headers' values, in this
+    /// order (the credential, then any tenant header); never empty.
+    pub scope_headers: Vec<HeaderName>,
     pub fingerprint_headers: Vec<HeaderName>,
     pub max_request_body: u64,
     pub max_response_body: u64,
@@ -36,6 +38,18 @@ pub struct RouteConfig {
     pub on_store_error: OnStoreError,
     /// Upstream answers that release the key instead of being stored.
     pub release_statuses: ReleaseStatuses,
+}
+
+impl RouteConfig {
+    /// The scope headers as `check-config` prints them, for messages:
+    /// `authorization,stripe-account`.
+    pub fn scope_label(&self) -> String {
+        self.scope_headers
+            .iter()
+            .map(HeaderName::as_str)
+            .collect::<Vec<_>>()
+            .join(",")
+    }
 }
 
 /// What a protected route does when the store cannot answer.

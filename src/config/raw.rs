@@ -117,6 +117,8 @@ pub(super) struct RawRouteSettings {
     pub(super) ttl: Option<HumanDuration>,
     pub(super) lease: Option<HumanDuration>,
     pub(super) scope_header: Option<HeaderNameValue>,
+    /// Spanned: setting it beside `scope_header` is reported at its line.
+    pub(super) scope_headers: Option<Spanned<ScopeHeadersValue>>,
     pub(super) fingerprint_headers: Option<Vec<HeaderNameValue>>,
     pub(super) max_request_body: Option<ByteSize>,
     pub(super) max_response_body: Option<ByteSize>,
@@ -247,5 +249,33 @@ impl<'de> Deserialize<'de> for StatusEntryValue {
             }
         }
         d.deserialize_any(V)
+    }
+}
+
+/// `scope_headers`: at least one header, none twice.
+#[derive(Clone, Debug)]
+pub(super) struct ScopeHeadersValue(pub(super) Vec<HeaderName>);
+
+impl<'de> Deserialize<'de> for ScopeHeadersValue {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let names: Vec<HeaderName> = Vec::<HeaderNameValue>::deserialize(d)?
+            .into_iter()
+            .map(|h| h.0)
+            .collect();
+        if names.is_empty() {
+            return Err(de::Error::custom(
+                "scope_headers must list at least one header, the credential (e.g. [\"Authorization\"])",
+            ));
+        }
+        if let Some((_, twice)) = names
+            .iter()
+            .enumerate()
+            .find(|(i, n)| names[..*i].contains(n))
+        {
+            return Err(de::Error::custom(format!(
+                "scope_headers: {twice:?} is listed twice"
+            )));
+        }
+        Ok(ScopeHeadersValue(names))
     }
 }

@@ -36,7 +36,7 @@ fn shipped_example_parses_and_uses_every_default() {
     assert_eq!(r.ttl, DEFAULT_TTL);
     assert_eq!(r.lease, DEFAULT_LEASE);
     assert_eq!(r.key_header.as_str(), "idempotency-key");
-    assert_eq!(r.scope_header.as_str(), "authorization");
+    assert_eq!(r.scope_headers, [http::header::AUTHORIZATION]);
     assert_eq!(r.max_request_body, DEFAULT_MAX_REQUEST_BODY);
     assert_eq!(r.max_response_body, DEFAULT_MAX_RESPONSE_BODY);
     assert!(r.require_key);
@@ -92,6 +92,39 @@ fn release_statuses_come_from_defaults_and_a_route_replaces_them() {
     assert!(printed.contains("release=429,5xx"), "{printed}");
     let default = parse(&with_route("")).unwrap();
     assert!(default.to_string().contains("release=408,425,429,5xx"));
+}
+
+#[test]
+fn scope_headers_list_several_and_scope_header_is_the_one_header_form() {
+    let text = format!(
+        "{MINIMAL}[defaults]\nscope_headers = [\"Authorization\", \"Stripe-Account\"]\n\
+         [[route]]\nmethods = [\"POST\"]\npath = \"/a\"\n\
+         [[route]]\nmethods = [\"POST\"]\npath = \"/b\"\nscope_header = \"X-Api-Key\"\n\
+         [[route]]\nmethods = [\"POST\"]\npath = \"/c\"\nscope_headers = [\"X-Tenant-Id\", \"Authorization\"]\n"
+    );
+    let cfg = parse(&text).unwrap();
+    let lists: Vec<Vec<&str>> = cfg
+        .routes
+        .iter()
+        .map(|r| r.scope_headers.iter().map(|h| h.as_str()).collect())
+        .collect();
+    assert_eq!(
+        lists,
+        [
+            vec!["authorization", "stripe-account"],
+            vec!["x-api-key"],
+            vec!["x-tenant-id", "authorization"],
+        ]
+    );
+    let printed = cfg.to_string();
+    assert!(
+        printed.contains("scope=authorization,stripe-account "),
+        "{printed}"
+    );
+    let one = parse(&with_route("scope_headers = [\"Authorization\"]\n")).unwrap();
+    let default = parse(&with_route("")).unwrap();
+    let scopes = |c: &Config| c.routes.iter().next().unwrap().scope_headers.clone();
+    assert_eq!(scopes(&one), scopes(&default));
 }
 
 /// Each bad input names the file and the field or line.
@@ -216,6 +249,28 @@ fn errors_name_file_line_and_field() {
         (
             &format!("{MINIMAL}[defaults]\nrelease_statuses = [\"3xx\"]\n"),
             &["line 4", "release_statuses", "3xx"],
+        ),
+        (
+            &with_route("scope_header = \"Authorization\"\nscope_headers = [\"X-Tenant-Id\"]\n"),
+            &["test.toml", "line 3", "route #1", "not both"],
+        ),
+        (
+            &format!(
+                "{MINIMAL}[defaults]\nscope_header = \"Authorization\"\nscope_headers = [\"Authorization\"]\n"
+            ),
+            &["test.toml", "line 5", "defaults", "not both"],
+        ),
+        (
+            &with_route("scope_headers = []\n"),
+            &["line 6", "at least one header"],
+        ),
+        (
+            &with_route("scope_headers = [\"Authorization\", \"authorization\"]\n"),
+            &["line 6", "\"authorization\" is listed twice"],
+        ),
+        (
+            &with_route("scope_headers = [\"Authorization\", \"bad header\"]\n"),
+            &["line 6", "invalid header name"],
         ),
         ("[server\n", &["test.toml", "line 1"]),
     ];

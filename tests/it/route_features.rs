@@ -1,8 +1,12 @@
 //! Route settings that decide what is stored and who shares a key:
-//! `release_statuses` (which answers mean "not executed") and, on every
-//! backend, the regressions they pin.
+//! `release_statuses` (which answers mean "not executed") and
+//! `scope_headers` (the credential plus a tenant header), with the
+//! regressions they pin, on every backend; and the `keys` commands naming
+//! a scope of several headers.
 
-use crate::support::{backend_tests, Backend, Proxy, ORDERS};
+use crate::support::{
+    backend_tests, run_to_completion, Backend, Proxy, Route, TestConfig, Upstream, ORDERS,
+};
 use http::{Request, Response};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
@@ -21,6 +25,8 @@ use tokio::task::JoinHandle;
 backend_tests!(
     rate_limited_answer_releases_the_key_so_the_retry_executes,
     a_route_that_releases_only_5xx_stores_and_replays_a_429,
+    a_tenant_header_in_scope_headers_keeps_tenants_of_one_api_key_apart,
+    with_only_the_credential_as_scope_tenants_of_one_api_key_share_keys,
 );
 
 const BODY: &str = r#"{"item":"book","qty":1}"#;
@@ -72,6 +78,132 @@ async fn a_route_that_releases_only_5xx_stores_and_replays_a_429(backend: Backen
     assert_eq!(again.header("retry-after"), Some("1"));
     assert_eq!(again.body, limited.body);
     assert_eq!(up.hits(), 1);
+}
+
+const PLATFORM_KEY: &str = "Bearer sk_platform";
+
+/// `POST /orders` scoped by `Authorization` and `Stripe-Account`.
+fn tenant_scoped_orders() -> Route {
+    Route::post(ORDERS).set("scope_headers", vec!["Authorization", "Stripe-Account"])
+}
+
+/// Pins: two connected accounts under one platform API key (the same
+/// `Authorization`, a different `Stripe-Account`) sending the same key and
+/// body: account B was served account A's response as a replay (issue 8,
+/// defect 6). Each is its own execution with its own response.
+async fn a_tenant_header_in_scope_headers_keeps_tenants_of_one_api_key_apart(backend: Backend) {
+    let up = Upstream::start().await;
+    let proxy = Proxy::builder(backend, up.addr)
+        .routes(vec![tenant_scoped_orders()])
+        .start()
+        .await;
+    let order = |account: Option<&str>| {
+        let req = proxy
+            .post(ORDERS)
+            .header("authorization", PLATFORM_KEY)
+            .key("k-tenant")
+            .body(BODY);
+        match account {
+            Some(a) => req.header("stripe-account", a),
+            None => req,
+        }
+    };
+    let a = order(Some("acct_A")).send().await;
+    let b = order(Some("acct_B")).send().await;
+    let platform = order(None).send().await;
+    for (resp, hit) in [(&a, 1), (&b, 2), (&platform, 3)] {
+        assert_eq!(resp.status(), 201, "{}", resp.text());
+        assert!(!resp.replayed(), "hit {hit} was replayed");
+        assert_eq!(resp.json()["hits"], hit);
+    }
+    // Each retry replays its own tenant's response.
+    for (account, first) in [("acct_A", &a), ("acct_B", &b)] {
+        let again = order(Some(account)).send().await;
+        assert!(again.replayed());
+        assert_eq!(again.body, first.body, "{account}");
+    }
+    assert_eq!(up.hits(ORDERS), 3);
+}
+
+/// Why `scope_headers` exists: scoped by the credential alone, the second
+/// tenant of one API key is served the first tenant's response.
+async fn with_only_the_credential_as_scope_tenants_of_one_api_key_share_keys(backend: Backend) {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start(backend, up.addr).await;
+    let order = |account: &str| {
+        proxy
+            .post(ORDERS)
+            .header("authorization", PLATFORM_KEY)
+            .header("stripe-account", account)
+            .key("k-tenant")
+            .body(BODY)
+    };
+    let a = order("acct_A").send().await;
+    assert_eq!(a.status(), 201);
+    let b = order("acct_B").send().await;
+    assert!(b.replayed(), "one scope: acct_B gets acct_A's response");
+    assert_eq!(b.body, a.body);
+    assert_eq!(up.hits(ORDERS), 1);
+}
+
+/// `keys show` and `keys delete` name a scope of several headers with
+/// repeated `--scope-header NAME=VALUE`, as the proxy derives it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_commands_name_a_scope_of_several_headers() {
+    let up = Upstream::start().await;
+    let dir = tempfile::TempDir::new().unwrap();
+    let db = dir.path().join("idemgate.db");
+    let proxy = Proxy::builder(Backend::Sqlite, up.addr)
+        .sqlite_file(&db)
+        .routes(vec![tenant_scoped_orders()])
+        .start()
+        .await;
+    let config = dir.path().join("idemgate.toml");
+    TestConfig::new(up.addr)
+        .set("store.backend", "sqlite")
+        .set("store.path", db.display().to_string())
+        .route(tenant_scoped_orders())
+        .write(&config);
+    let order = || {
+        proxy
+            .post(ORDERS)
+            .header("authorization", PLATFORM_KEY)
+            .header("stripe-account", "acct_B")
+            .key("k-ops")
+            .body(BODY)
+    };
+    assert_eq!(order().send().await.status(), 201);
+    let keys = |command: &'static str, account: &'static str| {
+        let config = config.to_str().unwrap().to_string();
+        async move {
+            let auth = format!("Authorization={PLATFORM_KEY}");
+            let account = format!("Stripe-Account={account}");
+            let args = [
+                "keys",
+                "--config",
+                &config,
+                command,
+                "--scope-header",
+                &account,
+                "--scope-header",
+                &auth,
+                "k-ops",
+            ];
+            let run = run_to_completion(&args, &[]).await;
+            assert_eq!(run.code, 0, "{}{}", run.stdout, run.stderr);
+            run.stdout
+        }
+    };
+    let shown = keys("show", "acct_B").await;
+    assert!(shown.contains("state        completed"), "{shown}");
+    assert!(!shown.contains("sk_platform"), "{shown}");
+    let other = keys("show", "acct_A").await;
+    assert!(other.starts_with("no record"), "{other}");
+    let deleted = keys("delete", "acct_B").await;
+    assert!(deleted.starts_with("deleted key id "), "{deleted}");
+    let rerun = order().send().await;
+    assert!(!rerun.replayed(), "the deleted key executes as new");
+    assert_eq!(up.hits(ORDERS), 2);
 }
 
 // ===== an upstream with scripted answers =====
