@@ -34,7 +34,7 @@ use units::HumanDuration;
 
 pub use log::{LogConfig, LogFormat};
 // Other modules still name these through `config`; they live in `route`.
-pub use crate::route::{OnStoreError, RouteConfig};
+pub use crate::route::{OnAmbiguous, OnStoreError, RouteConfig};
 pub use server::{AdminConfig, ServerConfig};
 pub use store::{Backend, RedisConfig, SqliteSync, StoreConfig};
 

@@ -38,6 +38,8 @@ pub struct RouteConfig {
     pub on_store_error: OnStoreError,
     /// Upstream answers that release the key instead of being stored.
     pub release_statuses: ReleaseStatuses,
+    /// What a request whose outcome is unknown does to its key.
+    pub on_ambiguous: OnAmbiguous,
 }
 
 impl RouteConfig {
@@ -60,6 +62,30 @@ pub enum OnStoreError {
     Reject,
     /// Forward without protection; for routes where availability wins.
     Forward,
+}
+
+/// What a route does with a key when the upstream's outcome is unknown: a
+/// timeout or reset after the request was sent (README "Ambiguous
+/// outcomes"). A refused connection sent nothing, so it always releases.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnAmbiguous {
+    /// Release the key: a retry runs again (at least once).
+    #[default]
+    Release,
+    /// Keep the key as outcome-unknown until an operator resolves it: no
+    /// retry runs (at most once; for payments and the like).
+    Keep,
+}
+
+impl OnAmbiguous {
+    /// As the config writes it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OnAmbiguous::Release => "release",
+            OnAmbiguous::Keep => "keep",
+        }
+    }
 }
 
 /// A parsed path pattern.

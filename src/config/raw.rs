@@ -6,7 +6,7 @@
 //! `store.rs`, `log.rs`, `routes.rs`).
 
 use super::units::{ByteSize, HumanDuration};
-use super::{Backend, LogFormat, OnStoreError, SqliteSync};
+use super::{Backend, LogFormat, OnAmbiguous, OnStoreError, SqliteSync};
 use crate::idempotency::decision::{ReleaseStatuses, StatusEntry};
 use crate::route::PathPattern;
 use http::{HeaderName, Method, Uri};
@@ -126,6 +126,7 @@ pub(super) struct RawRouteSettings {
     pub(super) exclude_response_headers: Option<Vec<HeaderNameValue>>,
     pub(super) on_store_error: Option<OnStoreError>,
     pub(super) release_statuses: Option<ReleaseStatusesValue>,
+    pub(super) on_ambiguous: Option<OnAmbiguous>,
 }
 
 // ===== value types that validate while parsing =====

@@ -182,6 +182,7 @@ impl Defaults {
                 .or_else(|| defaults.release_statuses.clone())
                 .map(|v| v.0)
                 .unwrap_or_default(),
+            on_ambiguous: r.on_ambiguous.or(defaults.on_ambiguous).unwrap_or_default(),
         })
     }
 }
@@ -198,7 +199,7 @@ impl fmt::Display for RoutesDisplay<'_> {
         for r in self.0.iter() {
             writeln!(
                 f,
-                "  #{} {} {}  key={} required={} scope={} ttl={} lease={} max_request_body={} max_response_body={} on_store_error={} release={}",
+                "  #{} {} {}  key={} required={} scope={} ttl={} lease={} max_request_body={} max_response_body={} on_store_error={} release={} on_ambiguous={}",
                 r.index,
                 join_methods(&r.methods),
                 r.path,
@@ -214,6 +215,7 @@ impl fmt::Display for RoutesDisplay<'_> {
                     OnStoreError::Forward => "forward",
                 },
                 r.release_statuses,
+                r.on_ambiguous.as_str(),
             )?;
         }
         Ok(())

@@ -42,6 +42,7 @@ fn shipped_example_parses_and_uses_every_default() {
     assert!(r.require_key);
     assert_eq!(r.on_store_error, OnStoreError::Reject);
     assert_eq!(r.release_statuses, ReleaseStatuses::default());
+    assert_eq!(r.on_ambiguous, OnAmbiguous::Release);
     assert_eq!(routes[1].ttl, Duration::from_secs(48 * 3600));
 }
 
@@ -125,6 +126,24 @@ fn scope_headers_list_several_and_scope_header_is_the_one_header_form() {
     let default = parse(&with_route("")).unwrap();
     let scopes = |c: &Config| c.routes.iter().next().unwrap().scope_headers.clone();
     assert_eq!(scopes(&one), scopes(&default));
+}
+
+#[test]
+fn on_ambiguous_defaults_to_release_and_routes_may_keep() {
+    let text = format!(
+        "{MINIMAL}[defaults]\non_ambiguous = \"keep\"\n\
+         [[route]]\nmethods = [\"POST\"]\npath = \"/payments\"\n\
+         [[route]]\nmethods = [\"POST\"]\npath = \"/emails\"\non_ambiguous = \"release\"\n"
+    );
+    let cfg = parse(&text).unwrap();
+    let set: Vec<OnAmbiguous> = cfg.routes.iter().map(|r| r.on_ambiguous).collect();
+    assert_eq!(set, [OnAmbiguous::Keep, OnAmbiguous::Release]);
+    let printed = cfg.to_string();
+    assert!(printed.contains("on_ambiguous=keep"), "{printed}");
+    assert!(printed.contains("on_ambiguous=release"), "{printed}");
+    let default = parse(&with_route("")).unwrap();
+    let route = default.routes.iter().next().unwrap();
+    assert_eq!(route.on_ambiguous, OnAmbiguous::Release);
 }
 
 /// Each bad input names the file and the field or line.
@@ -271,6 +290,14 @@ fn errors_name_file_line_and_field() {
         (
             &with_route("scope_headers = [\"Authorization\", \"bad header\"]\n"),
             &["line 6", "invalid header name"],
+        ),
+        (
+            &with_route("on_ambiguous = \"retry\"\n"),
+            &["test.toml", "line 6", "on_ambiguous", "release", "keep"],
+        ),
+        (
+            &format!("{MINIMAL}[defaults]\non_ambiguous = true\n"),
+            &["line 4", "on_ambiguous"],
         ),
         ("[server\n", &["test.toml", "line 1"]),
     ];
