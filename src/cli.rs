@@ -57,17 +57,37 @@ pub enum Command {
     },
 }
 
-/// Which scope a key belongs to (exactly one).
+/// Which scope a key belongs to.
+#[derive(Debug, clap::Args)]
+pub struct ScopeArgs {
+    #[command(flatten)]
+    pub named: ScopeNamed,
+    /// With --scope-header: the route whose scope headers give their order
+    /// (#N as check-config lists it); needed only when routes that list
+    /// these headers would derive different scopes from them.
+    #[arg(long, value_name = "N", conflicts_with_all = ["scope_header_value", "scope", "anonymous"])]
+    pub route: Option<usize>,
+}
+
+/// The scope, named one way (exactly one).
 #[derive(Debug, clap::Args)]
 #[group(required = true, multiple = false)]
-pub struct ScopeArgs {
-    /// The scope header's value as the client sent it (e.g. "Bearer abc").
+pub struct ScopeNamed {
+    /// The scope header's value as the client sent it (e.g. "Bearer abc"),
+    /// for a route with one scope header (or a request that sent only the
+    /// first of several).
     #[arg(long)]
     pub scope_header_value: Option<String>,
+    /// For a route with several scope headers: one header the client sent,
+    /// as NAME=VALUE (e.g. Stripe-Account=acct_1). Repeat it for each
+    /// header sent, and for each value of a repeated one; a header left
+    /// out was absent. The config's routes give the order.
+    #[arg(long, value_name = "NAME=VALUE")]
+    pub scope_header: Vec<crate::keys::ScopeHeader>,
     /// The scope's hash, as printed by `keys show`.
     #[arg(long)]
     pub scope: Option<String>,
-    /// Requests that carried no scope header.
+    /// Requests that carried none of the scope headers.
     #[arg(long)]
     pub anonymous: bool,
 }
@@ -75,9 +95,14 @@ pub struct ScopeArgs {
 impl ScopeArgs {
     pub fn to_arg(&self) -> crate::keys::ScopeArg {
         use crate::keys::ScopeArg;
-        match (&self.scope_header_value, &self.scope) {
+        let named = &self.named;
+        match (&named.scope_header_value, &named.scope) {
             (Some(v), _) => ScopeArg::HeaderValue(v.clone()),
             (None, Some(h)) => ScopeArg::Hash(h.clone()),
+            (None, None) if !named.scope_header.is_empty() => ScopeArg::Headers {
+                sent: named.scope_header.clone(),
+                route: self.route,
+            },
             (None, None) => ScopeArg::Anonymous,
         }
     }
@@ -100,4 +125,58 @@ pub enum KeysCommand {
     },
     /// Delete every expired record now.
     PurgeExpired,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::keys::ScopeArg;
+
+    fn scope_of(args: &[&str]) -> Result<ScopeArg, clap::Error> {
+        let all = [&["idemgate", "keys", "show"], args, &["k"]].concat();
+        match Cli::try_parse_from(all)?.command {
+            Command::Keys {
+                command: KeysCommand::Show { scope, .. },
+                ..
+            } => Ok(scope.to_arg()),
+            other => panic!("parsed as {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_scope_is_named_exactly_one_way() {
+        let value = scope_of(&["--scope-header-value", "Bearer a=="]).unwrap();
+        assert!(matches!(value, ScopeArg::HeaderValue(v) if v == "Bearer a=="));
+        let several = scope_of(&[
+            "--scope-header",
+            "Authorization=Bearer a",
+            "--scope-header",
+            "Stripe-Account=acct_1",
+            "--route",
+            "2",
+        ])
+        .unwrap();
+        match several {
+            ScopeArg::Headers { sent, route } => {
+                let names: Vec<&str> = sent.iter().map(|h| h.name.as_str()).collect();
+                assert_eq!(names, ["authorization", "stripe-account"]);
+                assert_eq!(route, Some(2));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            scope_of(&["--anonymous"]).unwrap(),
+            ScopeArg::Anonymous
+        ));
+        for bad in [
+            &[][..],
+            &["--anonymous", "--scope-header", "A=b"],
+            &["--scope-header-value", "x", "--scope", "ab"],
+            &["--route", "2", "--anonymous"],
+            &["--route", "2"],
+            &["--scope-header", "no-equals-sign"],
+        ] {
+            assert!(scope_of(bad).is_err(), "{bad:?} should be refused");
+        }
+    }
 }

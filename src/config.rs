@@ -34,7 +34,7 @@ use units::HumanDuration;
 
 pub use log::{LogConfig, LogFormat};
 // Other modules still name these through `config`; they live in `route`.
-pub use crate::route::{OnStoreError, RouteConfig};
+pub use crate::route::{OnAmbiguous, OnStoreError, RouteConfig};
 pub use server::{AdminConfig, ServerConfig};
 pub use store::{Backend, RedisConfig, SqliteSync, StoreConfig};
 
@@ -72,7 +72,9 @@ pub const DEFAULT_PG_STATEMENT_TIMEOUT: Duration = Duration::from_secs(2);
 pub const DEFAULT_REDIS_TIMEOUT: Duration = Duration::from_millis(250);
 pub const DEFAULT_REDIS_PREFIX: &str = "idemgate";
 pub const DEFAULT_KEY_HEADER: &str = "Idempotency-Key";
-pub const DEFAULT_SCOPE_HEADER: &str = "Authorization";
+/// The credential: enough where one credential is one client. Routes of
+/// APIs that carry a tenant in a second header list it too (`scope_headers`).
+pub const DEFAULT_SCOPE_HEADER: http::HeaderName = http::header::AUTHORIZATION;
 /// Stripe's retention; long enough for a client's retries over a day.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 3600);
 /// Renewed every third of itself while the upstream runs, so this only bounds

@@ -5,26 +5,37 @@
 //! as printed by `show`, or `--anonymous` for requests without the header.
 
 use crate::clock::Clock;
-use crate::config::Config;
+use crate::config::{Config, RouteConfig, Secret};
 use crate::idempotency::{IdempotencyKey, RecordKey, Scope};
 use crate::store::{Record, RecordState, Store, StoreError, UnixMillis};
 use anyhow::Context;
-use std::fmt::Write;
+use http::HeaderName;
+use std::fmt::{self, Write};
+use std::str::FromStr;
 use std::time::{Duration, UNIX_EPOCH};
 
 /// How the operator named the scope.
 #[derive(Clone, Debug)]
 pub enum ScopeArg {
+    /// The value of a route's only (or first) scope header.
     HeaderValue(String),
+    /// The scope headers a client sent; `route` picks whose order applies.
+    Headers {
+        sent: Vec<ScopeHeader>,
+        route: Option<usize>,
+    },
     Hash(String),
     Anonymous,
 }
 
 impl ScopeArg {
-    /// `secret` must be the proxy's `IDEMGATE_SCOPE_SECRET`, if it has one.
-    pub fn resolve(&self, secret: Option<&[u8]>) -> Result<Scope, String> {
+    /// The scope as the proxy running on `config` derives it (with its
+    /// `IDEMGATE_SCOPE_SECRET`, and its routes' scope headers).
+    pub fn resolve(&self, config: &Config) -> Result<Scope, String> {
+        let secret = config.scope_secret.as_ref().map(Secret::expose);
         match self {
             ScopeArg::HeaderValue(v) => Ok(Scope::derive(Some(v.as_bytes()), secret)),
+            ScopeArg::Headers { sent, route } => scope_of_headers(sent, *route, config),
             ScopeArg::Anonymous => Ok(Scope::derive(None, secret)),
             ScopeArg::Hash(h) => {
                 let bytes = hex::decode(h.trim())
@@ -38,10 +49,111 @@ impl ScopeArg {
     }
 }
 
-/// The record key for `key` in `scope`.
-pub fn record_key(key: &str, scope: &ScopeArg, secret: Option<&[u8]>) -> Result<RecordKey, String> {
+/// One `--scope-header NAME=VALUE`.
+#[derive(Clone)]
+pub struct ScopeHeader {
+    pub name: HeaderName,
+    pub value: String,
+}
+
+impl FromStr for ScopeHeader {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        // A header name holds no '=', so the first one ends it.
+        let (name, value) = s
+            .split_once('=')
+            .ok_or_else(|| "expected NAME=VALUE, e.g. Stripe-Account=acct_1".to_string())?;
+        let name = HeaderName::from_bytes(name.as_bytes())
+            .map_err(|_| format!("{name:?} is not a header name"))?;
+        Ok(Self {
+            name,
+            value: value.to_string(),
+        })
+    }
+}
+
+/// The value is a credential: never printed.
+impl fmt::Debug for ScopeHeader {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ScopeHeader({}=..)", self.name)
+    }
+}
+
+/// The scope of the headers a client `sent`, in the order of the routes
+/// that list them all (or of route #`route`). Routes that would derive
+/// different scopes from them are an error asking for `--route`.
+fn scope_of_headers(
+    sent: &[ScopeHeader],
+    route: Option<usize>,
+    config: &Config,
+) -> Result<Scope, String> {
+    let secret = config.scope_secret.as_ref().map(Secret::expose);
+    let mut names: Vec<&str> = Vec::new();
+    for h in sent {
+        if !names.contains(&h.name.as_str()) {
+            names.push(h.name.as_str());
+        }
+    }
+    let names = names.join(", ");
+    let fits = |r: &RouteConfig| sent.iter().all(|h| r.scope_headers.contains(&h.name));
+    let candidates: Vec<&RouteConfig> = match route {
+        Some(n) => {
+            let r = config.routes.iter().find(|r| r.index == n).ok_or_else(|| {
+                format!("--route {n}: the config has no route #{n} (check-config lists them)")
+            })?;
+            if !fits(r) {
+                return Err(format!(
+                    "route #{n} scopes keys by {}, not by all of {names}",
+                    r.scope_label()
+                ));
+            }
+            vec![r.as_ref()]
+        }
+        None => config
+            .routes
+            .iter()
+            .map(|r| r.as_ref())
+            .filter(|r| fits(r))
+            .collect(),
+    };
+    let mut found: Vec<(Scope, &RouteConfig)> = Vec::new();
+    for r in candidates {
+        let values: Vec<Vec<&[u8]>> = r
+            .scope_headers
+            .iter()
+            .map(|name| {
+                sent.iter()
+                    .filter(|h| h.name == *name)
+                    .map(|h| h.value.as_bytes())
+                    .collect()
+            })
+            .collect();
+        let scope = Scope::of_values(&values, secret);
+        if !found.iter().any(|(s, _)| *s == scope) {
+            found.push((scope, r));
+        }
+    }
+    match found.as_slice() {
+        [(scope, _)] => Ok(*scope),
+        [] => Err(format!(
+            "no route scopes keys by all of {names} (check-config prints each route's scope=)"
+        )),
+        several => Err(format!(
+            "routes {} derive different scopes from {names}: add --route N",
+            several
+                .iter()
+                .map(|(_, r)| format!("#{} (scope={})", r.index, r.scope_label()))
+                .collect::<Vec<_>>()
+                .join(" and ")
+        )),
+    }
+}
+
+/// The record key for `key` in `scope`, on the proxy that runs `config`.
+pub fn record_key(key: &str, scope: &ScopeArg, config: &Config) -> Result<RecordKey, String> {
     let key = IdempotencyKey::parse(key.as_bytes()).map_err(|e| format!("invalid key: {e}"))?;
-    Ok(RecordKey::new(scope.resolve(secret)?, &key))
+    Ok(RecordKey::new(scope.resolve(config)?, &key))
 }
 
 /// Human-readable description of a record (or of its absence).
@@ -192,8 +304,9 @@ mod tests {
     async fn show_delete_and_purge_work_on_a_store() {
         let store = MemoryStore::new();
         let scope = ScopeArg::HeaderValue("Bearer t".into());
-        let key = record_key("\"k-1\"", &scope, None).unwrap();
-        assert_eq!(key, record_key("k-1", &scope, None).unwrap());
+        let config = config(&[]);
+        let key = record_key("\"k-1\"", &scope, &config).unwrap();
+        assert_eq!(key, record_key("k-1", &scope, &config).unwrap());
         let token = LeaseToken::random();
         let clock = Clock::system();
         let now = clock.now_millis();
@@ -238,10 +351,129 @@ mod tests {
         assert_eq!(purge_expired(&store, 10, &clock).await.unwrap(), 0);
     }
 
+    const SECRET: &str = "a-long-enough-secret";
+
+    /// A config with a scope secret and one `POST` route per list of scope
+    /// headers, on `/r1`, `/r2`, ...
+    fn config(scopes: &[&str]) -> Config {
+        let mut text = "[server]\nupstream = \"http://127.0.0.1:1\"\n".to_string();
+        for (i, headers) in scopes.iter().enumerate() {
+            text += &format!(
+                "[[route]]\nmethods = [\"POST\"]\npath = \"/r{}\"\nscope_headers = {headers}\n",
+                i + 1
+            );
+        }
+        let env = [("IDEMGATE_SCOPE_SECRET".to_string(), SECRET.to_string())].into();
+        Config::parse_with_env(&text, "t.toml", &env).unwrap()
+    }
+
+    fn headers(sent: &[&str], route: Option<usize>) -> ScopeArg {
+        ScopeArg::Headers {
+            sent: sent.iter().map(|h| h.parse().unwrap()).collect(),
+            route,
+        }
+    }
+
+    /// The scope the proxy derives for a request with these headers on
+    /// route #`index`.
+    fn proxy_scope(config: &Config, index: usize, sent: &[(&str, &str)]) -> Scope {
+        let route = config.routes.iter().find(|r| r.index == index).unwrap();
+        let mut h = http::HeaderMap::new();
+        for (name, value) in sent {
+            h.append(
+                HeaderName::from_bytes(name.as_bytes()).unwrap(),
+                value.parse().unwrap(),
+            );
+        }
+        Scope::of_request(&h, &route.scope_headers, Some(SECRET.as_bytes()))
+    }
+
     #[test]
     fn scope_hash_must_be_hex() {
-        assert!(ScopeArg::Hash("zz".into()).resolve(None).is_err());
+        let config = config(&[]);
+        assert!(ScopeArg::Hash("zz".into()).resolve(&config).is_err());
         let s = Scope::from_header_value(None);
-        assert!(ScopeArg::Hash(s.to_hex()).resolve(None).unwrap() == s);
+        assert!(ScopeArg::Hash(s.to_hex()).resolve(&config).unwrap() == s);
+    }
+
+    #[test]
+    fn the_one_header_forms_name_the_scope_the_proxy_derives() {
+        let config = config(&[r#"["Authorization"]"#]);
+        let want = proxy_scope(&config, 1, &[("authorization", "Bearer t")]);
+        let value = ScopeArg::HeaderValue("Bearer t".into());
+        assert_eq!(value.resolve(&config), Ok(want));
+        let named = headers(&["Authorization=Bearer t"], None);
+        assert_eq!(named.resolve(&config), Ok(want));
+        assert_eq!(
+            ScopeArg::Anonymous.resolve(&config),
+            Ok(proxy_scope(&config, 1, &[]))
+        );
+    }
+
+    #[test]
+    fn several_scope_headers_are_named_in_the_order_of_their_route() {
+        let config = config(&[
+            r#"["Authorization"]"#,
+            r#"["Authorization", "Stripe-Account"]"#,
+            r#"["Stripe-Account", "Authorization"]"#,
+        ]);
+        let sent = [("authorization", "Bearer sk"), ("stripe-account", "acct_1")];
+        // Order on the command line does not matter; the route's does.
+        for args in [
+            ["Authorization=Bearer sk", "Stripe-Account=acct_1"],
+            ["Stripe-Account=acct_1", "Authorization=Bearer sk"],
+        ] {
+            for route in [2, 3] {
+                assert_eq!(
+                    headers(&args, Some(route)).resolve(&config),
+                    Ok(proxy_scope(&config, route, &sent)),
+                    "route #{route}"
+                );
+            }
+            let ambiguous = headers(&args, None).resolve(&config).unwrap_err();
+            assert!(
+                ambiguous.contains("#2") && ambiguous.contains("#3"),
+                "{ambiguous}"
+            );
+            assert!(ambiguous.contains("--route"), "{ambiguous}");
+        }
+        // Routes #1 and #2 agree on a request without Stripe-Account; #3 does not.
+        let only_auth = headers(&["Authorization=Bearer sk"], Some(2));
+        assert_eq!(
+            only_auth.resolve(&config),
+            Ok(proxy_scope(&config, 1, &[("authorization", "Bearer sk")]))
+        );
+        let two_values = headers(&["Authorization=a", "Authorization=b"], Some(1));
+        assert_eq!(
+            two_values.resolve(&config),
+            Ok(proxy_scope(
+                &config,
+                1,
+                &[("authorization", "a"), ("authorization", "b")]
+            ))
+        );
+
+        let unknown = headers(&["X-Tenant-Id=t"], None).resolve(&config);
+        assert!(unknown
+            .unwrap_err()
+            .contains("no route scopes keys by all of x-tenant-id"));
+        let wrong_route = headers(&["Stripe-Account=a"], Some(1)).resolve(&config);
+        assert!(wrong_route
+            .unwrap_err()
+            .contains("route #1 scopes keys by authorization"));
+        let no_route = headers(&["Authorization=a"], Some(9)).resolve(&config);
+        assert!(no_route.unwrap_err().contains("no route #9"));
+    }
+
+    #[test]
+    fn scope_header_arguments_are_name_value_pairs_and_never_printed() {
+        let h: ScopeHeader = "Authorization=Basic dXNlcjpwYXNz==".parse().unwrap();
+        assert_eq!(h.name, http::header::AUTHORIZATION);
+        assert_eq!(h.value, "Basic dXNlcjpwYXNz==");
+        assert!(!format!("{h:?}").contains("dXNl"));
+        let empty: ScopeHeader = "Stripe-Account=".parse().unwrap();
+        assert_eq!(empty.value, "");
+        assert!("Bearer x".parse::<ScopeHeader>().is_err());
+        assert!("bad name=x".parse::<ScopeHeader>().is_err());
     }
 }

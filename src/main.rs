@@ -46,13 +46,8 @@ fn main() -> ExitCode {
             let Some(cfg) = load(&config) else {
                 return ExitCode::from(EX_USAGE);
             };
-            let secret = cfg.scope_secret.clone();
             let named = |scope: idemgate::cli::ScopeArgs, key: String| {
-                idemgate::keys::record_key(
-                    &key,
-                    &scope.to_arg(),
-                    secret.as_ref().map(|s| s.expose()),
-                )
+                idemgate::keys::record_key(&key, &scope.to_arg(), &cfg)
             };
             let action = match command {
                 KeysCommand::Show { scope, key } => {

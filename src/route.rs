@@ -7,6 +7,7 @@
 //! pattern match wins. A route's settings ([`RouteConfig`]) are resolved by
 //! `config`, which depends on this module and never the other way round.
 
+use crate::idempotency::decision::ReleaseStatuses;
 use http::{HeaderName, Method};
 use serde::Deserialize;
 use std::fmt;
@@ -26,13 +27,31 @@ pub struct RouteConfig {
     pub require_key: bool,
     pub ttl: Duration,
     pub lease: Duration,
-    pub scope_header: HeaderName,
+    /// Keys are unique per combination of these headers' values, in this
+    /// order (the credential, then any tenant header); never empty.
+    pub scope_headers: Vec<HeaderName>,
     pub fingerprint_headers: Vec<HeaderName>,
     pub max_request_body: u64,
     pub max_response_body: u64,
     pub include_response_headers: Vec<HeaderName>,
     pub exclude_response_headers: Vec<HeaderName>,
     pub on_store_error: OnStoreError,
+    /// Upstream answers that release the key instead of being stored.
+    pub release_statuses: ReleaseStatuses,
+    /// What a request whose outcome is unknown does to its key.
+    pub on_ambiguous: OnAmbiguous,
+}
+
+impl RouteConfig {
+    /// The scope headers as `check-config` prints them, for messages:
+    /// `authorization,stripe-account`.
+    pub fn scope_label(&self) -> String {
+        self.scope_headers
+            .iter()
+            .map(HeaderName::as_str)
+            .collect::<Vec<_>>()
+            .join(",")
+    }
 }
 
 /// What a protected route does when the store cannot answer.
@@ -43,6 +62,30 @@ pub enum OnStoreError {
     Reject,
     /// Forward without protection; for routes where availability wins.
     Forward,
+}
+
+/// What a route does with a key when the upstream's outcome is unknown: a
+/// timeout or reset after the request was sent (README "Ambiguous
+/// outcomes"). A refused connection sent nothing, so it always releases.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnAmbiguous {
+    /// Release the key: a retry runs again (at least once).
+    #[default]
+    Release,
+    /// Keep the key as outcome-unknown until an operator resolves it: no
+    /// retry runs (at most once; for payments and the like).
+    Keep,
+}
+
+impl OnAmbiguous {
+    /// As the config writes it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OnAmbiguous::Release => "release",
+            OnAmbiguous::Keep => "keep",
+        }
+    }
 }
 
 /// A parsed path pattern.

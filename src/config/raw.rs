@@ -6,10 +6,13 @@
 //! `store.rs`, `log.rs`, `routes.rs`).
 
 use super::units::{ByteSize, HumanDuration};
-use super::{Backend, LogFormat, OnStoreError, SqliteSync};
+use super::{Backend, LogFormat, OnAmbiguous, OnStoreError, SqliteSync};
+use crate::idempotency::decision::{ReleaseStatuses, StatusEntry};
 use crate::route::PathPattern;
 use http::{HeaderName, Method, Uri};
+use serde::de::{self, Deserializer, Visitor};
 use serde::Deserialize;
+use std::fmt;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use toml::Spanned;
@@ -114,12 +117,16 @@ pub(super) struct RawRouteSettings {
     pub(super) ttl: Option<HumanDuration>,
     pub(super) lease: Option<HumanDuration>,
     pub(super) scope_header: Option<HeaderNameValue>,
+    /// Spanned: setting it beside `scope_header` is reported at its line.
+    pub(super) scope_headers: Option<Spanned<ScopeHeadersValue>>,
     pub(super) fingerprint_headers: Option<Vec<HeaderNameValue>>,
     pub(super) max_request_body: Option<ByteSize>,
     pub(super) max_response_body: Option<ByteSize>,
     pub(super) include_response_headers: Option<Vec<HeaderNameValue>>,
     pub(super) exclude_response_headers: Option<Vec<HeaderNameValue>>,
     pub(super) on_store_error: Option<OnStoreError>,
+    pub(super) release_statuses: Option<ReleaseStatusesValue>,
+    pub(super) on_ambiguous: Option<OnAmbiguous>,
 }
 
 // ===== value types that validate while parsing =====
@@ -204,5 +211,72 @@ impl<'de> Deserialize<'de> for HeaderNameValue {
         HeaderName::from_bytes(s.as_bytes())
             .map(HeaderNameValue)
             .map_err(|_| serde::de::Error::custom(format!("invalid header name {s:?}")))
+    }
+}
+
+/// `release_statuses`: every entry checked as it is read, so a bad one is
+/// reported at its line.
+#[derive(Clone, Debug)]
+pub(super) struct ReleaseStatusesValue(pub(super) ReleaseStatuses);
+
+impl<'de> Deserialize<'de> for ReleaseStatusesValue {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let entries = Vec::<StatusEntryValue>::deserialize(d)?;
+        ReleaseStatuses::new(entries.into_iter().map(|e| e.0).collect())
+            .map(ReleaseStatusesValue)
+            .map_err(|e| de::Error::custom(format!("release_statuses: {e}")))
+    }
+}
+
+struct StatusEntryValue(StatusEntry);
+
+impl<'de> Deserialize<'de> for StatusEntryValue {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = StatusEntryValue;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a status such as \"429\" or a class such as \"5xx\"")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<StatusEntryValue, E> {
+                v.parse()
+                    .map(StatusEntryValue)
+                    .map_err(|e| E::custom(format!("release_statuses: {e}")))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<StatusEntryValue, E> {
+                Err(E::custom(format!(
+                    "release_statuses: write each status as a string, e.g. \"{v}\""
+                )))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// `scope_headers`: at least one header, none twice.
+#[derive(Clone, Debug)]
+pub(super) struct ScopeHeadersValue(pub(super) Vec<HeaderName>);
+
+impl<'de> Deserialize<'de> for ScopeHeadersValue {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let names: Vec<HeaderName> = Vec::<HeaderNameValue>::deserialize(d)?
+            .into_iter()
+            .map(|h| h.0)
+            .collect();
+        if names.is_empty() {
+            return Err(de::Error::custom(
+                "scope_headers must list at least one header, the credential (e.g. [\"Authorization\"])",
+            ));
+        }
+        if let Some((_, twice)) = names
+            .iter()
+            .enumerate()
+            .find(|(i, n)| names[..*i].contains(n))
+        {
+            return Err(de::Error::custom(format!(
+                "scope_headers: {twice:?} is listed twice"
+            )));
+        }
+        Ok(ScopeHeadersValue(names))
     }
 }

@@ -15,7 +15,11 @@ use std::sync::Arc;
 use toml::Spanned;
 
 /// `[defaults]`: what every route inherits unless it says otherwise.
-pub(super) struct Defaults(RawRouteSettings);
+pub(super) struct Defaults {
+    raw: RawRouteSettings,
+    /// Resolved once: `scope_header` or `scope_headers`, if either is set.
+    scope_headers: Option<Vec<HeaderName>>,
+}
 
 impl TryFrom<RawRouteSettings> for Defaults {
     type Error = Invalid;
@@ -26,7 +30,27 @@ impl TryFrom<RawRouteSettings> for Defaults {
                 "defaults: `methods` and `path` belong in a [[route]], not in [defaults]".into(),
             );
         }
-        Ok(Defaults(d))
+        let scope_headers = scope_headers(&d).map_err(|e| match &d.scope_headers {
+            Some(list) => Invalid::at(list.span(), format!("defaults: {e}")),
+            None => format!("defaults: {e}").into(),
+        })?;
+        Ok(Defaults {
+            raw: d,
+            scope_headers,
+        })
+    }
+}
+
+/// A table's scope headers: `scope_header` is the one-header form of
+/// `scope_headers`; setting both is ambiguous.
+fn scope_headers(r: &RawRouteSettings) -> Result<Option<Vec<HeaderName>>, String> {
+    match (&r.scope_header, &r.scope_headers) {
+        (Some(_), Some(_)) => Err(
+            "set `scope_header` (one header) or `scope_headers` (several), not both".to_string(),
+        ),
+        (Some(one), None) => Ok(Some(vec![one.0.clone()])),
+        (None, Some(list)) => Ok(Some(list.get_ref().0.clone())),
+        (None, None) => Ok(None),
     }
 }
 
@@ -60,7 +84,14 @@ impl Defaults {
     }
 
     fn route(&self, index: usize, r: RawRouteSettings) -> Result<RouteConfig, String> {
-        let defaults = &self.0;
+        let defaults = &self.raw;
+        let scope_headers = match scope_headers(&r)? {
+            Some(own) => own,
+            None => self
+                .scope_headers
+                .clone()
+                .unwrap_or_else(|| vec![DEFAULT_SCOPE_HEADER]),
+        };
         let methods: Vec<Method> = r
             .methods
             .ok_or("`methods` is required, e.g. methods = [\"POST\"]")?
@@ -130,11 +161,7 @@ impl Defaults {
             require_key: r.require_key.or(defaults.require_key).unwrap_or(true),
             ttl,
             lease,
-            scope_header: pick_header(
-                &r.scope_header,
-                &defaults.scope_header,
-                DEFAULT_SCOPE_HEADER,
-            ),
+            scope_headers,
             fingerprint_headers: headers(r.fingerprint_headers, &defaults.fingerprint_headers),
             max_request_body,
             max_response_body,
@@ -150,6 +177,12 @@ impl Defaults {
                 .on_store_error
                 .or(defaults.on_store_error)
                 .unwrap_or(OnStoreError::Reject),
+            release_statuses: r
+                .release_statuses
+                .or_else(|| defaults.release_statuses.clone())
+                .map(|v| v.0)
+                .unwrap_or_default(),
+            on_ambiguous: r.on_ambiguous.or(defaults.on_ambiguous).unwrap_or_default(),
         })
     }
 }
@@ -166,13 +199,13 @@ impl fmt::Display for RoutesDisplay<'_> {
         for r in self.0.iter() {
             writeln!(
                 f,
-                "  #{} {} {}  key={} required={} scope={} ttl={} lease={} max_request_body={} max_response_body={} on_store_error={}",
+                "  #{} {} {}  key={} required={} scope={} ttl={} lease={} max_request_body={} max_response_body={} on_store_error={} release={} on_ambiguous={}",
                 r.index,
                 join_methods(&r.methods),
                 r.path,
                 r.key_header,
                 r.require_key,
-                r.scope_header,
+                r.scope_label(),
                 format_duration(r.ttl),
                 format_duration(r.lease),
                 format_size(r.max_request_body),
@@ -181,6 +214,8 @@ impl fmt::Display for RoutesDisplay<'_> {
                     OnStoreError::Reject => "reject",
                     OnStoreError::Forward => "forward",
                 },
+                r.release_statuses,
+                r.on_ambiguous.as_str(),
             )?;
         }
         Ok(())

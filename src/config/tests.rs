@@ -1,4 +1,5 @@
 use super::*;
+use crate::idempotency::decision::ReleaseStatuses;
 use std::path::PathBuf;
 
 const MINIMAL: &str = "[server]\nupstream = \"http://127.0.0.1:3000\"\n";
@@ -35,11 +36,13 @@ fn shipped_example_parses_and_uses_every_default() {
     assert_eq!(r.ttl, DEFAULT_TTL);
     assert_eq!(r.lease, DEFAULT_LEASE);
     assert_eq!(r.key_header.as_str(), "idempotency-key");
-    assert_eq!(r.scope_header.as_str(), "authorization");
+    assert_eq!(r.scope_headers, [http::header::AUTHORIZATION]);
     assert_eq!(r.max_request_body, DEFAULT_MAX_REQUEST_BODY);
     assert_eq!(r.max_response_body, DEFAULT_MAX_RESPONSE_BODY);
     assert!(r.require_key);
     assert_eq!(r.on_store_error, OnStoreError::Reject);
+    assert_eq!(r.release_statuses, ReleaseStatuses::default());
+    assert_eq!(r.on_ambiguous, OnAmbiguous::Release);
     assert_eq!(routes[1].ttl, Duration::from_secs(48 * 3600));
 }
 
@@ -69,6 +72,78 @@ fn defaults_apply_to_routes_and_routes_override_them() {
         (r[1].ttl, r[1].require_key),
         (Duration::from_secs(3 * 3600), true)
     );
+}
+
+#[test]
+fn release_statuses_come_from_defaults_and_a_route_replaces_them() {
+    let text = format!(
+        "{MINIMAL}[defaults]\nrelease_statuses = [\"429\", \"5xx\"]\n\
+         [[route]]\nmethods = [\"POST\"]\npath = \"/a\"\n\
+         [[route]]\nmethods = [\"POST\"]\npath = \"/b\"\nrelease_statuses = [\"5xx\"]\n\
+         [[route]]\nmethods = [\"POST\"]\npath = \"/c\"\nrelease_statuses = []\n"
+    );
+    let cfg = parse(&text).unwrap();
+    let shown: Vec<String> = cfg
+        .routes
+        .iter()
+        .map(|r| r.release_statuses.to_string())
+        .collect();
+    assert_eq!(shown, ["429,5xx", "5xx", "none"]);
+    let printed = cfg.to_string();
+    assert!(printed.contains("release=429,5xx"), "{printed}");
+    let default = parse(&with_route("")).unwrap();
+    assert!(default.to_string().contains("release=408,425,429,5xx"));
+}
+
+#[test]
+fn scope_headers_list_several_and_scope_header_is_the_one_header_form() {
+    let text = format!(
+        "{MINIMAL}[defaults]\nscope_headers = [\"Authorization\", \"Stripe-Account\"]\n\
+         [[route]]\nmethods = [\"POST\"]\npath = \"/a\"\n\
+         [[route]]\nmethods = [\"POST\"]\npath = \"/b\"\nscope_header = \"X-Api-Key\"\n\
+         [[route]]\nmethods = [\"POST\"]\npath = \"/c\"\nscope_headers = [\"X-Tenant-Id\", \"Authorization\"]\n"
+    );
+    let cfg = parse(&text).unwrap();
+    let lists: Vec<Vec<&str>> = cfg
+        .routes
+        .iter()
+        .map(|r| r.scope_headers.iter().map(|h| h.as_str()).collect())
+        .collect();
+    assert_eq!(
+        lists,
+        [
+            vec!["authorization", "stripe-account"],
+            vec!["x-api-key"],
+            vec!["x-tenant-id", "authorization"],
+        ]
+    );
+    let printed = cfg.to_string();
+    assert!(
+        printed.contains("scope=authorization,stripe-account "),
+        "{printed}"
+    );
+    let one = parse(&with_route("scope_headers = [\"Authorization\"]\n")).unwrap();
+    let default = parse(&with_route("")).unwrap();
+    let scopes = |c: &Config| c.routes.iter().next().unwrap().scope_headers.clone();
+    assert_eq!(scopes(&one), scopes(&default));
+}
+
+#[test]
+fn on_ambiguous_defaults_to_release_and_routes_may_keep() {
+    let text = format!(
+        "{MINIMAL}[defaults]\non_ambiguous = \"keep\"\n\
+         [[route]]\nmethods = [\"POST\"]\npath = \"/payments\"\n\
+         [[route]]\nmethods = [\"POST\"]\npath = \"/emails\"\non_ambiguous = \"release\"\n"
+    );
+    let cfg = parse(&text).unwrap();
+    let set: Vec<OnAmbiguous> = cfg.routes.iter().map(|r| r.on_ambiguous).collect();
+    assert_eq!(set, [OnAmbiguous::Keep, OnAmbiguous::Release]);
+    let printed = cfg.to_string();
+    assert!(printed.contains("on_ambiguous=keep"), "{printed}");
+    assert!(printed.contains("on_ambiguous=release"), "{printed}");
+    let default = parse(&with_route("")).unwrap();
+    let route = default.routes.iter().next().unwrap();
+    assert_eq!(route.on_ambiguous, OnAmbiguous::Release);
 }
 
 /// Each bad input names the file and the field or line.
@@ -165,6 +240,64 @@ fn errors_name_file_line_and_field() {
         (
             &format!("{MINIMAL}[log]\nformat = \"xml\"\n"),
             &["line 4", "xml"],
+        ),
+        (
+            &with_route("release_statuses = [\"429\", \"2xx\"]\n"),
+            &["test.toml", "line 6", "release_statuses", "2xx", "executed"],
+        ),
+        (
+            &with_route("release_statuses = [\"201\"]\n"),
+            &["line 6", "release_statuses", "2xx answer", "run it again"],
+        ),
+        (
+            &with_route("release_statuses = [\"5XX\"]\n"),
+            &["line 6", "release_statuses", "expected a status"],
+        ),
+        (
+            &with_route("release_statuses = [429]\n"),
+            &["line 6", "release_statuses", "\"429\""],
+        ),
+        (
+            &with_route("release_statuses = \"5xx\"\n"),
+            &["line 6", "release_statuses"],
+        ),
+        (
+            &with_route("release_statuses = [\"5xx\", \"503\"]\n"),
+            &["line 6", "release_statuses", "overlap"],
+        ),
+        (
+            &format!("{MINIMAL}[defaults]\nrelease_statuses = [\"3xx\"]\n"),
+            &["line 4", "release_statuses", "3xx"],
+        ),
+        (
+            &with_route("scope_header = \"Authorization\"\nscope_headers = [\"X-Tenant-Id\"]\n"),
+            &["test.toml", "line 3", "route #1", "not both"],
+        ),
+        (
+            &format!(
+                "{MINIMAL}[defaults]\nscope_header = \"Authorization\"\nscope_headers = [\"Authorization\"]\n"
+            ),
+            &["test.toml", "line 5", "defaults", "not both"],
+        ),
+        (
+            &with_route("scope_headers = []\n"),
+            &["line 6", "at least one header"],
+        ),
+        (
+            &with_route("scope_headers = [\"Authorization\", \"authorization\"]\n"),
+            &["line 6", "\"authorization\" is listed twice"],
+        ),
+        (
+            &with_route("scope_headers = [\"Authorization\", \"bad header\"]\n"),
+            &["line 6", "invalid header name"],
+        ),
+        (
+            &with_route("on_ambiguous = \"retry\"\n"),
+            &["test.toml", "line 6", "on_ambiguous", "release", "keep"],
+        ),
+        (
+            &format!("{MINIMAL}[defaults]\non_ambiguous = true\n"),
+            &["line 4", "on_ambiguous"],
         ),
         ("[server\n", &["test.toml", "line 1"]),
     ];

@@ -2,6 +2,8 @@
 //! the upstream's answer. Pure functions with table tests.
 
 use super::{Fingerprint, Record, RecordState, StoredResponse, UnixMillis};
+use std::fmt;
+use std::str::FromStr;
 
 /// What a request with a key gets when its claim found a live record.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -41,17 +43,148 @@ fn retry_after_secs(locked_until: UnixMillis, now: UnixMillis) -> u64 {
 /// What to do with the key once the upstream answered with `status`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Settlement {
-    /// Below 500: the request's own outcome (a 4xx was its fault). Store it.
+    /// The request's own outcome (a 4xx such as 404 or 422 was its fault,
+    /// and it stays so on a retry). Store it.
     Store,
-    /// 5xx: the server failed; release the key so the retry runs again.
+    /// An answer that means "not executed" (the route's `release_statuses`):
+    /// release the key so a retry runs again.
     Release,
 }
 
-pub fn settle(status: u16) -> Settlement {
-    if status >= 500 {
+/// Stores every answer except those the route lists as "not executed".
+pub fn settle(status: u16, release: &ReleaseStatuses) -> Settlement {
+    if release.contains(status) {
         Settlement::Release
     } else {
         Settlement::Store
+    }
+}
+
+/// The upstream answers after which a route releases its key: those that
+/// mean the request did not execute, so storing them would refuse the
+/// retry that should run (a `429 Retry-After: 1` replayed for a day).
+/// Only 4xx and 5xx can be listed: a 1xx, 2xx or 3xx answer means the
+/// upstream executed the request, and releasing its key would run it twice.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReleaseStatuses(Vec<StatusEntry>);
+
+/// One entry of [`ReleaseStatuses`]: a status (`"429"`) or a class (`"5xx"`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StatusEntry {
+    Status(u16),
+    /// The first digit: 4 or 5.
+    Class(u16),
+}
+
+impl ReleaseStatuses {
+    /// Checks a whole list: entries may not repeat, nor list a status its
+    /// class already covers. An empty list stores every answer.
+    pub fn new(entries: Vec<StatusEntry>) -> Result<Self, String> {
+        for (i, entry) in entries.iter().enumerate() {
+            if let Some(earlier) = entries[..i].iter().find(|e| e.overlaps(entry)) {
+                return Err(if earlier == entry {
+                    format!("\"{entry}\" is listed twice")
+                } else {
+                    format!("\"{entry}\" and \"{earlier}\" overlap; keep one")
+                });
+            }
+        }
+        Ok(Self(entries))
+    }
+
+    pub fn contains(&self, status: u16) -> bool {
+        self.0.iter().any(|e| e.contains(status))
+    }
+}
+
+/// 408 (the server gave up waiting for the request), 425 (too early to
+/// process), 429 (rate limited) and every 5xx: the answers Stripe saves
+/// no result for, because the request never started executing.
+impl Default for ReleaseStatuses {
+    fn default() -> Self {
+        Self(vec![
+            StatusEntry::Status(408),
+            StatusEntry::Status(425),
+            StatusEntry::Status(429),
+            StatusEntry::Class(5),
+        ])
+    }
+}
+
+/// As the config writes it: `408,425,429,5xx`, or `none`.
+impl fmt::Display for ReleaseStatuses {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.0.is_empty() {
+            return f.write_str("none");
+        }
+        for (i, entry) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str(",")?;
+            }
+            write!(f, "{entry}")?;
+        }
+        Ok(())
+    }
+}
+
+impl StatusEntry {
+    fn contains(self, status: u16) -> bool {
+        match self {
+            StatusEntry::Status(s) => s == status,
+            StatusEntry::Class(c) => status / 100 == c,
+        }
+    }
+
+    fn overlaps(&self, other: &Self) -> bool {
+        match (*self, *other) {
+            (StatusEntry::Status(a), b) | (b, StatusEntry::Status(a)) => b.contains(a),
+            (StatusEntry::Class(a), StatusEntry::Class(b)) => a == b,
+        }
+    }
+}
+
+impl FromStr for StatusEntry {
+    type Err = String;
+
+    /// `"429"` or `"5xx"`, strictly: three characters, 4xx or 5xx only.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let executed = |what: &str| {
+            format!(
+                "{s:?}: a {what} answer means the upstream executed the request; releasing its key would run it again on retry (only 4xx and 5xx statuses can be listed)"
+            )
+        };
+        let expected =
+            || format!("{s:?}: expected a status such as \"429\" or a class \"4xx\" or \"5xx\"");
+        let b = s.as_bytes();
+        if b.len() != 3 || !b[0].is_ascii_digit() {
+            return Err(expected());
+        }
+        let class = u16::from(b[0] - b'0');
+        if &b[1..] == b"xx" {
+            return match class {
+                4 | 5 => Ok(StatusEntry::Class(class)),
+                1..=3 => Err(executed(s)),
+                _ => Err(expected()),
+            };
+        }
+        if !b[1..].iter().all(u8::is_ascii_digit) {
+            return Err(expected());
+        }
+        let status: u16 = s.parse().map_err(|_| expected())?;
+        match class {
+            4 | 5 => Ok(StatusEntry::Status(status)),
+            1..=3 => Err(executed(&format!("{class}xx"))),
+            _ => Err(expected()),
+        }
+    }
+}
+
+impl fmt::Display for StatusEntry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            StatusEntry::Status(s) => write!(f, "{s}"),
+            StatusEntry::Class(c) => write!(f, "{c}xx"),
+        }
     }
 }
 
@@ -151,20 +284,89 @@ mod tests {
         }
     }
 
+    fn statuses(entries: &[&str]) -> ReleaseStatuses {
+        let parsed = entries.iter().map(|e| e.parse().unwrap()).collect();
+        ReleaseStatuses::new(parsed).unwrap()
+    }
+
     #[test]
     fn settlement_table() {
+        let default = ReleaseStatuses::default();
+        let only_5xx = statuses(&["5xx"]);
+        let none = statuses(&[]);
+        let both_classes = statuses(&["4xx", "5xx"]);
+        let store = Settlement::Store;
+        let release = Settlement::Release;
+        // status, default (408, 425, 429, 5xx), ["5xx"], [], ["4xx", "5xx"]
         for (status, want) in [
-            (200, Settlement::Store),
-            (201, Settlement::Store),
-            (302, Settlement::Store),
-            (400, Settlement::Store),
-            (422, Settlement::Store),
-            (499, Settlement::Store),
-            (500, Settlement::Release),
-            (503, Settlement::Release),
-            (599, Settlement::Release),
+            (200, [store, store, store, store]),
+            (201, [store, store, store, store]),
+            (302, [store, store, store, store]),
+            (400, [store, store, store, release]),
+            (404, [store, store, store, release]),
+            (408, [release, store, store, release]),
+            (409, [store, store, store, release]),
+            (422, [store, store, store, release]),
+            (425, [release, store, store, release]),
+            (429, [release, store, store, release]),
+            (499, [store, store, store, release]),
+            (500, [release, release, store, release]),
+            (503, [release, release, store, release]),
+            (599, [release, release, store, release]),
+            // Not an HTTP status (RFC 9110 §15 stops at 599): no class covers it.
+            (600, [store, store, store, store]),
         ] {
-            assert_eq!(settle(status), want, "{status}");
+            for (set, want) in [&default, &only_5xx, &none, &both_classes]
+                .into_iter()
+                .zip(want)
+            {
+                assert_eq!(settle(status, set), want, "{status} with [{set}]");
+            }
         }
+    }
+
+    #[test]
+    fn release_entries_are_strict() {
+        for (ok, want) in [
+            ("408", StatusEntry::Status(408)),
+            ("599", StatusEntry::Status(599)),
+            ("4xx", StatusEntry::Class(4)),
+            ("5xx", StatusEntry::Class(5)),
+        ] {
+            assert_eq!(ok.parse::<StatusEntry>(), Ok(want), "{ok}");
+        }
+        for (bad, needle) in [
+            ("200", "executed the request"),
+            ("2xx", "executed the request"),
+            ("1xx", "executed the request"),
+            ("301", "executed the request"),
+            ("100", "executed the request"),
+            ("600", "expected a status"),
+            ("6xx", "expected a status"),
+            ("099", "expected a status"),
+            ("5XX", "expected a status"),
+            ("5x", "expected a status"),
+            ("4291", "expected a status"),
+            (" 429", "expected a status"),
+            ("+29", "expected a status"),
+            ("", "expected a status"),
+            ("x5x", "expected a status"),
+        ] {
+            let err = bad.parse::<StatusEntry>().unwrap_err();
+            assert!(err.contains(needle), "{bad:?}: {err}");
+        }
+        let list = |entries: &[&str]| {
+            ReleaseStatuses::new(entries.iter().map(|e| e.parse().unwrap()).collect())
+        };
+        assert!(list(&["429", "429"]).unwrap_err().contains("listed twice"));
+        assert!(list(&["5xx", "503"]).unwrap_err().contains("overlap"));
+        assert!(list(&["503", "5xx"]).unwrap_err().contains("overlap"));
+        assert!(list(&["4xx", "4xx"]).unwrap_err().contains("listed twice"));
+        assert_eq!(
+            list(&["408", "425", "429", "5xx"]),
+            Ok(ReleaseStatuses::default())
+        );
+        assert_eq!(ReleaseStatuses::default().to_string(), "408,425,429,5xx");
+        assert_eq!(list(&[]).unwrap().to_string(), "none");
     }
 }

@@ -111,8 +111,9 @@ fn unquote(raw: &[u8]) -> Result<String, KeyError> {
     Ok(out)
 }
 
-/// Who a key belongs to: the sha256 of the scope header's value, so two
-/// clients using the same key never meet, and no credential is stored.
+/// Who a key belongs to: a digest of the route's scope headers (the
+/// credential, plus any tenant header), so two clients using the same key
+/// never meet, and no credential is stored.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Scope(pub [u8; 32]);
 
@@ -123,9 +124,13 @@ impl Scope {
         Self::derive(value, None)
     }
 
+    /// The scope of a request with one scope header, `value` (None = absent).
     /// With `secret` (from `IDEMGATE_SCOPE_SECRET`) the digest is an
     /// HMAC-SHA256, so someone who can read the store or Redis key names
     /// cannot test guessed credentials against it offline.
+    ///
+    /// This `v1` encoding is what every stored key was made with before
+    /// routes could list several headers; it must never change.
     pub fn derive(value: Option<&[u8]>, secret: Option<&[u8]>) -> Self {
         let mut input = Vec::with_capacity(20 + value.map_or(0, <[u8]>::len));
         input.extend_from_slice(b"idemgate/scope/v1\0");
@@ -136,13 +141,81 @@ impl Scope {
             }
             None => input.push(0),
         }
+        Self::digest(&input, secret)
+    }
+
+    /// The scope of a request on a route whose scope headers are `names`,
+    /// in the route's order; every value of a repeated header counts.
+    pub fn of_request(
+        headers: &http::HeaderMap,
+        names: &[http::HeaderName],
+        secret: Option<&[u8]>,
+    ) -> Self {
+        let values: Vec<Vec<&[u8]>> = names
+            .iter()
+            .map(|name| {
+                headers
+                    .get_all(name)
+                    .iter()
+                    .map(http::HeaderValue::as_bytes)
+                    .collect()
+            })
+            .collect();
+        Self::of_values(&values, secret)
+    }
+
+    /// `values[i]` holds the values of the route's `i`-th scope header as
+    /// sent, in order (empty: absent).
+    ///
+    /// Absent headers at the end are dropped first; what is left is either
+    /// at most one header sent at most once, digested as [`Scope::derive`]
+    /// has always done, or anything else, digested in a `v2` encoding where
+    /// every count and length is prefixed, so no two combinations share an
+    /// input (absent differs from empty, `["ab"]` from `["a", "b"]`, and a
+    /// value cannot run into the next header's). Two consequences: a route
+    /// listing one header computes the same scopes as before `scope_headers`
+    /// existed, and adding a tenant header to a route leaves the scope of
+    /// every request that does not send it unchanged (its keys in flight
+    /// keep deduplicating across the config change).
+    pub fn of_values<V: AsRef<[u8]>>(values: &[Vec<V>], secret: Option<&[u8]>) -> Self {
+        let sent = values
+            .iter()
+            .rposition(|v| !v.is_empty())
+            .map_or(0, |i| i + 1);
+        let values = &values[..sent];
+        match values {
+            [] => return Self::derive(None, secret),
+            [only] if only.len() == 1 => return Self::derive(Some(only[0].as_ref()), secret),
+            _ => {}
+        }
+        let mut input = Vec::with_capacity(
+            64 + values
+                .iter()
+                .flatten()
+                .map(|v| 8 + v.as_ref().len())
+                .sum::<usize>(),
+        );
+        input.extend_from_slice(b"idemgate/scope/v2\0");
+        input.extend_from_slice(&(values.len() as u64).to_be_bytes());
+        for header in values {
+            input.extend_from_slice(&(header.len() as u64).to_be_bytes());
+            for value in header {
+                let value = value.as_ref();
+                input.extend_from_slice(&(value.len() as u64).to_be_bytes());
+                input.extend_from_slice(value);
+            }
+        }
+        Self::digest(&input, secret)
+    }
+
+    fn digest(input: &[u8], secret: Option<&[u8]>) -> Self {
         match secret {
-            None => Self(Sha256::digest(&input).into()),
+            None => Self(Sha256::digest(input).into()),
             Some(secret) => {
                 use hmac::{Hmac, Mac};
                 let mut mac = Hmac::<Sha256>::new_from_slice(secret)
                     .expect("HMAC accepts keys of any length");
-                mac.update(&input);
+                mac.update(input);
                 Self(mac.finalize().into_bytes().into())
             }
         }
@@ -266,6 +339,144 @@ mod tests {
         assert_ne!(plain, keyed);
         assert_eq!(keyed, Scope::derive(v, Some(b"s3cret")));
         assert_ne!(keyed, Scope::derive(v, Some(b"other")));
+    }
+
+    /// Pins: the digest of the one-header form stays byte-identical to the
+    /// one every stored key was made with (the values below were computed
+    /// by the code before `scope_headers` existed), so an upgrade keeps
+    /// existing keys matching.
+    #[test]
+    fn one_header_scopes_are_the_digests_stored_keys_were_made_with() {
+        const SECRET: &[u8] = b"a-long-enough-secret";
+        let authorization = [http::header::AUTHORIZATION];
+        let request = |value: Option<&str>| {
+            let mut h = http::HeaderMap::new();
+            if let Some(v) = value {
+                h.insert(http::header::AUTHORIZATION, v.parse().unwrap());
+            }
+            h.insert("stripe-account", "acct_1".parse().unwrap());
+            h
+        };
+        for (value, secret, want) in [
+            (
+                Some("Bearer a"),
+                None,
+                "296e6ffe2389bad4f42fea9606d1ed0612f566589bb5e36f944875fa16506105",
+            ),
+            (
+                Some("Bearer a"),
+                Some(SECRET),
+                "e0b5e9a5d1194e97ecde76e0aeecef531f4438e9c266839276f01e9b74132039",
+            ),
+            (
+                Some(""),
+                None,
+                "9ff568e15170852c316adb8e92735530d9d42973c9463f78e65d5a5abc7c193b",
+            ),
+            (
+                None,
+                None,
+                "ff72c195e1246dbedd6266524fb94abdc22b79dbbeb3f721446021798f987c55",
+            ),
+            (
+                None,
+                Some(SECRET),
+                "d3e4e1501a3a0a535ea2b911adbcb8d8224fc47d01e6057ec033a8691757f510",
+            ),
+        ] {
+            let headers = request(value);
+            let scope = Scope::of_request(&headers, &authorization, secret);
+            assert_eq!(scope.to_hex(), want, "{value:?}");
+            let bytes = value.map(str::as_bytes);
+            assert_eq!(Scope::derive(bytes, secret).to_hex(), want, "{value:?}");
+        }
+    }
+
+    #[test]
+    fn no_two_combinations_of_scope_headers_share_a_scope() {
+        let v = |values: &[&[&str]]| -> Vec<Vec<Vec<u8>>> {
+            values
+                .iter()
+                .map(|h| h.iter().map(|s| s.as_bytes().to_vec()).collect())
+                .collect()
+        };
+        // Each row: the values of a route's scope headers, in its order.
+        // Rows ending in an absent header are below: they equal the row
+        // without it.
+        let rows = [
+            v(&[&[]]),
+            v(&[&[""]]),
+            v(&[&["a"]]),
+            v(&[&["ab"]]),
+            v(&[&["a", "b"]]),
+            v(&[&["b", "a"]]),
+            v(&[&["a", ""]]),
+            v(&[&["", "a"]]),
+            v(&[&["a"], &["b"]]),
+            v(&[&["a"], &[""]]),
+            v(&[&[""], &["a"]]),
+            v(&[&[], &["a"]]),
+            v(&[&["a"], &[], &["b"]]),
+            v(&[&["a"], &["b"], &[""]]),
+            v(&[&[], &["a", "b"]]),
+            v(&[&["a"], &["b", "c"]]),
+            v(&[&["a", "b"], &["c"]]),
+            // A length prefix must not be forgeable from inside a value.
+            v(&[&["a\0\0\0\0\0\0\0\x01b"]]),
+            v(&[&["a"], &["\0\0\0\0\0\0\0\x01b"]]),
+        ];
+        let mut seen = std::collections::HashMap::new();
+        for (i, row) in rows.iter().enumerate() {
+            for secret in [None, Some(b"a-long-enough-secret".as_slice())] {
+                let scope = Scope::of_values(row, secret);
+                if let Some(j) = seen.insert((scope, secret.is_some()), i) {
+                    panic!("rows {j} and {i} share a scope: {:?} / {row:?}", rows[j]);
+                }
+            }
+        }
+        // Absent headers at the end do not count: a route that adds a tenant
+        // header keeps the scopes of requests that do not send it.
+        assert_eq!(
+            Scope::of_values(&v(&[&["a"], &[], &[]]), None),
+            Scope::from_header_value(Some(b"a"))
+        );
+        assert_eq!(
+            Scope::of_values(&v(&[&[], &[]]), None),
+            Scope::from_header_value(None)
+        );
+        assert_eq!(
+            Scope::of_values(&v(&[&["a"], &["b"]]), None),
+            Scope::of_values(&v(&[&["a"], &["b"], &[]]), None)
+        );
+        assert_eq!(
+            Scope::of_values(&v(&[&["a", "b"]]), None),
+            Scope::of_values(&v(&[&["a", "b"], &[]]), None)
+        );
+    }
+
+    #[test]
+    fn scopes_follow_the_route_order_and_every_value() {
+        let auth = http::header::AUTHORIZATION;
+        let account = http::HeaderName::from_static("stripe-account");
+        let mut h = http::HeaderMap::new();
+        h.append(&auth, "Bearer sk".parse().unwrap());
+        h.append(&account, "acct_1".parse().unwrap());
+        let both = [auth.clone(), account.clone()];
+        let reversed = [account.clone(), auth.clone()];
+        let only_auth = [auth.clone()];
+        let a = Scope::of_request(&h, &both, None);
+        assert_ne!(a, Scope::of_request(&h, &reversed, None));
+        assert_ne!(a, Scope::of_request(&h, &only_auth, None));
+        let mut other_account = h.clone();
+        other_account.insert(&account, "acct_2".parse().unwrap());
+        assert_ne!(a, Scope::of_request(&other_account, &both, None));
+        let mut repeated = h.clone();
+        repeated.append(&auth, "Bearer other".parse().unwrap());
+        assert_ne!(
+            Scope::of_request(&repeated, &only_auth, None),
+            Scope::of_request(&h, &only_auth, None),
+            "a second value is not ignored"
+        );
     }
 
     #[test]

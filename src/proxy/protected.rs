@@ -78,9 +78,9 @@ pub fn prepare(
     scope_secret: Option<&Secret>,
     peer: SocketAddr,
 ) -> ProtectedRequest {
-    let credential = parts.headers.get(&route.scope_header);
-    let scope = Scope::derive(
-        credential.map(HeaderValue::as_bytes),
+    let scope = Scope::of_request(
+        &parts.headers,
+        &route.scope_headers,
         scope_secret.map(Secret::expose),
     );
     let fingerprint =
@@ -229,7 +229,7 @@ impl Proxy {
             Ok(resp) => resp,
             Err(e) => return Err(forward_error(e, lease.release().await)),
         };
-        match settle(resp.status().as_u16()) {
+        match settle(resp.status().as_u16(), &route.release_statuses) {
             Settlement::Release => {
                 lease.release().await;
                 Ok((Outcome::UpstreamError, resp.map(boxed)))

@@ -14,5 +14,6 @@ mod lifecycle;
 mod operations;
 mod regressions;
 mod replicas;
+mod route_features;
 mod semantics;
 mod store_contract;
