@@ -28,6 +28,8 @@ pub enum ProxyError {
     Mismatch,
     #[error("the original response (status {status}) could not be stored: it was larger than the route's max_response_body, or the upstream cut it off")]
     NotReplayable { status: u16 },
+    #[error("the first request with this key was sent upstream but never answered, so whether it executed is unknown")]
+    OutcomeUnknown,
     #[error("the idempotency store is unavailable: {0}")]
     Store(#[from] StoreError),
     /// Nothing reached the upstream (refused, connect timeout).
@@ -61,7 +63,8 @@ impl ProxyError {
             | ProxyError::BodyTimeout
             | ProxyError::InFlight { .. }
             | ProxyError::Mismatch
-            | ProxyError::NotReplayable { .. } => Origin::Client,
+            | ProxyError::NotReplayable { .. }
+            | ProxyError::OutcomeUnknown => Origin::Client,
             ProxyError::Store(_) => Origin::Store,
             ProxyError::UpstreamUnreachable { .. }
             | ProxyError::UpstreamTimeout { .. }
@@ -85,6 +88,9 @@ pub enum KeyFate {
     /// The upstream had already answered (status below 500) when the body
     /// failed: it executed, so the key stays completed and never runs again.
     Kept,
+    /// Sent but unanswered on an `on_ambiguous = "keep"` route: recorded as
+    /// outcome unknown; retries get 424 until an operator resolves it.
+    Unknown,
 }
 
 impl ProxyError {

@@ -220,6 +220,12 @@ pub fn describe(key: &RecordKey, r: &Record, now: UnixMillis) -> String {
                 "status       {status} (response was too large to store; retries get 410)"
             );
         }
+        RecordState::Unknown => {
+            let _ = writeln!(
+                out,
+                "outcome      unknown: sent upstream, never answered; retries get 424 until this key is deleted"
+            );
+        }
     }
     out
 }

@@ -36,6 +36,8 @@ pub enum Outcome {
     TooLarge,
     /// 410: executed once, response too large to replay.
     NotReplayable,
+    /// 424: the first request's outcome is unknown (`on_ambiguous = "keep"`).
+    OutcomeUnknown,
     /// 503: the store could not answer; nothing forwarded.
     StoreError,
     /// The store could not answer and the route forwards unguarded.
@@ -59,6 +61,7 @@ impl Outcome {
             Outcome::InvalidRequest => "invalid_request",
             Outcome::TooLarge => "too_large",
             Outcome::NotReplayable => "not_replayable",
+            Outcome::OutcomeUnknown => "outcome_unknown",
             Outcome::StoreError => "store_error",
             Outcome::Unguarded => "unguarded",
             Outcome::UpstreamError => "upstream_error",

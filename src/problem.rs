@@ -93,6 +93,19 @@ impl Problem {
                     Outcome::NotReplayable,
                 )
             },
+            ProxyError::OutcomeUnknown => Problem {
+                detail: format!(
+                    "{detail}; it will not be sent again under this key. Check with the service \
+                     whether it took effect; an operator can then delete the key \
+                     (idemgate keys delete) to allow it to run again."
+                ),
+                ..p(
+                    StatusCode::FAILED_DEPENDENCY,
+                    "outcome-unknown",
+                    "The outcome of the original request is unknown",
+                    Outcome::OutcomeUnknown,
+                )
+            },
             ProxyError::Store(_) => Problem {
                 retry_after_secs: Some(STORE_RETRY_AFTER_SECS),
                 detail: "the idempotency store is unavailable; the request was not forwarded"
@@ -172,6 +185,10 @@ fn released_hint(err: &ProxyError, detail: String) -> String {
         Some(KeyFate::TakenOver) => format!(
             "{detail}; this request's lease had run out and another request holds the key now: a retry gets that request's answer"
         ),
+        Some(KeyFate::Unknown) => format!(
+            "{detail}; the request was sent and may have executed, so the key is kept as outcome \
+             unknown: retries with it get 424 and are not sent again until an operator resolves it"
+        ),
         Some(KeyFate::Unprotected) | None => detail,
     }
 }
@@ -208,6 +225,14 @@ mod tests {
             ),
             (ProxyError::Mismatch, 422, None),
             (ProxyError::NotReplayable { status: 200 }, 410, None),
+            (ProxyError::OutcomeUnknown, 424, None),
+            (
+                ProxyError::UpstreamTimeout {
+                    key: KeyFate::Unknown,
+                },
+                504,
+                None,
+            ),
             (ProxyError::Store(StoreError::Timeout), 503, Some("2")),
             (
                 ProxyError::UpstreamUnreachable {

@@ -130,7 +130,12 @@ impl Fence {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Completion {
     Stored(StoredResponse),
-    Unstored { status: u16 },
+    Unstored {
+        status: u16,
+    },
+    /// The upstream was sent the request but never answered, and the route
+    /// keeps such keys (`on_ambiguous = "keep"`).
+    Unknown,
 }
 
 /// The state a completion leaves its record in.
@@ -139,6 +144,7 @@ impl From<&Completion> for RecordState {
         match completion {
             Completion::Stored(response) => RecordState::Completed(response.clone()),
             Completion::Unstored { status } => RecordState::Unstored { status: *status },
+            Completion::Unknown => RecordState::Unknown,
         }
     }
 }
@@ -147,7 +153,7 @@ impl From<&Completion> for RecordState {
 /// `headers` and `body` columns.
 pub(crate) struct CompletionColumns<'a> {
     pub state: &'static str,
-    pub status: u16,
+    pub status: Option<u16>,
     pub headers: Option<Vec<u8>>,
     pub body: Option<&'a [u8]>,
 }
@@ -157,13 +163,19 @@ impl Completion {
         match self {
             Completion::Stored(response) => CompletionColumns {
                 state: "completed",
-                status: response.status,
+                status: Some(response.status),
                 headers: Some(codec::encode_headers(&response.headers)),
                 body: Some(&response.body[..]),
             },
             Completion::Unstored { status } => CompletionColumns {
                 state: "unstored",
-                status: *status,
+                status: Some(*status),
+                headers: None,
+                body: None,
+            },
+            Completion::Unknown => CompletionColumns {
+                state: "unknown",
+                status: None,
                 headers: None,
                 body: None,
             },

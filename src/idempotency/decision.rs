@@ -17,6 +17,9 @@ pub enum Decision {
     /// Executed, but its response was too large to keep: a definite error,
     /// never a second execution.
     NotReplayable { status: u16 },
+    /// Sent upstream with no answer, on a route that keeps such keys: it
+    /// may have executed, so it never runs again until an operator says.
+    OutcomeUnknown,
 }
 
 /// Interprets the record a claim found. The fingerprint is checked first:
@@ -28,6 +31,7 @@ pub fn decide(existing: Record, fingerprint: &Fingerprint, now: UnixMillis) -> D
     match existing.state {
         RecordState::Completed(resp) => Decision::Replay(resp),
         RecordState::Unstored { status } => Decision::NotReplayable { status },
+        RecordState::Unknown => Decision::OutcomeUnknown,
         RecordState::InFlight { locked_until } => Decision::InFlight {
             retry_after_secs: retry_after_secs(locked_until, now),
         },
@@ -278,6 +282,8 @@ mod tests {
                 record(2, RecordState::Unstored { status: 200 }),
                 Decision::Mismatch,
             ),
+            (record(1, RecordState::Unknown), Decision::OutcomeUnknown),
+            (record(2, RecordState::Unknown), Decision::Mismatch),
         ];
         for (i, (rec, want)) in cases.into_iter().enumerate() {
             assert_eq!(decide(rec, &same, now), want, "case {i}");

@@ -26,6 +26,10 @@ pub enum RecordState {
     /// Executed, but the response was over `max_response_body`: never run
     /// again, never replayed. `status` is what the upstream answered.
     Unstored { status: u16 },
+    /// Sent upstream, but no answer came (timeout, reset) on a route with
+    /// `on_ambiguous = "keep"`: it may have executed, so it never runs again
+    /// under this key until an operator resolves it.
+    Unknown,
 }
 
 impl RecordState {
@@ -34,6 +38,7 @@ impl RecordState {
             RecordState::InFlight { .. } => "in_flight",
             RecordState::Completed(_) => "completed",
             RecordState::Unstored { .. } => "unstored",
+            RecordState::Unknown => "unknown",
         }
     }
 }

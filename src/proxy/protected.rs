@@ -10,17 +10,19 @@
 //!    [`decide`]; a won claim is a [`Lease`], renewed while the upstream
 //!    runs and consumed by completing or releasing it, as [`settle`] says.
 
+use super::forward::ForwardError;
 use super::replay::{capture, replay};
 use super::{forward, forward_error, Proxy, Served};
 use crate::body::{boxed, drain, full, read_limited, Prefixed, ReadError};
 use crate::config::Secret;
+use crate::error::KeyFate;
 use crate::error::ProxyError;
 use crate::idempotency::{
     decide, settle, Decision, Fingerprint, IdempotencyKey, RecordKey, Scope, Settlement,
 };
 use crate::lease::{Acquired, ClaimRequest, Lease};
 use crate::metrics::Outcome;
-use crate::route::{OnStoreError, RouteConfig};
+use crate::route::{OnAmbiguous, OnStoreError, RouteConfig};
 use crate::store::{Completion, Record, StoreError};
 use bytes::Bytes;
 use http::{header, request, HeaderValue, Request, Response};
@@ -106,6 +108,7 @@ fn answer_existing(
         Decision::InFlight { retry_after_secs } => Err(ProxyError::InFlight { retry_after_secs }),
         Decision::Mismatch => Err(ProxyError::Mismatch),
         Decision::NotReplayable { status } => Err(ProxyError::NotReplayable { status }),
+        Decision::OutcomeUnknown => Err(ProxyError::OutcomeUnknown),
     }
 }
 
@@ -227,7 +230,20 @@ impl Proxy {
             .await
         {
             Ok(resp) => resp,
-            Err(e) => return Err(forward_error(e, lease.release().await)),
+            Err(e) => {
+                let fate = match (&e, route.on_ambiguous) {
+                    // Nothing was sent: always safe to run again.
+                    (ForwardError::Connect(_), _) | (_, OnAmbiguous::Release) => {
+                        lease.release().await
+                    }
+                    // Sent, never answered: it may have executed.
+                    (_, OnAmbiguous::Keep) => match lease.complete(Completion::Unknown).await {
+                        KeyFate::Kept => KeyFate::Unknown,
+                        other => other,
+                    },
+                };
+                return Err(forward_error(e, fate));
+            }
         };
         match settle(resp.status().as_u16(), &route.release_statuses) {
             Settlement::Release => {

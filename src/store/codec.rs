@@ -83,6 +83,7 @@ impl RecordRow {
                 body: Bytes::from(self.body.unwrap_or_default()),
             }),
             "unstored" => RecordState::Unstored { status: status()? },
+            "unknown" => RecordState::Unknown,
             other => return Err(StoreError::Corrupt(format!("unknown state {other:?}"))),
         };
         Ok(Record {

@@ -439,7 +439,7 @@ impl Store for PostgresStore {
     ) -> Result<Fence, StoreError> {
         let owner = OwnerParams::new(key, token);
         let columns = completion.columns();
-        let status = i32::from(columns.status);
+        let status = columns.status.map(i32::from);
         self.execute(
             &self.sql.complete,
             &[

@@ -215,7 +215,8 @@ fn encode_lock(claim: &Claim) -> Vec<u8> {
 /// Encodes a completed or unstored record; `None` for in-flight (never cached).
 fn encode_record(record: &Record) -> Option<Vec<u8>> {
     match &record.state {
-        RecordState::InFlight { .. } => None,
+        // Outcome-unknown records are rare and answered by the inner store.
+        RecordState::InFlight { .. } | RecordState::Unknown => None,
         RecordState::Completed(resp) => {
             let headers = encode_headers(&resp.headers);
             let mut out = head(
@@ -696,6 +697,9 @@ impl Store for RedisFastPath {
             if written.is_none() {
                 self.mark_stale(name);
             }
+        } else {
+            // Not cached (outcome unknown): the inner store answers the key.
+            self.unlock(&name, token).await;
         }
         Ok(fence)
     }

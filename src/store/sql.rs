@@ -31,7 +31,8 @@ pub(crate) enum Dialect {
 
 /// SQLite's ordered schema migrations; `PRAGMA user_version` records how
 /// many ran. Never edit an entry that shipped: append a new one.
-pub(crate) const SQLITE_MIGRATIONS: &[&str] = &[r#"
+pub(crate) const SQLITE_MIGRATIONS: &[&str] = &[
+    r#"
 CREATE TABLE idempotency_records (
     scope        BLOB    NOT NULL,
     key          BLOB    NOT NULL,
@@ -48,11 +49,36 @@ CREATE TABLE idempotency_records (
     PRIMARY KEY (scope, key)
 ) WITHOUT ROWID;
 CREATE INDEX idempotency_records_expires_at ON idempotency_records (expires_at);
-"#];
+"#,
+    r#"
+-- 2: the 'unknown' state (on_ambiguous = "keep"). SQLite cannot alter a
+-- CHECK constraint, so the table is rebuilt with the same columns.
+CREATE TABLE idempotency_records_v2 (
+    scope        BLOB    NOT NULL,
+    key          BLOB    NOT NULL,
+    fingerprint  BLOB    NOT NULL,
+    state        TEXT    NOT NULL CHECK (state IN ('in_flight', 'completed', 'unstored', 'unknown')),
+    token        BLOB,
+    locked_until INTEGER NOT NULL,
+    created_at   INTEGER NOT NULL,
+    expires_at   INTEGER NOT NULL,
+    status       INTEGER,
+    headers      BLOB,
+    body         BLOB,
+    takeover     INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (scope, key)
+) WITHOUT ROWID;
+INSERT INTO idempotency_records_v2 SELECT * FROM idempotency_records;
+DROP TABLE idempotency_records;
+ALTER TABLE idempotency_records_v2 RENAME TO idempotency_records;
+CREATE INDEX idempotency_records_expires_at ON idempotency_records (expires_at);
+"#,
+];
 
 /// PostgreSQL's ordered schema migrations; `{schema}` is replaced by the
 /// quoted schema name. Never edit an entry that shipped: append a new one.
-pub const POSTGRES_MIGRATIONS: &[&str] = &[r#"
+pub const POSTGRES_MIGRATIONS: &[&str] = &[
+    r#"
 CREATE TABLE {schema}.idempotency_records (
     scope        bytea   NOT NULL,
     key          bytea   NOT NULL,
@@ -71,7 +97,15 @@ CREATE TABLE {schema}.idempotency_records (
     PRIMARY KEY (scope, key)
 );
 CREATE INDEX idempotency_records_expires_at ON {schema}.idempotency_records (expires_at);
-"#];
+"#,
+    r#"
+-- 2: the 'unknown' state (on_ambiguous = "keep").
+ALTER TABLE {schema}.idempotency_records
+    DROP CONSTRAINT idempotency_records_state_check,
+    ADD CONSTRAINT idempotency_records_state_check
+        CHECK (state IN ('in_flight', 'completed', 'unstored', 'unknown'));
+"#,
+];
 
 // === time ===
 
@@ -273,11 +307,17 @@ mod tests {
         };
         assert_eq!(
             digests(SQLITE_MIGRATIONS),
-            ["5bc37de04ce31204af736792c70bab12dcfe0acf51ccfdcd04ae56fa18855f9a"]
+            [
+                "5bc37de04ce31204af736792c70bab12dcfe0acf51ccfdcd04ae56fa18855f9a",
+                "bac05e27f3f9bd9ce056711d9a13913ca572e14140432b39022ceea6487bf133"
+            ]
         );
         assert_eq!(
             digests(POSTGRES_MIGRATIONS),
-            ["3d5ebb9cdc43db1e853dc49350dfb03b2922485086ab12c3b6d43663ba57c775"]
+            [
+                "3d5ebb9cdc43db1e853dc49350dfb03b2922485086ab12c3b6d43663ba57c775",
+                "a58c49c091676b6b3d18cde1fbc145ce179a4f820f5e7637eca3d52ee49c9a07"
+            ]
         );
     }
 

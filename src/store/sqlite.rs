@@ -283,3 +283,58 @@ impl Store for SqliteStore {
         self.timeout
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{sample_claim, Completion, RecordState, Span};
+
+    /// A database written by the first schema keeps its records when the
+    /// second (the `unknown` state) is applied on open.
+    #[tokio::test]
+    async fn an_older_database_is_migrated_with_its_records() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("old.db");
+        {
+            let conn = Connection::open(&path).unwrap();
+            conn.execute_batch(SQLITE_MIGRATIONS[0]).unwrap();
+            conn.execute_batch("PRAGMA user_version = 1").unwrap();
+            conn.execute(
+                "INSERT INTO idempotency_records \
+                 (scope, key, fingerprint, state, token, locked_until, created_at, expires_at, status) \
+                 VALUES (?1, ?2, ?3, 'unstored', NULL, 0, 5, 9999999999999, 200)",
+                params![[1u8; 32], [2u8; 32], [3u8; 32]],
+            )
+            .unwrap();
+        }
+        let store = SqliteStore::open(&path, SqliteSync::Full).unwrap();
+        let old = RecordKey {
+            scope: crate::idempotency::Scope([1; 32]),
+            key: [2; 32],
+        };
+        let record = store.get(&old).await.unwrap().expect("kept");
+        assert_eq!(record.state, RecordState::Unstored { status: 200 });
+        assert_eq!(record.created_at, 5);
+
+        let mut claim = sample_claim();
+        claim.key.key = [9; 32];
+        claim.now = 1_000;
+        assert!(matches!(
+            store.claim(&claim).await.unwrap(),
+            ClaimOutcome::Claimed { .. }
+        ));
+        let keep = Span { now: 1_000, ms: 1 };
+        let fence = store
+            .complete(&claim.key, &claim.token, &Completion::Unknown, keep)
+            .await
+            .unwrap();
+        assert_eq!(fence, Fence::Held);
+        let unknown = store.get(&claim.key).await.unwrap().unwrap();
+        assert_eq!(unknown.state, RecordState::Unknown);
+        let conn = store.conn.lock().unwrap();
+        let version: usize = conn
+            .query_row("PRAGMA user_version", [], |row| row.get(0))
+            .unwrap();
+        assert_eq!(version, SQLITE_MIGRATIONS.len());
+    }
+}

@@ -27,6 +27,8 @@ backend_tests!(
     a_route_that_releases_only_5xx_stores_and_replays_a_429,
     a_tenant_header_in_scope_headers_keeps_tenants_of_one_api_key_apart,
     with_only_the_credential_as_scope_tenants_of_one_api_key_share_keys,
+    an_unanswered_request_on_a_keep_route_is_never_sent_twice,
+    a_refused_connection_releases_the_key_even_on_a_keep_route,
 );
 
 const BODY: &str = r#"{"item":"book","qty":1}"#;
@@ -270,5 +272,53 @@ impl Scripted {
 impl Drop for Scripted {
     fn drop(&mut self) {
         self.task.abort();
+    }
+}
+
+// ===== ambiguous outcomes =====
+
+/// `on_ambiguous = "keep"`: a request sent upstream and never answered may
+/// have executed, so its key is kept as outcome unknown: the client gets a
+/// 504 saying so, and every retry gets 424 without reaching the upstream.
+async fn an_unanswered_request_on_a_keep_route_is_never_sent_twice(backend: Backend) {
+    let up = Upstream::start().await;
+    let proxy = Proxy::builder(backend, up.addr)
+        .set("server.upstream_timeout", "300ms")
+        .routes(vec![Route::post(ORDERS).set("on_ambiguous", "keep")])
+        .start()
+        .await;
+    let slow = "/orders?delay_ms=2000";
+    let first = proxy.post(slow).key("k-unknown").body(BODY).send().await;
+    let problem = first.assert_problem(504);
+    let detail = problem["detail"].as_str().unwrap_or_default();
+    assert!(detail.contains("outcome"), "{detail}");
+    for _ in 0..2 {
+        let retry = proxy.post(slow).key("k-unknown").body(BODY).send().await;
+        let problem = retry.assert_problem(424);
+        assert!(
+            problem["type"]
+                .as_str()
+                .is_some_and(|t| t.ends_with("#problem-outcome-unknown")),
+            "{problem}"
+        );
+    }
+    assert_eq!(up.hits(ORDERS), 1, "never sent again");
+    assert_eq!(proxy.count(Outcome::OutcomeUnknown), 2);
+    // A different request under the key is still a 422.
+    let other = proxy.post(slow).key("k-unknown").body("{}").send().await;
+    other.assert_problem(422);
+}
+
+/// A refused connection sent nothing, so even a keep route releases the key.
+async fn a_refused_connection_releases_the_key_even_on_a_keep_route(backend: Backend) {
+    let proxy = Proxy::builder(backend, Upstream::refusing_addr())
+        .routes(vec![Route::post(ORDERS).set("on_ambiguous", "keep")])
+        .start()
+        .await;
+    for _ in 0..2 {
+        let refused = proxy.post(ORDERS).key("k-refused").body(BODY).send().await;
+        let problem = refused.assert_problem(502);
+        let detail = problem["detail"].as_str().unwrap_or_default();
+        assert!(detail.contains("released"), "{detail}");
     }
 }

@@ -863,3 +863,58 @@ async fn postgres_migrations_are_idempotent_and_safe_concurrently() {
     }
     drop_schema(&database_url(), &schema).await;
 }
+
+/// A schema migrated by an older release (the first migration only) keeps
+/// its records and gains the `unknown` state on the next start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_upgrades_an_older_schema_in_place() {
+    let url = database_url();
+    require_postgres(&url).await;
+    let schema = unique_schema("t");
+    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let quoted = format!("\"{schema}\"");
+    let first = idemgate::store::postgres::MIGRATIONS[0].replace("{schema}", &quoted);
+    client
+        .batch_execute(&format!(
+            "CREATE SCHEMA {quoted}; {first}; \
+             CREATE TABLE {quoted}.idemgate_migrations (version int PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now()); \
+             INSERT INTO {quoted}.idemgate_migrations (version) VALUES (1); \
+             INSERT INTO {quoted}.idempotency_records (scope, key, fingerprint, state, locked_until, created_at, expires_at, status) \
+               VALUES ('\\x01', '\\x02', '\\x03', 'unstored', 0, 5, 9999999999999, 200);"
+        ))
+        .await
+        .unwrap();
+    let store = postgres(&schema).await;
+    assert_eq!(
+        store.migrate().await.unwrap(),
+        1,
+        "the second migration ran"
+    );
+    let rows: i64 = client
+        .query_one(
+            &format!("SELECT count(*) FROM {quoted}.idempotency_records"),
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(rows, 1, "the old record is kept");
+    let c = claim_for(record_key(), LEASE_MS, TTL_MS);
+    assert!(claimed(&store.claim(&c).await.unwrap()));
+    assert_eq!(
+        store
+            .complete(&c.key, &c.token, &Completion::Unknown, keep())
+            .await
+            .unwrap(),
+        Fence::Held
+    );
+    assert_eq!(
+        store.get(&c.key).await.unwrap().unwrap().state,
+        RecordState::Unknown
+    );
+    drop(client);
+    drop_schema(&url, &schema).await;
+}
