@@ -7,13 +7,15 @@
 //!             claim (atomic insert)            complete (fenced by token)
 //!   absent ─────────────────────────► in flight ────────────────────────► completed ──► (ttl) absent
 //!     ▲                                │   │  renew (fenced) extends the lease              │
-//!     │      release (fenced): 5xx,    │   │                                                │
-//!     └──────── refused, reset, timeout┘   └─ lease ran out: next claim takes it over       │
+//!     │   release (fenced): 408, 425,  │   │                                                │
+//!     └── 429, 5xx, refused, (timeout)─┘   └─ lease ran out: the same request takes it over │
 //!     └──────────────────────────────────────────────────────────────── sweep after ttl ───┘
 //! ```
 //!
-//! A response too large to store completes the key as `unstored`: it never
-//! runs twice, and retries get a definite answer instead of a replay.
+//! A response too large to store completes the key as `unstored`, and a
+//! request sent but never answered on an `on_ambiguous = "keep"` route as
+//! `unknown`: neither runs twice, and retries get a definite answer instead
+//! of a replay.
 
 pub mod decision;
 pub mod fingerprint;

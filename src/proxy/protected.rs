@@ -270,7 +270,7 @@ impl Proxy {
         let mut chunks: Vec<Bytes> = Vec::new();
         let mut size: u64 = 0;
         loop {
-            // The head said below 500: the upstream executed. A body that
+            // The head was a status the route stores: the upstream executed. A body that
             // then fails must not free the key (the retry would run twice);
             // it completes without a replayable response instead.
             let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
