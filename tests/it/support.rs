@@ -8,16 +8,22 @@
 //! - [`client`]: requests and responses, fresh or on kept-alive connections;
 //! - [`services`]: PostgreSQL and Redis (URLs, schemas, a private
 //!   `redis-server`, a TCP relay that can cut PostgreSQL off);
+//! - for the invariant harness: [`recording_upstream`] (logs every
+//!   execution), [`traffic`] (mixed clients, what each saw) and
+//!   [`checker`] (the invariants over both);
 //! - here: bounded waits, tracing and [`backend_tests!`].
 //!
 //! Semantics tests are written once as `async fn name(backend: Backend)` and
 //! [`backend_tests!`] turns them into one `#[tokio::test]` per backend.
 
+pub mod checker;
 pub mod client;
 pub mod config;
 pub mod process;
 pub mod proxy;
+pub mod recording_upstream;
 pub mod services;
+pub mod traffic;
 pub mod upstream;
 
 pub use client::{H2Conn, Http1Conn, Req, Resp};

@@ -1,0 +1,720 @@
+//! The invariant harness (issue 8, "Proof"): mixed traffic through three
+//! real `idemgate serve` replicas, sharing one PostgreSQL schema and one
+//! Redis prefix, to a recording upstream on loopback, while one fault at a
+//! time is injected; then `support::checker` judges every key: at most one
+//! execution except after a documented release, every replay identical to
+//! its original, nothing across scopes, every request answered or given a
+//! documented error.
+//!
+//! Each CI test injects its fault once, in the middle of a few seconds of
+//! load, and prints its invariant report. [`soak`] (ignored by default;
+//! `scripts/soak.sh [SECONDS]`) runs every fault for longer, injecting it
+//! repeatedly, and prints the report for all of them.
+
+use crate::support::checker::{check, Event, EventKind, Report, Trace};
+use crate::support::recording_upstream::{Kind, Mix, RecordingUpstream};
+use crate::support::services::{
+    database_url, postgres_addr, require_postgres, PrivateRedis, TcpRelay,
+};
+use crate::support::traffic::{Call, Phase, Seen, Traffic};
+use crate::support::{
+    database_url_via, Route, ServeProcess, TestConfig, TestSchema, DEADLINE, ORDERS,
+};
+use bytes::Bytes;
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+const REPLICAS: usize = 3;
+const WORKERS: usize = 6;
+const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(1);
+/// Under clock skew requests must outlive the lease, as in the incident.
+const SKEW_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(3);
+/// Long enough for every in-flight request to finish (the slowest upstream
+/// answer is twice the upstream timeout of the faults that stop replicas).
+const SHUTDOWN_GRACE: &str = "5s";
+/// Lease under most faults; under clock skew it is 1 s, shorter than the skew.
+const LEASE: Duration = Duration::from_secs(2);
+const SKEW_LEASE: Duration = Duration::from_secs(1);
+/// The skewed replica's clock offset: more than a lease ahead.
+const SKEW_MS: i64 = 3000;
+
+/// CI: this much load, the fault injected once at `INJECT_AT` and undone
+/// `HOLD` later (longer than a lease: a real outage).
+const CI_LOAD: Duration = Duration::from_secs(5);
+const INJECT_AT: Duration = Duration::from_secs(1);
+const HOLD: Duration = Duration::from_millis(2500);
+/// Soak: the fault is injected again every `SOAK_PERIOD`.
+const SOAK_PERIOD: Duration = Duration::from_secs(6);
+/// Soak length when `IDEMGATE_SOAK_SECS` is not set.
+const DEFAULT_SOAK_SECS: u64 = 300;
+
+/// One fault at a time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Fault {
+    None,
+    ReplicaKilled,
+    ReplicaTerminated,
+    RedisRestarted,
+    RedisFrozen,
+    PostgresCut,
+    ClockSkew,
+    UpstreamSlow,
+    UpstreamResets,
+    ClientsDisconnect,
+    UpstreamNotExecuted,
+}
+
+const ALL_FAULTS: [Fault; 11] = [
+    Fault::None,
+    Fault::ReplicaKilled,
+    Fault::ReplicaTerminated,
+    Fault::RedisRestarted,
+    Fault::RedisFrozen,
+    Fault::PostgresCut,
+    Fault::ClockSkew,
+    Fault::UpstreamSlow,
+    Fault::UpstreamResets,
+    Fault::ClientsDisconnect,
+    Fault::UpstreamNotExecuted,
+];
+
+impl Fault {
+    fn name(self) -> &'static str {
+        match self {
+            Fault::None => "none",
+            Fault::ReplicaKilled => "replica SIGKILL",
+            Fault::ReplicaTerminated => "replica SIGTERM",
+            Fault::RedisRestarted => "redis killed+restarted",
+            Fault::RedisFrozen => "redis SIGSTOP+SIGCONT",
+            Fault::PostgresCut => "postgres cut+restored",
+            Fault::ClockSkew => "clock skew +3s",
+            Fault::UpstreamSlow => "upstream beyond timeout",
+            Fault::UpstreamResets => "upstream resets",
+            Fault::ClientsDisconnect => "clients disconnect",
+            Fault::UpstreamNotExecuted => "upstream 408/425/429",
+        }
+    }
+
+    fn lease(self) -> Duration {
+        if self == Fault::ClockSkew {
+            SKEW_LEASE
+        } else {
+            LEASE
+        }
+    }
+
+    /// Slow answers are measured against it.
+    fn upstream_timeout(self) -> Duration {
+        if self == Fault::ClockSkew {
+            SKEW_UPSTREAM_TIMEOUT
+        } else {
+            UPSTREAM_TIMEOUT
+        }
+    }
+
+    fn mix(self) -> Mix {
+        match self {
+            Fault::UpstreamSlow => Mix::base().with(Kind::SlowBeyondTimeout, 25),
+            Fault::UpstreamResets => Mix::base()
+                .with(Kind::ResetMidBody, 15)
+                .with(Kind::ResetBeforeHead, 8),
+            Fault::UpstreamNotExecuted => Mix::base().with(Kind::NotExecuted, 12),
+            _ => Mix::base(),
+        }
+    }
+
+    /// Every fault runs with the Redis fast path except clock skew: Redis
+    /// locks expire by relative time and would hide what the skew does to
+    /// PostgreSQL, which is the guard (Redis is never the only one).
+    fn uses_redis(self) -> bool {
+        self != Fault::ClockSkew
+    }
+
+    /// Whether it is injected and undone (rather than there all along).
+    fn is_cyclic(self) -> bool {
+        matches!(
+            self,
+            Fault::ReplicaKilled
+                | Fault::ReplicaTerminated
+                | Fault::RedisRestarted
+                | Fault::RedisFrozen
+                | Fault::PostgresCut
+        )
+    }
+}
+
+// ===== the cluster =====
+
+/// A free port below the kernel's ephemeral range: the thousands of client
+/// connections of a run take their source ports from that range, and one
+/// could take a replica's port between its choice and its bind, or while
+/// the replica restarts after a kill.
+fn replica_port() -> SocketAddr {
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let range = low.saturating_sub(12_000).max(1024)..low;
+    for _ in 0..100 {
+        let addr = SocketAddr::from(([127, 0, 0, 1], rand::random_range(range.clone())));
+        if std::net::TcpListener::bind(addr).is_ok() {
+            return addr;
+        }
+    }
+    panic!("no free port in {range:?}");
+}
+
+/// One replica's addresses and, while it runs, its process.
+struct Replica {
+    index: usize,
+    listen: SocketAddr,
+    admin: SocketAddr,
+    env: Vec<(&'static str, String)>,
+    process: Option<ServeProcess>,
+    starts: usize,
+}
+
+impl Replica {
+    /// Starts (or restarts) it on its ports, with a config file per start
+    /// so every run's log is kept.
+    async fn start(&mut self, config: &TestConfig, dir: &Path) {
+        let path = dir.join(format!("replica-{}-{}.toml", self.index, self.starts));
+        config.clone().listen(self.listen, self.admin).write(&path);
+        let env: Vec<(&str, &str)> = self.env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        self.process = Some(ServeProcess::start(&path, self.listen, self.admin, &env).await);
+        self.starts += 1;
+    }
+
+    fn running(&mut self) -> &mut ServeProcess {
+        self.process.as_mut().expect("the replica is running")
+    }
+}
+
+/// The replicas and the services under them. Field order matters: the
+/// processes stop before Redis, the relay and the schema go.
+struct Cluster {
+    replicas: Vec<Replica>,
+    redis: Option<PrivateRedis>,
+    relay: Option<TcpRelay>,
+    config: TestConfig,
+    dir: tempfile::TempDir,
+    _schema: TestSchema,
+}
+
+impl Cluster {
+    async fn start(fault: Fault, upstream: SocketAddr) -> Self {
+        let db = database_url();
+        require_postgres(&db).await;
+        let relay = match fault {
+            Fault::PostgresCut => Some(TcpRelay::start(postgres_addr()).await),
+            _ => None,
+        };
+        let store_url = relay.as_ref().map_or(db, |r| database_url_via(r.addr()));
+        let redis = fault.uses_redis().then(PrivateRedis::start);
+        let schema = TestSchema::new();
+        let mut config = TestConfig::new(upstream)
+            .set(
+                "server.upstream_timeout",
+                format!("{}ms", fault.upstream_timeout().as_millis()),
+            )
+            .set("server.shutdown_grace", SHUTDOWN_GRACE)
+            .set("store.backend", "postgres")
+            .set("store.url", store_url)
+            .set("store.schema", schema.schema.as_str())
+            .set("store.pool_size", 4)
+            .set("store.connect_timeout", "1s")
+            .set("store.timeout", "1s")
+            .route(Route::post(ORDERS).set("lease", format!("{}ms", fault.lease().as_millis())));
+        if let Some(redis) = &redis {
+            config = config
+                .set("redis.url", redis.url())
+                .set("redis.prefix", schema.prefix.as_str())
+                .set("redis.timeout", "250ms");
+        }
+        let dir = tempfile::TempDir::new().expect("tempdir");
+        let mut replicas: Vec<Replica> = (0..REPLICAS)
+            .map(|index| Replica {
+                index,
+                listen: replica_port(),
+                admin: replica_port(),
+                // The last replica's clock runs ahead by more than a lease.
+                env: if fault == Fault::ClockSkew && index == REPLICAS - 1 {
+                    vec![(idemgate::clock::TEST_OFFSET_ENV, SKEW_MS.to_string())]
+                } else {
+                    Vec::new()
+                },
+                process: None,
+                starts: 0,
+            })
+            .collect();
+        futures_util::future::join_all(replicas.iter_mut().map(|r| r.start(&config, dir.path())))
+            .await;
+        Self {
+            replicas,
+            redis,
+            relay,
+            config,
+            dir,
+            _schema: schema,
+        }
+    }
+
+    fn redis(&mut self) -> &mut PrivateRedis {
+        self.redis.as_mut().expect("this fault runs with Redis")
+    }
+
+    fn addrs(&self) -> Vec<SocketAddr> {
+        self.replicas.iter().map(|r| r.listen).collect()
+    }
+
+    /// Injects `fault` (the `round`-th time); returns what happened.
+    async fn inject(&mut self, fault: Fault, round: usize) -> Option<EventKind> {
+        let victim = (1 + round) % REPLICAS;
+        let kind = match fault {
+            Fault::ReplicaKilled => {
+                self.replicas[victim].running().kill();
+                EventKind::Killed(victim)
+            }
+            Fault::ReplicaTerminated => {
+                self.replicas[victim].running().terminate();
+                EventKind::Terminated(victim)
+            }
+            Fault::RedisRestarted => {
+                self.redis().kill();
+                EventKind::RedisKilled
+            }
+            Fault::RedisFrozen => {
+                self.redis().pause();
+                EventKind::RedisFrozen
+            }
+            Fault::PostgresCut => {
+                self.relay.as_ref().expect("relay").cut();
+                EventKind::PostgresCut
+            }
+            _ => return None,
+        };
+        Some(kind)
+    }
+
+    /// Undoes the `round`-th injection.
+    async fn recover(&mut self, fault: Fault, round: usize) -> Option<EventKind> {
+        let victim = (1 + round) % REPLICAS;
+        let kind = match fault {
+            Fault::ReplicaKilled | Fault::ReplicaTerminated => {
+                let replica = &mut self.replicas[victim];
+                if fault == Fault::ReplicaTerminated {
+                    let code = replica.running().exited().await;
+                    assert_eq!(code, Some(0), "a SIGTERMed replica exits cleanly");
+                }
+                replica.process = None;
+                replica.start(&self.config, self.dir.path()).await;
+                EventKind::Restarted(victim)
+            }
+            Fault::RedisRestarted => {
+                self.redis().restart();
+                EventKind::RedisRestarted
+            }
+            Fault::RedisFrozen => {
+                self.redis().resume();
+                EventKind::RedisResumed
+            }
+            Fault::PostgresCut => {
+                self.relay.as_ref().expect("relay").restore();
+                EventKind::PostgresRestored
+            }
+            _ => return None,
+        };
+        Some(kind)
+    }
+
+    /// The last lines of every replica's log, for a failed run.
+    fn log_tails(&self) -> String {
+        let mut out = String::new();
+        for entry in std::fs::read_dir(self.dir.path())
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let path = entry.path();
+            if path.extension().is_some_and(|e| e == "stderr") {
+                let text = std::fs::read_to_string(&path).unwrap_or_default();
+                let lines: Vec<&str> = text.lines().collect();
+                let tail = &lines[lines.len().saturating_sub(15)..];
+                out.push_str(&format!(
+                    "--- {} ---\n{}\n",
+                    path.file_name().unwrap_or_default().to_string_lossy(),
+                    tail.join("\n")
+                ));
+            }
+        }
+        out
+    }
+}
+
+// ===== one run =====
+
+/// When the fault is injected: once (CI) or every [`SOAK_PERIOD`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Schedule {
+    Once,
+    Repeated,
+}
+
+/// Drives `load` of traffic under `fault`, sweeps every key once more, and
+/// checks the invariants. Prints the report (and replica logs on a
+/// violation).
+async fn run(fault: Fault, load: Duration, schedule: Schedule) -> Report {
+    let t0 = Instant::now();
+    let up = RecordingUpstream::start(fault.mix(), fault.upstream_timeout()).await;
+    let mut cluster = Cluster::start(fault, up.addr).await;
+    let traffic = Traffic::new(cluster.addrs(), fault == Fault::ClientsDisconnect);
+    let started = Instant::now();
+    let load_task = tokio::spawn(traffic.clone().run(WORKERS, load));
+
+    let mut events = Vec::new();
+    if fault.is_cyclic() {
+        let mut round = 0;
+        let mut at = INJECT_AT;
+        while at + HOLD < load {
+            tokio::time::sleep_until((started + at).into()).await;
+            // Stamped before the signal: its effects may be seen at once.
+            let injected = Instant::now();
+            let kind = cluster.inject(fault, round).await;
+            events.extend(kind.map(|kind| Event { at: injected, kind }));
+            tokio::time::sleep_until((started + at + HOLD).into()).await;
+            // Stamped once it is back (a restarted replica accepts).
+            let kind = cluster.recover(fault, round).await;
+            events.extend(kind.map(|kind| Event {
+                at: Instant::now(),
+                kind,
+            }));
+            round += 1;
+            at += SOAK_PERIOD;
+            if schedule == Schedule::Once {
+                break;
+            }
+        }
+    }
+    tokio::time::timeout(load + DEADLINE, load_task)
+        .await
+        .expect("the load ends")
+        .expect("traffic task");
+    up.settle(Duration::from_millis(300), DEADLINE).await;
+
+    // Every key once more, as its latest execution's request: it replays,
+    // is 410, or (if released) runs again. A key the load left unsettled
+    // first gets a different request under it (422, or a run if released).
+    let groups = sweep_groups(&traffic, &up);
+    let patience = fault.lease() * 2 + Duration::from_secs(3);
+    traffic
+        .clone()
+        .sweep(groups, (0..REPLICAS).collect(), patience)
+        .await;
+    up.settle(Duration::from_millis(300), DEADLINE).await;
+
+    let report = check(&Trace {
+        fault: fault.name(),
+        t0,
+        executions: up.executions(),
+        observations: traffic.observations(),
+        events,
+        upstream_timeout: fault.upstream_timeout(),
+    });
+    println!("{report}");
+    if !report.violations.is_empty() {
+        println!("replica logs (tails):\n{}", cluster.log_tails());
+    }
+    report
+}
+
+/// Per key used under load: the request of its latest execution (or,
+/// never executed, its last request), preceded by a different request
+/// where the load left the key unsettled (its last answer was not final).
+fn sweep_groups(traffic: &Traffic, up: &RecordingUpstream) -> Vec<Vec<Call>> {
+    let mut last: BTreeMap<(Option<String>, String), (Call, bool)> = BTreeMap::new();
+    for o in traffic.observations() {
+        if o.phase == Phase::Load {
+            let settled = match &o.seen {
+                Seen::Response(r) => !matches!(r.status(), 409 | 408 | 425 | 429 | 500..=599),
+                Seen::Transport(_) | Seen::Dropped | Seen::Hung => false,
+            };
+            let call = Call {
+                scope: o.scope,
+                key: o.key.clone(),
+                body: o.body.clone(),
+            };
+            last.insert((o.scope.map(str::to_string), o.key), (call, settled));
+        }
+    }
+    for e in up.executions() {
+        if let Some((call, _)) = e.key.and_then(|key| last.get_mut(&(e.scope.clone(), key))) {
+            call.body = e.body;
+        }
+    }
+    last.into_values()
+        .map(|(call, settled)| {
+            let mut group = Vec::new();
+            if !settled {
+                let mut other = call.clone();
+                other.body = Bytes::from(format!("{{\"sweep\":{:?}}}", call.key));
+                group.push(other);
+            }
+            group.push(call);
+            group
+        })
+        .collect()
+}
+
+async fn holds(fault: Fault) {
+    let report = run(fault, CI_LOAD, Schedule::Once).await;
+    assert!(
+        report.violations.is_empty(),
+        "{} invariant violation(s) under {:?}; see the report above",
+        report.violations.len(),
+        fault
+    );
+}
+
+// ===== one test per fault =====
+
+/// One `#[tokio::test]` per `name => Fault`, each running [`holds`];
+/// attributes (an `#[ignore]` naming a known defect) go before the name.
+macro_rules! fault_tests {
+    ($($(#[$attr:meta])* $name:ident => $fault:ident,)*) => {$(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        $(#[$attr])*
+        async fn $name() {
+            holds(Fault::$fault).await;
+        }
+    )*};
+}
+
+fault_tests! {
+    invariants_hold_without_faults => None,
+    #[ignore = "issue 8 defect 2: a SIGKILLed holder's key is taken over by a different request body"]
+    invariants_hold_when_a_replica_is_sigkilled_under_load => ReplicaKilled,
+    invariants_hold_when_a_replica_is_sigtermed_under_load => ReplicaTerminated,
+    invariants_hold_when_redis_is_killed_and_restarted => RedisRestarted,
+    invariants_hold_when_redis_is_frozen_and_resumed => RedisFrozen,
+    invariants_hold_when_postgres_connections_are_cut_and_restored => PostgresCut,
+    #[ignore = "issue 8 defect 1: a replica whose clock is ahead takes over live keys (double executions)"]
+    invariants_hold_when_replica_clocks_disagree_by_more_than_a_lease => ClockSkew,
+    invariants_hold_when_the_upstream_is_slower_than_its_timeout => UpstreamSlow,
+    invariants_hold_when_the_upstream_resets_mid_response => UpstreamResets,
+    invariants_hold_when_clients_disconnect_mid_request => ClientsDisconnect,
+    #[ignore = "issue 8 defect 4: 408/425/429 are stored and replayed instead of releasing the key"]
+    invariants_hold_when_the_upstream_answers_408_425_429 => UpstreamNotExecuted,
+}
+
+// ===== the soak =====
+
+/// Every fault for `IDEMGATE_SOAK_SECS` (default 300) in all, injected
+/// again and again; prints one report for all of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: run it with scripts/soak.sh [SECONDS]"]
+async fn soak() {
+    let total = std::env::var("IDEMGATE_SOAK_SECS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(DEFAULT_SOAK_SECS);
+    let per_fault = Duration::from_secs(total / ALL_FAULTS.len() as u64).max(CI_LOAD);
+    let mut reports = Vec::new();
+    for fault in ALL_FAULTS {
+        reports.push(run(fault, per_fault, Schedule::Repeated).await);
+    }
+    println!(
+        "\nsoak invariant report ({} s of load per fault)\n{}",
+        per_fault.as_secs(),
+        Report::header()
+    );
+    for r in &reports {
+        println!("{}", r.line());
+    }
+    for r in reports.iter().filter(|r| !r.violations.is_empty()) {
+        println!("\n{}: {} violation(s)", r.fault, r.violations.len());
+        for v in r.violations.iter().take(10) {
+            println!("  {v}");
+        }
+    }
+    let failed: Vec<&str> = reports
+        .iter()
+        .filter(|r| !r.violations.is_empty())
+        .map(|r| r.fault)
+        .collect();
+    assert!(failed.is_empty(), "invariants violated under: {failed:?}");
+}
+
+// ===== the checker itself =====
+
+/// The checker is not vacuous: each invariant, broken on purpose in a
+/// hand-made trace, is reported, and its lawful twin is not.
+#[test]
+fn the_checker_reports_each_broken_invariant_and_nothing_else() {
+    use crate::support::recording_upstream::{Behaviour, Execution, Produced};
+    use crate::support::traffic::Observation;
+    use crate::support::Resp;
+    use bytes::Bytes;
+    use http::{HeaderMap, HeaderValue, StatusCode, Version};
+
+    let t0 = Instant::now();
+    let at = |ms: u64| t0 + Duration::from_millis(ms);
+    let alice = Some("Bearer alice");
+    let bob = Some("Bearer bob");
+    let body_a = Bytes::from_static(b"{\"v\":\"a\"}");
+    let body_b = Bytes::from_static(b"{\"v\":\"b\"}");
+    let answer = |status: u16| Behaviour::Answer {
+        status,
+        delay: Duration::from_millis(10),
+    };
+    let exec = |seq: u64, request: u64, scope: Option<&str>, body: &Bytes, behaviour, ms: u64| {
+        let mut headers = HeaderMap::new();
+        headers.insert("content-type", HeaderValue::from_static("application/json"));
+        headers.insert("x-exec", HeaderValue::from(seq));
+        let status = match behaviour {
+            Behaviour::Answer { status, .. } => status,
+            _ => 201,
+        };
+        Execution {
+            seq,
+            arrived: at(ms),
+            scope: scope.map(str::to_string),
+            key: Some("k1".into()),
+            request_id: Some(request),
+            body: body.clone(),
+            behaviour,
+            answered: Some(at(ms + 10)),
+            produced: Some(Produced {
+                status,
+                headers,
+                body: Bytes::from(format!("{{\"exec\":{seq}}}")),
+            }),
+        }
+    };
+    let resp = |e: &Execution, replayed: bool| {
+        let p = e.produced.clone().expect("produced");
+        let mut headers = p.headers;
+        if replayed {
+            headers.insert("idempotent-replayed", HeaderValue::from_static("true"));
+        }
+        Seen::Response(Resp {
+            status: StatusCode::from_u16(p.status).expect("status"),
+            version: Version::HTTP_11,
+            headers,
+            body: p.body,
+        })
+    };
+    let obs =
+        |id: u64, scope: Option<&'static str>, body: &Bytes, ms: u64, seen: Seen| Observation {
+            id,
+            phase: Phase::Load,
+            scope,
+            key: "k1".into(),
+            body: body.clone(),
+            replica: 0,
+            started: at(ms),
+            ended: at(ms + 30),
+            seen,
+        };
+    let verdict =
+        |executions: Vec<Execution>, observations: Vec<Observation>, events: Vec<Event>| {
+            check(&Trace {
+                fault: "synthetic",
+                t0,
+                executions,
+                observations,
+                events,
+                upstream_timeout: UPSTREAM_TIMEOUT,
+            })
+            .violations
+        };
+    let killed = |ms| Event {
+        at: at(ms),
+        kind: EventKind::Killed(0),
+    };
+
+    // Two executions: lawful after a 503, a violation after a 201.
+    for (first, expected) in [(503, None), (201, Some("executed twice without a release"))] {
+        let (e1, e2) = (
+            exec(1, 1, alice, &body_a, answer(first), 0),
+            exec(2, 2, alice, &body_a, answer(201), 100),
+        );
+        let v = verdict(
+            vec![e1.clone(), e2.clone()],
+            vec![
+                obs(1, alice, &body_a, 0, resp(&e1, false)),
+                obs(2, alice, &body_a, 100, resp(&e2, false)),
+            ],
+            vec![],
+        );
+        assert_eq!(v.len(), usize::from(expected.is_some()), "{v:?}");
+        assert!(expected.is_none_or(|x| v[0].contains(x)), "{v:?}");
+    }
+
+    // Replays: of its own scope and request (lawful); across scopes, of a
+    // different body, altered, or of an answer that releases the key.
+    let e1 = exec(1, 1, alice, &body_a, answer(201), 0);
+    let mut altered = resp(&e1, true);
+    if let Seen::Response(r) = &mut altered {
+        r.status = StatusCode::ACCEPTED;
+    }
+    let e429 = exec(1, 1, alice, &body_a, answer(429), 0);
+    for (e, replay, expected) in [
+        (&e1, obs(2, alice, &body_a, 100, resp(&e1, true)), None),
+        (
+            &e1,
+            obs(2, bob, &body_a, 100, resp(&e1, true)),
+            Some("another scope"),
+        ),
+        (
+            &e1,
+            obs(2, alice, &body_b, 100, resp(&e1, true)),
+            Some("different request"),
+        ),
+        (
+            &e1,
+            obs(2, alice, &body_a, 100, altered),
+            Some("differs from the original"),
+        ),
+        (
+            &e429,
+            obs(2, alice, &body_a, 100, resp(&e429, true)),
+            Some("releases the key"),
+        ),
+    ] {
+        let v = verdict(
+            vec![e.clone()],
+            vec![obs(1, alice, &body_a, 0, resp(e, false)), replay],
+            vec![],
+        );
+        assert_eq!(v.len(), usize::from(expected.is_some()), "{v:?}");
+        assert!(expected.is_none_or(|x| v[0].contains(x)), "{v:?}");
+    }
+
+    // A request without an answer: lawful only when its replica was down.
+    let refused = || obs(1, alice, &body_a, 0, Seen::Transport("refused".into()));
+    assert!(verdict(vec![], vec![refused()], vec![killed(10)]).is_empty());
+    let v = verdict(vec![], vec![refused()], vec![]);
+    assert!(
+        v.len() == 1 && v[0].contains("no fault to explain it"),
+        "{v:?}"
+    );
+    let v = verdict(vec![], vec![obs(1, alice, &body_a, 0, Seen::Hung)], vec![]);
+    assert!(v.len() == 1 && v[0].contains("no answer"), "{v:?}");
+
+    // A killed holder's key: taken over by the same request (lawful), by
+    // a different one (a violation).
+    for (body, expected) in [(&body_a, None), (&body_b, Some("by a different request"))] {
+        let e1 = exec(1, 1, alice, &body_a, answer(201), 0);
+        let e2 = exec(2, 2, alice, body, answer(201), 3000);
+        let lost = obs(1, alice, &body_a, 0, Seen::Transport("reset".into()));
+        let v = verdict(
+            vec![e1, e2.clone()],
+            vec![lost, obs(2, alice, body, 3000, resp(&e2, false))],
+            vec![killed(20)],
+        );
+        assert_eq!(v.len(), usize::from(expected.is_some()), "{v:?}");
+        assert!(expected.is_none_or(|x| v[0].contains(x)), "{v:?}");
+    }
+}
