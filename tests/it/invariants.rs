@@ -493,18 +493,15 @@ macro_rules! fault_tests {
 
 fault_tests! {
     invariants_hold_without_faults => None,
-    #[ignore = "issue 8 defect 2: a SIGKILLed holder's key is taken over by a different request body"]
     invariants_hold_when_a_replica_is_sigkilled_under_load => ReplicaKilled,
     invariants_hold_when_a_replica_is_sigtermed_under_load => ReplicaTerminated,
     invariants_hold_when_redis_is_killed_and_restarted => RedisRestarted,
     invariants_hold_when_redis_is_frozen_and_resumed => RedisFrozen,
     invariants_hold_when_postgres_connections_are_cut_and_restored => PostgresCut,
-    #[ignore = "issue 8 defect 1: a replica whose clock is ahead takes over live keys (double executions)"]
     invariants_hold_when_replica_clocks_disagree_by_more_than_a_lease => ClockSkew,
     invariants_hold_when_the_upstream_is_slower_than_its_timeout => UpstreamSlow,
     invariants_hold_when_the_upstream_resets_mid_response => UpstreamResets,
     invariants_hold_when_clients_disconnect_mid_request => ClientsDisconnect,
-    #[ignore = "issue 8 defect 4: 408/425/429 are stored and replayed instead of releasing the key"]
     invariants_hold_when_the_upstream_answers_408_425_429 => UpstreamNotExecuted,
 }
 
