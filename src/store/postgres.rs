@@ -335,19 +335,24 @@ fn shifted(mut record: Record, by: i64) -> Record {
 }
 
 fn decode_row(row: &tokio_postgres::Row) -> Result<Record, StoreError> {
+    decode_row_at(row, 0)
+}
+
+/// The record columns starting at column `at`.
+fn decode_row_at(row: &tokio_postgres::Row, at: usize) -> Result<Record, StoreError> {
     let corrupt = |err: tokio_postgres::Error| StoreError::Corrupt(format!("postgres row: {err}"));
     RecordRow {
-        fingerprint: row.try_get(0).map_err(corrupt)?,
-        state: row.try_get(1).map_err(corrupt)?,
-        locked_until: row.try_get(2).map_err(corrupt)?,
-        created_at: row.try_get(3).map_err(corrupt)?,
-        expires_at: row.try_get(4).map_err(corrupt)?,
+        fingerprint: row.try_get(at).map_err(corrupt)?,
+        state: row.try_get(at + 1).map_err(corrupt)?,
+        locked_until: row.try_get(at + 2).map_err(corrupt)?,
+        created_at: row.try_get(at + 3).map_err(corrupt)?,
+        expires_at: row.try_get(at + 4).map_err(corrupt)?,
         status: row
-            .try_get::<_, Option<i32>>(5)
+            .try_get::<_, Option<i32>>(at + 5)
             .map_err(corrupt)?
             .map(i64::from),
-        headers: row.try_get(6).map_err(corrupt)?,
-        body: row.try_get(7).map_err(corrupt)?,
+        headers: row.try_get(at + 6).map_err(corrupt)?,
+        body: row.try_get(at + 7).map_err(corrupt)?,
     }
     .into_record()
 }
@@ -359,6 +364,34 @@ impl Store for PostgresStore {
         let client = self.checkout(deadline).await?;
         let key = KeyParams::new(&claim.key);
         let res = tokio::time::timeout_at(deadline, async {
+            // One round trip in the common cases: it claims, or it finds a
+            // live record and writes nothing (a replay takes no row lock).
+            let stmt = client.prepare_cached(&self.sql.claim_or_read).await?;
+            let params = [
+                &key.scope as &(dyn tokio_postgres::types::ToSql + Sync),
+                &key.key,
+                &&claim.fingerprint.0[..],
+                &&claim.token.0[..],
+                &claim.lease_ms,
+                &self.clock_offset_ms,
+                &claim.ttl_ms,
+            ];
+            let row = client.query_one(&stmt, &params).await?;
+            if let Some(takeover) = row.get::<_, Option<bool>>(0) {
+                return Ok(Ok(ClaimOutcome::Claimed { takeover }));
+            }
+            if row.get::<_, Option<Vec<u8>>>(2).is_some() {
+                let server_now: i64 = row.get(1);
+                match decode_row_at(&row, 2).map(|r| shifted(r, claim.now - server_now)) {
+                    Ok(record) if !is_claimable(&record, &claim.fingerprint, claim.now) => {
+                        return Ok(Ok(ClaimOutcome::Existing(record)))
+                    }
+                    Ok(_) => {}
+                    Err(err) => return Ok(Err(err)),
+                }
+            }
+            // A concurrent claim, release or sweep changed the record between
+            // this statement's snapshot and its insert: settle it the long way.
             for _ in 0..CLAIM_ATTEMPTS {
                 let stmt = client.prepare_cached(&self.sql.claim).await?;
                 let row = client

@@ -125,14 +125,13 @@ fn now_at(dialect: Dialect, n: u8) -> String {
 
 // === the record rules, as predicates ===
 
-/// [`super::is_claimable`] in SQL, for the claim's `ON CONFLICT` branch:
-/// `r` is the row already there, `EXCLUDED` the claim and `now` the claim's
-/// "now".
-fn claimable(now: &str) -> String {
+/// [`super::is_claimable`] in SQL: `row` is the record already there,
+/// `fingerprint` the claim's and `now` the claim's "now".
+fn claimable(row: &str, fingerprint: &str, now: &str) -> String {
     format!(
-        "(r.state <> 'in_flight' AND r.expires_at <= {now}) \
-         OR (r.state = 'in_flight' AND r.locked_until <= {now} \
-             AND (r.fingerprint = EXCLUDED.fingerprint OR r.expires_at <= {now}))"
+        "({row}.state <> 'in_flight' AND {row}.expires_at <= {now}) \
+         OR ({row}.state = 'in_flight' AND {row}.locked_until <= {now} \
+             AND ({row}.fingerprint = {fingerprint} OR {row}.expires_at <= {now}))"
     )
 }
 
@@ -159,6 +158,12 @@ pub(crate) struct Statements {
     /// Binds scope, key, fingerprint, token, lease_ms, now, ttl_ms;
     /// returns `takeover` when it claimed, no row when a live record is there.
     pub claim: String,
+    /// PostgreSQL: the claim that writes nothing when a live record is
+    /// there (a replay costs no row lock, no WAL flush): binds as `claim`;
+    /// returns one row: `takeover` (NULL unless it claimed), the "now" it
+    /// judged by, and the record it found (all NULL when there was none).
+    /// SQLite has no data-modifying CTEs; it runs `claim` in a transaction.
+    pub claim_or_read: String,
     /// Binds scope, key; returns the columns of [`super::codec::RecordRow`].
     pub select: String,
     /// Binds scope, key, now; returns [`Statements::select`]'s columns and
@@ -203,7 +208,9 @@ impl Statements {
                 "GREATEST",
             ),
         };
-        let (claim_now, claimable) = (now(6), claimable(&now(6)));
+        let claim_now = now(6);
+        let live = claimable("cur", "$3::bytea", &claim_now);
+        let claimable = claimable("r", "EXCLUDED.fingerprint", &claim_now);
         let statements = Self {
             claim: format!(
                 "INSERT INTO {table} AS r \
@@ -217,6 +224,29 @@ impl Statements {
                  WHERE {claimable} \
                  RETURNING takeover"
             ),
+            claim_or_read: match dialect {
+                Dialect::Sqlite => String::new(),
+                Dialect::Postgres => {
+                    format!(
+                        "WITH cur AS (SELECT {COLUMNS} FROM {table} WHERE {BY_KEY}), \
+                         ins AS ( \
+                           INSERT INTO {table} AS r \
+                             (scope, key, fingerprint, state, token, locked_until, created_at, expires_at, takeover) \
+                           SELECT $1::bytea, $2::bytea, $3::bytea, 'in_flight', $4::bytea, \
+                                  {claim_now} + $5::bigint, {claim_now}, {claim_now} + $7::bigint, FALSE \
+                           WHERE NOT EXISTS (SELECT 1 FROM cur WHERE NOT ({live})) \
+                           ON CONFLICT (scope, key) DO UPDATE SET \
+                             fingerprint = EXCLUDED.fingerprint, state = 'in_flight', token = EXCLUDED.token, \
+                             locked_until = EXCLUDED.locked_until, created_at = EXCLUDED.created_at, \
+                             expires_at = EXCLUDED.expires_at, status = NULL, headers = NULL, body = NULL, \
+                             takeover = (r.state = 'in_flight') \
+                           WHERE {claimable} \
+                           RETURNING takeover) \
+                         SELECT (SELECT takeover FROM ins), {claim_now}, cur.* \
+                         FROM (SELECT 1) AS one LEFT JOIN cur ON TRUE"
+                    )
+                }
+            },
             select: format!("SELECT {COLUMNS} FROM {table} WHERE {BY_KEY}"),
             select_at: format!("SELECT {COLUMNS}, {} FROM {table} WHERE {BY_KEY}", now(3)),
             renew: format!(
@@ -243,6 +273,7 @@ impl Statements {
     fn map(self, f: impl Fn(String) -> String) -> Self {
         Self {
             claim: f(self.claim),
+            claim_or_read: f(self.claim_or_read),
             select: f(self.select),
             select_at: f(self.select_at),
             renew: f(self.renew),

@@ -216,7 +216,7 @@ async fn during_the_shutdown_delay_readiness_fails_but_requests_are_still_served
 async fn a_postgres_call_cut_off_mid_statement_does_not_block_the_next_one() {
     use idemgate::idempotency::{Fingerprint, RecordKey, Scope};
     use idemgate::store::postgres::PostgresStore;
-    use idemgate::store::{Claim, LeaseToken, Store};
+    use idemgate::store::{Claim, LeaseToken, Span, Store};
     use std::time::Duration;
     let url = support::services::database_url();
     support::services::require_postgres(&url).await;
@@ -252,8 +252,17 @@ async fn a_postgres_call_cut_off_mid_statement_does_not_block_the_next_one() {
         ))
         .await
         .unwrap();
-    let cut_off = tokio::time::timeout(Duration::from_millis(300), store.claim(&claim(2))).await;
-    assert!(cut_off.is_err(), "the claim should wait on the lock");
+    // The holder's renewal is an UPDATE: it waits on the row lock.
+    let renewal = store.renew(
+        &key,
+        &LeaseToken([1; 16]),
+        Span {
+            now: 1_000,
+            ms: 60_000,
+        },
+    );
+    let cut_off = tokio::time::timeout(Duration::from_millis(300), renewal).await;
+    assert!(cut_off.is_err(), "the renewal should wait on the lock");
 
     let next = tokio::time::timeout(Duration::from_secs(2), store.ping()).await;
     locker.batch_execute("ROLLBACK").await.unwrap();

@@ -918,3 +918,34 @@ async fn postgres_upgrades_an_older_schema_in_place() {
     drop(client);
     drop_schema(&url, &schema).await;
 }
+
+/// A replay must not write: the claim that finds a completed record takes
+/// no row lock (which would stamp the row's `xmax` and cost a WAL flush).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_on_postgres_takes_no_row_lock() {
+    let schema = unique_schema("t");
+    let store = postgres(&schema).await;
+    let c = complete_one(&*store).await;
+    let (client, conn) = tokio_postgres::connect(&database_url(), tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let xmax = || async {
+        let row = client
+            .query_one(
+                &format!("SELECT xmax::text FROM \"{schema}\".idempotency_records"),
+                &[],
+            )
+            .await
+            .unwrap();
+        row.get::<_, String>(0)
+    };
+    let before = xmax().await;
+    for _ in 0..3 {
+        let found = existing(store.claim(&again(&c)).await.unwrap());
+        assert!(matches!(found.state, RecordState::Completed(_)));
+    }
+    assert_eq!(xmax().await, before, "the replays locked the row");
+    drop(client);
+    drop_schema(&database_url(), &schema).await;
+}
