@@ -53,6 +53,10 @@ pub const DEFAULT_UPSTREAM_POOL_MAX_IDLE: usize = 64;
 pub const DEFAULT_MAX_CONNECTIONS: usize = 10_000;
 /// Slowloris protection for request heads.
 pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// Longer than common client pool idle times (Go 90 s is longer and loses
+/// a connection now and then; hyper and curl reuse within seconds), short
+/// enough that idle clients cannot hold the connection slots.
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// A protected body is buffered whole; a client trickling it must not pin
 /// a connection and its memory for long.
 pub const DEFAULT_REQUEST_BODY_TIMEOUT: Duration = Duration::from_secs(30);

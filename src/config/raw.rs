@@ -61,6 +61,7 @@ pub(super) struct RawServer {
     pub(super) upstream_pool_max_idle: Option<usize>,
     pub(super) max_connections: Option<usize>,
     pub(super) header_read_timeout: Option<HumanDuration>,
+    pub(super) idle_timeout: Option<HumanDuration>,
     pub(super) request_body_timeout: Option<HumanDuration>,
     pub(super) shutdown_grace: Option<HumanDuration>,
     pub(super) shutdown_delay: Option<HumanDuration>,

@@ -4,7 +4,7 @@ use super::raw::{RawAdmin, RawServer};
 use super::units::format_duration;
 use super::{at_least_one, dur, nonzero, Invalid};
 use super::{
-    DEFAULT_HEADER_READ_TIMEOUT, DEFAULT_LISTEN, DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_HEADER_READ_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_LISTEN, DEFAULT_MAX_CONNECTIONS,
     DEFAULT_REQUEST_BODY_TIMEOUT, DEFAULT_SHUTDOWN_GRACE, DEFAULT_UPSTREAM_CONNECT_TIMEOUT,
     DEFAULT_UPSTREAM_POOL_IDLE_TIMEOUT, DEFAULT_UPSTREAM_POOL_MAX_IDLE, DEFAULT_UPSTREAM_TIMEOUT,
 };
@@ -23,7 +23,11 @@ pub struct ServerConfig {
     pub upstream_pool_idle_timeout: Duration,
     pub upstream_pool_max_idle: usize,
     pub max_connections: usize,
+    /// From accept to the first complete request head (also each later
+    /// HTTP/1.1 head, from the end of the previous response).
     pub header_read_timeout: Duration,
+    /// A connection with no request in progress is closed after this.
+    pub idle_timeout: Duration,
     /// Time a client has to send a protected request's whole body (408).
     pub request_body_timeout: Duration,
     pub shutdown_grace: Duration,
@@ -80,6 +84,10 @@ impl TryFrom<RawServer> for ServerConfig {
             header_read_timeout: nonzero(
                 "server.header_read_timeout",
                 dur(s.header_read_timeout, DEFAULT_HEADER_READ_TIMEOUT),
+            )?,
+            idle_timeout: nonzero(
+                "server.idle_timeout",
+                dur(s.idle_timeout, DEFAULT_IDLE_TIMEOUT),
             )?,
             request_body_timeout: nonzero(
                 "server.request_body_timeout",
