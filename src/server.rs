@@ -30,6 +30,20 @@ use tracing::{debug, error, info, warn};
 
 const H2_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
 const H2_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+/// HTTP/2 flow-control windows, pinned rather than left to hyper's
+/// defaults (the same values): a connection holds at most its connection
+/// window of received bytes that the proxy has not read yet, whatever its
+/// streams do; what is read is in the body budget.
+const H2_STREAM_WINDOW: u32 = 1 << 20;
+const H2_CONNECTION_WINDOW: u32 = 1 << 20;
+/// Rapid reset (CVE-2023-44487): streams the client opens and resets
+/// before the proxy has accepted them; past this many at once the
+/// connection gets GOAWAY ENHANCE_YOUR_CALM (the h2 crate's default).
+const H2_MAX_PENDING_ACCEPT_RESETS: usize = 20;
+/// Streams the proxy itself had to reset for protocol errors the client
+/// provoked ("MadeYouReset"); past this the connection is closed
+/// (hyper's default).
+const H2_MAX_LOCAL_ERROR_RESETS: usize = 1024;
 
 /// Accept errors (EMFILE and friends) back off instead of spinning.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
@@ -159,7 +173,12 @@ async fn serve(
         .http2()
         .timer(TokioTimer::new())
         .keep_alive_interval(Some(H2_KEEPALIVE_INTERVAL))
-        .keep_alive_timeout(H2_KEEPALIVE_TIMEOUT);
+        .keep_alive_timeout(H2_KEEPALIVE_TIMEOUT)
+        .max_concurrent_streams(config.server.h2_max_concurrent_streams)
+        .initial_stream_window_size(H2_STREAM_WINDOW)
+        .initial_connection_window_size(H2_CONNECTION_WINDOW)
+        .max_pending_accept_reset_streams(H2_MAX_PENDING_ACCEPT_RESETS)
+        .max_local_error_reset_streams(H2_MAX_LOCAL_ERROR_RESETS);
     let connections = Arc::new(Semaphore::new(config.server.max_connections));
     let deadlines = Deadlines {
         head: config.server.header_read_timeout,

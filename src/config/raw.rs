@@ -62,6 +62,8 @@ pub(super) struct RawServer {
     pub(super) max_connections: Option<usize>,
     pub(super) header_read_timeout: Option<HumanDuration>,
     pub(super) idle_timeout: Option<HumanDuration>,
+    pub(super) max_buffered_body_bytes: Option<ByteSize>,
+    pub(super) h2_max_concurrent_streams: Option<u32>,
     pub(super) request_body_timeout: Option<HumanDuration>,
     pub(super) shutdown_grace: Option<HumanDuration>,
     pub(super) shutdown_delay: Option<HumanDuration>,
