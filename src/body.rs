@@ -1,4 +1,8 @@
 //! Body types and bounded reading.
+//!
+//! - `budget.rs`: the process-wide budget for buffered request bodies.
+
+pub mod budget;
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
@@ -35,13 +39,19 @@ pub enum ReadError {
 }
 
 /// Reads `body` whole, failing as soon as it passes `limit` bytes (the rest
-/// stays unread in `body`, for [`drain`]).
-pub async fn read_limited<B>(body: &mut B, limit: u64) -> Result<Bytes, ReadError>
+/// stays unread in `body`, for [`drain`]). `expected` sizes the buffer
+/// once when the length is known, so it never holds more than that.
+pub async fn read_limited<B>(
+    body: &mut B,
+    limit: u64,
+    expected: Option<u64>,
+) -> Result<Vec<u8>, ReadError>
 where
     B: Body<Data = Bytes> + Unpin,
     B::Error: Into<BoxError>,
 {
-    let mut buf = Vec::new();
+    let capacity = expected.map_or(0, |n| n.min(limit));
+    let mut buf = Vec::with_capacity(usize::try_from(capacity).unwrap_or(0));
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| ReadError::Failed(e.into()))?;
         if let Ok(data) = frame.into_data() {
@@ -51,7 +61,7 @@ where
             buf.extend_from_slice(&data);
         }
     }
-    Ok(Bytes::from(buf))
+    Ok(buf)
 }
 
 /// Reads and discards what is left of a refused request body, at most
@@ -137,9 +147,9 @@ mod tests {
 
     #[tokio::test]
     async fn read_limited_accepts_the_limit_and_rejects_one_more_byte() {
-        let ok = read_limited(&mut Full::new(Bytes::from_static(b"12345")), 5).await;
-        assert_eq!(ok.unwrap(), Bytes::from_static(b"12345"));
-        let over = read_limited(&mut Full::new(Bytes::from_static(b"123456")), 5).await;
+        let ok = read_limited(&mut Full::new(Bytes::from_static(b"12345")), 5, None).await;
+        assert_eq!(ok.unwrap(), b"12345");
+        let over = read_limited(&mut Full::new(Bytes::from_static(b"123456")), 5, Some(6)).await;
         assert!(matches!(over, Err(ReadError::TooLarge)));
     }
 

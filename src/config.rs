@@ -53,6 +53,16 @@ pub const DEFAULT_UPSTREAM_POOL_MAX_IDLE: usize = 64;
 pub const DEFAULT_MAX_CONNECTIONS: usize = 10_000;
 /// Slowloris protection for request heads.
 pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// Longer than common client pool idle times (Go 90 s is longer and loses
+/// a connection now and then; hyper and curl reuse within seconds), short
+/// enough that idle clients cannot hold the connection slots.
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// Sized for a small sidecar: 64 protected bodies of the default 1 MiB
+/// limit at once, whatever the number of connections.
+pub const DEFAULT_MAX_BUFFERED_BODY_BYTES: u64 = 64 << 20;
+/// RFC 9113 §6.5.2 recommends no fewer than 100; hyper's own 200 doubles
+/// what one client connection can make the proxy hold.
+pub const DEFAULT_H2_MAX_CONCURRENT_STREAMS: u32 = 100;
 /// A protected body is buffered whole; a client trickling it must not pin
 /// a connection and its memory for long.
 pub const DEFAULT_REQUEST_BODY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -183,6 +193,18 @@ impl Config {
         let routes = Defaults::try_from(raw.defaults)
             .and_then(|defaults| defaults.routes(raw.route))
             .map_err(located)?;
+        if let Some(r) = routes
+            .iter()
+            .find(|r| r.max_request_body > server.max_buffered_body_bytes)
+        {
+            return Err(format!(
+                "route #{} {}: max_request_body ({}) is larger than server.max_buffered_body_bytes ({}): such a body could never be buffered",
+                r.index,
+                r.path,
+                units::format_size(r.max_request_body),
+                units::format_size(server.max_buffered_body_bytes)
+            ));
+        }
         let scope_secret = env::scope_secret(env)?;
         Ok(Config {
             scope_secret,

@@ -22,6 +22,9 @@ pub enum ProxyError {
     BodyRead(String),
     #[error("the request body did not arrive in time")]
     BodyTimeout,
+    /// The body budget (`server.max_buffered_body_bytes`) is spent.
+    #[error("too many request bodies are being received at once")]
+    Overloaded,
     #[error("a request with this key is still being processed")]
     InFlight { retry_after_secs: u64 },
     #[error("this key was already used for a different request")]
@@ -61,6 +64,9 @@ impl ProxyError {
             | ProxyError::BodyTooLarge { .. }
             | ProxyError::BodyRead(_)
             | ProxyError::BodyTimeout
+            // Load from clients: counted in idemgate_body_budget_refusals_total,
+            // not logged above debug one by one.
+            | ProxyError::Overloaded
             | ProxyError::InFlight { .. }
             | ProxyError::Mismatch
             | ProxyError::NotReplayable { .. }

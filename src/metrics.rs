@@ -34,6 +34,8 @@ pub enum Outcome {
     InvalidRequest,
     /// 413: the request body was over the route's limit.
     TooLarge,
+    /// 503: the body budget was spent; the body was not read.
+    Overloaded,
     /// 410: executed once, response too large to replay.
     NotReplayable,
     /// 424: the first request's outcome is unknown (`on_ambiguous = "keep"`).
@@ -60,6 +62,7 @@ impl Outcome {
             Outcome::InvalidKey => "invalid_key",
             Outcome::InvalidRequest => "invalid_request",
             Outcome::TooLarge => "too_large",
+            Outcome::Overloaded => "overloaded",
             Outcome::NotReplayable => "not_replayable",
             Outcome::OutcomeUnknown => "outcome_unknown",
             Outcome::StoreError => "store_error",
@@ -96,6 +99,8 @@ pub struct Metrics {
     upstream_latency: Family<RouteLabels, Histogram>,
     in_flight: Gauge,
     pending_completions: Gauge,
+    buffered_body_bytes: Gauge,
+    body_budget_refusals: Counter,
     swept: Counter,
     fast_path: Arc<FastPathCollector>,
 }
@@ -158,6 +163,18 @@ impl Metrics {
             "Upstream answers received but not yet recorded in the store (retried in the background)",
             pending_completions.clone(),
         );
+        let buffered_body_bytes = Gauge::default();
+        registry.register(
+            "buffered_body_bytes",
+            "Bytes of protected request bodies reserved in the body budget (server.max_buffered_body_bytes)",
+            buffered_body_bytes.clone(),
+        );
+        let body_budget_refusals = Counter::default();
+        registry.register(
+            "body_budget_refusals",
+            "Protected requests refused with 503 because the body budget was spent",
+            body_budget_refusals.clone(),
+        );
         let swept = Counter::default();
         registry.register(
             "swept_records",
@@ -175,6 +192,8 @@ impl Metrics {
             upstream_latency,
             in_flight,
             pending_completions,
+            buffered_body_bytes,
+            body_budget_refusals,
             swept,
             fast_path,
         }
@@ -237,6 +256,14 @@ impl Metrics {
 
     pub fn pending_completions(&self) -> &Gauge {
         &self.pending_completions
+    }
+
+    pub fn buffered_body_bytes(&self) -> &Gauge {
+        &self.buffered_body_bytes
+    }
+
+    pub fn body_budget_refusals(&self) -> &Counter {
+        &self.body_budget_refusals
     }
 
     pub fn swept(&self, n: u64) {

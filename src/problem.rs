@@ -14,6 +14,9 @@ const TYPE_BASE: &str = "https://github.com/idemgate/idemgate#problem-";
 
 /// How long a client should wait before retrying when the store is down.
 const STORE_RETRY_AFTER_SECS: u64 = 2;
+/// Buffered bodies are read in well under a second when clients send at
+/// speed; a stalled one holds its share until `request_body_timeout`.
+const OVERLOADED_RETRY_AFTER_SECS: u64 = 1;
 
 pub struct Problem {
     pub status: StatusCode,
@@ -66,6 +69,18 @@ impl Problem {
                 "Request body timed out",
                 Outcome::InvalidRequest,
             ),
+            ProxyError::Overloaded => Problem {
+                retry_after_secs: Some(OVERLOADED_RETRY_AFTER_SECS),
+                detail: format!(
+                    "{detail}; this one was not read or forwarded: retry after Retry-After seconds"
+                ),
+                ..p(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "overloaded",
+                    "Too many request bodies in progress",
+                    Outcome::Overloaded,
+                )
+            },
             ProxyError::InFlight { retry_after_secs } => Problem {
                 retry_after_secs: Some(*retry_after_secs),
                 ..p(
@@ -216,6 +231,7 @@ mod tests {
             ),
             (ProxyError::BodyTooLarge { limit: 10 }, 413, None),
             (ProxyError::BodyTimeout, 408, None),
+            (ProxyError::Overloaded, 503, Some("1")),
             (
                 ProxyError::InFlight {
                     retry_after_secs: 7,

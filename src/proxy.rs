@@ -15,6 +15,7 @@ mod log;
 mod protected;
 mod replay;
 
+use crate::body::budget::BodyBudget;
 use crate::body::{boxed, ProxyBody};
 use crate::clock::Clock;
 use crate::config::{Config, Secret};
@@ -43,6 +44,8 @@ pub struct Proxy {
     leases: Arc<Leases>,
     /// How long a client may take to send a protected request's body.
     request_body_timeout: Duration,
+    /// Bounds the protected bodies buffered at once, process-wide.
+    body_budget: Arc<BodyBudget>,
     /// Keys the scope digests when set (`IDEMGATE_SCOPE_SECRET`).
     scope_secret: Option<Secret>,
     /// The pooled upstream client.
@@ -75,6 +78,11 @@ impl Proxy {
                 crate::lease::MAX_PENDING_COMPLETIONS,
             ),
             request_body_timeout: config.server.request_body_timeout,
+            body_budget: BodyBudget::new(
+                config.server.max_buffered_body_bytes,
+                metrics.buffered_body_bytes().clone(),
+                metrics.body_budget_refusals().clone(),
+            ),
             scope_secret: config.scope_secret.clone(),
             forwarder: Forwarder::new(&config.server),
             metrics,
@@ -115,11 +123,12 @@ impl Proxy {
             Err(e) => return self.conclude(Err(e), log),
         };
         let (parts, mut body) = req.into_parts();
-        let body =
-            match read_body(&route, &parts.headers, &mut body, self.request_body_timeout).await {
-                Ok(body) => body,
-                Err(e) => return self.conclude(Err(e), log),
-            };
+        let timeout = self.request_body_timeout;
+        let budget = &self.body_budget;
+        let body = match read_body(&route, &parts.headers, &mut body, timeout, budget).await {
+            Ok(body) => body,
+            Err(e) => return self.conclude(Err(e), log),
+        };
         let secret = self.scope_secret.as_ref();
         let req = prepare(route, parts, body, &key, &path, secret, peer);
         log.set_key_id(req.record_key.log_id());

@@ -2,6 +2,10 @@
 //! and h2c via hyper-util's auto builder), the admin listener, the sweeper,
 //! and graceful shutdown (stop accepting, drain connections and detached
 //! upstream executions within the grace period).
+//!
+//! - `connection.rs`: one client connection, its deadlines and its close.
+
+mod connection;
 
 use crate::admin::Admin;
 use crate::clock::Clock;
@@ -10,10 +14,10 @@ use crate::metrics::Metrics;
 use crate::proxy::Proxy;
 use crate::store::Store;
 use anyhow::Context;
+use connection::Deadlines;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
 use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
@@ -21,10 +25,25 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tracing::{debug, error, info, warn};
 
 const H2_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
 const H2_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+/// HTTP/2 flow-control windows, pinned rather than left to hyper's
+/// defaults (the same values): a connection holds at most its connection
+/// window of received bytes that the proxy has not read yet, whatever its
+/// streams do; what is read is in the body budget.
+const H2_STREAM_WINDOW: u32 = 1 << 20;
+const H2_CONNECTION_WINDOW: u32 = 1 << 20;
+/// Rapid reset (CVE-2023-44487): streams the client opens and resets
+/// before the proxy has accepted them; past this many at once the
+/// connection gets GOAWAY ENHANCE_YOUR_CALM (the h2 crate's default).
+const H2_MAX_PENDING_ACCEPT_RESETS: usize = 20;
+/// Streams the proxy itself had to reset for protocol errors the client
+/// provoked ("MadeYouReset"); past this the connection is closed
+/// (hyper's default).
+const H2_MAX_LOCAL_ERROR_RESETS: usize = 1024;
 
 /// Accept errors (EMFILE and friends) back off instead of spinning.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
@@ -142,21 +161,33 @@ async fn serve(
         routes = config.routes.iter().count(),
         "idemgate listening"
     );
-    let graceful = GracefulShutdown::new();
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
         .timer(TokioTimer::new())
         .header_read_timeout(config.server.header_read_timeout)
         .keep_alive(true);
-    // Pings find dead h2 peers; idle HTTP/1 connections end with
-    // header_read_timeout.
+    // Pings find dead h2 peers; idle connections of either protocol end
+    // with the deadlines in connection.rs.
     builder
         .http2()
         .timer(TokioTimer::new())
         .keep_alive_interval(Some(H2_KEEPALIVE_INTERVAL))
-        .keep_alive_timeout(H2_KEEPALIVE_TIMEOUT);
+        .keep_alive_timeout(H2_KEEPALIVE_TIMEOUT)
+        .max_concurrent_streams(config.server.h2_max_concurrent_streams)
+        .initial_stream_window_size(H2_STREAM_WINDOW)
+        .initial_connection_window_size(H2_CONNECTION_WINDOW)
+        .max_pending_accept_reset_streams(H2_MAX_PENDING_ACCEPT_RESETS)
+        .max_local_error_reset_streams(H2_MAX_LOCAL_ERROR_RESETS);
     let connections = Arc::new(Semaphore::new(config.server.max_connections));
+    let deadlines = Deadlines {
+        head: config.server.header_read_timeout,
+        idle: config.server.idle_timeout,
+    };
+    // Cancelled to start every connection's graceful close; the tracker
+    // tells when they have all ended.
+    let drain = CancellationToken::new();
+    let open = TaskTracker::new();
     let listener = listeners.proxy;
     // Readiness fails first; the listener keeps accepting for
     // shutdown_delay so load balancers notice before connections are refused.
@@ -190,27 +221,25 @@ async fn serve(
             _ = &mut shutdown => break,
         };
         let _ = stream.set_nodelay(true);
-        let proxy = proxy.clone();
-        let svc = service_fn(move |req| {
-            let proxy = proxy.clone();
-            async move { Ok::<_, Infallible>(proxy.handle(req, peer).await) }
-        });
-        let conn = graceful.watch(
-            builder
-                .serve_connection(TokioIo::new(stream), svc)
-                .into_owned(),
+        let conn = connection::serve(
+            &builder,
+            stream,
+            peer,
+            proxy.clone(),
+            deadlines,
+            drain.clone(),
         );
-        tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                debug!(error = %e, client.addr = %peer, "connection ended with an error");
-            }
+        open.spawn(async move {
+            conn.await;
             drop(permit);
         });
     }
     drop(listener);
     info!(grace = ?config.server.shutdown_grace, "shutting down: no new connections, draining");
     let deadline = tokio::time::Instant::now() + config.server.shutdown_grace;
-    if tokio::time::timeout_at(deadline, graceful.shutdown())
+    drain.cancel();
+    open.close();
+    if tokio::time::timeout_at(deadline, open.wait())
         .await
         .is_err()
     {

@@ -4,7 +4,8 @@ use super::raw::{RawAdmin, RawServer};
 use super::units::format_duration;
 use super::{at_least_one, dur, nonzero, Invalid};
 use super::{
-    DEFAULT_HEADER_READ_TIMEOUT, DEFAULT_LISTEN, DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_H2_MAX_CONCURRENT_STREAMS, DEFAULT_HEADER_READ_TIMEOUT, DEFAULT_IDLE_TIMEOUT,
+    DEFAULT_LISTEN, DEFAULT_MAX_BUFFERED_BODY_BYTES, DEFAULT_MAX_CONNECTIONS,
     DEFAULT_REQUEST_BODY_TIMEOUT, DEFAULT_SHUTDOWN_GRACE, DEFAULT_UPSTREAM_CONNECT_TIMEOUT,
     DEFAULT_UPSTREAM_POOL_IDLE_TIMEOUT, DEFAULT_UPSTREAM_POOL_MAX_IDLE, DEFAULT_UPSTREAM_TIMEOUT,
 };
@@ -23,7 +24,15 @@ pub struct ServerConfig {
     pub upstream_pool_idle_timeout: Duration,
     pub upstream_pool_max_idle: usize,
     pub max_connections: usize,
+    /// From accept to the first complete request head (also each later
+    /// HTTP/1.1 head, from the end of the previous response).
     pub header_read_timeout: Duration,
+    /// A connection with no request in progress is closed after this.
+    pub idle_timeout: Duration,
+    /// Protected request bodies buffered at once, in bytes, process-wide.
+    pub max_buffered_body_bytes: u64,
+    /// Streams one HTTP/2 connection may have open at once.
+    pub h2_max_concurrent_streams: u32,
     /// Time a client has to send a protected request's whole body (408).
     pub request_body_timeout: Duration,
     pub shutdown_grace: Duration,
@@ -80,6 +89,20 @@ impl TryFrom<RawServer> for ServerConfig {
             header_read_timeout: nonzero(
                 "server.header_read_timeout",
                 dur(s.header_read_timeout, DEFAULT_HEADER_READ_TIMEOUT),
+            )?,
+            idle_timeout: nonzero(
+                "server.idle_timeout",
+                dur(s.idle_timeout, DEFAULT_IDLE_TIMEOUT),
+            )?,
+            max_buffered_body_bytes: at_least_one(
+                "server.max_buffered_body_bytes",
+                s.max_buffered_body_bytes
+                    .map_or(DEFAULT_MAX_BUFFERED_BODY_BYTES, |b| b.0),
+            )?,
+            h2_max_concurrent_streams: at_least_one(
+                "server.h2_max_concurrent_streams",
+                s.h2_max_concurrent_streams
+                    .unwrap_or(DEFAULT_H2_MAX_CONCURRENT_STREAMS),
             )?,
             request_body_timeout: nonzero(
                 "server.request_body_timeout",

@@ -26,6 +26,15 @@ fn shipped_example_parses_and_uses_every_default() {
     assert_eq!(cfg.server.upstream_timeout, DEFAULT_UPSTREAM_TIMEOUT);
     assert_eq!(cfg.server.max_connections, DEFAULT_MAX_CONNECTIONS);
     assert_eq!(cfg.server.shutdown_grace, DEFAULT_SHUTDOWN_GRACE);
+    assert_eq!(cfg.server.idle_timeout, DEFAULT_IDLE_TIMEOUT);
+    assert_eq!(
+        cfg.server.max_buffered_body_bytes,
+        DEFAULT_MAX_BUFFERED_BODY_BYTES
+    );
+    assert_eq!(
+        cfg.server.h2_max_concurrent_streams,
+        DEFAULT_H2_MAX_CONCURRENT_STREAMS
+    );
     assert_eq!(cfg.store.backend, Backend::Sqlite);
     assert_eq!(cfg.store.path, PathBuf::from(DEFAULT_SQLITE_PATH));
     assert_eq!(cfg.store.timeout, DEFAULT_STORE_TIMEOUT);
@@ -240,6 +249,21 @@ fn errors_name_file_line_and_field() {
         (
             &format!("{MINIMAL}[log]\nformat = \"xml\"\n"),
             &["line 4", "xml"],
+        ),
+        (
+            &format!("{MINIMAL}idle_timeout = \"0\"\n"),
+            &["server.idle_timeout must be greater than 0"],
+        ),
+        (
+            &format!("{MINIMAL}h2_max_concurrent_streams = 0\n"),
+            &["server.h2_max_concurrent_streams must be at least 1"],
+        ),
+        (
+            &format!(
+                "{MINIMAL}max_buffered_body_bytes = \"1MiB\"\n[[route]]\nmethods = [\"POST\"]\n\
+                 path = \"/o\"\nmax_request_body = \"2MiB\"\n"
+            ),
+            &["route #1 /o", "max_request_body (2MiB)", "server.max_buffered_body_bytes (1MiB)"],
         ),
         (
             &with_route("release_statuses = [\"429\", \"2xx\"]\n"),

@@ -13,6 +13,7 @@
 use super::forward::ForwardError;
 use super::replay::{capture, replay};
 use super::{forward, forward_error, Proxy, Served};
+use crate::body::budget::BodyBudget;
 use crate::body::{boxed, drain, full, read_limited, Prefixed, ReadError};
 use crate::config::Secret;
 use crate::error::KeyFate;
@@ -34,8 +35,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tracing::warn;
 
-/// A refused (413) body is read and discarded up to this much, so the client
-/// sees the 413 instead of a reset; past it the connection is just closed.
+/// A refused (413, 503) body is read and discarded up to this much, so the client
+/// sees the answer instead of a reset; past it the connection is just closed.
 const DRAIN_MAX_BYTES: u64 = 16 << 20;
 const DRAIN_MAX_TIME: Duration = Duration::from_secs(2);
 
@@ -112,13 +113,17 @@ fn answer_existing(
     }
 }
 
-/// Reads a protected request's body whole, within the route's size limit
-/// and the server's `request_body_timeout`.
+/// Reads a protected request's body whole, within the route's size limit,
+/// the server's `request_body_timeout` and the global body budget (see
+/// [`crate::body::budget`]): its length, or the route's limit when it has
+/// none, is reserved before a byte is read, and the bytes returned hold
+/// that reservation until they are dropped.
 pub async fn read_body(
     route: &RouteConfig,
     headers: &http::HeaderMap,
     body: &mut Incoming,
     timeout: Duration,
+    budget: &Arc<BodyBudget>,
 ) -> Result<Bytes, ProxyError> {
     let too_large = ProxyError::BodyTooLarge {
         limit: route.max_request_body,
@@ -130,12 +135,19 @@ pub async fn read_body(
         }
         return Err(too_large);
     }
-    let read = read_limited(body, route.max_request_body);
+    let expected = http_body::Body::size_hint(body).exact();
+    let Some(reservation) = budget.try_reserve(expected.unwrap_or(route.max_request_body)) else {
+        if expected.is_some_and(|n| n <= DRAIN_MAX_BYTES) {
+            drain(body, DRAIN_MAX_BYTES, DRAIN_MAX_TIME).await;
+        }
+        return Err(ProxyError::Overloaded);
+    };
+    let read = read_limited(body, route.max_request_body, expected);
     let Ok(read) = tokio::time::timeout(timeout, read).await else {
         return Err(ProxyError::BodyTimeout);
     };
     match read {
-        Ok(bytes) => Ok(bytes),
+        Ok(bytes) => Ok(reservation.hold(bytes)),
         Err(ReadError::TooLarge) => {
             drain(body, DRAIN_MAX_BYTES, DRAIN_MAX_TIME).await;
             Err(too_large)

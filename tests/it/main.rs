@@ -10,6 +10,7 @@ mod support;
 
 mod faults;
 mod forwarding;
+mod hostile_connections;
 mod invariants;
 mod lifecycle;
 mod operations;

@@ -149,6 +149,11 @@ impl ServeProcess {
         }
     }
 
+    /// The process id (for /proc).
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
     /// Everything the process wrote to stderr so far.
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.stderr).unwrap_or_default()
