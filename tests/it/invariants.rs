@@ -147,25 +147,6 @@ impl Fault {
 
 // ===== the cluster =====
 
-/// A free port below the kernel's ephemeral range: the thousands of client
-/// connections of a run take their source ports from that range, and one
-/// could take a replica's port between its choice and its bind, or while
-/// the replica restarts after a kill.
-fn replica_port() -> SocketAddr {
-    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
-        .unwrap_or(32768);
-    let range = low.saturating_sub(12_000).max(1024)..low;
-    for _ in 0..100 {
-        let addr = SocketAddr::from(([127, 0, 0, 1], rand::random_range(range.clone())));
-        if std::net::TcpListener::bind(addr).is_ok() {
-            return addr;
-        }
-    }
-    panic!("no free port in {range:?}");
-}
-
 /// One replica's addresses and, while it runs, its process.
 struct Replica {
     index: usize,
@@ -237,8 +218,8 @@ impl Cluster {
         let mut replicas: Vec<Replica> = (0..REPLICAS)
             .map(|index| Replica {
                 index,
-                listen: replica_port(),
-                admin: replica_port(),
+                listen: crate::support::free_port(),
+                admin: crate::support::free_port(),
                 // The last replica's clock runs ahead by more than a lease.
                 env: if fault == Fault::ClockSkew && index == REPLICAS - 1 {
                     vec![(idemgate::clock::TEST_OFFSET_ENV, SKEW_MS.to_string())]

@@ -95,8 +95,22 @@ pub async fn bounded<T>(what: &str, fut: impl Future<Output = T>) -> T {
 
 /// A free port on 127.0.0.1 (bound, then released).
 pub fn free_port() -> SocketAddr {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
-    l.local_addr().expect("addr")
+    // Below the kernel's ephemeral range: a port picked here for a child
+    // process to bind later cannot be taken meanwhile by one of the
+    // thousands of client connections the suites open (those get
+    // ephemeral ports).
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let range = low.saturating_sub(12_000).max(1024)..low;
+    for _ in 0..100 {
+        let addr = SocketAddr::from(([127, 0, 0, 1], rand::random_range(range.clone())));
+        if std::net::TcpListener::bind(addr).is_ok() {
+            return addr;
+        }
+    }
+    panic!("no free port in {range:?}");
 }
 
 /// Generates one `#[tokio::test]` per backend for each `async fn name(Backend)`
