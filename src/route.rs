@@ -6,6 +6,13 @@
 //! (`/api/*`). Routes are tried in config order; the first whose methods and
 //! pattern match wins. A route's settings ([`RouteConfig`]) are resolved by
 //! `config`, which depends on this module and never the other way round.
+//!
+//! Matching sees through `;` path parameters (RFC 3986 §3.3): each segment
+//! is compared by its name, the part before its first `;`, because servlet
+//! containers, Spring and Python's `urlparse` route `/orders;jsessionid=1`
+//! to `/orders`. The parameters are still forwarded as sent and are part of
+//! the fingerprint, as the query is: one key on `/orders;v=1` and
+//! `/orders;v=2` is a reuse (422), never a replay of the other's answer.
 
 use crate::idempotency::decision::ReleaseStatuses;
 use http::{HeaderName, Method};
@@ -113,6 +120,11 @@ impl PathPattern {
                 "path {source:?} must not contain a query or fragment"
             ));
         }
+        if source.contains(';') {
+            return Err(format!(
+                "path {source:?} must not contain ';': path parameters are ignored when matching"
+            ));
+        }
         let (body, prefix) = match source.strip_suffix("/*") {
             Some(rest) => (rest, true),
             None => (source, false),
@@ -146,13 +158,14 @@ impl PathPattern {
     /// Never normalized again here: normalizing is not idempotent (a decoded
     /// `%36` can complete a new escape), and the fingerprint uses the
     /// once-normalized spelling too.
+    /// Each segment is compared by its name (see the module docs); a segment
+    /// that is only parameters (`/;x/orders`) counts as empty, like `//`.
     pub fn matches(&self, path: &str) -> bool {
-        let rest = path.strip_prefix('/').unwrap_or(path);
-        let mut parts = if rest.is_empty() {
-            Vec::new()
-        } else {
-            rest.split('/').collect::<Vec<_>>()
-        };
+        let mut parts = path
+            .split('/')
+            .map(segment_name)
+            .filter(|name| !name.is_empty())
+            .collect::<Vec<_>>();
         if self.prefix {
             if parts.len() < self.segments.len() {
                 return false;
@@ -186,10 +199,39 @@ impl fmt::Display for PathPattern {
     }
 }
 
+/// A segment's name: the part before its first `;` parameter.
+fn segment_name(segment: &str) -> &str {
+    segment.split(';').next().unwrap_or(segment)
+}
+
+/// What a segment is to dot-segment removal (RFC 3986 §5.2.4).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Dot {
+    /// `.`
+    Current,
+    /// `..`
+    Parent,
+    Other,
+}
+
+impl Dot {
+    /// Judged by the segment's name, so `..;x` is `..`: servlet containers
+    /// strip the parameters before resolving it (the `/..;/` bypass). The
+    /// segment's unreserved escapes are already decoded.
+    fn of(segment: &str) -> Self {
+        match segment_name(segment) {
+            "." => Dot::Current,
+            ".." => Dot::Parent,
+            _ => Dot::Other,
+        }
+    }
+}
+
 /// The form of a path that route matching and fingerprints use: percent-
 /// encoded unreserved characters decoded (RFC 3986 §6.2.2.2), `.` and `..`
-/// segments resolved (§5.2.4), repeated slashes collapsed and a trailing
-/// slash dropped. Other percent-encodings (such as `%2F`) are kept.
+/// segments resolved (§5.2.4, including `..;x`), repeated slashes collapsed
+/// and a trailing slash dropped. Other percent-encodings (such as `%2F`)
+/// and `;` parameters are kept.
 pub fn normalize_path(path: &str) -> std::borrow::Cow<'_, str> {
     let clean = !path.contains('%')
         && !path.contains("//")
@@ -201,12 +243,13 @@ pub fn normalize_path(path: &str) -> std::borrow::Cow<'_, str> {
     let decoded = decode_unreserved(path);
     let mut out: Vec<&str> = Vec::new();
     for seg in decoded.split('/') {
-        match seg {
-            "" | "." => {}
-            ".." => {
+        match Dot::of(seg) {
+            _ if seg.is_empty() => {}
+            Dot::Current => {}
+            Dot::Parent => {
                 out.pop();
             }
-            s => out.push(s),
+            Dot::Other => out.push(seg),
         }
     }
     let mut normalized = String::with_capacity(decoded.len() + 1);
@@ -285,9 +328,23 @@ mod tests {
             ("/orders", "/orders%2F", false),
             ("/orders", "/Orders", false),
             ("/orders", "/orders/1", false),
+            ("/orders", "/orders;v=1", true),
+            ("/orders", "/orders;jsessionid=abc", true),
+            ("/orders", "/orders;", true),
+            ("/orders", "/;x/orders", true),
+            ("/orders", "/orders/;x", true),
+            ("/orders", "/x/..;/orders", true),
+            ("/orders", "/x/..;y=1/orders", true),
+            ("/orders", "/orders%3Bv=1", false),
+            ("/orders", "/orders.;x", false),
+            ("/a/b", "/a;x/b", true),
+            ("/a/b", "/a;x;y=2/b;z", true),
             ("/orders", "/order", false),
             ("/payments/{id}/capture", "/payments/p_1/capture", true),
             ("/payments/{id}/capture", "/payments//capture", false),
+            ("/payments/{id}/capture", "/payments/;x/capture", false),
+            ("/payments/{id}/capture", "/payments/p_1;v=2/capture", true),
+            ("/api/*", "/api;v=1/orders", true),
             ("/payments/{id}/capture", "/payments/p_1", false),
             ("/payments/{id}/capture", "/payments/p_1/capture/x", false),
             ("/api/*", "/api", true),
@@ -323,6 +380,12 @@ mod tests {
             ("/größe/", "/größe"),
             ("//größe/%41", "/größe/A"),
             ("/%zz", "/%zz"),
+            ("/orders;v=1", "/orders;v=1"),
+            ("/a;x/../b", "/b"),
+            ("/a/..;x/b", "/b"),
+            ("/a/%2e%2E/b", "/b"),
+            ("/a/.%2e;x/b", "/b"),
+            ("/a/...;x/b", "/a/...;x/b"),
         ] {
             assert_eq!(normalize_path(raw), want, "{raw}");
         }
@@ -340,7 +403,15 @@ mod tests {
 
     #[test]
     fn bad_patterns_are_explained() {
-        for bad in ["orders", "/a/*/b", "/a*", "/x?y=1", "/a/{id", "/a/b{id}"] {
+        for bad in [
+            "orders",
+            "/a/*/b",
+            "/a*",
+            "/x?y=1",
+            "/a/{id",
+            "/a/b{id}",
+            "/orders;v=1",
+        ] {
             assert!(PathPattern::parse(bad).is_err(), "{bad} should fail");
         }
     }

@@ -10,6 +10,7 @@ mod support;
 
 mod faults;
 mod forwarding;
+mod hostile_requests;
 mod lifecycle;
 mod operations;
 mod regressions;
