@@ -17,6 +17,7 @@
 use crate::idempotency::decision::ReleaseStatuses;
 use http::{HeaderName, Method};
 use serde::Deserialize;
+use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -225,42 +226,94 @@ impl Dot {
             _ => Dot::Other,
         }
     }
+
+    /// As [`Dot::of`] for a segment as sent, where `%2E` (either case) is a
+    /// `.` too: `of_raw(s)` is always `of(decode_unreserved(s))`, so what is
+    /// matched and what is forwarded resolve alike.
+    fn of_raw(segment: &str) -> Self {
+        let name = segment_name(segment).as_bytes();
+        let mut dots = 0;
+        let mut i = 0;
+        while i < name.len() {
+            match name[i..] {
+                [b'.', ..] => i += 1,
+                [b'%', b'2', b'e' | b'E', ..] => i += 3,
+                _ => return Dot::Other,
+            }
+            dots += 1;
+        }
+        match dots {
+            1 => Dot::Current,
+            2 => Dot::Parent,
+            _ => Dot::Other,
+        }
+    }
+}
+
+/// RFC 3986 §5.2.4 on an absolute path, each segment judged by `dot`; the
+/// other segments are kept byte for byte, and a `..` past the root stops
+/// there. A path that does not start with `/` is returned as it is.
+fn remove_dot_segments(path: &str, dot: fn(&str) -> Dot) -> Cow<'_, str> {
+    let Some(rest) = path.strip_prefix('/') else {
+        return Cow::Borrowed(path);
+    };
+    if rest.split('/').all(|seg| dot(seg) == Dot::Other) {
+        return Cow::Borrowed(path);
+    }
+    let segments: Vec<&str> = rest.split('/').collect();
+    let mut out: Vec<&str> = Vec::with_capacity(segments.len());
+    for (i, seg) in segments.iter().enumerate() {
+        let kind = dot(seg);
+        match kind {
+            Dot::Other => out.push(seg),
+            Dot::Current => {}
+            Dot::Parent => {
+                out.pop();
+            }
+        }
+        // A path ending in a dot-segment names a directory: "/a/b/.." is "/a/".
+        if kind != Dot::Other && i + 1 == segments.len() {
+            out.push("");
+        }
+    }
+    Cow::Owned(format!("/{}", out.join("/")))
+}
+
+/// The path the upstream gets: dot-segments removed (RFC 3986 §5.2.4, with
+/// `%2E` and `..;x` counted as [`Dot::of_raw`] says), so nothing joined to
+/// the upstream's base path can leave it. Everything else stays as sent.
+pub fn resolve_dot_segments(path: &str) -> Cow<'_, str> {
+    remove_dot_segments(path, Dot::of_raw)
 }
 
 /// The form of a path that route matching and fingerprints use: percent-
 /// encoded unreserved characters decoded (RFC 3986 §6.2.2.2), `.` and `..`
-/// segments resolved (§5.2.4, including `..;x`), repeated slashes collapsed
-/// and a trailing slash dropped. Other percent-encodings (such as `%2F`)
-/// and `;` parameters are kept.
-pub fn normalize_path(path: &str) -> std::borrow::Cow<'_, str> {
+/// segments resolved (§5.2.4, including `..;x`) as [`resolve_dot_segments`]
+/// resolves the forwarded path, then repeated slashes collapsed and a
+/// trailing slash dropped. Other percent-encodings (such as `%2F`) and `;`
+/// parameters are kept.
+pub fn normalize_path(path: &str) -> Cow<'_, str> {
     let clean = !path.contains('%')
         && !path.contains("//")
         && !path.contains("/.")
         && (path.len() <= 1 || !path.ends_with('/'));
     if clean && path.starts_with('/') {
-        return std::borrow::Cow::Borrowed(path);
+        return Cow::Borrowed(path);
     }
-    let decoded = decode_unreserved(path);
-    let mut out: Vec<&str> = Vec::new();
-    for seg in decoded.split('/') {
-        match Dot::of(seg) {
-            _ if seg.is_empty() => {}
-            Dot::Current => {}
-            Dot::Parent => {
-                out.pop();
-            }
-            Dot::Other => out.push(seg),
-        }
+    let mut decoded = decode_unreserved(path);
+    if !decoded.starts_with('/') {
+        decoded.insert(0, '/');
     }
-    let mut normalized = String::with_capacity(decoded.len() + 1);
-    for seg in out {
+    let resolved = remove_dot_segments(&decoded, Dot::of);
+    let mut normalized = String::with_capacity(resolved.len());
+    for seg in resolved.split('/').filter(|seg| !seg.is_empty()) {
         normalized.push('/');
         normalized.push_str(seg);
     }
     if normalized.is_empty() {
         normalized.push('/');
     }
-    std::borrow::Cow::Owned(normalized)
+    Cow::Owned(normalized)
 }
 
 fn decode_unreserved(path: &str) -> String {
@@ -386,8 +439,68 @@ mod tests {
             ("/a/%2e%2E/b", "/b"),
             ("/a/.%2e;x/b", "/b"),
             ("/a/...;x/b", "/a/...;x/b"),
+            ("/a//../b", "/a/b"),
+            ("/a/b/..", "/a"),
         ] {
             assert_eq!(normalize_path(raw), want, "{raw}");
+        }
+    }
+
+    #[test]
+    fn dot_segments_are_resolved_for_the_upstream() {
+        for (raw, want) in [
+            ("/", "/"),
+            ("/orders;v=1", "/orders;v=1"),
+            ("//a/b/", "//a/b/"),
+            ("/../admin", "/admin"),
+            ("/%2e%2E/admin", "/admin"),
+            ("/x/../../admin", "/admin"),
+            ("/x/..;/..;y/admin", "/admin"),
+            ("/a/b/..", "/a/"),
+            ("/a/b/.", "/a/b/"),
+            ("/a//../b", "/a/b"),
+            ("/a/%2e%2e%2e/b", "/a/%2e%2e%2e/b"),
+            ("/a/%%32e/b", "/a/%%32e/b"),
+            ("*", "*"),
+        ] {
+            assert_eq!(resolve_dot_segments(raw), want, "{raw}");
+        }
+    }
+
+    /// Every path of up to four segments from an alphabet of the tricky
+    /// ones: the forwarded path holds no dot-segment and stays below the
+    /// base, resolving is idempotent, and matching sees the path the
+    /// upstream gets (normalizing before or after resolving is the same).
+    #[test]
+    fn resolving_agrees_with_matching_and_never_leaves_the_base() {
+        const SEGMENTS: [&str; 13] = [
+            "", ".", "..", "%2e", "%2E%2e", ".%2e", "..;x", ";x", "a", "b;v=1", "%2F", "...",
+            "%%32e",
+        ];
+        let mut paths = vec![String::new()];
+        for _ in 0..4 {
+            let longer: Vec<String> = paths
+                .iter()
+                .flat_map(|p| SEGMENTS.iter().map(move |s| format!("{p}/{s}")))
+                .collect();
+            paths.extend(longer);
+        }
+        for seg in SEGMENTS {
+            assert!(
+                Dot::of_raw(seg) == Dot::of(&decode_unreserved(seg)),
+                "{seg}"
+            );
+        }
+        for path in paths.iter().filter(|p| !p.is_empty()) {
+            let resolved = resolve_dot_segments(path);
+            assert!(
+                resolved.split('/').all(|s| Dot::of_raw(s) == Dot::Other),
+                "{path} -> {resolved}"
+            );
+            assert_eq!(resolve_dot_segments(&resolved), resolved, "{path}");
+            assert_eq!(normalize_path(&resolved), normalize_path(path), "{path}");
+            let joined = format!("/base{resolved}");
+            assert!(normalize_path(&joined).starts_with("/base"), "{path}");
         }
     }
 

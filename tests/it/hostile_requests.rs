@@ -66,3 +66,101 @@ async fn path_parameters_do_not_hide_a_protected_route() {
     assert_eq!(up.total_hits(), spellings.len() + 1);
     bounded("shutdown", proxy.shutdown()).await;
 }
+
+/// Pins: dot-segments were joined to the upstream's base path unresolved:
+/// with `upstream = "http://host/base"`, `GET /../admin`, `/%2e%2e/admin`,
+/// `/x/../../admin` and `GET http://api.example/../admin` reached the
+/// upstream as `/base/../admin` and the like, which it resolves to `/admin`,
+/// outside the base. They are resolved first (RFC 3986 §5.2.4), as nginx
+/// does; a `..` past the root stops there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dot_segments_never_leave_the_upstream_base_path() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::builder(Backend::Memory, up.addr)
+        .set("server.upstream", format!("http://{}/base", up.addr))
+        .start()
+        .await;
+    for (target, want) in [
+        ("/../admin", "/base/admin"),
+        ("/%2e%2e/admin", "/base/admin"),
+        ("/%2E%2e/admin", "/base/admin"),
+        ("/.%2E/admin", "/base/admin"),
+        ("/x/../../admin", "/base/admin"),
+        ("/x/..;/..;/admin", "/base/admin"),
+        ("/./%2e/../admin/", "/base/admin/"),
+        ("/..", "/base/"),
+        ("http://api.example/../admin", "/base/admin"),
+        ("http://api.example/x/%2e%2e/%2e%2e/admin", "/base/admin"),
+        ("/a/./b/../c", "/base/a/c"),
+        ("/a//../c", "/base/a/c"),
+        ("/a/..x/c", "/base/a/..x/c"),
+    ] {
+        let resp = raw(
+            proxy.addr,
+            &format!("GET {target} HTTP/1.1\r\nhost: api.example\r\nconnection: close\r\n\r\n"),
+        )
+        .await;
+        assert_eq!(resp.status, 200, "{target}: {}", resp.text());
+        assert_eq!(up.last().path, want, "{target}");
+    }
+    // The query is the upstream's business: kept as sent.
+    proxy.get("/x/../y?next=/../admin").send().await;
+    assert_eq!(up.last().path, "/base/y");
+    assert_eq!(up.last().query.as_deref(), Some("next=/../admin"));
+    // A protected request: matched and forwarded as the same resource.
+    let first = proxy
+        .post("/x/../orders")
+        .key("k-dots")
+        .body("{}")
+        .send()
+        .await;
+    assert!(first.status.is_success(), "{}", first.text());
+    assert_eq!(up.last().path, "/base/orders");
+    let retry = proxy.post("/orders").key("k-dots").body("{}").send().await;
+    assert!(retry.replayed());
+    assert_eq!(up.hits("/base/orders"), 1);
+    bounded("shutdown", proxy.shutdown()).await;
+}
+
+// ===== raw sockets =====
+
+/// A response as read off a raw socket.
+struct RawResp {
+    status: u16,
+    body: Vec<u8>,
+}
+
+impl RawResp {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+/// Writes `request` byte for byte on a fresh connection and reads the
+/// answer until the proxy closes the connection (so requests say
+/// `connection: close`).
+async fn raw(addr: std::net::SocketAddr, request: &str) -> RawResp {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    bounded(&format!("raw {request:?}"), async {
+        let mut conn = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        conn.write_all(request.as_bytes()).await.expect("write");
+        let mut bytes = Vec::new();
+        // A reset after the answer is fine: what arrived is the answer.
+        let _ = conn.read_to_end(&mut bytes).await;
+        let split = bytes
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .unwrap_or_else(|| panic!("no response head: {:?}", String::from_utf8_lossy(&bytes)));
+        let head = String::from_utf8_lossy(&bytes[..split]).into_owned();
+        let status = head
+            .split(' ')
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("bad status line: {head}"));
+        RawResp {
+            status,
+            body: bytes[split + 4..].to_vec(),
+        }
+    })
+    .await
+}
