@@ -4,6 +4,7 @@
 //! that turns them into responses.
 
 use crate::idempotency::KeyError;
+use crate::proxy::admission::RequestError;
 use crate::store::StoreError;
 use http::HeaderName;
 
@@ -16,6 +17,12 @@ pub enum ProxyError {
         header: HeaderName,
         reason: KeyError,
     },
+    /// Malformed in a way hyper does not catch (`proxy/admission.rs`).
+    #[error("{0}")]
+    InvalidRequest(RequestError),
+    /// RFC 9112 §6.1: a transfer-coding other than `chunked`.
+    #[error("the transfer-coding {coding:?} is not supported; only chunked is")]
+    UnsupportedTransferCoding { coding: String },
     #[error("the request body is larger than {limit} bytes")]
     BodyTooLarge { limit: u64 },
     #[error("the request body could not be read: {0}")]
@@ -58,6 +65,8 @@ impl ProxyError {
         match self {
             ProxyError::MissingKey { .. }
             | ProxyError::InvalidKey { .. }
+            | ProxyError::InvalidRequest(_)
+            | ProxyError::UnsupportedTransferCoding { .. }
             | ProxyError::BodyTooLarge { .. }
             | ProxyError::BodyRead(_)
             | ProxyError::BodyTimeout

@@ -48,6 +48,18 @@ impl Problem {
                 "Idempotency-Key is invalid",
                 Outcome::InvalidKey,
             ),
+            ProxyError::InvalidRequest(_) => p(
+                StatusCode::BAD_REQUEST,
+                "request-invalid",
+                "The request is malformed",
+                Outcome::InvalidRequest,
+            ),
+            ProxyError::UnsupportedTransferCoding { .. } => p(
+                StatusCode::NOT_IMPLEMENTED,
+                "transfer-coding-unsupported",
+                "Transfer-coding not supported",
+                Outcome::InvalidRequest,
+            ),
             ProxyError::BodyTooLarge { .. } => p(
                 StatusCode::PAYLOAD_TOO_LARGE,
                 "body-too-large",
@@ -197,6 +209,7 @@ fn released_hint(err: &ProxyError, detail: String) -> String {
 mod tests {
     use super::*;
     use crate::idempotency::KeyError;
+    use crate::proxy::admission::RequestError;
     use crate::store::StoreError;
     use http::HeaderName;
 
@@ -212,6 +225,18 @@ mod tests {
                     reason: KeyError::TooLong,
                 },
                 400,
+                None,
+            ),
+            (
+                ProxyError::InvalidRequest(RequestError::ChunkedTwice),
+                400,
+                None,
+            ),
+            (
+                ProxyError::UnsupportedTransferCoding {
+                    coding: "gzip".into(),
+                },
+                501,
                 None,
             ),
             (ProxyError::BodyTooLarge { limit: 10 }, 413, None),

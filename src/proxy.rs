@@ -3,12 +3,14 @@
 //! unprotected requests through streaming, and hands protected ones to
 //! `protected.rs`; [`respond`] is where a result becomes a response.
 //!
+//! - `admission.rs`: rules every request must meet before route lookup.
 //! - `protected.rs`: a protected request from its key to its stored answer.
 //! - `replay.rs`: capturing a response for storage, and replaying it.
 //! - `forward.rs`: the upstream client; `headers.rs`: header rules.
 //! - `log.rs`: the access log line and request metric, once per request.
 //! - [`crate::lease`]: holding the key while the upstream runs.
 
+pub mod admission;
 pub mod forward;
 pub mod headers;
 mod log;
@@ -98,6 +100,9 @@ impl Proxy {
         peer: SocketAddr,
     ) -> Response<ProxyBody> {
         let mut log = RequestLog::start(req.method(), req.uri().path(), peer);
+        if let Err(e) = admission::admit(&req) {
+            return self.conclude(Err(e), log);
+        }
         let path = normalize_path(req.uri().path()).into_owned();
         let Some(route) = self.routes.find(req.method(), &path).cloned() else {
             let (outcome, resp) = self.passthrough(req.map(boxed), peer).await;

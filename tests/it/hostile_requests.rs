@@ -122,15 +122,85 @@ async fn dot_segments_never_leave_the_upstream_base_path() {
     bounded("shutdown", proxy.shutdown()).await;
 }
 
+/// Pins: `Transfer-Encoding: gzip, chunked` was accepted (hyper decodes the
+/// final `chunked` only) and the upstream got the raw gzip bytes as a plain
+/// chunked body. A transfer-coding other than `chunked` is 501 (RFC 9112
+/// section 6.1), protected route or not; `chunked` twice is malformed (400).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transfer_codings_other_than_chunked_get_501() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start(Backend::Memory, up.addr).await;
+    let post = |path: &str, key: &str, te: &str| {
+        format!(
+            "POST {path} HTTP/1.1\r\nhost: x\r\n{key}{te}connection: close\r\n\r\n\
+             5\r\nhello\r\n0\r\n\r\n"
+        )
+    };
+    for (path, key) in [(ORDERS, "idempotency-key: k-te\r\n"), ("/other", "")] {
+        for te in [
+            "transfer-encoding: gzip, chunked\r\n",
+            "transfer-encoding: GZIP,chunked\r\n",
+            "transfer-encoding: x-custom;q=1, chunked\r\n",
+            "transfer-encoding: gzip\r\ntransfer-encoding: chunked\r\n",
+        ] {
+            let resp = raw(proxy.addr, &post(path, key, te)).await;
+            let problem = resp.assert_problem(501);
+            assert!(
+                problem["type"]
+                    .as_str()
+                    .unwrap()
+                    .ends_with("#problem-transfer-coding-unsupported"),
+                "{problem}"
+            );
+        }
+        let twice = "transfer-encoding: chunked, chunked\r\n";
+        raw(proxy.addr, &post(path, key, twice))
+            .await
+            .assert_problem(400);
+    }
+    assert_eq!(up.total_hits(), 0, "nothing was forwarded");
+
+    // A plain chunked body is still welcome, on both kinds of route.
+    let chunked = "transfer-encoding: Chunked\r\n";
+    for (path, key) in [(ORDERS, "idempotency-key: k-te\r\n"), ("/other", "")] {
+        let resp = raw(proxy.addr, &post(path, key, chunked)).await;
+        assert!(resp.status < 300, "{path}: {}", resp.text());
+        assert_eq!(&up.last().body[..], b"hello");
+    }
+    bounded("shutdown", proxy.shutdown()).await;
+}
+
 // ===== raw sockets =====
 
 /// A response as read off a raw socket.
 struct RawResp {
     status: u16,
+    /// The header section, field names lowercased.
+    headers: Vec<(String, String)>,
     body: Vec<u8>,
 }
 
 impl RawResp {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// Asserts an RFC 9457 problem with `status`; returns its JSON.
+    fn assert_problem(&self, status: u16) -> serde_json::Value {
+        assert_eq!(self.status, status, "body: {}", self.text());
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/problem+json")
+        );
+        let json: serde_json::Value = serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.text()));
+        assert_eq!(json["status"], status, "{json}");
+        json
+    }
+
     fn text(&self) -> String {
         String::from_utf8_lossy(&self.body).into_owned()
     }
@@ -152,13 +222,19 @@ async fn raw(addr: std::net::SocketAddr, request: &str) -> RawResp {
             .position(|w| w == b"\r\n\r\n")
             .unwrap_or_else(|| panic!("no response head: {:?}", String::from_utf8_lossy(&bytes)));
         let head = String::from_utf8_lossy(&bytes[..split]).into_owned();
-        let status = head
-            .split(' ')
-            .nth(1)
+        let mut lines = head.split("\r\n");
+        let status = lines
+            .next()
+            .and_then(|l| l.split(' ').nth(1))
             .and_then(|s| s.parse().ok())
             .unwrap_or_else(|| panic!("bad status line: {head}"));
+        let headers = lines
+            .filter_map(|l| l.split_once(':'))
+            .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_string()))
+            .collect();
         RawResp {
             status,
+            headers,
             body: bytes[split + 4..].to_vec(),
         }
     })
