@@ -25,7 +25,7 @@ use crate::metrics::Outcome;
 use crate::route::{OnAmbiguous, OnStoreError, RouteConfig};
 use crate::store::{Completion, Record, StoreError};
 use bytes::Bytes;
-use http::{header, request, HeaderValue, Request, Response};
+use http::{header, request, HeaderValue, Method, Request, Response};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use std::net::SocketAddr;
@@ -220,6 +220,7 @@ impl Proxy {
             peer,
             ..
         } = req;
+        let method = parts.method.clone();
         parts.headers.remove(header::TRANSFER_ENCODING);
         parts
             .headers
@@ -252,7 +253,8 @@ impl Proxy {
             }
             Settlement::Store => {
                 let deadline = started + self.forwarder.timeout();
-                self.store_response(&route, lease, resp, deadline).await
+                self.store_response(&route, &method, lease, resp, deadline)
+                    .await
             }
         }
     }
@@ -261,6 +263,7 @@ impl Proxy {
     async fn store_response(
         &self,
         route: &RouteConfig,
+        method: &Method,
         lease: Lease,
         resp: Response<Incoming>,
         deadline: Instant,
@@ -305,7 +308,7 @@ impl Proxy {
             }
         }
         let body = concat(chunks);
-        let stored = capture(&parts, body.clone(), route);
+        let stored = capture(method, &parts, body.clone(), route);
         lease.complete(Completion::Stored(stored)).await;
         Ok((Outcome::Forwarded, Response::from_parts(parts, full(body))))
     }

@@ -3,7 +3,14 @@
 //! upstream's base path or confuse the proxy. Well-formed ones go through
 //! the test client; malformed ones are written byte for byte on a socket.
 
-use crate::support::{bounded, Backend, Proxy, Route, Upstream, ORDERS};
+use crate::support::{bounded, Backend, H2Conn, Proxy, Route, Upstream, ORDERS};
+use http::Method;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinHandle;
 
 /// Pins: `;` path parameters hid a protected path from route matching, so
 /// `POST /orders;v=1` and `POST /orders;jsessionid=abc` were forwarded
@@ -170,6 +177,50 @@ async fn transfer_codings_other_than_chunked_get_501() {
     bounded("shutdown", proxy.shutdown()).await;
 }
 
+/// Pins: `Content-Length` was never stored and replays recomputed it from
+/// the stored body, which for a HEAD response or a 304 is empty: a replayed
+/// HEAD lost the length its original carried, and so did a 304 replayed
+/// over HTTP/2 (over HTTP/1.1 hyper sends no length on a 304 to a POST,
+/// original or replay).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replayed_head_and_304_responses_keep_their_content_length() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::builder(Backend::Memory, up.addr)
+        .routes(vec![Route::post(ORDERS).set("methods", vec!["HEAD"])])
+        .start()
+        .await;
+    let head = || proxy.request(Method::HEAD, ORDERS).key("k-head");
+    let first = head().send().await;
+    assert_eq!(first.status(), 200);
+    assert!(first.body.is_empty());
+    let length = first
+        .header("content-length")
+        .expect("the original carries the length of what a GET would get")
+        .to_string();
+    assert_ne!(length, "0");
+    let replay = head().send().await;
+    assert!(replay.replayed());
+    assert_eq!(replay.header("content-length"), Some(length.as_str()));
+    assert_eq!(up.total_hits(), 1);
+
+    let up = RawUpstream::start(
+        "HTTP/1.1 304 Not Modified\r\netag: \"v1\"\r\ncontent-length: 42\r\n\r\n",
+    )
+    .await;
+    let proxy = Proxy::start(Backend::Memory, up.addr).await;
+    let mut h2 = H2Conn::open(proxy.addr).await;
+    let post = || proxy.post(ORDERS).key("k-304").body("{}");
+    let first = h2.send(post()).await;
+    assert_eq!(first.status(), 304);
+    assert_eq!(first.header("content-length"), Some("42"));
+    let replay = h2.send(post()).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.status(), 304);
+    assert_eq!(replay.header("etag"), Some("\"v1\""));
+    assert_eq!(replay.header("content-length"), Some("42"));
+    assert_eq!(up.hits.load(Ordering::SeqCst), 1);
+}
+
 // ===== raw sockets =====
 
 /// A response as read off a raw socket.
@@ -209,10 +260,9 @@ impl RawResp {
 /// Writes `request` byte for byte on a fresh connection and reads the
 /// answer until the proxy closes the connection (so requests say
 /// `connection: close`).
-async fn raw(addr: std::net::SocketAddr, request: &str) -> RawResp {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+async fn raw(addr: SocketAddr, request: &str) -> RawResp {
     bounded(&format!("raw {request:?}"), async {
-        let mut conn = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let mut conn = TcpStream::connect(addr).await.expect("connect");
         conn.write_all(request.as_bytes()).await.expect("write");
         let mut bytes = Vec::new();
         // A reset after the answer is fine: what arrived is the answer.
@@ -239,4 +289,68 @@ async fn raw(addr: std::net::SocketAddr, request: &str) -> RawResp {
         }
     })
     .await
+}
+
+/// An upstream that answers every request with the same bytes: for answers
+/// hyper would not send, such as a 304 to a POST with a `Content-Length`.
+struct RawUpstream {
+    addr: SocketAddr,
+    hits: Arc<AtomicUsize>,
+    task: JoinHandle<()>,
+}
+
+impl RawUpstream {
+    async fn start(answer: &'static str) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let hits = Arc::new(AtomicUsize::new(0));
+        let counter = hits.clone();
+        let task = tokio::spawn(async move {
+            while let Ok((conn, _)) = listener.accept().await {
+                tokio::spawn(answer_each_request(conn, answer, counter.clone()));
+            }
+        });
+        Self { addr, hits, task }
+    }
+}
+
+impl Drop for RawUpstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Reads requests (head, then a `Content-Length` body) off `conn` and
+/// writes `answer` after each, until the peer hangs up.
+async fn answer_each_request(mut conn: TcpStream, answer: &str, hits: Arc<AtomicUsize>) {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        let end = loop {
+            if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                break i + 4;
+            }
+            match conn.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+        };
+        let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+        let length: usize = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length:"))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0);
+        while buf.len() < end + length {
+            match conn.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+        }
+        buf.drain(..end + length);
+        hits.fetch_add(1, Ordering::SeqCst);
+        if conn.write_all(answer.as_bytes()).await.is_err() {
+            return;
+        }
+    }
 }
