@@ -3,7 +3,7 @@
 //! ([`Origin`], pingora's `ErrorSource` idea); `problem.rs` is the one place
 //! that turns them into responses.
 
-use crate::idempotency::KeyError;
+use crate::idempotency::{KeyError, RepeatedScopeHeader};
 use crate::proxy::admission::RequestError;
 use crate::store::StoreError;
 use http::HeaderName;
@@ -17,6 +17,8 @@ pub enum ProxyError {
         header: HeaderName,
         reason: KeyError,
     },
+    #[error(transparent)]
+    RepeatedScopeHeader(#[from] RepeatedScopeHeader),
     /// Malformed in a way hyper does not catch (`proxy/admission.rs`).
     #[error("{0}")]
     InvalidRequest(RequestError),
@@ -65,6 +67,7 @@ impl ProxyError {
         match self {
             ProxyError::MissingKey { .. }
             | ProxyError::InvalidKey { .. }
+            | ProxyError::RepeatedScopeHeader(_)
             | ProxyError::InvalidRequest(_)
             | ProxyError::UnsupportedTransferCoding { .. }
             | ProxyError::BodyTooLarge { .. }

@@ -48,6 +48,12 @@ impl Problem {
                 "Idempotency-Key is invalid",
                 Outcome::InvalidKey,
             ),
+            ProxyError::RepeatedScopeHeader(_) => p(
+                StatusCode::BAD_REQUEST,
+                "scope-header-repeated",
+                "A scope header is repeated",
+                Outcome::InvalidRequest,
+            ),
             ProxyError::InvalidRequest(_) => p(
                 StatusCode::BAD_REQUEST,
                 "request-invalid",
@@ -208,7 +214,7 @@ fn released_hint(err: &ProxyError, detail: String) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::idempotency::KeyError;
+    use crate::idempotency::{KeyError, RepeatedScopeHeader};
     use crate::proxy::admission::RequestError;
     use crate::store::StoreError;
     use http::HeaderName;
@@ -224,6 +230,11 @@ mod tests {
                     header: h,
                     reason: KeyError::TooLong,
                 },
+                400,
+                None,
+            ),
+            (
+                ProxyError::RepeatedScopeHeader(RepeatedScopeHeader(http::header::AUTHORIZATION)),
                 400,
                 None,
             ),

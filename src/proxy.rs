@@ -110,7 +110,7 @@ impl Proxy {
             return resp;
         };
         log.set_route(&route.label);
-        let key = match key_of(&route, req.headers()) {
+        let key = match key_of(&route, req.headers(), self.scope_secret.as_ref()) {
             Ok(Some(key)) => key,
             Ok(None) => {
                 let (outcome, resp) = self.passthrough(req.map(boxed), peer).await;
@@ -125,8 +125,7 @@ impl Proxy {
                 Ok(body) => body,
                 Err(e) => return self.conclude(Err(e), log),
             };
-        let secret = self.scope_secret.as_ref();
-        let req = prepare(route, parts, body, &key, &path, secret, peer);
+        let req = prepare(route, parts, body, key, &path, peer);
         log.set_key_id(req.record_key.log_id());
         self.run_detached(req, log).await
     }

@@ -221,6 +221,79 @@ async fn replayed_head_and_304_responses_keep_their_content_length() {
     assert_eq!(up.hits.load(Ordering::SeqCst), 1);
 }
 
+/// Pins: a scope header sent twice was digested with both values, so an
+/// upstream gateway that appends identity headers (or a client adding its
+/// own beside the one a gateway injects) could make the proxy and the
+/// upstream disagree about whose key it is. It is refused (400) before the
+/// body is read. `Cookie` is the exception: HTTP/2 splits it into fields
+/// that are joined (RFC 9113 section 8.2.3), for the scope as upstream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_scope_header_is_refused() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::builder(Backend::Memory, up.addr)
+        .routes(vec![
+            Route::post(ORDERS).set("scope_headers", vec!["Authorization", "X-Tenant-Id"]),
+            Route::post("/payments").set("scope_headers", vec!["Cookie"]),
+        ])
+        .start()
+        .await;
+    for (repeated, fields) in [
+        (
+            "authorization",
+            [("authorization", "Bearer a"), ("authorization", "Bearer b")],
+        ),
+        (
+            "x-tenant-id",
+            [("x-tenant-id", "t1"), ("x-tenant-id", "t2")],
+        ),
+    ] {
+        let mut req = proxy.post(ORDERS).key("k-rep").body("{}");
+        for (name, value) in fields {
+            req = req.header(name, value);
+        }
+        let problem = req.send().await.assert_problem(400);
+        assert!(
+            problem["type"]
+                .as_str()
+                .unwrap()
+                .ends_with("#problem-scope-header-repeated"),
+            "{problem}"
+        );
+        assert!(
+            problem["detail"].as_str().unwrap().contains(repeated),
+            "{problem}"
+        );
+    }
+    assert_eq!(up.total_hits(), 0, "nothing was forwarded");
+    let once = proxy
+        .post(ORDERS)
+        .key("k-rep")
+        .header("authorization", "Bearer a")
+        .header("x-tenant-id", "t1")
+        .body("{}")
+        .send()
+        .await;
+    assert_eq!(once.status(), 201, "{}", once.text());
+
+    // Split cookies over HTTP/2 are one scope with the joined field.
+    let mut h2 = H2Conn::open(proxy.addr).await;
+    let split = proxy
+        .post("/payments")
+        .key("k-cookie")
+        .header("cookie", "a=1")
+        .header("cookie", "b=2")
+        .body("{}");
+    let first = h2.send(split).await;
+    assert_eq!(first.status(), 200, "{}", first.text());
+    let joined = proxy
+        .post("/payments")
+        .key("k-cookie")
+        .header("cookie", "a=1; b=2")
+        .body("{}");
+    assert!(joined.send().await.replayed());
+    assert_eq!(up.total_hits(), 2);
+}
+
 // ===== raw sockets =====
 
 /// A response as read off a raw socket.
