@@ -70,11 +70,13 @@ impl Forwarder {
         mut req: Request<ProxyBody>,
         peer: SocketAddr,
     ) -> Result<Response<Incoming>, ForwardError> {
-        let original_host = req.headers().get(header::HOST).cloned().or_else(|| {
-            req.uri()
-                .authority()
-                .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
-        });
+        // An absolute-form target's authority wins over `Host` (RFC 9112
+        // §3.2.2); on HTTP/2 it is `:authority`, which `Host` must match.
+        let original_host = req
+            .uri()
+            .authority()
+            .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+            .or_else(|| req.headers().get(header::HOST).cloned());
         *req.uri_mut() = self.upstream_uri(req.uri())?;
         // The upstream sees HTTP/1.1 whatever the client spoke.
         *req.version_mut() = http::Version::HTTP_11;

@@ -3,7 +3,7 @@
 //! upstream's base path or confuse the proxy. Well-formed ones go through
 //! the test client; malformed ones are written byte for byte on a socket.
 
-use crate::support::{bounded, Backend, H2Conn, Proxy, Route, Upstream, ORDERS};
+use crate::support::{bounded, Backend, H2Conn, Proxy, Req, Route, Upstream, ORDERS};
 use http::Method;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -152,13 +152,7 @@ async fn transfer_codings_other_than_chunked_get_501() {
         ] {
             let resp = raw(proxy.addr, &post(path, key, te)).await;
             let problem = resp.assert_problem(501);
-            assert!(
-                problem["type"]
-                    .as_str()
-                    .unwrap()
-                    .ends_with("#problem-transfer-coding-unsupported"),
-                "{problem}"
-            );
+            assert_type(&problem, "transfer-coding-unsupported");
         }
         let twice = "transfer-encoding: chunked, chunked\r\n";
         raw(proxy.addr, &post(path, key, twice))
@@ -252,13 +246,7 @@ async fn a_repeated_scope_header_is_refused() {
             req = req.header(name, value);
         }
         let problem = req.send().await.assert_problem(400);
-        assert!(
-            problem["type"]
-                .as_str()
-                .unwrap()
-                .ends_with("#problem-scope-header-repeated"),
-            "{problem}"
-        );
+        assert_type(&problem, "scope-header-repeated");
         assert!(
             problem["detail"].as_str().unwrap().contains(repeated),
             "{problem}"
@@ -292,6 +280,70 @@ async fn a_repeated_scope_header_is_refused() {
         .body("{}");
     assert!(joined.send().await.replayed());
     assert_eq!(up.total_hits(), 2);
+}
+
+/// Pins: request targets that are neither origin-form nor absolute-form
+/// were forwarded (`POST orders` reached the upstream as `POST /`, `POST *`
+/// as `POST *`), and so were HTTP/2 requests whose `host` named another
+/// host than their `:authority` (RFC 9113 section 8.3.1), or requests with
+/// two `Host` fields (RFC 9112 section 3.2). Each is 400 now, on any route.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_targets_and_conflicting_hosts_get_400() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start(Backend::Memory, up.addr).await;
+    for (method, target) in [
+        ("POST", "orders"),
+        ("POST", "*"),
+        ("OPTIONS", "*"),
+        ("POST", "api.example:443"),
+        ("CONNECT", "api.example:443"),
+    ] {
+        let resp = raw(
+            proxy.addr,
+            &format!(
+                "{method} {target} HTTP/1.1\r\nhost: api.example\r\nidempotency-key: k-target\r\n\
+                 content-length: 2\r\nconnection: close\r\n\r\n{{}}"
+            ),
+        )
+        .await;
+        let problem = resp.assert_problem(400);
+        assert_type(&problem, "request-invalid");
+    }
+    let two_hosts = "GET /other HTTP/1.1\r\nhost: a.example\r\nhost: b.example\r\n\
+                     connection: close\r\n\r\n";
+    raw(proxy.addr, two_hosts).await.assert_problem(400);
+
+    let mut h2 = H2Conn::open(proxy.addr).await;
+    let at = |url: &str, host: &str| {
+        Req::new(Method::POST, url.to_string())
+            .header("host", host)
+            .key("k-h2")
+            .body("{}")
+    };
+    h2.send(at("http://a.example/orders", "b.example"))
+        .await
+        .assert_problem(400);
+    h2.send(at("http://a.example/other", "a.example:8080"))
+        .await
+        .assert_problem(400);
+    assert_eq!(up.total_hits(), 0, "nothing was forwarded");
+    // Agreeing (host names are case-insensitive): served.
+    let agreed = h2.send(at("http://a.example/orders", "A.example")).await;
+    assert_eq!(agreed.status(), 201, "{}", agreed.text());
+
+    // HTTP/1.1 absolute-form: the target's authority wins over `Host`
+    // (RFC 9112 section 3.2.2), so the upstream hears of that one.
+    let absolute =
+        "GET http://a.example/x HTTP/1.1\r\nhost: b.example\r\nconnection: close\r\n\r\n";
+    assert_eq!(raw(proxy.addr, absolute).await.status, 200);
+    assert_eq!(up.last().path, "/x");
+    assert_eq!(up.last().headers["x-forwarded-host"], "a.example");
+}
+
+/// Asserts a problem's `type` is the README's `#problem-{slug}`.
+fn assert_type(problem: &serde_json::Value, slug: &str) {
+    let ty = problem["type"].as_str().unwrap_or_default();
+    assert!(ty.ends_with(&format!("#problem-{slug}")), "{problem}");
 }
 
 // ===== raw sockets =====
