@@ -156,9 +156,8 @@ impl PathPattern {
     }
 
     /// Whether `path` (no query), as [`normalize_path`] returned it, matches.
-    /// Never normalized again here: normalizing is not idempotent (a decoded
-    /// `%36` can complete a new escape), and the fingerprint uses the
-    /// once-normalized spelling too.
+    /// Not normalized again here: once per request is enough (normalizing
+    /// is idempotent), and the fingerprint uses the same spelling.
     /// Each segment is compared by its name (see the module docs); a segment
     /// that is only parameters (`/;x/orders`) counts as empty, like `//`.
     pub fn matches(&self, path: &str) -> bool {
@@ -316,26 +315,53 @@ pub fn normalize_path(path: &str) -> Cow<'_, str> {
     Cow::Owned(normalized)
 }
 
+/// Percent-encoding normalization (RFC 3986 §6.2.2.1-2): escapes of
+/// unreserved characters decoded, the others kept with uppercase hex, and a
+/// `%` that starts no escape encoded as `%25`. Every `%` in the result
+/// starts a kept escape, so decoding it again changes nothing: this is what
+/// makes [`normalize_path`] idempotent (`/%%36Frders` is `/%256Frders`,
+/// never `/%6Frders`, which a second pass would turn into `/orders`).
 fn decode_unreserved(path: &str) -> String {
     let bytes = path.as_bytes();
-    // Work on bytes: paths may hold UTF-8, and decoded bytes are ASCII.
+    // Work on bytes: paths may hold UTF-8, and what is decoded is ASCII.
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while i < bytes.len() {
-        if bytes[i] == b'%' && i + 2 < bytes.len() {
-            let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).ok();
-            if let Some(b) = hex.and_then(|h| u8::from_str_radix(h, 16).ok()) {
+        if bytes[i] != b'%' {
+            out.push(bytes[i]);
+            i += 1;
+            continue;
+        }
+        match bytes.get(i + 1..i + 3) {
+            Some(&[hi, lo]) if hi.is_ascii_hexdigit() && lo.is_ascii_hexdigit() => {
+                let b = hex_digit(hi) << 4 | hex_digit(lo);
                 if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
                     out.push(b);
-                    i += 3;
-                    continue;
+                } else {
+                    out.extend_from_slice(&[
+                        b'%',
+                        hi.to_ascii_uppercase(),
+                        lo.to_ascii_uppercase(),
+                    ]);
                 }
+                i += 3;
+            }
+            _ => {
+                out.extend_from_slice(b"%25");
+                i += 1;
             }
         }
-        out.push(bytes[i]);
-        i += 1;
     }
     String::from_utf8(out).unwrap_or_else(|_| path.to_string())
+}
+
+/// The value of an ASCII hex digit.
+fn hex_digit(c: u8) -> u8 {
+    match c {
+        b'0'..=b'9' => c - b'0',
+        b'a'..=b'f' => c - b'a' + 10,
+        _ => c - b'A' + 10,
+    }
 }
 
 /// The protected routes, in config order.
@@ -379,6 +405,7 @@ mod tests {
             ("/orders", "/%6Frders", true),
             ("/orders", "/%6frders", true),
             ("/orders", "/orders%2F", false),
+            ("/a%2Fb", "/a%2fb", true),
             ("/orders", "/Orders", false),
             ("/orders", "/orders/1", false),
             ("/orders", "/orders;v=1", true),
@@ -429,10 +456,14 @@ mod tests {
             ("/a/./b/../c", "/a/c"),
             ("/../a", "/a"),
             ("/%41%7e%2F", "/A~%2F"),
-            ("/100%", "/100%"),
+            ("/100%", "/100%25"),
+            ("/100%2", "/100%252"),
+            ("/a%2fb", "/a%2Fb"),
+            ("/%c3%a9", "/%C3%A9"),
+            ("/%+1", "/%25+1"),
             ("/größe/", "/größe"),
             ("//größe/%41", "/größe/A"),
-            ("/%zz", "/%zz"),
+            ("/%zz", "/%25zz"),
             ("/orders;v=1", "/orders;v=1"),
             ("/a;x/../b", "/b"),
             ("/a/..;x/b", "/b"),
@@ -469,13 +500,14 @@ mod tests {
 
     /// Every path of up to four segments from an alphabet of the tricky
     /// ones: the forwarded path holds no dot-segment and stays below the
-    /// base, resolving is idempotent, and matching sees the path the
-    /// upstream gets (normalizing before or after resolving is the same).
+    /// base, resolving and normalizing are idempotent, and matching sees
+    /// the path the upstream gets (normalizing before or after resolving
+    /// is the same).
     #[test]
     fn resolving_agrees_with_matching_and_never_leaves_the_base() {
-        const SEGMENTS: [&str; 13] = [
+        const SEGMENTS: [&str; 16] = [
             "", ".", "..", "%2e", "%2E%2e", ".%2e", "..;x", ";x", "a", "b;v=1", "%2F", "...",
-            "%%32e",
+            "%%32e", "%", "%%36F", "%6f%2",
         ];
         let mut paths = vec![String::new()];
         for _ in 0..4 {
@@ -498,7 +530,9 @@ mod tests {
                 "{path} -> {resolved}"
             );
             assert_eq!(resolve_dot_segments(&resolved), resolved, "{path}");
-            assert_eq!(normalize_path(&resolved), normalize_path(path), "{path}");
+            let normalized = normalize_path(path);
+            assert_eq!(normalize_path(&resolved), normalized, "{path}");
+            assert_eq!(normalize_path(&normalized), normalized, "{path}");
             let joined = format!("/base{resolved}");
             assert!(normalize_path(&joined).starts_with("/base"), "{path}");
         }
@@ -507,10 +541,13 @@ mod tests {
     #[test]
     fn a_path_is_normalized_once_per_request() {
         // Pins: route lookup normalized the already normalized path again,
-        // so "/%%36Frders" (once: "/%6Frders") matched "/orders".
+        // so "/%%36Frders" (then once: "/%6Frders") matched "/orders".
+        // Normalizing is idempotent now, so twice is once.
         let p = PathPattern::parse("/orders").unwrap();
         for raw in ["/%%36Frders", "/x/%2%45%2%45/orders"] {
-            assert!(!p.matches(&normalize_path(raw)), "{raw}");
+            let once = normalize_path(raw);
+            assert!(!p.matches(&once), "{raw}");
+            assert_eq!(normalize_path(&once), once, "{raw}");
         }
     }
 
