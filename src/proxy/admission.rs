@@ -17,8 +17,10 @@
 //! - Transfer-codings (RFC 9112 §6.1): hyper decodes a final `chunked` and
 //!   passes any coding before it through, so `gzip, chunked` would reach
 //!   the upstream as a plain chunked body of gzip bytes. Only `chunked` is
-//!   understood; anything else is 501, `chunked` twice is 400. (HTTP/2
-//!   carries no transfer-codings: h2 resets such a stream itself.)
+//!   understood; anything else is 501, `chunked` twice is 400. (hyper
+//!   itself answers a bare 400 when `chunked` is not the final coding or
+//!   the request is HTTP/1.0; HTTP/2 carries no transfer-codings, and h2
+//!   resets a stream that sends one.)
 
 use crate::error::ProxyError;
 use http::{header, HeaderMap, Request, Uri, Version};
