@@ -3,7 +3,8 @@
 //! ([`Origin`], pingora's `ErrorSource` idea); `problem.rs` is the one place
 //! that turns them into responses.
 
-use crate::idempotency::KeyError;
+use crate::idempotency::{KeyError, RepeatedScopeHeader};
+use crate::proxy::admission::RequestError;
 use crate::store::StoreError;
 use http::HeaderName;
 
@@ -16,6 +17,14 @@ pub enum ProxyError {
         header: HeaderName,
         reason: KeyError,
     },
+    #[error(transparent)]
+    RepeatedScopeHeader(#[from] RepeatedScopeHeader),
+    /// Malformed in a way hyper does not catch (`proxy/admission.rs`).
+    #[error("{0}")]
+    InvalidRequest(RequestError),
+    /// RFC 9112 §6.1: a transfer-coding other than `chunked`.
+    #[error("the transfer-coding {coding:?} is not supported; only chunked is")]
+    UnsupportedTransferCoding { coding: String },
     #[error("the request body is larger than {limit} bytes")]
     BodyTooLarge { limit: u64 },
     #[error("the request body could not be read: {0}")]
@@ -61,6 +70,9 @@ impl ProxyError {
         match self {
             ProxyError::MissingKey { .. }
             | ProxyError::InvalidKey { .. }
+            | ProxyError::RepeatedScopeHeader(_)
+            | ProxyError::InvalidRequest(_)
+            | ProxyError::UnsupportedTransferCoding { .. }
             | ProxyError::BodyTooLarge { .. }
             | ProxyError::BodyRead(_)
             | ProxyError::BodyTimeout

@@ -24,5 +24,5 @@ pub mod record;
 
 pub use decision::{decide, settle, Decision, Settlement};
 pub use fingerprint::Fingerprint;
-pub use key::{IdempotencyKey, KeyError, RecordKey, Scope};
+pub use key::{IdempotencyKey, KeyError, RecordKey, RepeatedScopeHeader, Scope};
 pub use record::{Record, RecordState, StoredResponse, UnixMillis};

@@ -30,7 +30,8 @@ pub enum Outcome {
     MissingKey,
     /// 400: the key was malformed.
     InvalidKey,
-    /// 400: the request body was unreadable.
+    /// 400/501: the request was malformed (or its body unreadable), or
+    /// used a transfer-coding other than chunked.
     InvalidRequest,
     /// 413: the request body was over the route's limit.
     TooLarge,

@@ -51,6 +51,24 @@ impl Problem {
                 "Idempotency-Key is invalid",
                 Outcome::InvalidKey,
             ),
+            ProxyError::RepeatedScopeHeader(_) => p(
+                StatusCode::BAD_REQUEST,
+                "scope-header-repeated",
+                "A scope header is repeated",
+                Outcome::InvalidRequest,
+            ),
+            ProxyError::InvalidRequest(_) => p(
+                StatusCode::BAD_REQUEST,
+                "request-invalid",
+                "The request is malformed",
+                Outcome::InvalidRequest,
+            ),
+            ProxyError::UnsupportedTransferCoding { .. } => p(
+                StatusCode::NOT_IMPLEMENTED,
+                "transfer-coding-unsupported",
+                "Transfer-coding not supported",
+                Outcome::InvalidRequest,
+            ),
             ProxyError::BodyTooLarge { .. } => p(
                 StatusCode::PAYLOAD_TOO_LARGE,
                 "body-too-large",
@@ -211,7 +229,8 @@ fn released_hint(err: &ProxyError, detail: String) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::idempotency::KeyError;
+    use crate::idempotency::{KeyError, RepeatedScopeHeader};
+    use crate::proxy::admission::RequestError;
     use crate::store::StoreError;
     use http::HeaderName;
 
@@ -227,6 +246,23 @@ mod tests {
                     reason: KeyError::TooLong,
                 },
                 400,
+                None,
+            ),
+            (
+                ProxyError::RepeatedScopeHeader(RepeatedScopeHeader(http::header::AUTHORIZATION)),
+                400,
+                None,
+            ),
+            (
+                ProxyError::InvalidRequest(RequestError::ChunkedTwice),
+                400,
+                None,
+            ),
+            (
+                ProxyError::UnsupportedTransferCoding {
+                    coding: "gzip".into(),
+                },
+                501,
                 None,
             ),
             (ProxyError::BodyTooLarge { limit: 10 }, 413, None),

@@ -3,12 +3,14 @@
 //! unprotected requests through streaming, and hands protected ones to
 //! `protected.rs`; [`respond`] is where a result becomes a response.
 //!
+//! - `admission.rs`: rules every request must meet before route lookup.
 //! - `protected.rs`: a protected request from its key to its stored answer.
 //! - `replay.rs`: capturing a response for storage, and replaying it.
 //! - `forward.rs`: the upstream client; `headers.rs`: header rules.
 //! - `log.rs`: the access log line and request metric, once per request.
 //! - [`crate::lease`]: holding the key while the upstream runs.
 
+pub mod admission;
 pub mod forward;
 pub mod headers;
 mod log;
@@ -106,6 +108,9 @@ impl Proxy {
         peer: SocketAddr,
     ) -> Response<ProxyBody> {
         let mut log = RequestLog::start(req.method(), req.uri().path(), peer);
+        if let Err(e) = admission::admit(&req) {
+            return self.conclude(Err(e), log);
+        }
         let path = normalize_path(req.uri().path()).into_owned();
         let Some(route) = self.routes.find(req.method(), &path).cloned() else {
             let (outcome, resp) = self.passthrough(req.map(boxed), peer).await;
@@ -113,7 +118,7 @@ impl Proxy {
             return resp;
         };
         log.set_route(&route.label);
-        let key = match key_of(&route, req.headers()) {
+        let key = match key_of(&route, req.headers(), self.scope_secret.as_ref()) {
             Ok(Some(key)) => key,
             Ok(None) => {
                 let (outcome, resp) = self.passthrough(req.map(boxed), peer).await;
@@ -129,8 +134,7 @@ impl Proxy {
             Ok(body) => body,
             Err(e) => return self.conclude(Err(e), log),
         };
-        let secret = self.scope_secret.as_ref();
-        let req = prepare(route, parts, body, &key, &path, secret, peer);
+        let req = prepare(route, parts, body, key, &path, peer);
         log.set_key_id(req.record_key.log_id());
         self.run_detached(req, log).await
     }

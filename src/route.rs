@@ -6,10 +6,18 @@
 //! (`/api/*`). Routes are tried in config order; the first whose methods and
 //! pattern match wins. A route's settings ([`RouteConfig`]) are resolved by
 //! `config`, which depends on this module and never the other way round.
+//!
+//! Matching sees through `;` path parameters (RFC 3986 §3.3): each segment
+//! is compared by its name, the part before its first `;`, because servlet
+//! containers, Spring and Python's `urlparse` route `/orders;jsessionid=1`
+//! to `/orders`. The parameters are still forwarded as sent and are part of
+//! the fingerprint, as the query is: one key on `/orders;v=1` and
+//! `/orders;v=2` is a reuse (422), never a replay of the other's answer.
 
 use crate::idempotency::decision::ReleaseStatuses;
 use http::{HeaderName, Method};
 use serde::Deserialize;
+use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -113,6 +121,11 @@ impl PathPattern {
                 "path {source:?} must not contain a query or fragment"
             ));
         }
+        if source.contains(';') {
+            return Err(format!(
+                "path {source:?} must not contain ';': path parameters are ignored when matching"
+            ));
+        }
         let (body, prefix) = match source.strip_suffix("/*") {
             Some(rest) => (rest, true),
             None => (source, false),
@@ -143,16 +156,16 @@ impl PathPattern {
     }
 
     /// Whether `path` (no query), as [`normalize_path`] returned it, matches.
-    /// Never normalized again here: normalizing is not idempotent (a decoded
-    /// `%36` can complete a new escape), and the fingerprint uses the
-    /// once-normalized spelling too.
+    /// Not normalized again here: once per request is enough (normalizing
+    /// is idempotent), and the fingerprint uses the same spelling.
+    /// Each segment is compared by its name (see the module docs); a segment
+    /// that is only parameters (`/;x/orders`) counts as empty, like `//`.
     pub fn matches(&self, path: &str) -> bool {
-        let rest = path.strip_prefix('/').unwrap_or(path);
-        let mut parts = if rest.is_empty() {
-            Vec::new()
-        } else {
-            rest.split('/').collect::<Vec<_>>()
-        };
+        let mut parts = path
+            .split('/')
+            .map(segment_name)
+            .filter(|name| !name.is_empty())
+            .collect::<Vec<_>>();
         if self.prefix {
             if parts.len() < self.segments.len() {
                 return false;
@@ -186,60 +199,169 @@ impl fmt::Display for PathPattern {
     }
 }
 
+/// A segment's name: the part before its first `;` parameter.
+fn segment_name(segment: &str) -> &str {
+    segment.split(';').next().unwrap_or(segment)
+}
+
+/// What a segment is to dot-segment removal (RFC 3986 §5.2.4).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Dot {
+    /// `.`
+    Current,
+    /// `..`
+    Parent,
+    Other,
+}
+
+impl Dot {
+    /// Judged by the segment's name, so `..;x` is `..`: servlet containers
+    /// strip the parameters before resolving it (the `/..;/` bypass). The
+    /// segment's unreserved escapes are already decoded.
+    fn of(segment: &str) -> Self {
+        match segment_name(segment) {
+            "." => Dot::Current,
+            ".." => Dot::Parent,
+            _ => Dot::Other,
+        }
+    }
+
+    /// As [`Dot::of`] for a segment as sent, where `%2E` (either case) is a
+    /// `.` too: `of_raw(s)` is always `of(decode_unreserved(s))`, so what is
+    /// matched and what is forwarded resolve alike.
+    fn of_raw(segment: &str) -> Self {
+        let name = segment_name(segment).as_bytes();
+        let mut dots = 0;
+        let mut i = 0;
+        while i < name.len() {
+            match name[i..] {
+                [b'.', ..] => i += 1,
+                [b'%', b'2', b'e' | b'E', ..] => i += 3,
+                _ => return Dot::Other,
+            }
+            dots += 1;
+        }
+        match dots {
+            1 => Dot::Current,
+            2 => Dot::Parent,
+            _ => Dot::Other,
+        }
+    }
+}
+
+/// RFC 3986 §5.2.4 on an absolute path, each segment judged by `dot`; the
+/// other segments are kept byte for byte, and a `..` past the root stops
+/// there. A path that does not start with `/` is returned as it is.
+fn remove_dot_segments(path: &str, dot: fn(&str) -> Dot) -> Cow<'_, str> {
+    let Some(rest) = path.strip_prefix('/') else {
+        return Cow::Borrowed(path);
+    };
+    if rest.split('/').all(|seg| dot(seg) == Dot::Other) {
+        return Cow::Borrowed(path);
+    }
+    let segments: Vec<&str> = rest.split('/').collect();
+    let mut out: Vec<&str> = Vec::with_capacity(segments.len());
+    for (i, seg) in segments.iter().enumerate() {
+        let kind = dot(seg);
+        match kind {
+            Dot::Other => out.push(seg),
+            Dot::Current => {}
+            Dot::Parent => {
+                out.pop();
+            }
+        }
+        // A path ending in a dot-segment names a directory: "/a/b/.." is "/a/".
+        if kind != Dot::Other && i + 1 == segments.len() {
+            out.push("");
+        }
+    }
+    Cow::Owned(format!("/{}", out.join("/")))
+}
+
+/// The path the upstream gets: dot-segments removed (RFC 3986 §5.2.4, with
+/// `%2E` and `..;x` counted as [`Dot::of_raw`] says), so nothing joined to
+/// the upstream's base path can leave it. Everything else stays as sent.
+pub fn resolve_dot_segments(path: &str) -> Cow<'_, str> {
+    remove_dot_segments(path, Dot::of_raw)
+}
+
 /// The form of a path that route matching and fingerprints use: percent-
 /// encoded unreserved characters decoded (RFC 3986 §6.2.2.2), `.` and `..`
-/// segments resolved (§5.2.4), repeated slashes collapsed and a trailing
-/// slash dropped. Other percent-encodings (such as `%2F`) are kept.
-pub fn normalize_path(path: &str) -> std::borrow::Cow<'_, str> {
+/// segments resolved (§5.2.4, including `..;x`) as [`resolve_dot_segments`]
+/// resolves the forwarded path, then repeated slashes collapsed and a
+/// trailing slash dropped. Other percent-encodings (such as `%2F`) and `;`
+/// parameters are kept.
+pub fn normalize_path(path: &str) -> Cow<'_, str> {
     let clean = !path.contains('%')
         && !path.contains("//")
         && !path.contains("/.")
         && (path.len() <= 1 || !path.ends_with('/'));
     if clean && path.starts_with('/') {
-        return std::borrow::Cow::Borrowed(path);
+        return Cow::Borrowed(path);
     }
-    let decoded = decode_unreserved(path);
-    let mut out: Vec<&str> = Vec::new();
-    for seg in decoded.split('/') {
-        match seg {
-            "" | "." => {}
-            ".." => {
-                out.pop();
-            }
-            s => out.push(s),
-        }
+    let mut decoded = decode_unreserved(path);
+    if !decoded.starts_with('/') {
+        decoded.insert(0, '/');
     }
-    let mut normalized = String::with_capacity(decoded.len() + 1);
-    for seg in out {
+    let resolved = remove_dot_segments(&decoded, Dot::of);
+    let mut normalized = String::with_capacity(resolved.len());
+    for seg in resolved.split('/').filter(|seg| !seg.is_empty()) {
         normalized.push('/');
         normalized.push_str(seg);
     }
     if normalized.is_empty() {
         normalized.push('/');
     }
-    std::borrow::Cow::Owned(normalized)
+    Cow::Owned(normalized)
 }
 
+/// Percent-encoding normalization (RFC 3986 §6.2.2.1-2): escapes of
+/// unreserved characters decoded, the others kept with uppercase hex, and a
+/// `%` that starts no escape encoded as `%25`. Every `%` in the result
+/// starts a kept escape, so decoding it again changes nothing: this is what
+/// makes [`normalize_path`] idempotent (`/%%36Frders` is `/%256Frders`,
+/// never `/%6Frders`, which a second pass would turn into `/orders`).
 fn decode_unreserved(path: &str) -> String {
     let bytes = path.as_bytes();
-    // Work on bytes: paths may hold UTF-8, and decoded bytes are ASCII.
+    // Work on bytes: paths may hold UTF-8, and what is decoded is ASCII.
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while i < bytes.len() {
-        if bytes[i] == b'%' && i + 2 < bytes.len() {
-            let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).ok();
-            if let Some(b) = hex.and_then(|h| u8::from_str_radix(h, 16).ok()) {
+        if bytes[i] != b'%' {
+            out.push(bytes[i]);
+            i += 1;
+            continue;
+        }
+        match bytes.get(i + 1..i + 3) {
+            Some(&[hi, lo]) if hi.is_ascii_hexdigit() && lo.is_ascii_hexdigit() => {
+                let b = hex_digit(hi) << 4 | hex_digit(lo);
                 if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
                     out.push(b);
-                    i += 3;
-                    continue;
+                } else {
+                    out.extend_from_slice(&[
+                        b'%',
+                        hi.to_ascii_uppercase(),
+                        lo.to_ascii_uppercase(),
+                    ]);
                 }
+                i += 3;
+            }
+            _ => {
+                out.extend_from_slice(b"%25");
+                i += 1;
             }
         }
-        out.push(bytes[i]);
-        i += 1;
     }
     String::from_utf8(out).unwrap_or_else(|_| path.to_string())
+}
+
+/// The value of an ASCII hex digit.
+fn hex_digit(c: u8) -> u8 {
+    match c {
+        b'0'..=b'9' => c - b'0',
+        b'a'..=b'f' => c - b'a' + 10,
+        _ => c - b'A' + 10,
+    }
 }
 
 /// The protected routes, in config order.
@@ -283,11 +405,26 @@ mod tests {
             ("/orders", "/%6Frders", true),
             ("/orders", "/%6frders", true),
             ("/orders", "/orders%2F", false),
+            ("/a%2Fb", "/a%2fb", true),
             ("/orders", "/Orders", false),
             ("/orders", "/orders/1", false),
+            ("/orders", "/orders;v=1", true),
+            ("/orders", "/orders;jsessionid=abc", true),
+            ("/orders", "/orders;", true),
+            ("/orders", "/;x/orders", true),
+            ("/orders", "/orders/;x", true),
+            ("/orders", "/x/..;/orders", true),
+            ("/orders", "/x/..;y=1/orders", true),
+            ("/orders", "/orders%3Bv=1", false),
+            ("/orders", "/orders.;x", false),
+            ("/a/b", "/a;x/b", true),
+            ("/a/b", "/a;x;y=2/b;z", true),
             ("/orders", "/order", false),
             ("/payments/{id}/capture", "/payments/p_1/capture", true),
             ("/payments/{id}/capture", "/payments//capture", false),
+            ("/payments/{id}/capture", "/payments/;x/capture", false),
+            ("/payments/{id}/capture", "/payments/p_1;v=2/capture", true),
+            ("/api/*", "/api;v=1/orders", true),
             ("/payments/{id}/capture", "/payments/p_1", false),
             ("/payments/{id}/capture", "/payments/p_1/capture/x", false),
             ("/api/*", "/api", true),
@@ -319,28 +456,112 @@ mod tests {
             ("/a/./b/../c", "/a/c"),
             ("/../a", "/a"),
             ("/%41%7e%2F", "/A~%2F"),
-            ("/100%", "/100%"),
+            ("/100%", "/100%25"),
+            ("/100%2", "/100%252"),
+            ("/a%2fb", "/a%2Fb"),
+            ("/%c3%a9", "/%C3%A9"),
+            ("/%+1", "/%25+1"),
             ("/größe/", "/größe"),
             ("//größe/%41", "/größe/A"),
-            ("/%zz", "/%zz"),
+            ("/%zz", "/%25zz"),
+            ("/orders;v=1", "/orders;v=1"),
+            ("/a;x/../b", "/b"),
+            ("/a/..;x/b", "/b"),
+            ("/a/%2e%2E/b", "/b"),
+            ("/a/.%2e;x/b", "/b"),
+            ("/a/...;x/b", "/a/...;x/b"),
+            ("/a//../b", "/a/b"),
+            ("/a/b/..", "/a"),
         ] {
             assert_eq!(normalize_path(raw), want, "{raw}");
         }
     }
 
     #[test]
+    fn dot_segments_are_resolved_for_the_upstream() {
+        for (raw, want) in [
+            ("/", "/"),
+            ("/orders;v=1", "/orders;v=1"),
+            ("//a/b/", "//a/b/"),
+            ("/../admin", "/admin"),
+            ("/%2e%2E/admin", "/admin"),
+            ("/x/../../admin", "/admin"),
+            ("/x/..;/..;y/admin", "/admin"),
+            ("/a/b/..", "/a/"),
+            ("/a/b/.", "/a/b/"),
+            ("/a//../b", "/a/b"),
+            ("/a/%2e%2e%2e/b", "/a/%2e%2e%2e/b"),
+            ("/a/%%32e/b", "/a/%%32e/b"),
+            ("*", "*"),
+        ] {
+            assert_eq!(resolve_dot_segments(raw), want, "{raw}");
+        }
+    }
+
+    /// Every path of up to four segments from an alphabet of the tricky
+    /// ones: the forwarded path holds no dot-segment and stays below the
+    /// base, resolving and normalizing are idempotent, and matching sees
+    /// the path the upstream gets (normalizing before or after resolving
+    /// is the same).
+    #[test]
+    fn resolving_agrees_with_matching_and_never_leaves_the_base() {
+        const SEGMENTS: [&str; 16] = [
+            "", ".", "..", "%2e", "%2E%2e", ".%2e", "..;x", ";x", "a", "b;v=1", "%2F", "...",
+            "%%32e", "%", "%%36F", "%6f%2",
+        ];
+        let mut paths = vec![String::new()];
+        for _ in 0..4 {
+            let longer: Vec<String> = paths
+                .iter()
+                .flat_map(|p| SEGMENTS.iter().map(move |s| format!("{p}/{s}")))
+                .collect();
+            paths.extend(longer);
+        }
+        for seg in SEGMENTS {
+            assert!(
+                Dot::of_raw(seg) == Dot::of(&decode_unreserved(seg)),
+                "{seg}"
+            );
+        }
+        for path in paths.iter().filter(|p| !p.is_empty()) {
+            let resolved = resolve_dot_segments(path);
+            assert!(
+                resolved.split('/').all(|s| Dot::of_raw(s) == Dot::Other),
+                "{path} -> {resolved}"
+            );
+            assert_eq!(resolve_dot_segments(&resolved), resolved, "{path}");
+            let normalized = normalize_path(path);
+            assert_eq!(normalize_path(&resolved), normalized, "{path}");
+            assert_eq!(normalize_path(&normalized), normalized, "{path}");
+            let joined = format!("/base{resolved}");
+            assert!(normalize_path(&joined).starts_with("/base"), "{path}");
+        }
+    }
+
+    #[test]
     fn a_path_is_normalized_once_per_request() {
         // Pins: route lookup normalized the already normalized path again,
-        // so "/%%36Frders" (once: "/%6Frders") matched "/orders".
+        // so "/%%36Frders" (then once: "/%6Frders") matched "/orders".
+        // Normalizing is idempotent now, so twice is once.
         let p = PathPattern::parse("/orders").unwrap();
         for raw in ["/%%36Frders", "/x/%2%45%2%45/orders"] {
-            assert!(!p.matches(&normalize_path(raw)), "{raw}");
+            let once = normalize_path(raw);
+            assert!(!p.matches(&once), "{raw}");
+            assert_eq!(normalize_path(&once), once, "{raw}");
         }
     }
 
     #[test]
     fn bad_patterns_are_explained() {
-        for bad in ["orders", "/a/*/b", "/a*", "/x?y=1", "/a/{id", "/a/b{id}"] {
+        for bad in [
+            "orders",
+            "/a/*/b",
+            "/a*",
+            "/x?y=1",
+            "/a/{id",
+            "/a/b{id}",
+            "/orders;v=1",
+        ] {
             assert!(PathPattern::parse(bad).is_err(), "{bad} should fail");
         }
     }

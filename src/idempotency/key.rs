@@ -7,6 +7,7 @@
 //! or logged raw: the store holds sha256 digests only.
 
 use sha2::{Digest, Sha256};
+use std::borrow::Cow;
 use std::fmt;
 
 /// Stripe's documented maximum; the IETF draft gives none.
@@ -111,6 +112,11 @@ fn unquote(raw: &[u8]) -> Result<String, KeyError> {
     Ok(out)
 }
 
+/// A scope header sent more than once (400).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("the {0} header appears more than once; it decides whose key this is, so send it once")]
+pub struct RepeatedScopeHeader(pub http::HeaderName);
+
 /// Who a key belongs to: a digest of the route's scope headers (the
 /// credential, plus any tenant header), so two clients using the same key
 /// never meet, and no credential is stored.
@@ -145,23 +151,30 @@ impl Scope {
     }
 
     /// The scope of a request on a route whose scope headers are `names`,
-    /// in the route's order; every value of a repeated header counts.
+    /// in the route's order. Each must be sent at most once: which of two
+    /// values selects the client is ambiguous (an upstream may read either),
+    /// so a repeat is refused. `Cookie` fields are joined with "; " instead,
+    /// as HTTP/2 splits them (RFC 9113 §8.2.3) and the upstream gets them.
     pub fn of_request(
         headers: &http::HeaderMap,
         names: &[http::HeaderName],
         secret: Option<&[u8]>,
-    ) -> Self {
-        let values: Vec<Vec<&[u8]>> = names
-            .iter()
-            .map(|name| {
-                headers
-                    .get_all(name)
-                    .iter()
-                    .map(http::HeaderValue::as_bytes)
-                    .collect()
-            })
-            .collect();
-        Self::of_values(&values, secret)
+    ) -> Result<Self, RepeatedScopeHeader> {
+        let mut values: Vec<Vec<Cow<'_, [u8]>>> = Vec::with_capacity(names.len());
+        for name in names {
+            let sent: Vec<&[u8]> = headers
+                .get_all(name)
+                .iter()
+                .map(http::HeaderValue::as_bytes)
+                .collect();
+            values.push(match sent[..] {
+                [] => Vec::new(),
+                [one] => vec![Cow::Borrowed(one)],
+                _ if *name == http::header::COOKIE => vec![Cow::Owned(sent.join(&b"; "[..]))],
+                _ => return Err(RepeatedScopeHeader(name.clone())),
+            });
+        }
+        Ok(Self::of_values(&values, secret))
     }
 
     /// `values[i]` holds the values of the route's `i`-th scope header as
@@ -385,7 +398,7 @@ mod tests {
             ),
         ] {
             let headers = request(value);
-            let scope = Scope::of_request(&headers, &authorization, secret);
+            let scope = Scope::of_request(&headers, &authorization, secret).unwrap();
             assert_eq!(scope.to_hex(), want, "{value:?}");
             let bytes = value.map(str::as_bytes);
             assert_eq!(Scope::derive(bytes, secret).to_hex(), want, "{value:?}");
@@ -455,7 +468,7 @@ mod tests {
     }
 
     #[test]
-    fn scopes_follow_the_route_order_and_every_value() {
+    fn scopes_follow_the_route_order_and_refuse_a_repeated_header() {
         let auth = http::header::AUTHORIZATION;
         let account = http::HeaderName::from_static("stripe-account");
         let mut h = http::HeaderMap::new();
@@ -464,18 +477,47 @@ mod tests {
         let both = [auth.clone(), account.clone()];
         let reversed = [account.clone(), auth.clone()];
         let only_auth = [auth.clone()];
-        let a = Scope::of_request(&h, &both, None);
-        assert_ne!(a, Scope::of_request(&h, &reversed, None));
-        assert_ne!(a, Scope::of_request(&h, &only_auth, None));
+        let scope =
+            |h: &http::HeaderMap, names: &[http::HeaderName]| Scope::of_request(h, names, None);
+        let a = scope(&h, &both).unwrap();
+        assert_ne!(a, scope(&h, &reversed).unwrap());
+        assert_ne!(a, scope(&h, &only_auth).unwrap());
         let mut other_account = h.clone();
         other_account.insert(&account, "acct_2".parse().unwrap());
-        assert_ne!(a, Scope::of_request(&other_account, &both, None));
+        assert_ne!(a, scope(&other_account, &both).unwrap());
+        // Pins: a second value was digested too; which one the upstream
+        // reads is its choice, so a repeat is refused, never guessed.
         let mut repeated = h.clone();
         repeated.append(&auth, "Bearer other".parse().unwrap());
-        assert_ne!(
-            Scope::of_request(&repeated, &only_auth, None),
-            Scope::of_request(&h, &only_auth, None),
-            "a second value is not ignored"
+        assert_eq!(
+            scope(&repeated, &only_auth),
+            Err(RepeatedScopeHeader(auth.clone()))
+        );
+        let mut empty_twice = h.clone();
+        empty_twice.append(&account, "".parse().unwrap());
+        assert_eq!(
+            scope(&empty_twice, &both),
+            Err(RepeatedScopeHeader(account.clone()))
+        );
+        // A header the route does not scope by may repeat.
+        assert!(scope(&repeated, std::slice::from_ref(&account)).is_ok());
+    }
+
+    #[test]
+    fn split_cookie_fields_are_one_scope_with_the_joined_field() {
+        let cookie = [http::header::COOKIE];
+        let mut split = http::HeaderMap::new();
+        split.append(http::header::COOKIE, "a=1".parse().unwrap());
+        split.append(http::header::COOKIE, "b=2".parse().unwrap());
+        let mut joined = http::HeaderMap::new();
+        joined.append(http::header::COOKIE, "a=1; b=2".parse().unwrap());
+        assert_eq!(
+            Scope::of_request(&split, &cookie, None),
+            Scope::of_request(&joined, &cookie, None)
+        );
+        assert_eq!(
+            Scope::of_request(&joined, &cookie, None).unwrap(),
+            Scope::from_header_value(Some(b"a=1; b=2"))
         );
     }
 

@@ -4,12 +4,14 @@
 use super::headers::{add_forwarded, join_cookies, strip_hop_by_hop};
 use crate::body::ProxyBody;
 use crate::config::ServerConfig;
-use http::uri::{PathAndQuery, Uri};
+use crate::route::resolve_dot_segments;
+use http::uri::Uri;
 use http::{header, HeaderValue, Request, Response};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
+use std::borrow::Cow;
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -68,11 +70,13 @@ impl Forwarder {
         mut req: Request<ProxyBody>,
         peer: SocketAddr,
     ) -> Result<Response<Incoming>, ForwardError> {
-        let original_host = req.headers().get(header::HOST).cloned().or_else(|| {
-            req.uri()
-                .authority()
-                .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
-        });
+        // An absolute-form target's authority wins over `Host` (RFC 9112
+        // §3.2.2); on HTTP/2 it is `:authority`, which `Host` must match.
+        let original_host = req
+            .uri()
+            .authority()
+            .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+            .or_else(|| req.headers().get(header::HOST).cloned());
         *req.uri_mut() = self.upstream_uri(req.uri())?;
         // The upstream sees HTTP/1.1 whatever the client spoke.
         *req.version_mut() = http::Version::HTTP_11;
@@ -100,13 +104,18 @@ impl Forwarder {
         }
     }
 
+    /// The upstream's base path joined with the request's path, its
+    /// dot-segments resolved first so the result cannot leave the base.
     fn upstream_uri(&self, original: &Uri) -> Result<Uri, ForwardError> {
         let base = self.upstream.path().trim_end_matches('/');
-        let pq = original
-            .path_and_query()
-            .map(PathAndQuery::as_str)
-            .unwrap_or("/");
-        let joined = format!("{base}{pq}");
+        let path = match original.path() {
+            "" => Cow::Borrowed("/"),
+            path => resolve_dot_segments(path),
+        };
+        let joined = match original.query() {
+            Some(query) => format!("{base}{path}?{query}"),
+            None => format!("{base}{path}"),
+        };
         let mut parts = self.upstream.clone().into_parts();
         parts.path_and_query = Some(
             joined

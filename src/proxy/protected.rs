@@ -26,7 +26,7 @@ use crate::metrics::Outcome;
 use crate::route::{OnAmbiguous, OnStoreError, RouteConfig};
 use crate::store::{Completion, Record, StoreError};
 use bytes::Bytes;
-use http::{header, request, HeaderValue, Request, Response};
+use http::{header, request, HeaderValue, Method, Request, Response};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use std::net::SocketAddr;
@@ -51,45 +51,46 @@ pub struct ProtectedRequest {
     pub peer: SocketAddr,
 }
 
-/// The request's idempotency key; `None` where it is absent and the route
-/// does not require one.
+/// The request's idempotency key in the client's scope (the route's scope
+/// headers, each sent at most once); `None` where the key is absent and
+/// the route does not require one. Checked before the body is read.
 pub fn key_of(
     route: &RouteConfig,
     headers: &http::HeaderMap,
-) -> Result<Option<IdempotencyKey>, ProxyError> {
+    scope_secret: Option<&Secret>,
+) -> Result<Option<RecordKey>, ProxyError> {
     let key = IdempotencyKey::from_headers(headers, &route.key_header).map_err(|reason| {
         ProxyError::InvalidKey {
             header: route.key_header.clone(),
             reason,
         }
     })?;
-    if key.is_none() && route.require_key {
-        return Err(ProxyError::MissingKey {
-            header: route.key_header.clone(),
-        });
-    }
-    Ok(key)
+    let Some(key) = key else {
+        if route.require_key {
+            return Err(ProxyError::MissingKey {
+                header: route.key_header.clone(),
+            });
+        }
+        return Ok(None);
+    };
+    let secret = scope_secret.map(Secret::expose);
+    let scope = Scope::of_request(headers, &route.scope_headers, secret)?;
+    Ok(Some(RecordKey::new(scope, &key)))
 }
 
-/// Scopes the key to the client and fingerprints the request.
+/// Fingerprints the request under its scoped key.
 pub fn prepare(
     route: Arc<RouteConfig>,
     parts: request::Parts,
     body: Bytes,
-    key: &IdempotencyKey,
+    record_key: RecordKey,
     normalized_path: &str,
-    scope_secret: Option<&Secret>,
     peer: SocketAddr,
 ) -> ProtectedRequest {
-    let scope = Scope::of_request(
-        &parts.headers,
-        &route.scope_headers,
-        scope_secret.map(Secret::expose),
-    );
     let fingerprint =
         Fingerprint::of_request(&parts, normalized_path, &route.fingerprint_headers, &body);
     ProtectedRequest {
-        record_key: RecordKey::new(scope, key),
+        record_key,
         fingerprint,
         route,
         parts,
@@ -232,6 +233,7 @@ impl Proxy {
             peer,
             ..
         } = req;
+        let method = parts.method.clone();
         parts.headers.remove(header::TRANSFER_ENCODING);
         parts
             .headers
@@ -264,7 +266,8 @@ impl Proxy {
             }
             Settlement::Store => {
                 let deadline = started + self.forwarder.timeout();
-                self.store_response(&route, lease, resp, deadline).await
+                self.store_response(&route, &method, lease, resp, deadline)
+                    .await
             }
         }
     }
@@ -273,6 +276,7 @@ impl Proxy {
     async fn store_response(
         &self,
         route: &RouteConfig,
+        method: &Method,
         lease: Lease,
         resp: Response<Incoming>,
         deadline: Instant,
@@ -317,7 +321,7 @@ impl Proxy {
             }
         }
         let body = concat(chunks);
-        let stored = capture(&parts, body.clone(), route);
+        let stored = capture(method, &parts, body.clone(), route);
         lease.complete(Completion::Stored(stored)).await;
         Ok((Outcome::Forwarded, Response::from_parts(parts, full(body))))
     }
@@ -358,7 +362,7 @@ mod tests {
     fn key_table() {
         let required = route("");
         let optional = route("require_key = false");
-        let key = |h: &[(&str, &str)], r: &RouteConfig| key_of(r, &parts(h).headers);
+        let key = |h: &[(&str, &str)], r: &RouteConfig| key_of(r, &parts(h).headers, None);
         assert!(matches!(
             key(&[], &required),
             Err(ProxyError::MissingKey { .. })
@@ -370,7 +374,18 @@ mod tests {
         ));
         let quoted = key(&[("idempotency-key", "\"k1\"")], &required).unwrap();
         let bare = key(&[("idempotency-key", "k1")], &required).unwrap();
-        assert_eq!(quoted.unwrap().as_str(), bare.unwrap().as_str());
+        assert_eq!(quoted.unwrap(), bare.unwrap());
+        let twice = [
+            ("idempotency-key", "k1"),
+            ("authorization", "a"),
+            ("authorization", "b"),
+        ];
+        assert!(matches!(
+            key(&twice, &required),
+            Err(ProxyError::RepeatedScopeHeader(_))
+        ));
+        // Without a key there is no scope to decide: passed through.
+        assert!(matches!(key(&twice[1..], &optional), Ok(None)));
     }
 
     fn prepared(
@@ -379,15 +394,17 @@ mod tests {
         path: &str,
         body: &str,
     ) -> ProtectedRequest {
-        let key = IdempotencyKey::parse(b"k1").unwrap();
         let peer = "127.0.0.1:1".parse().unwrap();
+        let parts = parts(headers);
+        let mut keyed = parts.headers.clone();
+        keyed.insert("idempotency-key", HeaderValue::from_static("k1"));
+        let record_key = key_of(r, &keyed, None).unwrap().unwrap();
         prepare(
             r.clone(),
-            parts(headers),
+            parts,
             Bytes::from(body.to_string()),
-            &key,
+            record_key,
             path,
-            None,
             peer,
         )
     }

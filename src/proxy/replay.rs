@@ -8,7 +8,7 @@ use crate::route::RouteConfig;
 use crate::store::StoredResponse;
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
-use http::{response, Response, StatusCode};
+use http::{response, Method, Response, StatusCode};
 use tracing::warn;
 
 /// The replay marker Stripe uses (and IETF httpapi issue #46 asks for).
@@ -16,24 +16,46 @@ pub const REPLAYED_HEADER: HeaderName = HeaderName::from_static("idempotent-repl
 
 /// Never stored unless a route includes them: `Date` would be stale on
 /// replay and `Set-Cookie` would hand one client's session to its retries
-/// (granit-dotnet#1151). `Content-Length` is recomputed from the body.
+/// (granit-dotnet#1151). `Content-Length` is recomputed from the body,
+/// unless [`length_is_not_the_body`].
 const NOT_STORED_BY_DEFAULT: [HeaderName; 2] = [header::DATE, header::SET_COOKIE];
 
-/// What the store keeps of an upstream response whose body was read whole.
-pub fn capture(parts: &response::Parts, body: Bytes, route: &RouteConfig) -> StoredResponse {
+/// What the store keeps of an upstream response to a `method` request,
+/// its body read whole.
+pub fn capture(
+    method: &Method,
+    parts: &response::Parts,
+    body: Bytes,
+    route: &RouteConfig,
+) -> StoredResponse {
+    let keep_length = body.is_empty() && length_is_not_the_body(method, parts.status);
     StoredResponse {
         status: parts.status.as_u16(),
-        headers: stored_headers(&parts.headers, route),
+        headers: stored_headers(&parts.headers, route, keep_length),
         body,
     }
 }
 
+/// A response to HEAD, and a 304, carries no body but may carry the
+/// `Content-Length` of the representation it did not send (RFC 9110 §8.6):
+/// that length is stored, so a replay carries it as the original did.
+fn length_is_not_the_body(method: &Method, status: StatusCode) -> bool {
+    *method == Method::HEAD || status == StatusCode::NOT_MODIFIED
+}
+
 /// The stored response, byte for byte, plus the replay marker.
 pub fn replay(stored: StoredResponse) -> Response<ProxyBody> {
+    let bodiless = stored.body.is_empty();
     let mut resp = Response::new(full(stored.body));
     *resp.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::OK);
     let headers = resp.headers_mut();
     for (name, value) in stored.headers {
+        // A stored length describes a body that was never sent (HEAD, 304);
+        // beside a body it would contradict it.
+        if name == header::CONTENT_LENGTH.as_str() && !bodiless {
+            warn!("dropping a stored content-length beside a stored body");
+            continue;
+        }
         match (
             HeaderName::from_bytes(name.as_bytes()),
             HeaderValue::from_maybe_shared(value),
@@ -48,13 +70,18 @@ pub fn replay(stored: StoredResponse) -> Response<ProxyBody> {
     resp
 }
 
-/// The response headers to keep for replay, in order, repeated names kept.
-fn stored_headers(headers: &HeaderMap, route: &RouteConfig) -> Vec<(String, Bytes)> {
+/// The response headers to keep for replay, in order, repeated names kept;
+/// `Content-Length` only with `keep_length`.
+fn stored_headers(
+    headers: &HeaderMap,
+    route: &RouteConfig,
+    keep_length: bool,
+) -> Vec<(String, Bytes)> {
     let mut end_to_end = headers.clone();
     strip_hop_by_hop(&mut end_to_end);
     end_to_end
         .iter()
-        .filter(|(name, _)| **name != header::CONTENT_LENGTH)
+        .filter(|(name, _)| keep_length || **name != header::CONTENT_LENGTH)
         .filter(|(name, _)| {
             !NOT_STORED_BY_DEFAULT.contains(name) || route.include_response_headers.contains(name)
         })
@@ -109,7 +136,7 @@ mod tests {
     #[test]
     fn stored_headers_keep_order_and_repeats_but_not_date_or_cookies() {
         let parts = upstream_answer();
-        let plain = capture(&parts, Bytes::new(), &route(""));
+        let plain = capture(&Method::POST, &parts, Bytes::new(), &route(""));
         assert_eq!(
             names(&plain.headers),
             ["location=/o/1", "x-multi=a, b", "x-multi=c", "x-internal=1"]
@@ -118,7 +145,7 @@ mod tests {
             "include_response_headers = [\"set-cookie\"]\nexclude_response_headers = [\"x-internal\"]",
         );
         assert_eq!(
-            names(&capture(&parts, Bytes::new(), &custom).headers),
+            names(&capture(&Method::POST, &parts, Bytes::new(), &custom).headers),
             [
                 "location=/o/1",
                 "x-multi=a, b",
@@ -131,7 +158,7 @@ mod tests {
     #[tokio::test]
     async fn a_captured_response_replays_byte_for_byte_with_the_marker() {
         let body = Bytes::from_static(b"\x00{\"id\":\"ord_1\"}\xff");
-        let stored = capture(&upstream_answer(), body.clone(), &route(""));
+        let stored = capture(&Method::POST, &upstream_answer(), body.clone(), &route(""));
         assert_eq!(stored.status, 201);
         let resp = replay(stored);
         assert_eq!(resp.status(), 201);
@@ -144,6 +171,37 @@ mod tests {
         assert!(!h.contains_key(header::CONNECTION));
         let got = resp.into_body().collect().await.unwrap().to_bytes();
         assert_eq!(got, body);
+    }
+
+    #[test]
+    fn only_bodiless_answers_keep_their_content_length() {
+        let mut not_modified = upstream_answer();
+        not_modified.status = StatusCode::NOT_MODIFIED;
+        let length = |method: &Method, parts: &response::Parts, body: &'static [u8]| {
+            let stored = capture(method, parts, Bytes::from_static(body), &route(""));
+            let kept = stored.headers.iter().find(|(n, _)| n == "content-length");
+            kept.map(|(_, v)| v.clone())
+        };
+        let two = Some(Bytes::from_static(b"2"));
+        assert_eq!(length(&Method::HEAD, &upstream_answer(), b""), two);
+        assert_eq!(length(&Method::POST, &not_modified, b""), two);
+        assert_eq!(length(&Method::POST, &upstream_answer(), b""), None);
+        assert_eq!(length(&Method::POST, &upstream_answer(), b"ok"), None);
+        assert_eq!(length(&Method::HEAD, &upstream_answer(), b"ok"), None);
+
+        let resp = replay(capture(
+            &Method::HEAD,
+            &upstream_answer(),
+            Bytes::new(),
+            &route(""),
+        ));
+        assert_eq!(resp.headers()[header::CONTENT_LENGTH], "2");
+        let contradicting = replay(StoredResponse {
+            status: 200,
+            headers: vec![("content-length".into(), Bytes::from_static(b"9"))],
+            body: Bytes::from_static(b"ok"),
+        });
+        assert!(!contradicting.headers().contains_key(header::CONTENT_LENGTH));
     }
 
     #[test]

@@ -11,6 +11,7 @@ mod support;
 mod faults;
 mod forwarding;
 mod hostile_connections;
+mod hostile_requests;
 mod invariants;
 mod lifecycle;
 mod operations;

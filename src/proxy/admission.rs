@@ -1,0 +1,214 @@
+//! What every proxied request must satisfy before route lookup, protected
+//! or not: rules hyper leaves to the application. A request that breaks one
+//! is answered here and never forwarded.
+//!
+//! - The request target (RFC 9112 §3.2): origin-form (`/orders`) or
+//!   absolute-form (`http://api.example/orders`), whose path is what gets
+//!   forwarded. hyper also hands over `POST orders` (authority-form, which
+//!   would reach the upstream as `POST /`) and `POST *` (asterisk-form);
+//!   both are 400, `OPTIONS *` and `CONNECT` included: a reverse proxy has
+//!   no use for them. (h2 resets an HTTP/2 `:path` not starting with `/`
+//!   itself, except `*`.)
+//! - The host (RFC 9112 §3.2, RFC 9113 §8.3.1): at most one `Host` field,
+//!   and on HTTP/2 a `host` that names the same host as `:authority`
+//!   (compared case-insensitively); 400 otherwise. On an HTTP/1.1
+//!   absolute-form request the target's authority wins over `Host`
+//!   (RFC 9112 §3.2.2), which `forward.rs` applies.
+//! - Transfer-codings (RFC 9112 §6.1): hyper decodes a final `chunked` and
+//!   passes any coding before it through, so `gzip, chunked` would reach
+//!   the upstream as a plain chunked body of gzip bytes. Only `chunked` is
+//!   understood; anything else is 501, `chunked` twice is 400. (hyper
+//!   itself answers a bare 400 when `chunked` is not the final coding or
+//!   the request is HTTP/1.0; HTTP/2 carries no transfer-codings, and h2
+//!   resets a stream that sends one.)
+
+use crate::error::ProxyError;
+use http::{header, HeaderMap, Request, Uri, Version};
+
+/// The longest coding name a problem's detail repeats back.
+const MAX_ECHOED_CODING: usize = 32;
+
+/// Why a request is malformed in a way hyper does not catch (400).
+#[derive(Debug, thiserror::Error)]
+pub enum RequestError {
+    #[error("the chunked transfer-coding is applied more than once")]
+    ChunkedTwice,
+    #[error(
+        "the request target must be a path such as /orders or an absolute URI \
+         (origin-form or absolute-form), not {0}"
+    )]
+    TargetForm(&'static str),
+    #[error("the Host header appears more than once")]
+    RepeatedHost,
+    #[error("the host header names another host than :authority")]
+    HostMismatch,
+}
+
+/// Checks `req` against the rules above.
+pub fn admit<B>(req: &Request<B>) -> Result<(), ProxyError> {
+    target_form(req.uri())
+        .and_then(|()| host(req))
+        .map_err(ProxyError::InvalidRequest)?;
+    transfer_codings(req.headers())
+}
+
+/// Origin-form or absolute-form: the target has a path starting with `/`.
+fn target_form(uri: &Uri) -> Result<(), RequestError> {
+    if uri.path().starts_with('/') {
+        return Ok(());
+    }
+    Err(RequestError::TargetForm(match uri.path() {
+        "*" => "the asterisk-form *",
+        _ if uri.authority().is_some() => "the authority-form host:port",
+        _ => "a relative path",
+    }))
+}
+
+/// One `Host` at most; on HTTP/2 the same host as `:authority`.
+fn host<B>(req: &Request<B>) -> Result<(), RequestError> {
+    let mut hosts = req.headers().get_all(header::HOST).iter();
+    let host = hosts.next();
+    if hosts.next().is_some() {
+        return Err(RequestError::RepeatedHost);
+    }
+    // hyper puts an HTTP/2 request's :authority in its URI.
+    if let (Version::HTTP_2, Some(host), Some(authority)) =
+        (req.version(), host, req.uri().authority())
+    {
+        if !host
+            .as_bytes()
+            .eq_ignore_ascii_case(authority.as_str().as_bytes())
+        {
+            return Err(RequestError::HostMismatch);
+        }
+    }
+    Ok(())
+}
+
+/// Every coding in every `Transfer-Encoding` field must be `chunked`, once.
+fn transfer_codings(headers: &HeaderMap) -> Result<(), ProxyError> {
+    let mut chunked = 0;
+    for value in headers.get_all(header::TRANSFER_ENCODING) {
+        let text = String::from_utf8_lossy(value.as_bytes());
+        // A list may hold empty elements (RFC 9110 §5.6.1).
+        for coding in text.split(',').map(str::trim).filter(|c| !c.is_empty()) {
+            if !coding.eq_ignore_ascii_case("chunked") {
+                let coding = coding.chars().take(MAX_ECHOED_CODING).collect();
+                return Err(ProxyError::UnsupportedTransferCoding { coding });
+            }
+            chunked += 1;
+        }
+    }
+    if chunked > 1 {
+        return Err(ProxyError::InvalidRequest(RequestError::ChunkedTwice));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn admitted(fields: &[(&str, &str)]) -> Result<(), ProxyError> {
+        request(Version::HTTP_11, "/orders", fields)
+    }
+
+    fn request(version: Version, target: &str, fields: &[(&str, &str)]) -> Result<(), ProxyError> {
+        let mut req = Request::post(target).version(version);
+        for (name, value) in fields {
+            req = req.header(*name, *value);
+        }
+        admit(&req.body(()).unwrap())
+    }
+
+    #[test]
+    fn targets_are_origin_or_absolute_form() {
+        for ok in [
+            "/",
+            "/orders?x=1",
+            "http://api.example",
+            "http://api.example/o",
+        ] {
+            assert!(request(Version::HTTP_11, ok, &[]).is_ok(), "{ok}");
+        }
+        for bad in ["*", "orders", "api.example:443"] {
+            assert!(
+                matches!(
+                    request(Version::HTTP_11, bad, &[]),
+                    Err(ProxyError::InvalidRequest(RequestError::TargetForm(_)))
+                ),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn hosts_must_agree() {
+        let h2 = |target: &str, host: &[(&str, &str)]| request(Version::HTTP_2, target, host);
+        let h1 = |target: &str, host: &[(&str, &str)]| request(Version::HTTP_11, target, host);
+        let mismatch = |r: Result<(), ProxyError>| {
+            matches!(
+                r,
+                Err(ProxyError::InvalidRequest(RequestError::HostMismatch))
+            )
+        };
+        assert!(h2("http://a.example/o", &[("host", "A.Example")]).is_ok());
+        assert!(h2("http://a.example/o", &[]).is_ok());
+        assert!(h2("/o", &[("host", "a.example")]).is_ok());
+        assert!(mismatch(h2("http://a.example/o", &[("host", "b.example")])));
+        assert!(mismatch(h2(
+            "http://a.example/o",
+            &[("host", "a.example:80")]
+        )));
+        // HTTP/1.1 absolute-form: the target wins (forward.rs), no refusal.
+        assert!(h1("http://a.example/o", &[("host", "b.example")]).is_ok());
+        let two = [("host", "a.example"), ("host", "a.example")];
+        for r in [h1("/o", &two), h2("http://a.example/o", &two)] {
+            assert!(matches!(
+                r,
+                Err(ProxyError::InvalidRequest(RequestError::RepeatedHost))
+            ));
+        }
+    }
+
+    #[test]
+    fn only_chunked_once_is_understood() {
+        let te = "transfer-encoding";
+        for ok in [&[][..], &[(te, "chunked")], &[(te, "Chunked , ")]] {
+            assert!(admitted(ok).is_ok(), "{ok:?}");
+        }
+        for unsupported in [
+            &[(te, "gzip, chunked")][..],
+            &[(te, "gzip"), (te, "chunked")],
+            &[(te, "chunked;x=1")],
+            &[(te, "identity")],
+        ] {
+            assert!(
+                matches!(
+                    admitted(unsupported),
+                    Err(ProxyError::UnsupportedTransferCoding { .. })
+                ),
+                "{unsupported:?}"
+            );
+        }
+        for twice in [
+            &[(te, "chunked, chunked")][..],
+            &[(te, "chunked"), (te, "chunked")],
+        ] {
+            assert!(
+                matches!(
+                    admitted(twice),
+                    Err(ProxyError::InvalidRequest(RequestError::ChunkedTwice))
+                ),
+                "{twice:?}"
+            );
+        }
+        let long = format!("{}, chunked", "x".repeat(100));
+        match admitted(&[(te, &long)]) {
+            Err(ProxyError::UnsupportedTransferCoding { coding }) => {
+                assert_eq!(coding.len(), MAX_ECHOED_CODING)
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}
