@@ -20,6 +20,7 @@
 //! guard); `codec` and `sql` hold what they share, and `open` builds the
 //! configured one from the config.
 
+pub(crate) mod batch;
 pub(crate) mod codec;
 pub mod instrumented;
 pub mod memory;

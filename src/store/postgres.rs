@@ -12,6 +12,8 @@
 //! Claims commit with the server's `synchronous_commit` (durable): the
 //! upstream is only called after the claim is remembered.
 
+use super::batch::Batcher;
+use super::codec::array_from;
 use super::codec::RecordRow;
 use super::sql::{Dialect, KeyParams, OwnerParams, Statements};
 use super::{
@@ -20,11 +22,13 @@ use super::{
 };
 use crate::config::StoreConfig;
 use crate::idempotency::RecordKey;
+use crate::idempotency::Scope;
 use async_trait::async_trait;
 use deadpool_postgres::{
     Manager, ManagerConfig, Object, Pool, PoolError, RecyclingMethod, Runtime,
 };
 use std::str::FromStr;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 use tokio::sync::OnceCell;
 use tokio::time::Instant;
@@ -55,7 +59,31 @@ const TCP_USER_TIMEOUT: Duration = Duration::from_secs(10);
 const CALL_BOUND_MARGIN: Duration = Duration::from_millis(250);
 const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
 
+/// The PostgreSQL store: the connection pool and statements ([`Core`]),
+/// with claims and completions coalesced into multi-row statements when
+/// requests arrive together ([`super::batch`]).
 pub struct PostgresStore {
+    core: Arc<Core>,
+    claims: OnceLock<Batcher<Claim, Result<ClaimOutcome, StoreError>>>,
+    completions: OnceLock<Batcher<Completing, Result<Fence, StoreError>>>,
+}
+
+/// How many batches of each kind run at once: enough to keep a few
+/// connections busy, few enough that calls queue up and coalesce.
+const BATCH_LANES: usize = 4;
+/// Rows per statement, at most.
+const BATCH_MAX: usize = 64;
+
+/// One completion waiting for a batch.
+struct Completing {
+    key: RecordKey,
+    token: LeaseToken,
+    completion: Completion,
+    keep: Span,
+}
+
+/// Everything one call needs; shared with the batching tasks.
+struct Core {
     pool: Pool,
     /// Set once migrations are known to be current; until then every
     /// operation tries them first, so a proxy started while PostgreSQL was
@@ -71,13 +99,73 @@ pub struct PostgresStore {
     clock_offset_ms: i64,
 }
 
+impl PostgresStore {
+    /// Builds the pool without connecting: PostgreSQL being down at start is
+    /// not an error, operations fail with [`StoreError`] until it answers.
+    /// Only a missing or malformed `store.url` fails here.
+    pub async fn connect(cfg: &StoreConfig) -> Result<Self, StoreError> {
+        Ok(Self {
+            core: Arc::new(Core::connect(cfg).await?),
+            claims: OnceLock::new(),
+            completions: OnceLock::new(),
+        })
+    }
+
+    /// Tests only: this handle sees the server's clock `ms` ahead, e.g. to
+    /// sweep or claim "later" without waiting. Call it before any claim.
+    pub fn with_clock_offset(mut self, ms: i64) -> Self {
+        if let Some(core) = Arc::get_mut(&mut self.core) {
+            core.clock_offset_ms = ms;
+        }
+        self
+    }
+
+    /// The schema this store lives in.
+    pub fn schema(&self) -> &str {
+        &self.core.schema
+    }
+
+    /// Applies pending migrations; returns how many ran now (0 when current).
+    /// Safe to run from several replicas at once: one transaction under
+    /// `pg_advisory_xact_lock`, so the others wait and then find it done.
+    pub async fn migrate(&self) -> Result<u32, StoreError> {
+        self.core.migrate().await
+    }
+
+    fn claims(&self) -> &Batcher<Claim, Result<ClaimOutcome, StoreError>> {
+        self.claims.get_or_init(|| {
+            let core = self.core.clone();
+            let key = |claim: &Claim| claim.key;
+            Batcher::start(BATCH_LANES, BATCH_MAX, key, move |claims| {
+                let core = core.clone();
+                async move { core.claim_many(claims).await }
+            })
+        })
+    }
+
+    fn completions(&self) -> &Batcher<Completing, Result<Fence, StoreError>> {
+        self.completions.get_or_init(|| {
+            let core = self.core.clone();
+            let key = |completing: &Completing| completing.key;
+            Batcher::start(BATCH_LANES, BATCH_MAX, key, move |completions| {
+                let core = core.clone();
+                async move { core.complete_many(completions).await }
+            })
+        })
+    }
+}
+
+fn batcher_gone() -> StoreError {
+    StoreError::Unavailable("postgres: the batching task has stopped".into())
+}
+
 /// `"name"` with embedded quotes doubled (config already restricts the
 /// charset; this keeps the SQL correct regardless).
 fn quote_ident(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
 }
 
-impl PostgresStore {
+impl Core {
     /// Builds the pool without connecting: PostgreSQL being down at start is
     /// not an error, operations fail with [`StoreError`] until it answers.
     /// Only a missing or malformed `store.url` fails here.
@@ -135,22 +223,7 @@ impl PostgresStore {
         })
     }
 
-    /// Tests only: this handle sees the server's clock `ms` ahead, e.g. to
-    /// sweep or claim "later" without waiting.
-    pub fn with_clock_offset(mut self, ms: i64) -> Self {
-        self.clock_offset_ms = ms;
-        self
-    }
-
-    /// The schema this store lives in.
-    pub fn schema(&self) -> &str {
-        &self.schema
-    }
-
-    /// Applies pending migrations; returns how many ran now (0 when current).
-    /// Safe to run from several replicas at once: one transaction under
-    /// `pg_advisory_xact_lock`, so the others wait and then find it done.
-    pub async fn migrate(&self) -> Result<u32, StoreError> {
+    async fn migrate(&self) -> Result<u32, StoreError> {
         let applied = self.run_migrations().await?;
         let _ = self.migrated.set(());
         Ok(applied)
@@ -357,8 +430,240 @@ fn decode_row_at(row: &tokio_postgres::Row, at: usize) -> Result<Record, StoreEr
     .into_record()
 }
 
+impl Core {
+    /// Claims many keys (distinct) in one statement; each answer is what
+    /// [`Store::claim`] would give. A statement that fails without timing
+    /// out changed nothing, so its keys are claimed one by one (one bad row
+    /// cannot fail its neighbours); one that timed out may still commit,
+    /// so every key gets the timeout (and is given back by its caller).
+    async fn claim_many(&self, claims: Vec<Claim>) -> Vec<Result<ClaimOutcome, StoreError>> {
+        if let [claim] = claims.as_slice() {
+            return vec![self.claim(claim).await];
+        }
+        let answers = match self.claim_batch(&claims).await {
+            Ok(answers) => answers,
+            Err(StoreError::Timeout) => {
+                return claims.iter().map(|_| Err(StoreError::Timeout)).collect()
+            }
+            Err(err) => {
+                tracing::debug!(error = %err, rows = claims.len(), "batched claim failed; claiming one by one");
+                claims.iter().map(|_| None).collect()
+            }
+        };
+        let mut out = Vec::with_capacity(claims.len());
+        for (claim, answer) in claims.iter().zip(answers) {
+            out.push(match answer {
+                Some(answer) => answer,
+                // Changed under the batch's snapshot: settle it alone.
+                None => self.claim(claim).await,
+            });
+        }
+        out
+    }
+
+    /// One multi-row claim; `None` for a key the statement could not settle.
+    async fn claim_batch(
+        &self,
+        claims: &[Claim],
+    ) -> Result<Vec<Option<Result<ClaimOutcome, StoreError>>>, StoreError> {
+        let deadline = self.deadline();
+        let client = self.checkout(deadline).await?;
+        let scopes: Vec<&[u8]> = claims.iter().map(|c| &c.key.scope.0[..]).collect();
+        let keys: Vec<&[u8]> = claims.iter().map(|c| &c.key.key[..]).collect();
+        let fingerprints: Vec<&[u8]> = claims.iter().map(|c| &c.fingerprint.0[..]).collect();
+        let tokens: Vec<&[u8]> = claims.iter().map(|c| &c.token.0[..]).collect();
+        let leases: Vec<i64> = claims.iter().map(|c| c.lease_ms).collect();
+        let ttls: Vec<i64> = claims.iter().map(|c| c.ttl_ms).collect();
+        let res = tokio::time::timeout_at(deadline, async {
+            let stmt = client.prepare_cached(&self.sql.claim_many).await?;
+            client
+                .query(
+                    &stmt,
+                    &[
+                        &scopes,
+                        &keys,
+                        &fingerprints,
+                        &tokens,
+                        &leases,
+                        &ttls,
+                        &self.clock_offset_ms,
+                    ],
+                )
+                .await
+        })
+        .await;
+        let rows = settle(client, res)?;
+        if rows.len() != claims.len() {
+            return Err(StoreError::Corrupt(format!(
+                "a batched claim of {} keys answered {} rows",
+                claims.len(),
+                rows.len()
+            )));
+        }
+        Ok(rows
+            .iter()
+            .zip(claims)
+            .map(|(row, claim)| {
+                if let Some(takeover) = row.get::<_, Option<bool>>(1) {
+                    return Some(Ok(ClaimOutcome::Claimed { takeover }));
+                }
+                row.get::<_, Option<Vec<u8>>>(3)?;
+                let server_now: i64 = row.get(2);
+                match decode_row_at(row, 3).map(|r| shifted(r, claim.now - server_now)) {
+                    Ok(record) if !is_claimable(&record, &claim.fingerprint, claim.now) => {
+                        Some(Ok(ClaimOutcome::Existing(record)))
+                    }
+                    Ok(_) => None,
+                    Err(err) => Some(Err(err)),
+                }
+            })
+            .collect())
+    }
+
+    /// Completes many holders (distinct keys) in one statement, fenced per
+    /// row; failures as for [`Core::claim_many`].
+    async fn complete_many(&self, items: Vec<Completing>) -> Vec<Result<Fence, StoreError>> {
+        if let [one] = items.as_slice() {
+            return vec![
+                self.complete(&one.key, &one.token, &one.completion, one.keep)
+                    .await,
+            ];
+        }
+        match self.complete_batch(&items).await {
+            Ok(held) => items
+                .iter()
+                .map(|c| {
+                    Ok(if held.contains(&c.key) {
+                        Fence::Held
+                    } else {
+                        Fence::Lost
+                    })
+                })
+                .collect(),
+            Err(StoreError::Timeout) => items.iter().map(|_| Err(StoreError::Timeout)).collect(),
+            Err(err) => {
+                tracing::debug!(error = %err, rows = items.len(), "batched completion failed; completing one by one");
+                let mut out = Vec::with_capacity(items.len());
+                for c in &items {
+                    out.push(self.complete(&c.key, &c.token, &c.completion, c.keep).await);
+                }
+                out
+            }
+        }
+    }
+
+    /// The keys whose fence held.
+    async fn complete_batch(
+        &self,
+        items: &[Completing],
+    ) -> Result<std::collections::HashSet<RecordKey>, StoreError> {
+        let deadline = self.deadline();
+        let client = self.checkout(deadline).await?;
+        let columns: Vec<_> = items.iter().map(|c| c.completion.columns()).collect();
+        let scopes: Vec<&[u8]> = items.iter().map(|c| &c.key.scope.0[..]).collect();
+        let keys: Vec<&[u8]> = items.iter().map(|c| &c.key.key[..]).collect();
+        let tokens: Vec<&[u8]> = items.iter().map(|c| &c.token.0[..]).collect();
+        let states: Vec<&str> = columns.iter().map(|c| c.state).collect();
+        let statuses: Vec<Option<i32>> = columns.iter().map(|c| c.status.map(i32::from)).collect();
+        let headers: Vec<Option<&[u8]>> = columns.iter().map(|c| c.headers.as_deref()).collect();
+        let bodies: Vec<Option<&[u8]>> = columns.iter().map(|c| c.body).collect();
+        let keeps: Vec<i64> = items.iter().map(|c| c.keep.ms).collect();
+        let res = tokio::time::timeout_at(deadline, async {
+            let stmt = client.prepare_cached(&self.sql.complete_many).await?;
+            client
+                .query(
+                    &stmt,
+                    &[
+                        &scopes,
+                        &keys,
+                        &tokens,
+                        &states,
+                        &statuses,
+                        &headers,
+                        &bodies,
+                        &keeps,
+                        &self.clock_offset_ms,
+                    ],
+                )
+                .await
+        })
+        .await;
+        let rows = settle(client, res)?;
+        rows.iter()
+            .map(|row| {
+                let scope: &[u8] = row.get(0);
+                let key: &[u8] = row.get(1);
+                Ok(RecordKey {
+                    scope: Scope(array_from(scope, "scope")?),
+                    key: array_from(key, "key")?,
+                })
+            })
+            .collect()
+    }
+}
+
 #[async_trait]
 impl Store for PostgresStore {
+    async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
+        (self.claims().call(claim.clone()).await).unwrap_or_else(|| Err(batcher_gone()))
+    }
+
+    async fn renew(
+        &self,
+        key: &RecordKey,
+        token: &LeaseToken,
+        lease: Span,
+    ) -> Result<Fence, StoreError> {
+        self.core.renew(key, token, lease).await
+    }
+
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        token: &LeaseToken,
+        completion: &Completion,
+        keep: Span,
+    ) -> Result<Fence, StoreError> {
+        let completing = Completing {
+            key: *key,
+            token: *token,
+            completion: completion.clone(),
+            keep,
+        };
+        (self.completions().call(completing).await).unwrap_or_else(|| Err(batcher_gone()))
+    }
+
+    async fn release(&self, key: &RecordKey, token: &LeaseToken) -> Result<Fence, StoreError> {
+        self.core.release(key, token).await
+    }
+
+    async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+        self.core.get(key).await
+    }
+
+    async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
+        self.core.delete(key).await
+    }
+
+    async fn sweep(&self, now: UnixMillis, batch: u32) -> Result<u64, StoreError> {
+        self.core.sweep(now, batch).await
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.core.ping().await
+    }
+
+    fn backend(&self) -> &'static str {
+        self.core.backend()
+    }
+
+    fn call_bound(&self) -> Duration {
+        self.core.call_bound()
+    }
+}
+
+#[async_trait]
+impl Store for Core {
     async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
         let deadline = self.deadline();
         let client = self.checkout(deadline).await?;

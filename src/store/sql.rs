@@ -135,6 +135,12 @@ fn claimable(row: &str, fingerprint: &str, now: &str) -> String {
     )
 }
 
+/// A record `row` that a claim for `fingerprint` cannot take: NOT
+/// [`claimable`].
+fn claim_live(row: &str, fingerprint: &str, now: &str) -> String {
+    format!("NOT ({})", claimable(row, fingerprint, now))
+}
+
 /// [`super::is_sweepable`] in SQL.
 fn sweepable(now: &str) -> String {
     format!("expires_at <= {now} AND NOT (state = 'in_flight' AND locked_until > {now})")
@@ -164,6 +170,16 @@ pub(crate) struct Statements {
     /// judged by, and the record it found (all NULL when there was none).
     /// SQLite has no data-modifying CTEs; it runs `claim` in a transaction.
     pub claim_or_read: String,
+    /// PostgreSQL: `claim_or_read` for many keys at once (group commit):
+    /// binds arrays of scope, key, fingerprint, token, lease_ms, ttl_ms, and
+    /// the offset; returns per input row (in order): its ordinal, `takeover`
+    /// (NULL unless claimed), "now", and the record found. The keys must be
+    /// distinct. SQLite: empty (its batches are one transaction).
+    pub claim_many: String,
+    /// PostgreSQL: `complete` for many holders at once: binds arrays of
+    /// scope, key, token, state, status, headers, body, keep_ms, and the
+    /// offset; returns the (scope, key) of every row whose fence held.
+    pub complete_many: String,
     /// Binds scope, key; returns the columns of [`super::codec::RecordRow`].
     pub select: String,
     /// Binds scope, key, now; returns [`Statements::select`]'s columns and
@@ -210,7 +226,7 @@ impl Statements {
         };
         let claim_now = now(6);
         let live = claimable("cur", "$3::bytea", &claim_now);
-        let claimable = claimable("r", "EXCLUDED.fingerprint", &claim_now);
+        let claimable_here = claimable("r", "EXCLUDED.fingerprint", &claim_now);
         let statements = Self {
             claim: format!(
                 "INSERT INTO {table} AS r \
@@ -221,7 +237,7 @@ impl Statements {
                    locked_until = EXCLUDED.locked_until, created_at = EXCLUDED.created_at, \
                    expires_at = EXCLUDED.expires_at, status = NULL, headers = NULL, body = NULL, \
                    takeover = (r.state = 'in_flight') \
-                 WHERE {claimable} \
+                 WHERE {claimable_here} \
                  RETURNING takeover"
             ),
             claim_or_read: match dialect {
@@ -240,12 +256,61 @@ impl Statements {
                              locked_until = EXCLUDED.locked_until, created_at = EXCLUDED.created_at, \
                              expires_at = EXCLUDED.expires_at, status = NULL, headers = NULL, body = NULL, \
                              takeover = (r.state = 'in_flight') \
-                           WHERE {claimable} \
+                           WHERE {claimable_here} \
                            RETURNING takeover) \
                          SELECT (SELECT takeover FROM ins), {claim_now}, cur.* \
                          FROM (SELECT 1) AS one LEFT JOIN cur ON TRUE"
                     )
                 }
+            },
+            claim_many: match dialect {
+                Dialect::Sqlite => String::new(),
+                Dialect::Postgres => {
+                    let now = now(7);
+                    let live_many = claim_live("c", "i.fingerprint", &now);
+                    let claimable_many = claimable("r", "EXCLUDED.fingerprint", &now);
+                    format!(
+                        "WITH i AS ( \
+                           SELECT * FROM unnest($1::bytea[], $2::bytea[], $3::bytea[], $4::bytea[], \
+                                                $5::bigint[], $6::bigint[]) WITH ORDINALITY \
+                             AS i(scope, key, fingerprint, token, lease_ms, ttl_ms, n)), \
+                         c AS (SELECT t.*, i.n FROM {table} t JOIN i ON t.scope = i.scope AND t.key = i.key), \
+                         ins AS ( \
+                           INSERT INTO {table} AS r \
+                             (scope, key, fingerprint, state, token, locked_until, created_at, expires_at, takeover) \
+                           SELECT i.scope, i.key, i.fingerprint, 'in_flight', i.token, \
+                                  {now} + i.lease_ms, {now}, {now} + i.ttl_ms, FALSE \
+                           FROM i WHERE NOT EXISTS (SELECT 1 FROM c WHERE c.n = i.n AND {live_many}) \
+                           ON CONFLICT (scope, key) DO UPDATE SET \
+                             fingerprint = EXCLUDED.fingerprint, state = 'in_flight', token = EXCLUDED.token, \
+                             locked_until = EXCLUDED.locked_until, created_at = EXCLUDED.created_at, \
+                             expires_at = EXCLUDED.expires_at, status = NULL, headers = NULL, body = NULL, \
+                             takeover = (r.state = 'in_flight') \
+                           WHERE {claimable_many} \
+                           RETURNING r.scope, r.key, r.takeover) \
+                         SELECT i.n, ins.takeover, {now}, \
+                                c.fingerprint, c.state, c.locked_until, c.created_at, c.expires_at, \
+                                c.status, c.headers, c.body \
+                         FROM i LEFT JOIN ins ON ins.scope = i.scope AND ins.key = i.key \
+                                LEFT JOIN c ON c.n = i.n \
+                         ORDER BY i.n"
+                    )
+                }
+            },
+            complete_many: match dialect {
+                Dialect::Sqlite => String::new(),
+                Dialect::Postgres => format!(
+                    "UPDATE {table} AS t SET state = v.state, status = v.status, headers = v.headers, \
+                       body = v.body, token = NULL, locked_until = 0, \
+                       expires_at = GREATEST(t.expires_at, {} + v.keep_ms) \
+                     FROM unnest($1::bytea[], $2::bytea[], $3::bytea[], $4::text[], $5::int[], \
+                                 $6::bytea[], $7::bytea[], $8::bigint[]) \
+                       AS v(scope, key, token, state, status, headers, body, keep_ms) \
+                     WHERE t.scope = v.scope AND t.key = v.key AND t.token = v.token \
+                       AND t.state = 'in_flight' \
+                     RETURNING t.scope, t.key",
+                    now(9)
+                ),
             },
             select: format!("SELECT {COLUMNS} FROM {table} WHERE {BY_KEY}"),
             select_at: format!("SELECT {COLUMNS}, {} FROM {table} WHERE {BY_KEY}", now(3)),
@@ -274,6 +339,8 @@ impl Statements {
         Self {
             claim: f(self.claim),
             claim_or_read: f(self.claim_or_read),
+            claim_many: f(self.claim_many),
+            complete_many: f(self.complete_many),
             select: f(self.select),
             select_at: f(self.select_at),
             renew: f(self.renew),

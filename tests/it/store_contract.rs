@@ -949,3 +949,83 @@ async fn a_replay_on_postgres_takes_no_row_lock() {
     drop(client);
     drop_schema(&database_url(), &schema).await;
 }
+
+/// Group commit keeps per-key atomicity and fencing: many concurrent claims
+/// and completions coalesce into multi-row statements, yet every distinct
+/// key is claimed once, duplicates of one key have one winner, and a stale
+/// token in a batch is refused while its neighbours complete.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn batched_claims_and_completions_keep_per_key_atomicity_and_fencing() {
+    let schema = unique_schema("t");
+    let store = postgres(&schema).await;
+    let distinct: Vec<Claim> = (0..48)
+        .map(|_| claim_for(record_key(), LEASE_MS, TTL_MS))
+        .collect();
+    let contested = claim_for(record_key(), LEASE_MS, TTL_MS);
+    let mut calls = Vec::new();
+    for c in distinct
+        .iter()
+        .cloned()
+        .chain((0..16).map(|_| again(&contested)))
+    {
+        let store = store.clone();
+        calls.push(tokio::spawn(async move {
+            (c.clone(), store.claim(&c).await.unwrap())
+        }));
+    }
+    let mut winners = Vec::new();
+    let mut contested_wins = 0;
+    for call in calls {
+        let (c, outcome) = call.await.unwrap();
+        if c.key == contested.key {
+            if claimed(&outcome) {
+                contested_wins += 1;
+                winners.push(c);
+            } else {
+                assert!(matches!(
+                    existing(outcome).state,
+                    RecordState::InFlight { .. }
+                ));
+            }
+        } else {
+            assert_eq!(outcome, ClaimOutcome::Claimed { takeover: false });
+            winners.push(c);
+        }
+    }
+    assert_eq!(contested_wins, 1, "one winner for the contested key");
+    // Complete them all at once, plus a stale token for one of the keys.
+    let stale = Claim {
+        token: LeaseToken::random(),
+        ..winners[0].clone()
+    };
+    let mut completions = Vec::new();
+    for c in winners.iter().cloned().chain([stale]) {
+        let store = store.clone();
+        completions.push(tokio::spawn(async move {
+            let done = Completion::Stored(response());
+            (
+                c.token,
+                store
+                    .complete(&c.key, &c.token, &done, keep())
+                    .await
+                    .unwrap(),
+            )
+        }));
+    }
+    let mut held = 0;
+    for call in completions {
+        let (token, fence) = call.await.unwrap();
+        if winners.iter().any(|w| w.token == token) {
+            assert_eq!(fence, Fence::Held);
+            held += 1;
+        } else {
+            assert_eq!(fence, Fence::Lost, "the stale token is fenced off");
+        }
+    }
+    assert_eq!(held, winners.len());
+    for c in &winners {
+        let r = store.get(&c.key).await.unwrap().unwrap();
+        assert!(matches!(r.state, RecordState::Completed(_)));
+    }
+    drop_schema(&database_url(), &schema).await;
+}
