@@ -152,9 +152,11 @@ impl Proxy {
         let task_log = log.clone();
         self.tasks.spawn(async move {
             let (outcome, resp) = respond(this.claim_and_execute(req).await);
-            let status = resp.status();
-            let client_left = tx.send(resp).is_err();
-            task_log.finish(&this.metrics, outcome, status, client_left);
+            // Counted and logged before the client can see the answer, so a
+            // client that reads its response also sees it in the metrics.
+            let client_left = tx.is_closed();
+            task_log.finish(&this.metrics, outcome, resp.status(), client_left);
+            let _ = tx.send(resp);
         });
         match rx.await {
             Ok(resp) => resp,

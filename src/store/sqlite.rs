@@ -7,6 +7,7 @@
 //! `synchronous = FULL` by default: a claim is on disk before the upstream
 //! is called.
 
+use super::batch::Batcher;
 use super::codec::RecordRow;
 use super::sql::{Dialect, KeyParams, OwnerParams, Statements, SQLITE_MIGRATIONS};
 use super::{
@@ -17,7 +18,8 @@ use crate::idempotency::RecordKey;
 use async_trait::async_trait;
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, LazyLock, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock, Mutex, OnceLock};
 use std::time::Duration;
 
 /// How long a writer waits for another process's lock on the same file.
@@ -29,6 +31,12 @@ static SQL: LazyLock<Statements> =
 
 pub struct SqliteStore {
     conn: Arc<Mutex<Connection>>,
+    /// Claims and completions, coalesced: each batch is one transaction,
+    /// so one commit (one fsync with `synchronous = FULL`) serves them all.
+    writes: OnceLock<Batcher<Queued, Result<Written, StoreError>>>,
+    /// Numbers the queued writes (they never need separating by record:
+    /// a batch runs them one after another).
+    next_write: AtomicU64,
     path: PathBuf,
     /// `store.timeout`, the call bound: SQLite has no deadline of its own
     /// (a statement waits up to [`BUSY_TIMEOUT`] for another process's lock).
@@ -68,6 +76,8 @@ impl SqliteStore {
         migrate(&mut conn).map_err(unavailable)?;
         Ok(Self {
             conn: Arc::new(Mutex::new(conn)),
+            writes: OnceLock::new(),
+            next_write: AtomicU64::new(0),
             path,
             timeout: DEFAULT_STORE_TIMEOUT,
         })
@@ -76,6 +86,45 @@ impl SqliteStore {
     /// The same store, bounded by the configured `store.timeout`.
     pub fn with_timeout(self, timeout: Duration) -> Self {
         Self { timeout, ..self }
+    }
+
+    /// Queues a claim or completion for the next batch.
+    async fn write(&self, op: WriteOp) -> Result<Written, StoreError> {
+        let writes = self.writes.get_or_init(|| {
+            let conn = self.conn.clone();
+            // One writer: SQLite serializes write transactions anyway.
+            Batcher::start(
+                1,
+                WRITE_BATCH_MAX,
+                |queued: &Queued| queued.seq,
+                move |ops| {
+                    let conn = conn.clone();
+                    async move {
+                        let count = ops.len();
+                        tokio::task::spawn_blocking(move || {
+                            let mut guard = conn.lock().unwrap_or_else(|p| p.into_inner());
+                            write_batch(&mut guard, ops)
+                        })
+                        .await
+                        .unwrap_or_else(|err| {
+                            (0..count)
+                                .map(|_| {
+                                    Err(StoreError::Unavailable(format!(
+                                        "sqlite worker failed: {err}"
+                                    )))
+                                })
+                                .collect()
+                        })
+                    }
+                },
+            )
+        });
+        let seq = self.next_write.fetch_add(1, Ordering::Relaxed);
+        writes.call(Queued { seq, op }).await.unwrap_or_else(|| {
+            Err(StoreError::Unavailable(
+                "sqlite: the writer has stopped".into(),
+            ))
+        })
     }
 
     pub fn path(&self) -> &Path {
@@ -133,42 +182,139 @@ fn read_record(conn: &Connection, key: &RecordKey) -> Result<Option<Record>, Sto
         .transpose()
 }
 
+/// Writes per transaction, at most.
+const WRITE_BATCH_MAX: usize = 128;
+
+/// A write waiting for the next batch.
+struct Queued {
+    seq: u64,
+    op: WriteOp,
+}
+
+enum WriteOp {
+    Claim(Claim),
+    Complete {
+        key: RecordKey,
+        token: LeaseToken,
+        completion: Completion,
+        keep: Span,
+    },
+}
+
+enum Written {
+    Claim(ClaimOutcome),
+    Complete(Fence),
+}
+
+/// Runs `ops` in one `BEGIN IMMEDIATE` transaction, each in a savepoint of
+/// its own (a failing write is rolled back alone and answered with its
+/// error); one commit makes them all durable, or none.
+fn write_batch(conn: &mut Connection, ops: Vec<Queued>) -> Vec<Result<Written, StoreError>> {
+    let count = ops.len();
+    let all_failed = |err: StoreError| -> Vec<Result<Written, StoreError>> {
+        let message = err.to_string();
+        (0..count)
+            .map(|_| Err(StoreError::Unavailable(message.clone())))
+            .collect()
+    };
+    let mut tx = match conn.transaction_with_behavior(TransactionBehavior::Immediate) {
+        Ok(tx) => tx,
+        Err(err) => return all_failed(db_err(err)),
+    };
+    let mut answers = Vec::with_capacity(count);
+    for queued in ops {
+        let savepoint = match tx.savepoint() {
+            Ok(savepoint) => savepoint,
+            Err(err) => return all_failed(db_err(err)),
+        };
+        let answer = match &queued.op {
+            WriteOp::Claim(claim) => claim_in(&savepoint, claim).map(Written::Claim),
+            WriteOp::Complete {
+                key,
+                token,
+                completion,
+                keep,
+            } => complete_in(&savepoint, key, token, completion, *keep).map(Written::Complete),
+        };
+        if answer.is_ok() {
+            if let Err(err) = savepoint.commit() {
+                return all_failed(db_err(err));
+            }
+        }
+        // Dropped without commit: rolled back to before this write.
+        answers.push(answer);
+    }
+    match tx.commit() {
+        Ok(()) => answers,
+        Err(err) => all_failed(db_err(err)),
+    }
+}
+
+/// One claim inside the caller's transaction.
+fn claim_in(conn: &Connection, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
+    let key = KeyParams::new(&claim.key);
+    let claimed: Option<bool> = conn
+        .prepare_cached(&SQL.claim)
+        .map_err(db_err)?
+        .query_row(
+            params![
+                key.scope,
+                key.key,
+                &claim.fingerprint.0[..],
+                &claim.token.0[..],
+                claim.lease_ms,
+                claim.now,
+                claim.ttl_ms,
+            ],
+            |row| row.get(0),
+        )
+        .optional()
+        .map_err(db_err)?;
+    Ok(match claimed {
+        Some(takeover) => ClaimOutcome::Claimed { takeover },
+        None => ClaimOutcome::Existing(read_record(conn, &claim.key)?.ok_or_else(|| {
+            StoreError::Corrupt("conflicting record vanished inside a transaction".into())
+        })?),
+    })
+}
+
+/// One fenced completion inside the caller's transaction.
+fn complete_in(
+    conn: &Connection,
+    key: &RecordKey,
+    token: &LeaseToken,
+    completion: &Completion,
+    keep: Span,
+) -> Result<Fence, StoreError> {
+    let owner = OwnerParams::new(key, token);
+    let columns = completion.columns();
+    let n = conn
+        .prepare_cached(&SQL.complete)
+        .map_err(db_err)?
+        .execute(params![
+            owner.scope,
+            owner.key,
+            owner.token,
+            columns.state,
+            columns.status,
+            columns.headers,
+            columns.body,
+            keep.now,
+            keep.ms
+        ])
+        .map_err(db_err)?;
+    Ok(Fence::from_rows(n as u64))
+}
+
 #[async_trait]
 impl Store for SqliteStore {
     async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
-        let claim = claim.clone();
-        self.call(move |conn| {
-            let tx = conn
-                .transaction_with_behavior(TransactionBehavior::Immediate)
-                .map_err(db_err)?;
-            let key = KeyParams::new(&claim.key);
-            let claimed: Option<bool> = tx
-                .prepare_cached(&SQL.claim)
-                .map_err(db_err)?
-                .query_row(
-                    params![
-                        key.scope,
-                        key.key,
-                        &claim.fingerprint.0[..],
-                        &claim.token.0[..],
-                        claim.lease_ms,
-                        claim.now,
-                        claim.ttl_ms,
-                    ],
-                    |row| row.get(0),
-                )
-                .optional()
-                .map_err(db_err)?;
-            let outcome = match claimed {
-                Some(takeover) => ClaimOutcome::Claimed { takeover },
-                None => ClaimOutcome::Existing(read_record(&tx, &claim.key)?.ok_or_else(|| {
-                    StoreError::Corrupt("conflicting record vanished inside a transaction".into())
-                })?),
-            };
-            tx.commit().map_err(db_err)?;
-            Ok(outcome)
-        })
-        .await
+        match self.write(WriteOp::Claim(claim.clone())).await? {
+            Written::Claim(outcome) => Ok(outcome),
+            Written::Complete(_) => {
+                Err(StoreError::Corrupt("sqlite writer mixed up answers".into()))
+            }
+        }
     }
 
     async fn renew(
@@ -203,28 +349,16 @@ impl Store for SqliteStore {
         completion: &Completion,
         keep: Span,
     ) -> Result<Fence, StoreError> {
-        let (key, token, completion) = (*key, *token, completion.clone());
-        self.call(move |conn| {
-            let owner = OwnerParams::new(&key, &token);
-            let columns = completion.columns();
-            let n = conn
-                .prepare_cached(&SQL.complete)
-                .map_err(db_err)?
-                .execute(params![
-                    owner.scope,
-                    owner.key,
-                    owner.token,
-                    columns.state,
-                    columns.status,
-                    columns.headers,
-                    columns.body,
-                    keep.now,
-                    keep.ms
-                ])
-                .map_err(db_err)?;
-            Ok(Fence::from_rows(n as u64))
-        })
-        .await
+        let op = WriteOp::Complete {
+            key: *key,
+            token: *token,
+            completion: completion.clone(),
+            keep,
+        };
+        match self.write(op).await? {
+            Written::Complete(fence) => Ok(fence),
+            Written::Claim(_) => Err(StoreError::Corrupt("sqlite writer mixed up answers".into())),
+        }
     }
 
     async fn release(&self, key: &RecordKey, token: &LeaseToken) -> Result<Fence, StoreError> {

@@ -957,7 +957,19 @@ async fn a_replay_on_postgres_takes_no_row_lock() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn batched_claims_and_completions_keep_per_key_atomicity_and_fencing() {
     let schema = unique_schema("t");
-    let store = postgres(&schema).await;
+    batched_writes_keep_atomicity_and_fencing(postgres(&schema).await).await;
+    drop_schema(&database_url(), &schema).await;
+}
+
+/// The same on SQLite, whose writes share one transaction per batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn batched_sqlite_writes_keep_per_key_atomicity_and_fencing() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(&dir.path().join("batch.db"), SqliteSync::Full).unwrap();
+    batched_writes_keep_atomicity_and_fencing(Arc::new(store)).await;
+}
+
+async fn batched_writes_keep_atomicity_and_fencing(store: Arc<dyn Store>) {
     let distinct: Vec<Claim> = (0..48)
         .map(|_| claim_for(record_key(), LEASE_MS, TTL_MS))
         .collect();
@@ -1027,5 +1039,4 @@ async fn batched_claims_and_completions_keep_per_key_atomicity_and_fencing() {
         let r = store.get(&c.key).await.unwrap().unwrap();
         assert!(matches!(r.state, RecordState::Completed(_)));
     }
-    drop_schema(&database_url(), &schema).await;
 }
