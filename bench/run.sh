@@ -180,7 +180,7 @@ PATH_=/plain run "idemgate pass-through (unprotected)" "$sqlite" none "$CONNS" "
 run "fresh keys, sqlite (synchronous = full)" "$sqlite" fresh "$CONNS" "$sqlite_pid"
 run "one key replayed, sqlite" "$sqlite" one "$CONNS" "$sqlite_pid"
 run "100 keys, sqlite" "$sqlite" 100 "$CONNS" "$sqlite_pid"
-run "duplicate storm, sqlite" "$sqlite" one "$STORM_CONNS" "$sqlite_pid" /storm/sqlite
+run "duplicate storm, sqlite" "$sqlite" storm "$STORM_CONNS" "$sqlite_pid" /storm/sqlite
 
 start_idemgate postgres postgres "url = \"$DB_URL\"
 schema = \"$schema\""
@@ -188,7 +188,7 @@ pg="http://127.0.0.1:$IG_PORT"; pg_pid=$IG_PID
 run "fresh keys, postgres" "$pg" fresh "$CONNS" "$pg_pid"
 run "one key replayed, postgres" "$pg" one "$CONNS" "$pg_pid"
 run "100 keys, postgres" "$pg" 100 "$CONNS" "$pg_pid"
-run "duplicate storm, postgres" "$pg" one "$STORM_CONNS" "$pg_pid" /storm/postgres
+run "duplicate storm, postgres" "$pg" storm "$STORM_CONNS" "$pg_pid" /storm/postgres
 
 start_idemgate redis postgres "url = \"$DB_URL\"
 schema = \"$schema\"
@@ -199,7 +199,7 @@ rd="http://127.0.0.1:$IG_PORT"; rd_pid=$IG_PID
 run "fresh keys, postgres + redis" "$rd" fresh "$CONNS" "$rd_pid"
 run "one key replayed, postgres + redis" "$rd" one "$CONNS" "$rd_pid"
 run "100 keys, postgres + redis" "$rd" 100 "$CONNS" "$rd_pid"
-run "duplicate storm, postgres + redis" "$rd" one "$STORM_CONNS" "$rd_pid" /storm/redis
+run "duplicate storm, postgres + redis" "$rd" storm "$STORM_CONNS" "$rd_pid" /storm/redis
 
 say "loading $LIVE_KEYS live keys into PostgreSQL"
 psql -q "$DB_URL" -v ON_ERROR_STOP=1 -c "

@@ -2,6 +2,8 @@
 --   KEYS=fresh   a new Idempotency-Key per request (unique across threads)
 --   KEYS=one     one key for every request (replays)
 --   KEYS=<n>     n keys, round-robin (a small working set)
+--   KEYS=storm   one key of its own per path (the duplicate storm: a key
+--                shared with another row would be a 422 for a new path)
 --   BODY         the request body (default a small JSON order)
 --   PATH_        the request path (default /orders)
 -- done() prints one line, "RESULT requests=… duration_us=… non2xx=…
@@ -38,6 +40,8 @@ function request()
     headers["Idempotency-Key"] = prefix .. "-" .. counter
   elseif mode == "one" then
     headers["Idempotency-Key"] = "bench-one"
+  elseif mode == "storm" then
+    headers["Idempotency-Key"] = "bench-storm" .. path
   elseif mode ~= "none" then
     headers["Idempotency-Key"] = "bench-set-" .. (counter % tonumber(mode))
   end
