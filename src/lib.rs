@@ -19,6 +19,8 @@
 //! - `admin`, [`metrics`], [`telemetry`]: health, Prometheus, logs.
 //! - [`keys`]: the `keys` commands that inspect and repair records.
 //! - [`demo`]: a small orders API to try idemgate against, and its commands.
+//! - `fuzzing`: not a stable API; the crate-private parsers and codecs,
+//!   for fuzz targets and property tests.
 
 pub(crate) mod admin;
 pub mod body;
@@ -27,6 +29,8 @@ pub mod clock;
 pub mod config;
 pub mod demo;
 pub(crate) mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod idempotency;
 pub mod keys;
 pub(crate) mod lease;

@@ -41,7 +41,8 @@ pub enum SqliteSync {
     Normal,
 }
 
-#[derive(Clone, Debug)]
+/// `Debug` masks the URL's password (see [`mask_url`]).
+#[derive(Clone)]
 pub struct StoreConfig {
     pub backend: Backend,
     pub path: PathBuf,
@@ -57,7 +58,8 @@ pub struct StoreConfig {
     pub sweep_batch: u32,
 }
 
-#[derive(Clone, Debug)]
+/// `Debug` masks the URL's password (see [`mask_url`]).
+#[derive(Clone)]
 pub struct RedisConfig {
     pub url: String,
     pub timeout: Duration,
@@ -177,6 +179,26 @@ impl fmt::Display for StoreConfig {
     }
 }
 
+/// As derived, but the URL's password masked: a `{config:?}` in a log or a
+/// panic message must not carry it.
+impl fmt::Debug for StoreConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StoreConfig")
+            .field("backend", &self.backend)
+            .field("path", &self.path)
+            .field("synchronous", &self.synchronous)
+            .field("url", &self.url.as_deref().map(mask_url))
+            .field("schema", &self.schema)
+            .field("pool_size", &self.pool_size)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("statement_timeout", &self.statement_timeout)
+            .field("timeout", &self.timeout)
+            .field("sweep_interval", &self.sweep_interval)
+            .field("sweep_batch", &self.sweep_batch)
+            .finish()
+    }
+}
+
 // === impl RedisConfig ===
 
 impl TryFrom<RawRedis> for RedisConfig {
@@ -205,6 +227,17 @@ impl TryFrom<RawRedis> for RedisConfig {
             timeout: dur(r.timeout, DEFAULT_REDIS_TIMEOUT),
             prefix,
         })
+    }
+}
+
+/// As derived, but the URL's password masked.
+impl fmt::Debug for RedisConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisConfig")
+            .field("url", &mask_url(&self.url))
+            .field("timeout", &self.timeout)
+            .field("prefix", &self.prefix)
+            .finish()
     }
 }
 

@@ -77,7 +77,7 @@ impl Forwarder {
             .authority()
             .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
             .or_else(|| req.headers().get(header::HOST).cloned());
-        *req.uri_mut() = self.upstream_uri(req.uri())?;
+        *req.uri_mut() = upstream_uri(&self.upstream, req.uri())?;
         // The upstream sees HTTP/1.1 whatever the client spoke.
         *req.version_mut() = http::Version::HTTP_11;
         let headers = req.headers_mut();
@@ -103,27 +103,27 @@ impl Forwarder {
             Ok(Err(e)) => Err(ForwardError::Failed(error_chain(&e))),
         }
     }
+}
 
-    /// The upstream's base path joined with the request's path, its
-    /// dot-segments resolved first so the result cannot leave the base.
-    fn upstream_uri(&self, original: &Uri) -> Result<Uri, ForwardError> {
-        let base = self.upstream.path().trim_end_matches('/');
-        let path = match original.path() {
-            "" => Cow::Borrowed("/"),
-            path => resolve_dot_segments(path),
-        };
-        let joined = match original.query() {
-            Some(query) => format!("{base}{path}?{query}"),
-            None => format!("{base}{path}"),
-        };
-        let mut parts = self.upstream.clone().into_parts();
-        parts.path_and_query = Some(
-            joined
-                .parse()
-                .map_err(|e| ForwardError::Failed(format!("bad request path: {e}")))?,
-        );
-        Uri::from_parts(parts).map_err(|e| ForwardError::Failed(format!("bad upstream URI: {e}")))
-    }
+/// The upstream's base path joined with the request's path, its
+/// dot-segments resolved first so the result cannot leave the base.
+pub fn upstream_uri(upstream: &Uri, original: &Uri) -> Result<Uri, ForwardError> {
+    let base = upstream.path().trim_end_matches('/');
+    let path = match original.path() {
+        "" => Cow::Borrowed("/"),
+        path => resolve_dot_segments(path),
+    };
+    let joined = match original.query() {
+        Some(query) => format!("{base}{path}?{query}"),
+        None => format!("{base}{path}"),
+    };
+    let mut parts = upstream.clone().into_parts();
+    parts.path_and_query = Some(
+        joined
+            .parse()
+            .map_err(|e| ForwardError::Failed(format!("bad request path: {e}")))?,
+    );
+    Uri::from_parts(parts).map_err(|e| ForwardError::Failed(format!("bad upstream URI: {e}")))
 }
 
 /// "a: b: c" from an error and its sources: hyper's Display is one level only.

@@ -181,7 +181,7 @@ return 0
 
 /// A decoded Redis value.
 #[derive(Debug, PartialEq, Eq)]
-enum Cached {
+pub enum Cached {
     Lock {
         token: LeaseToken,
         fingerprint: Fingerprint,
@@ -200,7 +200,7 @@ fn head(tag: u8, created_at: i64, expires_at: i64, fp: &Fingerprint, extra: usiz
     out
 }
 
-fn encode_lock(claim: &Claim) -> Vec<u8> {
+pub(crate) fn encode_lock(claim: &Claim) -> Vec<u8> {
     let mut out = head(
         TAG_LOCK,
         claim.now,
@@ -213,7 +213,7 @@ fn encode_lock(claim: &Claim) -> Vec<u8> {
 }
 
 /// Encodes a completed or unstored record; `None` for in-flight (never cached).
-fn encode_record(record: &Record) -> Option<Vec<u8>> {
+pub(crate) fn encode_record(record: &Record) -> Option<Vec<u8>> {
     match &record.state {
         // Outcome-unknown records are rare and answered by the inner store.
         RecordState::InFlight { .. } | RecordState::Unknown => None,
@@ -246,7 +246,7 @@ fn encode_record(record: &Record) -> Option<Vec<u8>> {
     }
 }
 
-fn decode(buf: &[u8]) -> Result<Cached, StoreError> {
+pub(crate) fn decode(buf: &[u8]) -> Result<Cached, StoreError> {
     let corrupt = |what: &str| StoreError::Corrupt(format!("redis value: {what}"));
     if buf.len() < HEAD_LEN {
         return Err(corrupt("truncated"));

@@ -340,6 +340,214 @@ async fn malformed_targets_and_conflicting_hosts_get_400() {
     assert_eq!(up.last().headers["x-forwarded-host"], "a.example");
 }
 
+// ===== framing (RFC 9112 §6) =====
+//
+// Each case below is a protected request whose framing is hostile. None may
+// reach the upstream unguarded or leave a record behind: after each, the
+// same key with a well-formed request is a fresh execution (never a replay
+// of a partial answer, never a 409 for a claim nobody holds).
+
+/// A protected POST of `body` on a fresh connection, head fields as given.
+fn protected_post(key: &str, fields: &str, body: &str) -> String {
+    format!(
+        "POST {ORDERS} HTTP/1.1\r\nhost: x\r\nidempotency-key: {key}\r\n{fields}\
+         connection: close\r\n\r\n{body}"
+    )
+}
+
+/// Asserts that `key` is free: a well-formed request with it executes once
+/// (201, not a replay), and its retry is a replay of that.
+async fn assert_key_is_free(proxy: &Proxy, up: &Upstream, key: &str) {
+    let before = up.total_hits();
+    let fresh = proxy.post(ORDERS).key(key).body("{}").send().await;
+    assert_eq!(fresh.status(), 201, "{key}: {}", fresh.text());
+    assert!(!fresh.replayed(), "{key}: nothing was stored for it");
+    assert_eq!(up.total_hits(), before + 1, "{key}: executed once");
+    let retry = proxy.post(ORDERS).key(key).body("{}").send().await;
+    assert!(retry.replayed(), "{key}");
+    assert_eq!(retry.body, fresh.body, "{key}");
+    assert_eq!(up.total_hits(), before + 1, "{key}");
+}
+
+/// `Content-Length` beside `Transfer-Encoding: chunked` (the request
+/// smuggling shape, RFC 9112 §6.3): the chunked framing alone counts (hyper
+/// drops the length), the upstream gets the decoded body with its own
+/// length, and the connection is closed after the answer, so bytes past the
+/// chunked body (here a second request, which a length-reading hop would
+/// have taken as part of the first) are never read as a request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn content_length_beside_chunked_is_read_as_chunked_and_closes() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start(Backend::Memory, up.addr).await;
+    let smuggled = "POST /orders HTTP/1.1\r\nhost: x\r\nidempotency-key: k-smuggled\r\n\
+                    content-length: 2\r\n\r\n{}";
+    let chunked = format!("5\r\nhello\r\n0\r\n\r\n{smuggled}");
+    for (i, fields) in [
+        "content-length: 4\r\ntransfer-encoding: chunked\r\n",
+        "transfer-encoding: chunked\r\ncontent-length: 4\r\n",
+        "content-length: 200\r\ntransfer-encoding: chunked\r\n",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let key = format!("k-clte-{i}");
+        let request = format!(
+            "POST {ORDERS} HTTP/1.1\r\nhost: x\r\nidempotency-key: {key}\r\n{fields}\r\n{chunked}"
+        );
+        let resp = raw(proxy.addr, &request).await;
+        assert_eq!(resp.status, 201, "{fields:?}: {}", resp.text());
+        assert!(
+            !String::from_utf8_lossy(&resp.body).contains("HTTP/1.1"),
+            "{fields:?}: one answer, then the connection closed: {}",
+            resp.text()
+        );
+        let seen = up.last();
+        assert_eq!(&seen.body[..], b"hello", "{fields:?}");
+        assert_eq!(seen.headers["content-length"], "5", "{fields:?}");
+        assert!(
+            !seen.headers.contains_key("transfer-encoding"),
+            "{fields:?}"
+        );
+        let retry = proxy.post(ORDERS).key(&key).body("hello").send().await;
+        assert!(
+            retry.replayed(),
+            "{fields:?}: the same request, stored whole"
+        );
+    }
+    assert_eq!(up.total_hits(), 3, "the smuggled request never ran");
+    assert_key_is_free(&proxy, &up, "k-smuggled").await;
+}
+
+/// Two `Content-Length` fields that disagree, or one listing two lengths,
+/// leave the body's end unknown (RFC 9112 §6.3): hyper answers 400 before
+/// the request reaches idemgate. Two equal lengths are one length.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conflicting_content_lengths_get_400() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start(Backend::Memory, up.addr).await;
+    for fields in [
+        "content-length: 2\r\ncontent-length: 5\r\n",
+        "content-length: 5\r\ncontent-length: 2\r\n",
+        "content-length: 2, 5\r\n",
+        "content-length: +2\r\n",
+        "content-length: -1\r\n",
+    ] {
+        let resp = raw(proxy.addr, &protected_post("k-cl", fields, "{}abc")).await;
+        assert_eq!(resp.status, 400, "{fields:?}: {}", resp.text());
+    }
+    assert_eq!(up.total_hits(), 0, "nothing was forwarded");
+    assert_key_is_free(&proxy, &up, "k-cl").await;
+    let same_twice = "content-length: 2\r\ncontent-length: 2\r\n";
+    let resp = raw(proxy.addr, &protected_post("k-cl-same", same_twice, "{}")).await;
+    assert_eq!(resp.status, 201, "{}", resp.text());
+    assert_eq!(&up.last().body[..], b"{}");
+}
+
+/// obs-fold (a header line continued on the next with leading whitespace,
+/// RFC 9112 §5.2) is refused with 400, in any field, the key's included:
+/// a folded value is read differently by different hops.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn obs_fold_gets_400() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start(Backend::Memory, up.addr).await;
+    for request in [
+        protected_post("k-fold", "x-note: a\r\n b\r\ncontent-length: 2\r\n", "{}"),
+        protected_post("k-fold", "x-note: a\r\n\tb\r\ncontent-length: 2\r\n", "{}"),
+        format!(
+            "POST {ORDERS} HTTP/1.1\r\nhost: x\r\nidempotency-key: k-fold\r\n -other\r\n\
+             content-length: 2\r\nconnection: close\r\n\r\n{{}}"
+        ),
+        protected_post(
+            "k-fold",
+            "authorization: Bearer a\r\n b\r\ncontent-length: 2\r\n",
+            "{}",
+        ),
+    ] {
+        let resp = raw(proxy.addr, &request).await;
+        assert_eq!(resp.status, 400, "{request:?}: {}", resp.text());
+    }
+    assert_eq!(up.total_hits(), 0, "nothing was forwarded");
+    assert_key_is_free(&proxy, &up, "k-fold").await;
+}
+
+/// A body shorter than its `Content-Length`: a client that then stalls
+/// gets 408 at `request_body_timeout`; one that closes its sending side
+/// gets 400 (the body cannot be read whole); one that hangs up has nothing
+/// forwarded. Each way the key stays free: nothing is claimed for a body
+/// never read whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_shorter_than_its_length_is_never_forwarded() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::builder(Backend::Memory, up.addr)
+        .set("server.request_body_timeout", "500ms")
+        .start()
+        .await;
+    // 14 of the 100 bytes it declares, on a fresh connection.
+    let short = |key: &'static str| async move {
+        let mut conn = TcpStream::connect(proxy.addr).await.expect("connect");
+        let request = format!(
+            "POST {ORDERS} HTTP/1.1\r\nhost: x\r\nidempotency-key: {key}\r\n\
+             content-length: 100\r\n\r\n{{\"only\":\"part\""
+        );
+        conn.write_all(request.as_bytes()).await.expect("write");
+        conn
+    };
+    let answer = |mut conn: TcpStream| async move {
+        let mut bytes = Vec::new();
+        let _ = bounded("an answer", conn.read_to_end(&mut bytes)).await;
+        String::from_utf8_lossy(&bytes).into_owned()
+    };
+
+    // Stalls: 408 problem+json, then the connection closes.
+    let text = answer(short("k-short-stall").await).await;
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+    assert!(text.contains("#problem-body-timeout"), "{text}");
+
+    // Closes its sending side: the body can never be complete (400).
+    let mut half = short("k-short-half").await;
+    half.shutdown().await.expect("shutdown");
+    let text = answer(half).await;
+    assert!(text.starts_with("HTTP/1.1 400"), "{text}");
+    assert!(text.contains("#problem-body-unreadable"), "{text}");
+
+    // Hangs up entirely.
+    drop(short("k-short-gone").await);
+
+    // Past the body timeout, so nothing is still pending for any of them.
+    tokio::time::sleep(std::time::Duration::from_millis(800)).await;
+    assert_eq!(up.total_hits(), 0, "nothing was forwarded");
+    for key in ["k-short-stall", "k-short-half", "k-short-gone"] {
+        assert_key_is_free(&proxy, &up, key).await;
+    }
+}
+
+/// A chunked body (no length to refuse up front) that grows past the
+/// route's `max_request_body` is cut off at the limit: 413 problem+json,
+/// nothing forwarded, the key free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chunked_body_over_the_limit_gets_413() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::builder(Backend::Memory, up.addr)
+        .each_route("max_request_body", "1KiB")
+        .start()
+        .await;
+    let chunk = format!("258\r\n{}\r\n", "x".repeat(600));
+    let body = format!("{chunk}{chunk}{chunk}0\r\n\r\n");
+    let request = protected_post("k-big", "transfer-encoding: chunked\r\n", &body);
+    let problem = raw(proxy.addr, &request).await.assert_problem(413);
+    assert_type(&problem, "body-too-large");
+    assert_eq!(up.total_hits(), 0, "nothing was forwarded");
+    assert_key_is_free(&proxy, &up, "k-big").await;
+
+    // At the limit exactly: served.
+    let chunk = format!("200\r\n{}\r\n", "x".repeat(512));
+    let body = format!("{chunk}{chunk}0\r\n\r\n");
+    let request = protected_post("k-at-limit", "transfer-encoding: chunked\r\n", &body);
+    let resp = raw(proxy.addr, &request).await;
+    assert_eq!(resp.status, 201, "{}", resp.text());
+    assert_eq!(up.last().body.len(), 1024);
+}
+
 /// Asserts a problem's `type` is the README's `#problem-{slug}`.
 fn assert_type(problem: &serde_json::Value, slug: &str) {
     let ty = problem["type"].as_str().unwrap_or_default();
