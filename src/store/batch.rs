@@ -6,8 +6,9 @@
 //! queued (up to `max`). An idle store therefore sends each call alone at
 //! once, and a loaded one sends fewer, larger statements: no timer, no
 //! added latency. Two calls for the same record never share a batch (a
-//! multi-row upsert cannot touch one row twice); the later one waits for
-//! the next batch.
+//! multi-row upsert cannot touch one row twice): a call whose record is
+//! already in the batch runs at once on its own (a batch of one, outside
+//! the lanes), so a storm on one key is not serialized behind the lanes.
 
 use std::collections::{HashSet, VecDeque};
 use std::future::Future;
@@ -84,25 +85,39 @@ async fn batch_loop<T, R, K, F, Fut>(
         let mut batch = Vec::new();
         let mut later = VecDeque::new();
         while let Some(call) = deferred.pop_front() {
-            if batch.len() < max && seen.insert(key(&call.0)) {
+            if batch.len() >= max {
+                later.push_back(call);
+            } else if seen.insert(key(&call.0)) {
                 batch.push(call);
             } else {
-                later.push_back(call);
+                answer_when_done(run(vec![call.0]), vec![call.1], None);
             }
         }
         deferred = later;
         let (items, answers): (Vec<T>, Vec<oneshot::Sender<R>>) = batch.into_iter().unzip();
-        let work = run(items);
-        tokio::spawn(async move {
-            let results = work.await;
-            for (answer, result) in answers.into_iter().zip(results) {
-                // The caller may have given up (its deadline); the work
-                // was done anyway and the token decides what it means.
-                let _ = answer.send(result);
-            }
-            drop(lane);
-        });
+        answer_when_done(run(items), answers, Some(lane));
     }
+}
+
+/// Runs one batch in a task of its own and answers its callers, then frees
+/// its lane (if it holds one).
+fn answer_when_done<R, Fut>(
+    work: Fut,
+    answers: Vec<oneshot::Sender<R>>,
+    lane: Option<tokio::sync::OwnedSemaphorePermit>,
+) where
+    R: Send + 'static,
+    Fut: Future<Output = Vec<R>> + Send + 'static,
+{
+    tokio::spawn(async move {
+        let results = work.await;
+        for (answer, result) in answers.into_iter().zip(results) {
+            // The caller may have given up (its deadline); the work was
+            // done anyway and the token decides what it means.
+            let _ = answer.send(result);
+        }
+        drop(lane);
+    });
 }
 
 #[cfg(test)]
@@ -184,5 +199,29 @@ mod tests {
                 "one record twice in {batch:?}"
             );
         }
+        // The second call for record 7 ran alone, not after the lane.
+        assert!(batches.lock().unwrap().iter().any(|b| b == &vec![2]));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_storm_on_one_record_is_not_serialized_behind_the_lanes() {
+        let batches = Arc::new(Mutex::new(Vec::new()));
+        let batcher = Arc::new(doubling(1, 64, batches.clone()));
+        let started = tokio::time::Instant::now();
+        let calls: Vec<_> = (1..=20)
+            .map(|n| {
+                let b = batcher.clone();
+                tokio::spawn(async move { b.call((7, n)).await })
+            })
+            .collect();
+        for call in calls {
+            assert!(call.await.unwrap().is_some());
+        }
+        // Twenty 10 ms calls on one lane, one at a time, would take 200 ms.
+        assert!(
+            started.elapsed() < Duration::from_millis(100),
+            "{:?}",
+            started.elapsed()
+        );
     }
 }
