@@ -182,6 +182,10 @@ run "one key replayed, sqlite" "$sqlite" one "$CONNS" "$sqlite_pid"
 run "100 keys, sqlite" "$sqlite" 100 "$CONNS" "$sqlite_pid"
 run "duplicate storm, sqlite" "$sqlite" storm "$STORM_CONNS" "$sqlite_pid" /storm/sqlite
 
+# Start the PostgreSQL rows from a quiet server: flush whatever an earlier
+# run (or the 1M-row load below) left for the checkpointer.
+checkpoint() { psql -q "$DB_URL" -c CHECKPOINT >/dev/null 2>&1 || true; sleep 1; }
+checkpoint
 start_idemgate postgres postgres "url = \"$DB_URL\"
 schema = \"$schema\""
 pg="http://127.0.0.1:$IG_PORT"; pg_pid=$IG_PID
@@ -196,6 +200,7 @@ schema = \"$schema\"
 url = \"$REDIS_URL\"
 prefix = \"$prefix\""
 rd="http://127.0.0.1:$IG_PORT"; rd_pid=$IG_PID
+checkpoint
 run "fresh keys, postgres + redis" "$rd" fresh "$CONNS" "$rd_pid"
 run "one key replayed, postgres + redis" "$rd" one "$CONNS" "$rd_pid"
 run "100 keys, postgres + redis" "$rd" 100 "$CONNS" "$rd_pid"
@@ -210,6 +215,7 @@ psql -q "$DB_URL" -v ON_ERROR_STOP=1 -c "
          (extract(epoch from now()) * 1000)::bigint + 86400000, 201, NULL, '{}'::bytea
   FROM generate_series(1, $LIVE_KEYS) g;
   ANALYZE $schema.idempotency_records;" >/dev/null
+checkpoint
 run "fresh keys, postgres, $LIVE_KEYS live keys" "$pg" fresh "$CONNS" "$pg_pid"
 
 # ----- the store's own limit: the claim + complete statements through pgbench -----
@@ -229,6 +235,7 @@ UPDATE $schema.idempotency_records SET state = 'completed', status = 201, header
 WHERE scope = sha256(('pgb' || :k)::bytea) AND key = sha256(('pgb' || :k || :t)::bytea)
   AND token = sha256(('t' || :t)::bytea) AND state = 'in_flight';
 EOF
+checkpoint
 pgb=$(pgbench -n -c "$CONNS" -j 1 -T "$DURATION" -f "$work/claim_complete.sql" "$DB_URL" 2>&1 | awk '/^tps/ {printf "%.0f", $3}')
 rows+=("| pgbench: claim + complete statements (requests/s) | $CONNS | $pgb | | | | | | |")
 
