@@ -339,37 +339,42 @@ fn at_least_one<N: From<u8> + PartialEq>(key: &str, n: N) -> Result<N, Invalid> 
     }
 }
 
-/// Hides the password of a `scheme://user:password@host` URL, and the value
-/// of a `password=` query parameter (libpq and tokio-postgres accept both).
+/// Hides what may be a password in a URL, well-formed or not: the userinfo
+/// after its first `:` (`scheme://user:****@host`; in a misspelled URL such
+/// as `redis:/:pw@host`, everything before the last `@` counts as
+/// userinfo), and the value of a `password=` or `pass=` parameter (libpq
+/// and tokio-postgres accept both). Where the URL is too garbled to tell,
+/// more is masked, never less.
 pub fn mask_url(url: &str) -> String {
-    let (base, query) = match url.split_once('?') {
-        Some((b, q)) => (b, Some(q)),
-        None => (url, None),
-    };
-    let mut out = match base.split_once("://") {
-        Some((scheme, rest)) => match rest.rsplit_once('@') {
-            Some((userinfo, host)) => match userinfo.split_once(':') {
-                Some((user, _)) => format!("{scheme}://{user}:****@{host}"),
-                None => base.to_string(),
-            },
-            None => base.to_string(),
+    let start = url.find("://").map_or(0, |i| i + 3);
+    let userinfo_masked = match url[start..].rfind('@').map(|at| start + at) {
+        Some(at) => match url[start..at].find(':') {
+            Some(colon) => format!("{}****{}", &url[..start + colon + 1], &url[at..]),
+            None => url.to_string(),
         },
-        None => base.to_string(),
+        None => url.to_string(),
     };
-    if let Some(q) = query {
-        let masked: Vec<String> = q
-            .split('&')
-            .map(|kv| match kv.split_once('=') {
-                Some((k, _))
-                    if k.eq_ignore_ascii_case("password") || k.eq_ignore_ascii_case("pass") =>
-                {
-                    format!("{k}=****")
-                }
-                _ => kv.to_string(),
-            })
-            .collect();
-        out.push('?');
-        out.push_str(&masked.join("&"));
+    let mut out = String::with_capacity(userinfo_masked.len());
+    let mut rest = userinfo_masked.as_str();
+    let mut is_parameter = false;
+    loop {
+        let end = rest.find(['?', '&']).unwrap_or(rest.len());
+        match rest[..end].split_once('=') {
+            Some((k, _))
+                if is_parameter
+                    && (k.eq_ignore_ascii_case("password") || k.eq_ignore_ascii_case("pass")) =>
+            {
+                out.push_str(k);
+                out.push_str("=****");
+            }
+            _ => out.push_str(&rest[..end]),
+        }
+        let Some(delimiter) = rest[end..].chars().next() else {
+            break;
+        };
+        out.push(delimiter);
+        rest = &rest[end + 1..];
+        is_parameter = true;
     }
     out
 }

@@ -387,6 +387,43 @@ fn debug_output_masks_store_and_redis_passwords() {
     );
 }
 
+/// Pins (found by the `config` fuzz target): a misspelled store or Redis
+/// URL was echoed whole in the error that refused it, password included
+/// (`redis.url: expected redis://host:port, got redis:/:pw@cache:6379`), as
+/// was a password holding a `?`, where the query was cut off first.
+#[test]
+fn misspelled_urls_never_show_their_password() {
+    for (url, want) in [
+        ("redis:/:hunter2@cache:6379", "redis:****@cache:6379"),
+        ("postgres:/u:hunter2@db/app", "postgres:****@db/app"),
+        ("postgresql//u:hunter2@db", "postgresql//u:****@db"),
+        ("u:hunter2@db", "u:****@db"),
+        ("postgres://u:hun?ter2@db/app", "postgres://u:****@db/app"),
+        (
+            "postgres://u:hun&ter2@db/app?pass=x",
+            "postgres://u:****@db/app?pass=****",
+        ),
+        ("postgres://u:hunter2@db/app?x=a@b", "postgres://u:****@b"),
+    ] {
+        assert_eq!(mask_url(url), want, "{url}");
+    }
+    let text = format!("{MINIMAL}[store]\nbackend = \"postgres\"\n");
+    for (name, url) in [
+        ("IDEMGATE_STORE_URL", "postgres:/u:hunter2@db/app"),
+        ("IDEMGATE_REDIS_URL", "redis:/:hunter2@cache:6379"),
+    ] {
+        let mut env = BTreeMap::from([(
+            "IDEMGATE_STORE_URL".to_string(),
+            "postgres://db/app".to_string(),
+        )]);
+        env.insert(name.to_string(), url.to_string());
+        let e = Config::parse_with_env(&text, "t.toml", &env).unwrap_err();
+        assert!(e.to_string().contains("expected"), "{name}: {e}");
+        assert!(!e.to_string().contains("hunter2"), "{name}: {e}");
+        assert!(!format!("{e:?}").contains("hunter2"), "{name}: {e:?}");
+    }
+}
+
 #[test]
 fn passwords_are_masked() {
     assert_eq!(mask_url("postgres://u:pw@h/db"), "postgres://u:****@h/db");
