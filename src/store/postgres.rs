@@ -177,8 +177,13 @@ impl Core {
         // The parser's messages name the bad part, never the password.
         let mut pg = tokio_postgres::Config::from_str(url)
             .map_err(|err| StoreError::Unavailable(format!("invalid store.url: {err}")))?;
+        // Every statement here looks records up by primary key. A table that
+        // grew since it was last analyzed (a new deployment's first minutes,
+        // autoanalyze runs once a minute) made the planner scan it for the
+        // batched claims, each batch slower than the last; these make it
+        // keep to the index.
         let statement_timeout = format!(
-            "-c statement_timeout={}",
+            "-c statement_timeout={} -c enable_seqscan=off -c enable_hashjoin=off -c enable_mergejoin=off",
             cfg.statement_timeout.as_millis().max(1)
         );
         let options = match pg.get_options() {
