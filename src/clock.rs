@@ -97,11 +97,6 @@ impl Clock {
         };
         base + self.offset_ms
     }
-
-    /// `now + d`, in the store's unit.
-    pub fn after(&self, d: Duration) -> UnixMillis {
-        self.now_millis() + millis(d)
-    }
 }
 
 /// A duration in the store's unit, saturating (config caps durations far
@@ -142,7 +137,6 @@ mod tests {
         assert_eq!(clock.now_millis(), t0);
         tokio::time::advance(Duration::from_millis(1_500)).await;
         assert_eq!(clock.now_millis(), t0 + 1_500);
-        assert_eq!(clock.after(Duration::from_secs(2)), t0 + 3_500);
     }
 
     #[test]
