@@ -111,7 +111,7 @@ impl Proxy {
         if let Err(e) = admission::admit(&req) {
             return self.conclude(Err(e), log);
         }
-        let path = normalize_path(req.uri().path()).into_owned();
+        let path = normalize_path(req.uri().path());
         let Some(route) = self.routes.find(req.method(), &path).cloned() else {
             let (outcome, resp) = self.passthrough(req.map(boxed), peer).await;
             log.finish(&self.metrics, outcome, resp.status(), false);
@@ -127,6 +127,8 @@ impl Proxy {
             }
             Err(e) => return self.conclude(Err(e), log),
         };
+        // Owned only here: pass-through requests never copy their path.
+        let path = path.into_owned();
         let (parts, mut body) = req.into_parts();
         let timeout = self.request_body_timeout;
         let budget = &self.body_budget;

@@ -161,26 +161,24 @@ impl PathPattern {
     /// Each segment is compared by its name (see the module docs); a segment
     /// that is only parameters (`/;x/orders`) counts as empty, like `//`.
     pub fn matches(&self, path: &str) -> bool {
+        // Walked, not collected: this runs for every route tried.
         let mut parts = path
             .split('/')
             .map(segment_name)
-            .filter(|name| !name.is_empty())
-            .collect::<Vec<_>>();
-        if self.prefix {
-            if parts.len() < self.segments.len() {
+            .filter(|name| !name.is_empty());
+        for seg in &self.segments {
+            let Some(part) = parts.next() else {
                 return false;
-            }
-            parts.truncate(self.segments.len());
-        } else if parts.len() != self.segments.len() {
-            return false;
-        }
-        self.segments
-            .iter()
-            .zip(parts)
-            .all(|(seg, part)| match seg {
+            };
+            let fits = match seg {
                 Segment::Literal(lit) => lit == part,
                 Segment::Param => !part.is_empty(),
-            })
+            };
+            if !fits {
+                return false;
+            }
+        }
+        self.prefix || parts.next().is_none()
     }
 
     /// Two patterns are the same route when they match the same paths.

@@ -13,15 +13,15 @@
 use bytes::Bytes;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 /// Bytes of request bodies that may be buffered at once, process-wide.
 #[derive(Debug)]
 pub struct BodyBudget {
     limit: u64,
-    used: AtomicU64,
-    /// `idemgate_buffered_body_bytes`: what is reserved now.
+    /// `idemgate_buffered_body_bytes`: what is reserved now (the one
+    /// count, updated atomically against the limit).
     reserved: Gauge,
     /// `idemgate_body_budget_refusals_total`.
     refusals: Counter,
@@ -31,7 +31,6 @@ impl BodyBudget {
     pub fn new(limit: u64, reserved: Gauge, refusals: Counter) -> Arc<Self> {
         Arc::new(Self {
             limit,
-            used: AtomicU64::new(0),
             reserved,
             refusals,
         })
@@ -40,16 +39,17 @@ impl BodyBudget {
     /// Reserves `bytes`, or `None` (counted as a refusal) when that would
     /// pass the budget.
     pub fn try_reserve(self: &Arc<Self>, bytes: u64) -> Option<Reservation> {
-        let fits = self
-            .used
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
-                used.checked_add(bytes).filter(|total| *total <= self.limit)
-            });
+        let (bytes_i, limit) = (gauge_value(bytes), gauge_value(self.limit));
+        let fits =
+            self.reserved
+                .inner()
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                    used.checked_add(bytes_i).filter(|total| *total <= limit)
+                });
         if fits.is_err() {
             self.refusals.inc();
             return None;
         }
-        self.reserved.inc_by(gauge_value(bytes));
         Some(Reservation {
             budget: self.clone(),
             bytes,
@@ -81,7 +81,6 @@ impl Reservation {
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        self.budget.used.fetch_sub(self.bytes, Ordering::AcqRel);
         self.budget.reserved.dec_by(gauge_value(self.bytes));
     }
 }
