@@ -381,3 +381,15 @@ pub fn mask_url(url: &str) -> String {
 
 #[cfg(test)]
 mod tests;
+
+/// A one-route config's route (`POST /o`) with `extra` route settings, for
+/// unit tests.
+#[cfg(test)]
+pub(crate) fn test_route(extra: &str) -> std::sync::Arc<RouteConfig> {
+    let text = format!(
+        "[server]\nupstream = \"http://127.0.0.1:1\"\n[[route]]\nmethods = [\"POST\"]\npath = \"/o\"\n{extra}"
+    );
+    let config = Config::parse(&text, "t.toml").expect("a valid test config");
+    let route = config.routes.iter().next().expect("one route").clone();
+    route
+}

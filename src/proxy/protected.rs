@@ -131,16 +131,12 @@ pub async fn read_body(
     };
     let declared = content_length(headers);
     if declared.is_some_and(|n| n > route.max_request_body) {
-        if declared.is_some_and(|n| n <= DRAIN_MAX_BYTES) {
-            drain(body, DRAIN_MAX_BYTES, DRAIN_MAX_TIME).await;
-        }
+        drain_if_small(body, declared).await;
         return Err(too_large);
     }
     let expected = http_body::Body::size_hint(body).exact();
     let Some(reservation) = budget.try_reserve(expected.unwrap_or(route.max_request_body)) else {
-        if expected.is_some_and(|n| n <= DRAIN_MAX_BYTES) {
-            drain(body, DRAIN_MAX_BYTES, DRAIN_MAX_TIME).await;
-        }
+        drain_if_small(body, expected).await;
         return Err(ProxyError::Overloaded);
     };
     let read = read_limited(body, route.max_request_body, expected);
@@ -154,6 +150,14 @@ pub async fn read_body(
             Err(too_large)
         }
         Err(ReadError::Failed(e)) => Err(ProxyError::BodyRead(e.to_string())),
+    }
+}
+
+/// Reads and discards a refused body of known, small length, so the client
+/// sees the refusal instead of a reset.
+async fn drain_if_small(body: &mut Incoming, length: Option<u64>) {
+    if length.is_some_and(|n| n <= DRAIN_MAX_BYTES) {
+        drain(body, DRAIN_MAX_BYTES, DRAIN_MAX_TIME).await;
     }
 }
 
@@ -338,16 +342,10 @@ fn concat(chunks: Vec<Bytes>) -> Bytes {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Config;
     use crate::error::ProxyError;
 
     fn route(extra: &str) -> Arc<RouteConfig> {
-        let text = format!(
-            "[server]\nupstream = \"http://127.0.0.1:1\"\n[[route]]\nmethods = [\"POST\"]\npath = \"/o\"\n{extra}"
-        );
-        let cfg = Config::parse(&text, "t.toml").unwrap();
-        let r = cfg.routes.iter().next().unwrap().clone();
-        r
+        crate::config::test_route(extra)
     }
 
     fn parts(headers: &[(&str, &str)]) -> request::Parts {

@@ -98,16 +98,10 @@ fn stored_headers(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Config;
     use http_body_util::BodyExt;
 
     fn route(extra: &str) -> RouteConfig {
-        let text = format!(
-            "[server]\nupstream = \"http://127.0.0.1:1\"\n[[route]]\nmethods = [\"POST\"]\npath = \"/o\"\n{extra}"
-        );
-        let cfg = Config::parse(&text, "t.toml").unwrap();
-        let r = cfg.routes.iter().next().unwrap().as_ref().clone();
-        r
+        crate::config::test_route(extra).as_ref().clone()
     }
 
     fn upstream_answer() -> response::Parts {

@@ -106,7 +106,7 @@ pub struct RedisFastPath {
     scripts: Scripts,
     /// Keys whose Redis copy may be stale (see the module docs), shared
     /// with the healer task.
-    stale: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
+    stale: Arc<StaleSet>,
     /// Turns absolute times (`expires_at`, `locked_until`) into the relative
     /// expiries Redis takes, and times the backoff.
     clock: Clock,
@@ -455,8 +455,7 @@ impl RedisFastPath {
     }
 
     fn stale_names(&self) -> std::sync::MutexGuard<'_, std::collections::HashSet<String>> {
-        // A std mutex: no await happens while it is held.
-        self.stale.lock().unwrap_or_else(|p| p.into_inner())
+        lock(&self.stale)
     }
 
     /// Marks `name`'s Redis copy as possibly stale: this process stops
@@ -762,15 +761,19 @@ impl Store for RedisFastPath {
     }
 }
 
+/// The Redis key names whose copies may be stale (see the module docs).
+type StaleSet = std::sync::Mutex<std::collections::HashSet<String>>;
+
+/// Locks the stale set. A std mutex: no await happens while it is held.
+fn lock(stale: &StaleSet) -> std::sync::MutexGuard<'_, std::collections::HashSet<String>> {
+    stale.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// Deletes the stale copies in `stale` as soon as Redis answers, in
 /// batches, until none are left. Runs on its own connection handle, so a
 /// proxy in [`BACKOFF`] still heals the moment Redis is back.
-async fn heal(
-    mut conn: ConnectionManager,
-    stale: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
-    timeout: Duration,
-) {
-    let names = || stale.lock().unwrap_or_else(|p| p.into_inner());
+async fn heal(mut conn: ConnectionManager, stale: Arc<StaleSet>, timeout: Duration) {
+    let names = || lock(&stale);
     loop {
         let batch: Vec<String> = names().iter().take(HEAL_BATCH).cloned().collect();
         if batch.is_empty() {
