@@ -106,7 +106,8 @@ pub(super) struct RawRedis {
 #[serde(deny_unknown_fields)]
 pub(super) struct RawLog {
     pub(super) format: Option<LogFormat>,
-    pub(super) level: Option<String>,
+    /// Spanned: an unknown level is reported at its line.
+    pub(super) level: Option<Spanned<String>>,
 }
 
 /// One `[[route]]`, and also `[defaults]` (which may not set `methods`/`path`).
@@ -114,6 +115,7 @@ pub(super) struct RawLog {
 #[serde(deny_unknown_fields)]
 pub(super) struct RawRouteSettings {
     pub(super) methods: Option<Vec<MethodName>>,
+    pub(super) allow_custom_methods: Option<bool>,
     pub(super) path: Option<Spanned<PatternValue>>,
     pub(super) key_header: Option<HeaderNameValue>,
     pub(super) require_key: Option<bool>,

@@ -56,10 +56,12 @@ impl TryFrom<RawServer> for ServerConfig {
     type Error = Invalid;
 
     fn try_from(s: RawServer) -> Result<Self, Invalid> {
-        let upstream = s
-            .upstream
-            .map(|u| u.0)
-            .ok_or("server.upstream is required, e.g. upstream = \"http://127.0.0.1:3000\"")?;
+        let upstream = s.upstream.map(|u| u.0).ok_or_else(|| {
+            Invalid::field(
+                "server.upstream",
+                "server.upstream is required, e.g. upstream = \"http://127.0.0.1:3000\"",
+            )
+        })?;
         let max_connections = at_least_one(
             "server.max_connections",
             s.max_connections.unwrap_or(DEFAULT_MAX_CONNECTIONS),
@@ -135,9 +137,12 @@ impl TryFrom<RawAdmin> for AdminConfig {
     type Error = Invalid;
 
     fn try_from(a: RawAdmin) -> Result<Self, Invalid> {
-        let listen = a
-            .listen
-            .ok_or("admin.listen is required when [admin] is present")?;
+        let listen = a.listen.ok_or_else(|| {
+            Invalid::field(
+                "admin.listen",
+                "admin.listen is required when [admin] is present",
+            )
+        })?;
         Ok(AdminConfig { listen })
     }
 }
