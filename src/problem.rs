@@ -150,8 +150,10 @@ impl Problem {
                     Outcome::StoreError,
                 )
             },
+            // The cause (`tcp connect error: Connection refused ...`) is
+            // the operator's, in the log; clients get a stable sentence.
             ProxyError::UpstreamUnreachable { .. } | ProxyError::UpstreamFailed { .. } => Problem {
-                detail: released_hint(err, detail.clone()),
+                detail: released_hint(err, upstream_sentence(err).to_string()),
                 ..p(
                     StatusCode::BAD_GATEWAY,
                     "upstream-failed",
@@ -203,6 +205,14 @@ impl Problem {
     }
 }
 
+/// What a client is told about an upstream failure, whatever its cause.
+fn upstream_sentence(err: &ProxyError) -> &'static str {
+    match err {
+        ProxyError::UpstreamUnreachable { .. } => "the upstream could not be reached",
+        _ => "the upstream connection failed before a complete answer",
+    }
+}
+
 fn released_hint(err: &ProxyError, detail: String) -> String {
     match err.key_fate() {
         Some(KeyFate::Released) => format!(
@@ -228,6 +238,29 @@ fn released_hint(err: &ProxyError, detail: String) -> String {
 
 #[cfg(test)]
 mod tests {
+    /// The 502's detail is a stable sentence: the internal error chain
+    /// (addresses, OS errors) stays in the log.
+    #[test]
+    fn upstream_failures_do_not_show_their_cause_to_clients() {
+        for err in [
+            ProxyError::UpstreamUnreachable {
+                reason: "client error (Connect): tcp connect error: Connection refused".into(),
+                key: KeyFate::Released,
+            },
+            ProxyError::UpstreamFailed {
+                reason: "connection reset by peer 10.0.0.7:3000".into(),
+                key: KeyFate::Unprotected,
+            },
+        ] {
+            let p = Problem::from_error(&err);
+            assert_eq!(p.status, StatusCode::BAD_GATEWAY);
+            assert!(p.detail.starts_with("the upstream "), "{}", p.detail);
+            for leak in ["tcp", "Connect", "reset", "10.0.0.7"] {
+                assert!(!p.detail.contains(leak), "{leak} in {}", p.detail);
+            }
+        }
+    }
+
     use super::*;
     use crate::idempotency::{KeyError, RepeatedScopeHeader};
     use crate::proxy::admission::RequestError;
