@@ -65,7 +65,12 @@ fn main() -> ExitCode {
                     return ExitCode::from(EX_USAGE);
                 }
             };
-            exit(runtime().and_then(|rt| rt.block_on(idemgate::keys::run(cfg, action))))
+            match runtime().and_then(|rt| rt.block_on(idemgate::keys::run(cfg, action))) {
+                Ok(idemgate::keys::KeysOutcome::NoRecord) => {
+                    ExitCode::from(idemgate::keys::EXIT_NO_RECORD)
+                }
+                other => exit(other.map(|_| ())),
+            }
         }
         Command::Demo { listen, db } => {
             idemgate::telemetry::init(&Default::default());

@@ -108,12 +108,19 @@ fn memory_config() -> TestConfig {
         .set("store.backend", "memory")
 }
 
-/// `idemgate keys <args> --config <config>`, expected to succeed; its stdout.
+/// `idemgate keys <args> --config <config>`, expected to succeed (or, for
+/// `show`, to find no record: exit 3); its stdout.
 async fn keys(config: &Path, args: &[&str]) -> String {
     let mut all = vec!["keys", "--config", config.to_str().expect("utf-8 path")];
     all.extend_from_slice(args);
     let run = run_to_completion(&all, &[]).await;
-    assert_eq!(run.code, 0, "keys {args:?}: {}{}", run.stdout, run.stderr);
+    let absent = run.stdout.starts_with("no record");
+    let expected = if absent && args[0] == "show" { 3 } else { 0 };
+    assert_eq!(
+        run.code, expected,
+        "keys {args:?}: {}{}",
+        run.stdout, run.stderr
+    );
     run.stdout
 }
 
@@ -1007,7 +1014,13 @@ async fn keys_commands_find_keys_of_a_proxy_with_a_scope_secret_only_with_that_s
         "{}",
         with.stdout
     );
+    assert_eq!(with.code, 0, "{}", with.stderr);
     let without = run_to_completion(&args, &[]).await;
+    assert_eq!(
+        without.code, 3,
+        "keys show exits 3 for a key with no record: {}",
+        without.stderr
+    );
     assert!(
         without.stdout.starts_with("no record"),
         "{}",
