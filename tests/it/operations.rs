@@ -864,6 +864,7 @@ async fn serve_enables_the_redis_fast_path_from_the_environment_and_counts_its_h
     require_postgres(&database_url()).await;
     support::services::require_redis(&support::services::redis_url());
     let schema = unique_schema("ops");
+    let _keys = support::services::RedisPrefix(schema.clone());
     let up = Upstream::start().await;
     let url = database_url();
     let setup = Setup::new(up.addr, |c, _| {
