@@ -35,7 +35,7 @@ use units::HumanDuration;
 pub use log::{LogConfig, LogFormat};
 // Other modules still name these through `config`; they live in `route`.
 pub use crate::route::{OnAmbiguous, OnStoreError, RouteConfig};
-pub use server::{AdminConfig, ServerConfig};
+pub use server::{AdminConfig, Readiness, ServerConfig};
 pub use store::{Backend, RedisConfig, SqliteSync, StoreConfig};
 
 /// Where `--config` points when it is not given.

@@ -249,6 +249,7 @@ pub async fn run(listen: std::net::SocketAddr, db: std::path::PathBuf) -> anyhow
     let api = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let api_addr = api.local_addr()?;
     tokio::spawn(serve_orders_api(api));
+    let hangups = server::reload::sighup()?;
     let text = demo_config(listen, api_addr, &db);
     let config = Config::parse(&text, "<demo>")?;
     // Written beside the store so `idemgate keys --config` (and a SIGHUP
@@ -264,7 +265,13 @@ pub async fn run(listen: std::net::SocketAddr, db: std::path::PathBuf) -> anyhow
     let metrics = Arc::new(Metrics::new());
     let server = server::Server::open(config, metrics, listeners).await?;
     println!("{}", walkthrough(addr, &config_path));
-    server.run(shutdown::signal()).await
+    server
+        .reload_on(server::reload::ReloadSource {
+            path: config_path,
+            requests: hangups,
+        })
+        .run(shutdown::signal())
+        .await
 }
 
 /// `idemgate demo-upstream`: only the demo orders API.

@@ -33,7 +33,7 @@ fn main() -> ExitCode {
                 }
             };
             idemgate::telemetry::init(&cfg.log);
-            exit(runtime().and_then(|rt| rt.block_on(idemgate::run(cfg))))
+            exit(runtime().and_then(|rt| rt.block_on(idemgate::run(cfg, config))))
         }
         Command::Migrate { config } => {
             let Some(cfg) = load(&config) else {

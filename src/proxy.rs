@@ -38,7 +38,9 @@ use std::time::Duration;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
 
-/// Serves every proxied request; one per process, shared by connections.
+/// Serves every proxied request; shared by connections. A config reload
+/// replaces it with [`Proxy::reconfigured`]: a request keeps the one it
+/// started on (an `Arc`) to its end.
 pub struct Proxy {
     /// The protected routes, tried in file order.
     routes: RouteTable,
@@ -58,6 +60,15 @@ pub struct Proxy {
     tasks: TaskTracker,
 }
 
+/// What every generation of the proxy (one per config reload) shares.
+struct Shared {
+    leases: Arc<Leases>,
+    body_budget: Arc<BodyBudget>,
+    scope_secret: Option<Secret>,
+    metrics: Arc<Metrics>,
+    tasks: TaskTracker,
+}
+
 /// How a request ended, and what the client gets.
 type Served = (Outcome, Response<ProxyBody>);
 
@@ -70,8 +81,7 @@ impl Proxy {
         clock: Clock,
     ) -> Self {
         let tasks = TaskTracker::new();
-        Self {
-            routes: config.routes.clone(),
+        let shared = Shared {
             leases: Leases::new(
                 store,
                 metrics.clone(),
@@ -79,14 +89,52 @@ impl Proxy {
                 clock,
                 crate::lease::MAX_PENDING_COMPLETIONS,
             ),
-            request_body_timeout: config.server.request_body_timeout,
             body_budget: BodyBudget::new(
                 config.server.max_buffered_body_bytes,
                 metrics.buffered_body_bytes().clone(),
                 metrics.body_budget_refusals().clone(),
             ),
             scope_secret: config.scope_secret.clone(),
+            metrics,
+            tasks,
+        };
+        Self::assemble(config, shared)
+    }
+
+    /// This proxy on a reloaded config: routes, per-route settings and the
+    /// upstream client come from `config`; the store, the leases, the body
+    /// budget and the detached tasks are this one's, so requests running
+    /// on either proxy share them.
+    pub fn reconfigured(&self, config: &Config) -> Self {
+        Self::assemble(
+            config,
+            Shared {
+                leases: self.leases.clone(),
+                body_budget: self.body_budget.clone(),
+                scope_secret: self.scope_secret.clone(),
+                metrics: self.metrics.clone(),
+                tasks: self.tasks.clone(),
+            },
+        )
+    }
+
+    /// The per-config part built from `config`, around the process-wide
+    /// `shared` part: what a reload replaces, in one place.
+    fn assemble(config: &Config, shared: Shared) -> Self {
+        let Shared {
+            leases,
+            body_budget,
+            scope_secret,
+            metrics,
+            tasks,
+        } = shared;
+        Self {
+            routes: config.routes.clone(),
             forwarder: Forwarder::new(&config.server),
+            request_body_timeout: config.server.request_body_timeout,
+            leases,
+            body_budget,
+            scope_secret,
             metrics,
             tasks,
         }

@@ -6,7 +6,7 @@
 //! `store.rs`, `log.rs`, `routes.rs`).
 
 use super::units::{ByteSize, HumanDuration};
-use super::{Backend, LogFormat, OnAmbiguous, OnStoreError, SqliteSync};
+use super::{Backend, LogFormat, OnAmbiguous, OnStoreError, Readiness, SqliteSync};
 use crate::idempotency::decision::{ReleaseStatuses, StatusEntry};
 use crate::route::PathPattern;
 use http::{HeaderName, Method, Uri};
@@ -69,6 +69,7 @@ pub(super) struct RawServer {
     pub(super) shutdown_delay: Option<HumanDuration>,
     pub(super) preserve_host: Option<bool>,
     pub(super) trust_forwarded_headers: Option<bool>,
+    pub(super) readiness: Option<Readiness>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -43,6 +43,33 @@ pub struct ServerConfig {
     pub preserve_host: bool,
     /// Keep the client's `X-Forwarded-Proto/-Host` (behind a trusted proxy).
     pub trust_forwarded_headers: bool,
+    /// What `/readyz` reflects.
+    pub readiness: Readiness,
+}
+
+/// What `/readyz` answers for (`server.readiness`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Readiness {
+    /// What this replica can serve: not draining, config loaded, listeners
+    /// up. A store outage does not make it unready: unprotected routes and
+    /// `on_store_error = "forward"` routes still work, and every replica
+    /// shares the store, so failing readiness on it would take them all
+    /// out of the Service at once.
+    #[default]
+    Serving,
+    /// As `Serving`, and the store answers a ping (the behaviour before
+    /// `readiness` existed).
+    Store,
+}
+
+impl Readiness {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Readiness::Serving => "serving",
+            Readiness::Store => "store",
+        }
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -114,6 +141,7 @@ impl TryFrom<RawServer> for ServerConfig {
             shutdown_delay: dur(s.shutdown_delay, Duration::ZERO),
             preserve_host: s.preserve_host.unwrap_or(false),
             trust_forwarded_headers: s.trust_forwarded_headers.unwrap_or(false),
+            readiness: s.readiness.unwrap_or_default(),
         })
     }
 }

@@ -322,7 +322,10 @@ async fn readyz_turns_503_while_postgres_is_cut_off_and_200_when_it_returns() {
     let schema = unique_schema("ops");
     let up = Upstream::start().await;
     let url = support::services::database_url_via(relay.addr());
-    let setup = Setup::new(up.addr, |c, _| postgres_store(c, &url, &schema));
+    // readiness = "store": the default ("serving") is in readiness.rs.
+    let setup = Setup::new(up.addr, |c, _| {
+        postgres_store(c, &url, &schema).set("server.readiness", "store")
+    });
     let gate = setup.start().await;
 
     let ready = |want: u16| {
