@@ -18,6 +18,7 @@ mod operations;
 mod properties;
 mod readiness;
 mod regressions;
+mod reload;
 mod replicas;
 mod route_features;
 mod semantics;

@@ -182,6 +182,16 @@ impl ServeProcess {
         assert!(status.success(), "kill -TERM {pid} failed: {status}");
     }
 
+    /// Sends SIGHUP (reload the config).
+    pub fn hangup(&self) {
+        let pid = self.child.as_ref().expect("running").id();
+        let status = Command::new("kill")
+            .args(["-HUP", &pid.to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -HUP {pid} failed: {status}");
+    }
+
     /// SIGKILL, then reaps it.
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
