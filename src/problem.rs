@@ -25,6 +25,8 @@ pub struct Problem {
     pub detail: String,
     pub retry_after_secs: Option<u64>,
     pub outcome: Outcome,
+    /// RFC 9457 §3.1.5: this occurrence, `urn:idemgate:request:<request id>`.
+    pub instance: Option<String>,
 }
 
 impl Problem {
@@ -37,6 +39,7 @@ impl Problem {
             detail: detail.clone(),
             retry_after_secs: None,
             outcome,
+            instance: None,
         };
         match err {
             ProxyError::MissingKey { .. } => p(
@@ -183,12 +186,15 @@ impl Problem {
     }
 
     pub fn into_response(self) -> Response<ProxyBody> {
-        let body = serde_json::json!({
+        let mut body = serde_json::json!({
             "type": format!("{TYPE_BASE}{}", self.slug),
             "title": self.title,
             "status": self.status.as_u16(),
             "detail": self.detail,
         });
+        if let Some(instance) = self.instance {
+            body["instance"] = instance.into();
+        }
         let mut resp = Response::new(full(body.to_string()));
         *resp.status_mut() = self.status;
         let h = resp.headers_mut();

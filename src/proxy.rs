@@ -16,6 +16,7 @@ pub mod headers;
 mod log;
 mod protected;
 mod replay;
+pub mod request_id;
 
 use crate::body::budget::BodyBudget;
 use crate::body::{boxed, ProxyBody};
@@ -32,6 +33,7 @@ use http::{Request, Response};
 use hyper::body::Incoming;
 use log::RequestLog;
 use protected::{key_of, prepare, read_body};
+use request_id::{RequestId, X_REQUEST_ID};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -149,20 +151,36 @@ impl Proxy {
         self.leases.backlog().key_ids()
     }
 
-    /// Serves one request; never fails.
+    /// Serves one request; never fails. The request id goes upstream (in
+    /// `X-Request-Id`, and in the request's extensions for the problem
+    /// mapping) and back on every response.
     pub async fn handle(
+        self: Arc<Self>,
+        mut req: Request<Incoming>,
+        peer: SocketAddr,
+    ) -> Response<ProxyBody> {
+        let id = RequestId::of_request(req.headers());
+        req.headers_mut().insert(X_REQUEST_ID, id.header_value());
+        req.extensions_mut().insert(id.clone());
+        let mut resp = self.serve(req, peer, id.clone()).await;
+        resp.headers_mut().insert(X_REQUEST_ID, id.header_value());
+        resp
+    }
+
+    async fn serve(
         self: Arc<Self>,
         req: Request<Incoming>,
         peer: SocketAddr,
+        id: RequestId,
     ) -> Response<ProxyBody> {
-        let mut log = RequestLog::start(req.method(), req.uri().path(), peer);
+        let mut log = RequestLog::start(&req, peer, id);
         if let Err(e) = admission::admit(&req) {
             return self.conclude(Err(e), log);
         }
         let path = normalize_path(req.uri().path());
         let Some(route) = self.routes.find(req.method(), &path).cloned() else {
             let (outcome, resp) = self.passthrough(req.map(boxed), peer).await;
-            log.finish(&self.metrics, outcome, resp.status(), false);
+            log.finish(&self.metrics, outcome, &resp, false);
             return resp;
         };
         log.set_route(&route.label);
@@ -170,7 +188,7 @@ impl Proxy {
             Ok(Some(key)) => key,
             Ok(None) => {
                 let (outcome, resp) = self.passthrough(req.map(boxed), peer).await;
-                log.finish(&self.metrics, outcome, resp.status(), false);
+                log.finish(&self.metrics, outcome, &resp, false);
                 return resp;
             }
             Err(e) => return self.conclude(Err(e), log),
@@ -184,6 +202,7 @@ impl Proxy {
             Ok(body) => body,
             Err(e) => return self.conclude(Err(e), log),
         };
+        log.set_bytes_in(body.len() as u64);
         let req = prepare(route, parts, body, key, &path, peer);
         log.set_key_id(req.record_key.log_id());
         self.run_detached(req, log).await
@@ -201,11 +220,11 @@ impl Proxy {
         let this = Arc::clone(self);
         let task_log = log.clone();
         self.tasks.spawn(async move {
-            let (outcome, resp) = respond(this.claim_and_execute(req).await);
+            let (outcome, resp) = respond(this.claim_and_execute(req).await, task_log.request_id());
             // Counted and logged before the client can see the answer, so a
             // client that reads its response also sees it in the metrics.
             let client_left = tx.is_closed();
-            task_log.finish(&this.metrics, outcome, resp.status(), client_left);
+            task_log.finish(&this.metrics, outcome, &resp, client_left);
             let _ = tx.send(resp);
         });
         match rx.await {
@@ -221,31 +240,35 @@ impl Proxy {
 
     /// [`respond`], then the log line.
     fn conclude(&self, result: Result<Served, ProxyError>, log: RequestLog) -> Response<ProxyBody> {
-        let (outcome, resp) = respond(result);
-        log.finish(&self.metrics, outcome, resp.status(), false);
+        let (outcome, resp) = respond(result, log.request_id());
+        log.finish(&self.metrics, outcome, &resp, false);
         resp
     }
 
     /// Forwards without protection, streaming both ways.
     async fn passthrough(&self, req: Request<ProxyBody>, peer: SocketAddr) -> Served {
+        let id = req.extensions().get::<RequestId>().cloned();
         match self.forwarder.send(req, peer).await {
             Ok(resp) => (Outcome::Passthrough, resp.map(boxed)),
-            Err(e) => respond(Err(forward_error(e, KeyFate::Unprotected))),
+            Err(e) => respond(Err(forward_error(e, KeyFate::Unprotected)), id.as_ref()),
         }
     }
 }
 
 /// Where a request's result becomes what the client gets: errors through
-/// the one mapping in `problem.rs`, logged by who is at fault.
-fn respond(result: Result<Served, ProxyError>) -> Served {
+/// the one mapping in `problem.rs` (its `instance` naming the request id),
+/// logged by who is at fault.
+fn respond(result: Result<Served, ProxyError>, id: Option<&RequestId>) -> Served {
     match result {
         Ok(served) => served,
         Err(err) => {
+            let request_id = id.map(RequestId::as_str).unwrap_or("-");
             match err.origin() {
-                Origin::Client => debug!(error = %err, "request refused"),
-                _ => warn!(error = %err, "request failed"),
+                Origin::Client => debug!(error = %err, request.id = request_id, "request refused"),
+                _ => warn!(error = %err, request.id = request_id, "request failed"),
             }
-            let problem = Problem::from_error(&err);
+            let mut problem = Problem::from_error(&err);
+            problem.instance = id.map(RequestId::instance);
             (problem.outcome, problem.into_response())
         }
     }

@@ -20,6 +20,7 @@ mod readiness;
 mod regressions;
 mod reload;
 mod replicas;
+mod request_id;
 mod route_features;
 mod semantics;
 mod store_contract;
