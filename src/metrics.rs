@@ -485,4 +485,35 @@ mod tests {
         );
         assert_eq!(m.request_count("/orders", Outcome::Replayed), 2);
     }
+
+    /// The operations series are there from the start; process_* keep
+    /// their conventional unprefixed names.
+    #[test]
+    fn build_reload_connection_and_process_series() {
+        let m = Metrics::new();
+        m.store_up("postgres", false);
+        m.config_loaded(false, 0.0);
+        m.open_connections().inc();
+        let text = m.encode();
+        for line in [
+            format!(
+                "idemgate_build_info{{version=\"{}\"}} 1",
+                env!("CARGO_PKG_VERSION")
+            ),
+            "idemgate_store_up{backend=\"postgres\"} 0".to_string(),
+            "idemgate_config_reloads_total{result=\"ok\"} 0".to_string(),
+            "idemgate_config_reloads_total{result=\"error\"} 1".to_string(),
+            "idemgate_open_connections 1".to_string(),
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line}\n{text}");
+        }
+        #[cfg(target_os = "linux")]
+        for name in [
+            "process_cpu_seconds_total ",
+            "process_open_fds ",
+            "process_resident_memory_bytes ",
+        ] {
+            assert!(text.lines().any(|l| l.starts_with(name)), "{name}\n{text}");
+        }
+    }
 }

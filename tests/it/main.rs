@@ -8,6 +8,7 @@
 
 mod support;
 
+mod demo_docs;
 mod faults;
 mod forwarding;
 mod hostile_connections;

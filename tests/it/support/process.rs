@@ -25,6 +25,12 @@ fn idemgate() -> Command {
     cmd
 }
 
+/// `idemgate` with a clean `IDEMGATE_*` environment, for a test that runs
+/// it its own way (e.g. `demo`); the test kills what it spawns.
+pub fn command() -> Command {
+    idemgate()
+}
+
 // ===== one-shot commands =====
 
 /// One run of the binary to completion.
