@@ -249,7 +249,6 @@ pub async fn run(listen: std::net::SocketAddr, db: std::path::PathBuf) -> anyhow
     let api = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let api_addr = api.local_addr()?;
     tokio::spawn(serve_orders_api(api));
-    let hangups = server::reload::sighup()?;
     let text = demo_config(listen, api_addr, &db);
     let config = Config::parse(&text, "<demo>")?;
     // Written beside the store so `idemgate keys --config` (and a SIGHUP
@@ -260,6 +259,7 @@ pub async fn run(listen: std::net::SocketAddr, db: std::path::PathBuf) -> anyhow
     }
     std::fs::write(&config_path, &text)
         .with_context(|| format!("cannot write {}", config_path.display()))?;
+    let hangups = server::reload::requests(&config_path, false)?;
     let listeners = server::Listeners::bind(&config).await?;
     let addr = listeners.proxy.local_addr()?;
     let metrics = Arc::new(Metrics::new());

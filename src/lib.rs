@@ -48,10 +48,10 @@ use metrics::Metrics;
 use std::sync::Arc;
 
 /// `idemgate serve`: binds, opens the store, runs until SIGTERM/SIGINT;
-/// SIGHUP reloads `path`.
+/// SIGHUP (or a change, with `server.watch_config`) reloads `path`.
 pub async fn run(config: Config, path: std::path::PathBuf) -> anyhow::Result<()> {
     // First, so an early SIGHUP reloads instead of killing the process.
-    let hangups = server::reload::sighup()?;
+    let hangups = server::reload::requests(&path, config.server.watch_config)?;
     let listeners = server::Listeners::bind(&config).await?;
     let metrics = Arc::new(Metrics::new());
     let server = server::Server::open(config, metrics, listeners).await?;

@@ -70,6 +70,7 @@ pub(super) struct RawServer {
     pub(super) preserve_host: Option<bool>,
     pub(super) trust_forwarded_headers: Option<bool>,
     pub(super) readiness: Option<Readiness>,
+    pub(super) watch_config: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -45,6 +45,8 @@ pub struct ServerConfig {
     pub trust_forwarded_headers: bool,
     /// What `/readyz` reflects.
     pub readiness: Readiness,
+    /// Reload the config file when its content changes, not only on SIGHUP.
+    pub watch_config: bool,
 }
 
 /// What `/readyz` answers for (`server.readiness`).
@@ -142,6 +144,7 @@ impl TryFrom<RawServer> for ServerConfig {
             preserve_host: s.preserve_host.unwrap_or(false),
             trust_forwarded_headers: s.trust_forwarded_headers.unwrap_or(false),
             readiness: s.readiness.unwrap_or_default(),
+            watch_config: s.watch_config.unwrap_or(false),
         })
     }
 }

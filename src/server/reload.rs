@@ -1,4 +1,5 @@
-//! Reloading the config without a restart (SIGHUP).
+//! Reloading the config without a restart: SIGHUP, or with
+//! `server.watch_config = true` a change of the file.
 //!
 //! The file is read and validated exactly as `check-config` and `serve`
 //! do; a bad one is refused with the same message, logged and counted
@@ -28,15 +29,22 @@ pub struct ReloadSource {
     pub requests: mpsc::Receiver<()>,
 }
 
-/// SIGHUP, as a stream of reload requests (several pending ones coalesce
-/// into one). Installed at once, so a SIGHUP that arrives while the server
-/// starts is a reload rather than the default (terminating the process).
-pub fn sighup() -> std::io::Result<mpsc::Receiver<()>> {
+/// How often a watched config file is read for changes: a ConfigMap update
+/// takes up to a minute to reach the pod anyway.
+pub const WATCH_INTERVAL: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Reload requests: each SIGHUP and, with `watch`, each change of the
+/// file's content (read every [`WATCH_INTERVAL`]). Several pending ones
+/// coalesce into one. Installed at once, so a SIGHUP that arrives while
+/// the server starts is a reload rather than the default (terminating the
+/// process).
+pub fn requests(path: &std::path::Path, watch: bool) -> std::io::Result<mpsc::Receiver<()>> {
     let (tx, rx) = mpsc::channel(1);
     #[cfg(unix)]
     {
         use tokio::signal::unix::{signal, SignalKind};
         let mut hup = signal(SignalKind::hangup())?;
+        let tx = tx.clone();
         tokio::spawn(async move {
             while hup.recv().await.is_some() {
                 info!("SIGHUP received, reloading the config");
@@ -46,9 +54,31 @@ pub fn sighup() -> std::io::Result<mpsc::Receiver<()>> {
             }
         });
     }
-    #[cfg(not(unix))]
-    drop(tx);
+    if watch {
+        tokio::spawn(watch_file(path.to_path_buf(), tx));
+    }
     Ok(rx)
+}
+
+/// Asks for a reload whenever the file's content differs from the last
+/// one seen (content, not mtime: a Kubernetes ConfigMap swaps a symlink,
+/// and an editor may keep the mtime's second).
+async fn watch_file(path: PathBuf, tx: mpsc::Sender<()>) {
+    let mut seen = tokio::fs::read(&path).await.ok();
+    let mut tick = tokio::time::interval(WATCH_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await;
+    loop {
+        tick.tick().await;
+        let now = tokio::fs::read(&path).await.ok();
+        if now.is_some() && now != seen {
+            info!(file = %path.display(), "config file changed, reloading");
+            seen = now;
+            if tx.try_send(()).is_err() && tx.is_closed() {
+                return;
+            }
+        }
+    }
 }
 
 /// Serves reload requests until `stop`. `running` is the config the
@@ -153,6 +183,7 @@ pub fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
         o.shutdown_delay != n.shutdown_delay,
     );
     check("server.readiness", o.readiness != n.readiness);
+    check("server.watch_config", o.watch_config != n.watch_config);
     check(
         "admin.listen",
         old.admin.as_ref().map(|a| a.listen) != new.admin.as_ref().map(|a| a.listen),

@@ -194,3 +194,39 @@ async fn sighup_reloads_routes_under_load_without_failing_a_request() {
         1
     );
 }
+
+/// `server.watch_config = true`: a change of the file's content reloads it
+/// without a signal; a bad one is refused the same way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watched_config_file_reloads_when_it_changes() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("idemgate.toml");
+    let (listen, admin) = (crate::support::free_port(), crate::support::free_port());
+    let watched = || config(&up, listen, admin).set("server.watch_config", true);
+    watched().write(&path);
+    let gate = ServeProcess::start(&path, listen, admin, &[]).await;
+    let open = gate.post("/payments").body(BODY).send().await;
+    assert_eq!(open.status(), 200, "not protected yet: {}", open.text());
+
+    watched().route(Route::post("/payments")).write(&path);
+    reloads(&gate, "ok", 1).await;
+    gate.post("/payments")
+        .body(BODY)
+        .send()
+        .await
+        .assert_problem(400);
+
+    std::fs::write(&path, "[server\n").unwrap();
+    reloads(&gate, "error", 1).await;
+    gate.post("/payments")
+        .body(BODY)
+        .send()
+        .await
+        .assert_problem(400);
+    assert!(
+        gate.log().contains("invalid configuration: "),
+        "{}",
+        gate.log()
+    );
+}
