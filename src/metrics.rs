@@ -105,6 +105,11 @@ struct ResultLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct UpstreamLabels {
+    upstream: Arc<String>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct BuildLabels {
     version: &'static str,
 }
@@ -126,6 +131,7 @@ pub struct Metrics {
     config_reloads: Family<ResultLabels, Counter>,
     last_reload_success: Gauge<f64, AtomicU64>,
     open_connections: Gauge,
+    upstream_in_flight: Family<UpstreamLabels, Gauge>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -236,6 +242,12 @@ impl Metrics {
             "Client connections open on the proxy listener",
             open_connections.clone(),
         );
+        let upstream_in_flight = Family::<UpstreamLabels, Gauge>::default();
+        registry.register(
+            "upstream_in_flight",
+            "Requests using an upstream connection now (sent, answer not yet fully read), by upstream: compare with its pool size",
+            upstream_in_flight.clone(),
+        );
         let build_info = Family::<BuildLabels, Gauge>::default();
         registry.register(
             "build_info",
@@ -265,7 +277,20 @@ impl Metrics {
             config_reloads,
             last_reload_success,
             open_connections,
+            upstream_in_flight,
         }
+    }
+
+    /// Counts one request on `upstream` until the guard is dropped.
+    pub fn upstream_request(&self, upstream: &Arc<String>) -> GaugeGuard {
+        let gauge = self
+            .upstream_in_flight
+            .get_or_create(&UpstreamLabels {
+                upstream: upstream.clone(),
+            })
+            .clone();
+        gauge.inc();
+        GaugeGuard(gauge)
     }
 
     /// The store's health as last checked.
@@ -392,6 +417,16 @@ impl Metrics {
                 outcome: outcome.as_str(),
             })
             .get()
+    }
+}
+
+/// Holds a gauge one higher while it lives.
+#[derive(Debug)]
+pub struct GaugeGuard(Gauge);
+
+impl Drop for GaugeGuard {
+    fn drop(&mut self) {
+        self.0.dec();
     }
 }
 

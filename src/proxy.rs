@@ -24,7 +24,7 @@ use crate::clock::Clock;
 use crate::config::{Config, Secret};
 use crate::error::{KeyFate, Origin, ProxyError};
 use crate::lease::Leases;
-use crate::metrics::{Metrics, Outcome};
+use crate::metrics::{GaugeGuard, Metrics, Outcome};
 use crate::problem::Problem;
 use crate::route::{normalize_path, RouteTable};
 use crate::store::Store;
@@ -248,10 +248,61 @@ impl Proxy {
     /// Forwards without protection, streaming both ways.
     async fn passthrough(&self, req: Request<ProxyBody>, peer: SocketAddr) -> Served {
         let id = req.extensions().get::<RequestId>().cloned();
+        let in_flight = self.upstream_request();
         match self.forwarder.send(req, peer).await {
-            Ok(resp) => (Outcome::Passthrough, resp.map(boxed)),
+            Ok(resp) => (
+                Outcome::Passthrough,
+                resp.map(|body| boxed(Guarded::new(body, in_flight))),
+            ),
             Err(e) => respond(Err(forward_error(e, KeyFate::Unprotected)), id.as_ref()),
         }
+    }
+}
+
+impl Proxy {
+    /// Counts a request on the upstream (`idemgate_upstream_in_flight`)
+    /// while the guard lives.
+    fn upstream_request(&self) -> GaugeGuard {
+        self.metrics.upstream_request(&DEFAULT_UPSTREAM)
+    }
+}
+
+/// The label of `server.upstream` in per-upstream metrics.
+static DEFAULT_UPSTREAM: std::sync::LazyLock<Arc<String>> =
+    std::sync::LazyLock::new(|| Arc::new("default".to_string()));
+
+/// A streamed response body holding a guard until it ends or is dropped.
+struct Guarded<B> {
+    body: B,
+    _guard: GaugeGuard,
+}
+
+impl<B> Guarded<B> {
+    fn new(body: B, guard: GaugeGuard) -> Self {
+        Self {
+            body,
+            _guard: guard,
+        }
+    }
+}
+
+impl<B: http_body::Body + Unpin> http_body::Body for Guarded<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<B::Data>, B::Error>>> {
+        std::pin::Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
     }
 }
 

@@ -16,6 +16,7 @@ mod hostile_requests;
 mod invariants;
 mod lifecycle;
 mod operations;
+mod ops_metrics;
 mod properties;
 mod readiness;
 mod regressions;
