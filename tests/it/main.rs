@@ -23,6 +23,7 @@ mod regressions;
 mod reload;
 mod replicas;
 mod request_id;
+mod rough_edges;
 mod route_features;
 mod semantics;
 mod store_contract;
