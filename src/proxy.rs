@@ -220,7 +220,10 @@ impl Proxy {
         let this = Arc::clone(self);
         let task_log = log.clone();
         self.tasks.spawn(async move {
-            let (outcome, resp) = respond(this.claim_and_execute(req).await, task_log.request_id());
+            let (outcome, resp) = respond(
+                this.claim_and_execute(req).await,
+                Some(task_log.request_id()),
+            );
             // Counted and logged before the client can see the answer, so a
             // client that reads its response also sees it in the metrics.
             let client_left = tx.is_closed();
@@ -240,7 +243,7 @@ impl Proxy {
 
     /// [`respond`], then the log line.
     fn conclude(&self, result: Result<Served, ProxyError>, log: RequestLog) -> Response<ProxyBody> {
-        let (outcome, resp) = respond(result, log.request_id());
+        let (outcome, resp) = respond(result, Some(log.request_id()));
         log.finish(&self.metrics, outcome, &resp, false);
         resp
     }

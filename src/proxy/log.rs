@@ -81,8 +81,8 @@ impl RequestLog {
         self.bytes_in = Some(n);
     }
 
-    pub fn request_id(&self) -> Option<&RequestId> {
-        Some(&self.request_id)
+    pub fn request_id(&self) -> &RequestId {
+        &self.request_id
     }
 
     /// Counts the request and writes its access log line. `bytes_out` is
