@@ -8,6 +8,8 @@
 //! - `replay.rs`: capturing a response for storage, and replaying it.
 //! - `forward.rs`: the upstream client; `headers.rs`: header rules.
 //! - `log.rs`: the access log line and request metric, once per request.
+//! - `request_id.rs`: `X-Request-Id`, kept or generated, and the problem
+//!   `instance` it names.
 //! - [`crate::lease`]: holding the key while the upstream runs.
 
 pub mod admission;
