@@ -27,6 +27,7 @@ use crate::metrics::{Metrics, Outcome};
 use crate::problem::Problem;
 use crate::route::{normalize_path, RouteTable};
 use crate::store::Store;
+use crate::telemetry::trace;
 use forward::{ForwardError, Forwarder};
 use http::{Request, Response};
 use hyper::body::Incoming;
@@ -53,6 +54,8 @@ pub struct Proxy {
     /// The pooled upstream client.
     forwarder: Forwarder,
     metrics: Arc<Metrics>,
+    /// Starts each request's span (a no-op without `[tracing]`).
+    tracer: trace::Tracer,
     /// Detached work: protected requests from their claim on, and store
     /// writes that outlive them. Shutdown waits for it.
     tasks: TaskTracker,
@@ -88,6 +91,7 @@ impl Proxy {
             scope_secret: config.scope_secret.clone(),
             forwarder: Forwarder::new(&config.server),
             metrics,
+            tracer: trace::Tracer::new(config.tracing.as_ref()),
             tasks,
         }
     }
@@ -101,8 +105,18 @@ impl Proxy {
         self.leases.backlog().key_ids()
     }
 
-    /// Serves one request; never fails.
+    /// Serves one request; never fails. Everything it does runs under the
+    /// request's trace span, when tracing is on.
     pub async fn handle(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+        peer: SocketAddr,
+    ) -> Response<ProxyBody> {
+        let span = self.tracer.start(&req);
+        trace::within(span, self.serve(req, peer)).await
+    }
+
+    async fn serve(
         self: Arc<Self>,
         req: Request<Incoming>,
         peer: SocketAddr,
@@ -118,6 +132,7 @@ impl Proxy {
             return resp;
         };
         log.set_route(&route.label);
+        trace::set_route(&route.label);
         let key = match key_of(&route, req.headers(), self.scope_secret.as_ref()) {
             Ok(Some(key)) => key,
             Ok(None) => {
@@ -137,7 +152,9 @@ impl Proxy {
             Err(e) => return self.conclude(Err(e), log),
         };
         let req = prepare(route, parts, body, key, &path, peer);
-        log.set_key_id(req.record_key.log_id());
+        let key_id = req.record_key.log_id();
+        trace::set_key_id(&key_id);
+        log.set_key_id(key_id);
         self.run_detached(req, log).await
     }
 
@@ -152,14 +169,14 @@ impl Proxy {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let this = Arc::clone(self);
         let task_log = log.clone();
-        self.tasks.spawn(async move {
+        self.tasks.spawn(trace::in_current(async move {
             let (outcome, resp) = respond(this.claim_and_execute(req).await);
             // Counted and logged before the client can see the answer, so a
             // client that reads its response also sees it in the metrics.
             let client_left = tx.is_closed();
             task_log.finish(&this.metrics, outcome, resp.status(), client_left);
             let _ = tx.send(resp);
-        });
+        }));
         match rx.await {
             Ok(resp) => resp,
             Err(_) => self.conclude(
@@ -181,16 +198,20 @@ impl Proxy {
     /// Forwards without protection, streaming both ways.
     async fn passthrough(&self, req: Request<ProxyBody>, peer: SocketAddr) -> Served {
         match self.forwarder.send(req, peer).await {
-            Ok(resp) => (Outcome::Passthrough, resp.map(boxed)),
+            Ok(resp) => {
+                trace::record(Outcome::Passthrough, resp.status());
+                (Outcome::Passthrough, resp.map(boxed))
+            }
             Err(e) => respond(Err(forward_error(e, KeyFate::Unprotected))),
         }
     }
 }
 
 /// Where a request's result becomes what the client gets: errors through
-/// the one mapping in `problem.rs`, logged by who is at fault.
+/// the one mapping in `problem.rs`, logged by who is at fault, and the
+/// outcome recorded on the request's trace span.
 fn respond(result: Result<Served, ProxyError>) -> Served {
-    match result {
+    let (outcome, resp) = match result {
         Ok(served) => served,
         Err(err) => {
             match err.origin() {
@@ -200,7 +221,9 @@ fn respond(result: Result<Served, ProxyError>) -> Served {
             let problem = Problem::from_error(&err);
             (problem.outcome, problem.into_response())
         }
-    }
+    };
+    trace::record(outcome, resp.status());
+    (outcome, resp)
 }
 
 fn forward_error(e: ForwardError, key: KeyFate) -> ProxyError {

@@ -30,6 +30,9 @@ pub(super) struct RawConfig {
     pub(super) redis: Option<RawRedis>,
     #[serde(default)]
     pub(super) log: RawLog,
+    /// Spanned: the section is refused at its line in a build without `otel`.
+    #[serde(default)]
+    pub(super) tracing: Option<Spanned<RawTracing>>,
     #[serde(default)]
     pub(super) defaults: RawRouteSettings,
     #[serde(default)]
@@ -107,6 +110,15 @@ pub(super) struct RawRedis {
 pub(super) struct RawLog {
     pub(super) format: Option<LogFormat>,
     pub(super) level: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawTracing {
+    /// Spanned: a bad URL is reported at its line.
+    pub(super) otlp_endpoint: Option<Spanned<String>>,
+    pub(super) service_name: Option<String>,
+    pub(super) sampling_ratio: Option<f64>,
 }
 
 /// One `[[route]]`, and also `[defaults]` (which may not set `methods`/`path`).
