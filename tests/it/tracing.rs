@@ -3,7 +3,7 @@
 //! on a real socket, to the test upstream.
 
 use crate::support::otlp_receiver::{OtlpReceiver, RecordedSpan};
-use crate::support::{Action, Backend, Proxy, Upstream, ORDERS};
+use crate::support::{free_port, Action, Backend, Proxy, Route, Upstream, ORDERS};
 
 /// A client's W3C trace context (sampled).
 const CLIENT_TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
@@ -225,6 +225,62 @@ async fn an_upstream_5xx_is_an_upstream_error_on_failed_spans() {
     let names: Vec<&str> = under.iter().map(|s| s.name.as_str()).collect();
     assert!(names.contains(&"store release"), "{names:?}");
     assert!(!names.contains(&"store complete"), "{names:?}");
+}
+
+/// The outcome is the request's last: a forwarding route's pass-through
+/// is recorded as `unguarded`, not `passthrough`.
+#[tokio::test]
+async fn a_store_outage_is_a_failed_claim_span_and_an_unguarded_forward_says_so() {
+    let receiver = OtlpReceiver::start().await;
+    let up = Upstream::start().await;
+    // Nothing listens there: every store call is refused at once.
+    let closed = free_port();
+    let proxy = Proxy::builder(Backend::Postgres, up.addr)
+        .store_url(&format!("postgres://postgres@{closed}/test"))
+        .routes(vec![
+            Route::post(ORDERS),
+            Route::post("/webhooks").set("on_store_error", "forward"),
+        ])
+        .set("tracing.otlp_endpoint", receiver.endpoint())
+        .start()
+        .await;
+    let refused = proxy.post(ORDERS).key("k-down").body("{}").send().await;
+    assert_eq!(refused.status(), 503);
+    let hook = proxy
+        .post("/webhooks")
+        .key("k-hook")
+        .body("{}")
+        .send()
+        .await;
+    assert_eq!(hook.status(), 200);
+    proxy.shutdown().await;
+
+    let rejected = receiver
+        .wait_for_span("the refused request's span", |s| {
+            s.kind == SERVER && s.attr("http.route") == Some(ORDERS)
+        })
+        .await;
+    assert_eq!(rejected.attr("idemgate.outcome"), Some("store_error"));
+    assert_eq!(rejected.status_code, ERROR);
+    let spans = receiver.spans();
+    let claim = children(&spans, &rejected)
+        .into_iter()
+        .find(|s| s.name == "store claim")
+        .expect("a claim span");
+    assert_eq!(claim.status_code, ERROR);
+    assert!(children(&spans, &rejected).iter().all(|s| s.kind != CLIENT));
+
+    let unguarded = receiver
+        .wait_for_span("the unguarded request's span", |s| {
+            s.kind == SERVER && s.attr("http.route") == Some("/webhooks")
+        })
+        .await;
+    assert_eq!(unguarded.attr("idemgate.outcome"), Some("unguarded"));
+    assert_eq!(unguarded.attr("http.response.status_code"), Some("200"));
+    let spans = receiver.spans();
+    assert!(children(&spans, &unguarded)
+        .iter()
+        .any(|s| s.kind == CLIENT));
 }
 
 #[tokio::test]
