@@ -3,7 +3,12 @@
 //! on a real socket, to the test upstream.
 
 use crate::support::otlp_receiver::{OtlpReceiver, RecordedSpan};
-use crate::support::{free_port, Action, Backend, Proxy, Route, Upstream, ORDERS};
+use crate::support::{
+    bounded, free_port, wait_until, Action, Backend, Proxy, Route, Upstream, ORDERS,
+};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use tokio::net::TcpListener;
 
 /// A client's W3C trace context (sampled).
 const CLIENT_TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
@@ -281,6 +286,46 @@ async fn a_store_outage_is_a_failed_claim_span_and_an_unguarded_forward_says_so(
     assert!(children(&spans, &unguarded)
         .iter()
         .any(|s| s.kind == CLIENT));
+}
+
+/// Export runs beside the requests, never in their way: while an export
+/// hangs on a collector that accepts and never answers, requests are
+/// answered, and shutdown does not wait for it.
+#[tokio::test]
+async fn a_collector_that_never_answers_delays_no_request_nor_the_shutdown() {
+    let silent = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let collector = silent.local_addr().expect("addr");
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let count = accepted.clone();
+    let hold = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((conn, _)) = silent.accept().await {
+            held.push(conn);
+            count.fetch_add(1, Ordering::SeqCst);
+        }
+    });
+    let up = Upstream::start().await;
+    let proxy = Proxy::builder(Backend::Memory, up.addr)
+        .set("tracing.otlp_endpoint", format!("http://{collector}"))
+        .start()
+        .await;
+    let r = proxy.post(ORDERS).key("k-first").body("{}").send().await;
+    assert_eq!(r.status(), 201);
+    // The batch with that request's spans is on its way, and stuck.
+    wait_until("an export to reach the silent collector", || {
+        accepted.load(Ordering::SeqCst) > 0
+    })
+    .await;
+    for i in 0..20 {
+        let r = bounded(
+            "a request while an export hangs",
+            proxy.post(ORDERS).key(&format!("k-{i}")).body("{}").send(),
+        )
+        .await;
+        assert_eq!(r.status(), 201);
+    }
+    bounded("the shutdown while an export hangs", proxy.shutdown()).await;
+    hold.abort();
 }
 
 #[tokio::test]

@@ -21,12 +21,15 @@ use opentelemetry::trace::{
 use opentelemetry::{Context, KeyValue};
 use opentelemetry_http::{HeaderExtractor, HeaderInjector, HttpClient, HttpError};
 use opentelemetry_otlp::{Protocol, WithExportConfig, WithHttpConfig};
+use opentelemetry_sdk::error::OTelSdkResult;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::{
-    BatchConfigBuilder, BatchSpanProcessor, Sampler, SdkTracer, SdkTracerProvider,
+    BatchConfigBuilder, BatchSpanProcessor, Sampler, SdkTracer, SdkTracerProvider, SpanData,
+    SpanExporter,
 };
 use opentelemetry_sdk::Resource;
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -40,8 +43,10 @@ const EXPORT_INTERVAL: Duration = Duration::from_secs(2);
 const EXPORT_TIMEOUT: Duration = Duration::from_secs(10);
 /// A collector's answer is a small protobuf; anything larger is refused.
 const MAX_EXPORT_RESPONSE: usize = 64 << 10;
-/// Time given to the last batches at shutdown.
-const SHUTDOWN_FLUSH: Duration = Duration::from_secs(5);
+/// Time given to the last batches at shutdown, after the drain: short,
+/// so shutdown_delay + shutdown_grace + this stays within Kubernetes'
+/// default 30 s termination grace (deploy/kustomize: 5 + 20 + 3).
+const SHUTDOWN_FLUSH: Duration = Duration::from_secs(3);
 
 /// The running exporter. Dropping it flushes what is queued (on a blocking
 /// thread, so a runtime worker never waits for the collector).
@@ -77,6 +82,11 @@ impl Exporting {
             .with_timeout(EXPORT_TIMEOUT)
             .build()
             .map_err(|e| e.to_string())?;
+        let exporter = Reporting {
+            inner: exporter,
+            url: config.traces_url.to_string(),
+            failing: AtomicBool::new(false),
+        };
         let processor = BatchSpanProcessor::builder(exporter)
             .with_batch_config(
                 BatchConfigBuilder::default()
@@ -277,6 +287,47 @@ pub(super) fn response(span: &mut opentelemetry_sdk::trace::Span, status: Status
     ));
     if status.is_server_error() {
         span.set_status(Status::error(status.to_string()));
+    }
+}
+
+// === Reporting ===
+
+/// The OTLP exporter, saying in the log when exports start failing and
+/// when they recover: one line each, not one per lost batch.
+#[derive(Debug)]
+struct Reporting<E> {
+    inner: E,
+    url: String,
+    failing: AtomicBool,
+}
+
+impl<E: SpanExporter> SpanExporter for Reporting<E> {
+    async fn export(&self, batch: Vec<SpanData>) -> OTelSdkResult {
+        let spans = batch.len();
+        let result = self.inner.export(batch).await;
+        match &result {
+            Err(e) if !self.failing.swap(true, Ordering::Relaxed) => {
+                tracing::warn!(error = %e, url = %self.url, spans,
+                    "trace export failing; spans are dropped until the collector answers");
+            }
+            Ok(()) if self.failing.swap(false, Ordering::Relaxed) => {
+                tracing::info!(url = %self.url, "trace export recovered");
+            }
+            _ => {}
+        }
+        result
+    }
+
+    fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
+        self.inner.shutdown_with_timeout(timeout)
+    }
+
+    fn force_flush(&self) -> OTelSdkResult {
+        self.inner.force_flush()
+    }
+
+    fn set_resource(&mut self, resource: &Resource) {
+        self.inner.set_resource(resource);
     }
 }
 
