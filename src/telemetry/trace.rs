@@ -226,3 +226,62 @@ impl ChildSpan {
         let _ = result;
     }
 }
+
+#[cfg(all(test, feature = "otel"))]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    fn tracer() -> Tracer {
+        // Nothing listens on port 9: exports fail, which these tests ignore.
+        let config = Config::parse(
+            "[server]\nupstream = \"http://127.0.0.1:1\"\n[tracing]\notlp_endpoint = \"http://127.0.0.1:9\"\n",
+            "t.toml",
+        )
+        .expect("config");
+        Tracer::new(config.tracing.as_ref())
+    }
+
+    #[tokio::test]
+    async fn the_current_trace_id_is_the_clients_inside_a_request_and_none_outside() {
+        let tracer = tracer();
+        assert!(tracer.is_enabled());
+        let req = Request::post("/orders")
+            .header(
+                "traceparent",
+                "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            )
+            .body(())
+            .unwrap();
+        let inside = within(tracer.start(&req), async { current_trace_id() }).await;
+        assert_eq!(inside.as_deref(), Some("4bf92f3577b34da6a3ce929d0e0e4736"));
+        let spawned = within(tracer.start(&req), async {
+            tokio::spawn(in_current(async { current_trace_id() }))
+                .await
+                .unwrap()
+        })
+        .await;
+        assert_eq!(spawned, inside, "a task spawned with in_current keeps it");
+        assert_eq!(current_trace_id(), None);
+        let untraced = within(Tracer::disabled().start(&req), async { current_trace_id() }).await;
+        assert_eq!(untraced, None);
+    }
+
+    #[tokio::test]
+    async fn a_request_without_traceparent_gets_a_new_trace_and_upstream_headers_carry_it() {
+        let tracer = tracer();
+        let req = Request::get("/x").body(()).unwrap();
+        let upstream: Uri = "http://127.0.0.1:3000".parse().unwrap();
+        let (id, sent) = within(tracer.start(&req), async {
+            let mut out = Request::get("/x").body(()).unwrap();
+            drop(super::upstream(&mut out, &upstream));
+            (current_trace_id(), out.headers()["traceparent"].clone())
+        })
+        .await;
+        let id = id.expect("a trace id");
+        assert_eq!(id.len(), 32);
+        let sent = sent.to_str().unwrap();
+        assert!(sent.starts_with(&format!("00-{id}-")), "{sent}");
+        assert!(sent.ends_with("-01"), "sampled at ratio 1: {sent}");
+    }
+}
