@@ -12,6 +12,11 @@
 //! carries the route, the outcome, the status and the key's id
 //! (`RecordKey::log_id`, a truncated hash): never the key, a credential, a
 //! query or a body.
+//!
+//! The server span ends when the request's response is handed to hyper and
+//! its detached work (a protected request's task) is done; a pass-through
+//! body that streams on afterwards is not in it. The upstream span ends at
+//! the response head, or the failure.
 
 use crate::metrics::Outcome;
 use http::{Request, Response, StatusCode, Uri};
