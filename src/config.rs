@@ -20,6 +20,7 @@ mod raw;
 mod routes;
 mod server;
 mod store;
+mod tracing;
 pub mod units;
 
 use crate::route::RouteTable;
@@ -37,6 +38,7 @@ pub use log::{LogConfig, LogFormat};
 pub use crate::route::{OnAmbiguous, OnStoreError, RouteConfig};
 pub use server::{AdminConfig, Readiness, ServerConfig};
 pub use store::{Backend, RedisConfig, SqliteSync, StoreConfig};
+pub use tracing::TracingConfig;
 
 /// Where `--config` points when it is not given.
 pub const DEFAULT_CONFIG_PATH: &str = "config/idemgate.toml";
@@ -113,6 +115,8 @@ pub struct Config {
     pub store: StoreConfig,
     pub redis: Option<RedisConfig>,
     pub log: LogConfig,
+    /// `[tracing]`: OpenTelemetry export (feature `otel`); `None` = off.
+    pub tracing: Option<TracingConfig>,
     pub routes: RouteTable,
 }
 
@@ -194,6 +198,19 @@ impl Config {
             .located(text));
         }
         let log = LogConfig::try_from(raw.log).map_err(located)?;
+        let tracing = match raw.tracing {
+            Some(section) if !cfg!(feature = "otel") => {
+                let message = "[tracing] needs idemgate built with the `otel` feature (cargo build --features otel); this build has no tracing";
+                return Err(located(match section.span() {
+                    env::NOT_IN_FILE => {
+                        format!("{message} (set by IDEMGATE_TRACING_* variables)").into()
+                    }
+                    at => Invalid::at(at, message),
+                }));
+            }
+            Some(section) => Some(TracingConfig::try_from(section.into_inner()).map_err(located)?),
+            None => None,
+        };
         let routes = Defaults::try_from(raw.defaults)
             .and_then(|defaults| defaults.routes(raw.route))
             .map_err(located)?;
@@ -221,6 +238,7 @@ impl Config {
             store,
             redis,
             log,
+            tracing,
             routes,
         })
     }
@@ -254,6 +272,9 @@ impl fmt::Display for Config {
         write!(f, "{}", self.store)?;
         if let Some(redis) = &self.redis {
             write!(f, "{redis}")?;
+        }
+        if let Some(tracing) = &self.tracing {
+            write!(f, "{tracing}")?;
         }
         writeln!(
             f,

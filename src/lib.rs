@@ -16,7 +16,8 @@
 //! - [`clock`]: the wall clock, injected so tests can pause it.
 //! - `problem`: RFC 9457 responses, the one error-to-response mapping.
 //! - [`server`]: listeners, connection limits, sweeper, graceful shutdown.
-//! - `admin`, [`metrics`], [`telemetry`]: health, Prometheus, logs.
+//! - `admin`, [`metrics`], [`telemetry`]: health, Prometheus, logs and
+//!   (feature `otel`) OpenTelemetry traces.
 //! - [`keys`]: the `keys` commands that inspect and repair records.
 //! - [`demo`]: a small orders API to try idemgate against, and its commands.
 //! - `fuzzing`: not a stable API; the crate-private parsers and codecs,

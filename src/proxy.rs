@@ -30,6 +30,7 @@ use crate::metrics::{GaugeGuard, Metrics, Outcome};
 use crate::problem::Problem;
 use crate::route::{normalize_path, RouteTable};
 use crate::store::Store;
+use crate::telemetry::trace;
 use forward::{ForwardError, Forwarder};
 use http::{Request, Response};
 use hyper::body::Incoming;
@@ -59,6 +60,8 @@ pub struct Proxy {
     /// The pooled upstream client.
     forwarder: Forwarder,
     metrics: Arc<Metrics>,
+    /// Starts each request's span (a no-op without `[tracing]`).
+    tracer: trace::Tracer,
     /// Detached work: protected requests from their claim on, and store
     /// writes that outlive them. Shutdown waits for it.
     tasks: TaskTracker,
@@ -70,6 +73,8 @@ struct Shared {
     body_budget: Arc<BodyBudget>,
     scope_secret: Option<Secret>,
     metrics: Arc<Metrics>,
+    /// One exporter per process: `[tracing]` changes need a restart.
+    tracer: trace::Tracer,
     tasks: TaskTracker,
 }
 
@@ -100,6 +105,7 @@ impl Proxy {
             ),
             scope_secret: config.scope_secret.clone(),
             metrics,
+            tracer: trace::Tracer::new(config.tracing.as_ref()),
             tasks,
         };
         Self::assemble(config, shared)
@@ -117,6 +123,7 @@ impl Proxy {
                 body_budget: self.body_budget.clone(),
                 scope_secret: self.scope_secret.clone(),
                 metrics: self.metrics.clone(),
+                tracer: self.tracer.clone(),
                 tasks: self.tasks.clone(),
             },
         )
@@ -130,6 +137,7 @@ impl Proxy {
             body_budget,
             scope_secret,
             metrics,
+            tracer,
             tasks,
         } = shared;
         Self {
@@ -140,6 +148,7 @@ impl Proxy {
             body_budget,
             scope_secret,
             metrics,
+            tracer,
             tasks,
         }
     }
@@ -155,7 +164,8 @@ impl Proxy {
 
     /// Serves one request; never fails. The request id goes upstream (in
     /// `X-Request-Id`, and in the request's extensions for the problem
-    /// mapping) and back on every response.
+    /// mapping) and back on every response; everything runs under the
+    /// request's trace span, when tracing is on.
     pub async fn handle(
         self: Arc<Self>,
         mut req: Request<Incoming>,
@@ -175,6 +185,16 @@ impl Proxy {
         peer: SocketAddr,
         id: RequestId,
     ) -> Response<ProxyBody> {
+        let span = self.tracer.start(&req);
+        trace::within(span, self.serve_traced(req, peer, id)).await
+    }
+
+    async fn serve_traced(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+        peer: SocketAddr,
+        id: RequestId,
+    ) -> Response<ProxyBody> {
         let mut log = RequestLog::start(&req, peer, id);
         if let Err(e) = admission::admit(&req) {
             return self.conclude(Err(e), log);
@@ -186,6 +206,7 @@ impl Proxy {
             return resp;
         };
         log.set_route(&route.label);
+        trace::set_route(&route.label);
         let key = match key_of(&route, req.headers(), self.scope_secret.as_ref()) {
             Ok(Some(key)) => key,
             Ok(None) => {
@@ -206,7 +227,9 @@ impl Proxy {
         };
         log.set_bytes_in(body.len() as u64);
         let req = prepare(route, parts, body, key, &path, peer);
-        log.set_key_id(req.record_key.log_id());
+        let key_id = req.record_key.log_id();
+        trace::set_key_id(&key_id);
+        log.set_key_id(key_id);
         self.run_detached(req, log).await
     }
 
@@ -221,7 +244,7 @@ impl Proxy {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let this = Arc::clone(self);
         let task_log = log.clone();
-        self.tasks.spawn(async move {
+        self.tasks.spawn(trace::in_current(async move {
             let (outcome, resp) = respond(
                 this.claim_and_execute(req).await,
                 Some(task_log.request_id()),
@@ -231,7 +254,7 @@ impl Proxy {
             let client_left = tx.is_closed();
             task_log.finish(&this.metrics, outcome, &resp, client_left);
             let _ = tx.send(resp);
-        });
+        }));
         match rx.await {
             Ok(resp) => resp,
             Err(_) => self.conclude(
@@ -255,10 +278,13 @@ impl Proxy {
         let id = req.extensions().get::<RequestId>().cloned();
         let in_flight = self.upstream_request();
         match self.forwarder.send(req, peer).await {
-            Ok(resp) => (
-                Outcome::Passthrough,
-                resp.map(|body| boxed(Guarded::new(body, in_flight))),
-            ),
+            Ok(resp) => {
+                trace::record(Outcome::Passthrough, resp.status());
+                (
+                    Outcome::Passthrough,
+                    resp.map(|body| boxed(Guarded::new(body, in_flight))),
+                )
+            }
             Err(e) => respond(Err(forward_error(e, KeyFate::Unprotected)), id.as_ref()),
         }
     }
@@ -313,9 +339,10 @@ impl<B: http_body::Body + Unpin> http_body::Body for Guarded<B> {
 
 /// Where a request's result becomes what the client gets: errors through
 /// the one mapping in `problem.rs` (its `instance` naming the request id),
-/// logged by who is at fault.
+/// logged by who is at fault, and the outcome recorded on the request's
+/// trace span.
 fn respond(result: Result<Served, ProxyError>, id: Option<&RequestId>) -> Served {
-    match result {
+    let (outcome, resp) = match result {
         Ok(served) => served,
         Err(err) => {
             let request_id = id.map(RequestId::as_str).unwrap_or("-");
@@ -327,7 +354,9 @@ fn respond(result: Result<Served, ProxyError>, id: Option<&RequestId>) -> Served
             problem.instance = id.map(RequestId::instance);
             (problem.outcome, problem.into_response())
         }
-    }
+    };
+    trace::record(outcome, resp.status());
+    (outcome, resp)
 }
 
 fn forward_error(e: ForwardError, key: KeyFate) -> ProxyError {

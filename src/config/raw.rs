@@ -30,6 +30,9 @@ pub(super) struct RawConfig {
     pub(super) redis: Option<RawRedis>,
     #[serde(default)]
     pub(super) log: RawLog,
+    /// Spanned: the section is refused at its line in a build without `otel`.
+    #[serde(default)]
+    pub(super) tracing: Option<Spanned<RawTracing>>,
     #[serde(default)]
     pub(super) defaults: RawRouteSettings,
     #[serde(default)]
@@ -110,6 +113,15 @@ pub(super) struct RawLog {
     pub(super) format: Option<LogFormat>,
     /// Spanned: an unknown level is reported at its line.
     pub(super) level: Option<Spanned<String>>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawTracing {
+    /// Spanned: a bad URL is reported at its line.
+    pub(super) otlp_endpoint: Option<Spanned<String>>,
+    pub(super) service_name: Option<String>,
+    pub(super) sampling_ratio: Option<f64>,
 }
 
 /// One `[[route]]`, and also `[defaults]` (which may not set `methods`/`path`).

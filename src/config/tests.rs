@@ -714,3 +714,53 @@ fn without_spans(debug: &str) -> String {
     out.push_str(rest);
     out
 }
+
+// ===== [tracing] =====
+
+const TRACING: &str = "[tracing]\notlp_endpoint = \"http://127.0.0.1:4318\"\n";
+
+#[cfg(feature = "otel")]
+#[test]
+fn tracing_section_sets_the_exporter_with_defaults() {
+    let cfg = parse(&format!("{MINIMAL}{TRACING}")).unwrap();
+    let t = cfg.tracing.expect("tracing on");
+    assert_eq!(t.traces_url.to_string(), "http://127.0.0.1:4318/v1/traces");
+    assert_eq!(t.service_name, "idemgate");
+    assert_eq!(t.sampling_ratio, 1.0);
+    assert!(parse(MINIMAL).unwrap().tracing.is_none());
+    for (extra, part) in [
+        ("sampling_ratio = 1.5\n", "between 0 and 1"),
+        ("service_name = \"\"\n", "service_name"),
+        ("sampling = 0.5\n", "unknown field"),
+    ] {
+        let e = err(&format!("{MINIMAL}{TRACING}{extra}"));
+        assert!(e.contains(part), "{extra}: {e}");
+    }
+    let e = err(&format!(
+        "{MINIMAL}[tracing]\nservice_name = \"x\"\notlp_endpoint = \"https://c:4318\"\n"
+    ));
+    assert!(e.contains("line") && e.contains("https"), "{e}");
+    let e = err(&format!("{MINIMAL}[tracing]\nservice_name = \"x\"\n"));
+    assert!(e.contains("needs otlp_endpoint"), "{e}");
+}
+
+/// Without the feature the section is refused, never ignored: an operator
+/// who asked for traces must not get a silent build without them.
+#[cfg(not(feature = "otel"))]
+#[test]
+fn tracing_section_is_a_config_error_without_the_otel_feature() {
+    let text = format!("{MINIMAL}{TRACING}");
+    let e = err(&text);
+    let line = text.lines().position(|l| l == "[tracing]").unwrap() + 1;
+    assert!(
+        e.contains("otel") && e.contains(&format!("line {line}")),
+        "{e}"
+    );
+    let env = [(
+        "IDEMGATE_TRACING_OTLP_ENDPOINT".to_string(),
+        "http://127.0.0.1:4318".to_string(),
+    )]
+    .into();
+    let e = Config::parse_with_env(MINIMAL, "t.toml", &env).unwrap_err();
+    assert!(e.to_string().contains("IDEMGATE_TRACING_"), "{e}");
+}

@@ -5,6 +5,7 @@ use super::headers::{add_forwarded, join_cookies, strip_hop_by_hop};
 use crate::body::ProxyBody;
 use crate::config::ServerConfig;
 use crate::route::resolve_dot_segments;
+use crate::telemetry::trace;
 use http::uri::Uri;
 use http::{header, HeaderValue, Request, Response};
 use hyper::body::Incoming;
@@ -70,6 +71,7 @@ impl Forwarder {
         mut req: Request<ProxyBody>,
         peer: SocketAddr,
     ) -> Result<Response<Incoming>, ForwardError> {
+        let span = trace::upstream(&mut req, &self.upstream);
         // An absolute-form target's authority wins over `Host` (RFC 9112
         // §3.2.2); on HTTP/2 it is `:authority`, which `Host` must match.
         let original_host = req
@@ -94,7 +96,7 @@ impl Forwarder {
             headers.insert(header::HOST, host);
         }
         let started = tokio::time::Instant::now();
-        match tokio::time::timeout(self.timeout, self.client.request(req)).await {
+        let result = match tokio::time::timeout(self.timeout, self.client.request(req)).await {
             Err(_) => Err(ForwardError::Timeout),
             Ok(Ok(mut resp)) => {
                 strip_hop_by_hop(resp.headers_mut());
@@ -105,7 +107,9 @@ impl Forwarder {
             }
             Ok(Err(e)) if e.is_connect() => Err(ForwardError::Connect(error_chain(&e))),
             Ok(Err(e)) => Err(ForwardError::Failed(error_chain(&e))),
-        }
+        };
+        span.finish_response(&result);
+        result
     }
 }
 

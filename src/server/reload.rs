@@ -197,6 +197,7 @@ pub fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
         "log",
         (old.log.format, &old.log.level) != (new.log.format, &new.log.level),
     );
+    check("tracing", old.tracing != new.tracing);
     out
 }
 

@@ -27,3 +27,5 @@ mod rough_edges;
 mod route_features;
 mod semantics;
 mod store_contract;
+#[cfg(feature = "otel")]
+mod tracing;
