@@ -21,6 +21,7 @@ mod routes;
 mod server;
 mod store;
 pub mod units;
+mod upstreams;
 
 use crate::route::RouteTable;
 use raw::RawConfig;
@@ -37,6 +38,7 @@ pub use log::{LogConfig, LogFormat};
 pub use crate::route::{OnAmbiguous, OnStoreError, RouteConfig};
 pub use server::{AdminConfig, ServerConfig};
 pub use store::{Backend, RedisConfig, SqliteSync, StoreConfig};
+pub use upstreams::{UpstreamConfig, UpstreamProtocol, UpstreamTls, DEFAULT_UPSTREAM_NAME};
 
 /// Where `--config` points when it is not given.
 pub const DEFAULT_CONFIG_PATH: &str = "config/idemgate.toml";
@@ -113,6 +115,8 @@ pub struct Config {
     pub store: StoreConfig,
     pub redis: Option<RedisConfig>,
     pub log: LogConfig,
+    /// `[upstreams.NAME]`, by name; the default upstream is in `server`.
+    pub upstreams: BTreeMap<String, UpstreamConfig>,
     pub routes: RouteTable,
 }
 
@@ -190,6 +194,17 @@ impl Config {
             return Err("[redis] is a fast path in front of PostgreSQL: it needs store.backend = \"postgres\"".into());
         }
         let log = LogConfig::try_from(raw.log).map_err(located)?;
+        let upstreams = upstreams::named(raw.upstreams).map_err(located)?;
+        let choices = raw
+            .defaults
+            .upstream
+            .iter()
+            .map(|u| ("defaults".to_string(), u))
+            .chain(raw.route.iter().enumerate().filter_map(|(i, r)| {
+                let u = r.get_ref().upstream.as_ref()?;
+                Some((format!("route #{}", i + 1), u))
+            }));
+        upstreams::check_choices(choices, &upstreams).map_err(located)?;
         let routes = Defaults::try_from(raw.defaults)
             .and_then(|defaults| defaults.routes(raw.route))
             .map_err(located)?;
@@ -213,6 +228,7 @@ impl Config {
             store,
             redis,
             log,
+            upstreams,
             routes,
         })
     }
@@ -246,6 +262,9 @@ impl fmt::Display for Config {
         write!(f, "{}", self.store)?;
         if let Some(redis) = &self.redis {
             write!(f, "{redis}")?;
+        }
+        for (name, upstream) in &self.upstreams {
+            writeln!(f, "upstream   {name}: {upstream}")?;
         }
         writeln!(
             f,

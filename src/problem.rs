@@ -159,6 +159,22 @@ impl Problem {
                     Outcome::UpstreamError,
                 )
             },
+            // One stable sentence per kind; the cause is in the log.
+            ProxyError::UpstreamTls { failure, .. } => Problem {
+                detail: released_hint(err, failure.detail().to_string()),
+                ..p(
+                    StatusCode::BAD_GATEWAY,
+                    "upstream-tls",
+                    "Upstream TLS failed",
+                    Outcome::UpstreamError,
+                )
+            },
+            ProxyError::UpgradeOnProtectedRoute => p(
+                StatusCode::BAD_REQUEST,
+                "upgrade-refused",
+                "Upgrade not allowed on a protected route",
+                Outcome::InvalidRequest,
+            ),
             ProxyError::UpstreamTimeout { .. } => Problem {
                 detail: released_hint(err, detail.clone()),
                 ..p(
@@ -301,6 +317,16 @@ mod tests {
                 504,
                 None,
             ),
+            (
+                ProxyError::UpstreamTls {
+                    upstream: "default".into(),
+                    failure: crate::upstream::tls::TlsFailure::Untrusted("expired".into()),
+                    key: KeyFate::Released,
+                },
+                502,
+                None,
+            ),
+            (ProxyError::UpgradeOnProtectedRoute, 400, None),
             (ProxyError::Internal("x".into()), 500, None),
         ];
         for (err, status, retry_after) in cases {

@@ -27,7 +27,8 @@ use crate::metrics::{Metrics, Outcome};
 use crate::problem::Problem;
 use crate::route::{normalize_path, RouteTable};
 use crate::store::Store;
-use forward::{ForwardError, Forwarder};
+use crate::upstream::UpstreamSetupError;
+use forward::{ConnectError, ForwardError, Forwarder};
 use http::{Request, Response};
 use hyper::body::Incoming;
 use log::RequestLog;
@@ -50,7 +51,7 @@ pub struct Proxy {
     body_budget: Arc<BodyBudget>,
     /// Keys the scope digests when set (`IDEMGATE_SCOPE_SECRET`).
     scope_secret: Option<Secret>,
-    /// The pooled upstream client.
+    /// The upstreams' pooled clients and the forwarding rules.
     forwarder: Forwarder,
     metrics: Arc<Metrics>,
     /// Detached work: protected requests from their claim on, and store
@@ -63,14 +64,16 @@ type Served = (Outcome, Response<ProxyBody>);
 
 impl Proxy {
     /// The one place the config becomes the request path's settings.
+    /// Fails when an upstream's TLS files cannot be read.
     pub fn new(
         config: &Config,
         store: Arc<dyn Store>,
         metrics: Arc<Metrics>,
         clock: Clock,
-    ) -> Self {
+    ) -> Result<Self, UpstreamSetupError> {
         let tasks = TaskTracker::new();
-        Self {
+        let forwarder = Forwarder::new(config)?;
+        Ok(Self {
             routes: config.routes.clone(),
             leases: Leases::new(
                 store,
@@ -86,10 +89,10 @@ impl Proxy {
                 metrics.body_budget_refusals().clone(),
             ),
             scope_secret: config.scope_secret.clone(),
-            forwarder: Forwarder::new(&config.server),
+            forwarder,
             metrics,
             tasks,
-        }
+        })
     }
 
     pub fn tasks(&self) -> &TaskTracker {
@@ -113,15 +116,19 @@ impl Proxy {
         }
         let path = normalize_path(req.uri().path());
         let Some(route) = self.routes.find(req.method(), &path).cloned() else {
-            let (outcome, resp) = self.passthrough(req.map(boxed), peer).await;
+            let (outcome, resp) = self.passthrough(None, req.map(boxed), peer).await;
             log.finish(&self.metrics, outcome, resp.status(), false);
             return resp;
         };
         log.set_route(&route.label);
+        if let Err(e) = admission::refuse_protected_upgrade(&route, &req) {
+            return self.conclude(Err(e), log);
+        }
         let key = match key_of(&route, req.headers(), self.scope_secret.as_ref()) {
             Ok(Some(key)) => key,
             Ok(None) => {
-                let (outcome, resp) = self.passthrough(req.map(boxed), peer).await;
+                let upstream = route.upstream.as_deref();
+                let (outcome, resp) = self.passthrough(upstream, req.map(boxed), peer).await;
                 log.finish(&self.metrics, outcome, resp.status(), false);
                 return resp;
             }
@@ -178,9 +185,15 @@ impl Proxy {
         resp
     }
 
-    /// Forwards without protection, streaming both ways.
-    async fn passthrough(&self, req: Request<ProxyBody>, peer: SocketAddr) -> Served {
-        match self.forwarder.send(req, peer).await {
+    /// Forwards without protection to the upstream called `upstream`
+    /// (`None`: the default), streaming both ways.
+    async fn passthrough(
+        &self,
+        upstream: Option<&str>,
+        req: Request<ProxyBody>,
+        peer: SocketAddr,
+    ) -> Served {
+        match self.forwarder.send(upstream, req, peer).await {
             Ok(resp) => (Outcome::Passthrough, resp.map(boxed)),
             Err(e) => respond(Err(forward_error(e, KeyFate::Unprotected))),
         }
@@ -205,7 +218,14 @@ fn respond(result: Result<Served, ProxyError>) -> Served {
 
 fn forward_error(e: ForwardError, key: KeyFate) -> ProxyError {
     match e {
-        ForwardError::Connect(reason) => ProxyError::UpstreamUnreachable { reason, key },
+        ForwardError::Connect(ConnectError::Transport(reason)) => {
+            ProxyError::UpstreamUnreachable { reason, key }
+        }
+        ForwardError::Connect(ConnectError::Tls { upstream, failure }) => ProxyError::UpstreamTls {
+            upstream,
+            failure,
+            key,
+        },
         ForwardError::Timeout => ProxyError::UpstreamTimeout { key },
         ForwardError::Failed(reason) => ProxyError::UpstreamFailed { reason, key },
     }

@@ -132,7 +132,7 @@ async fn serve(
         warn!("{w}");
     }
     metrics.register_routes(config.routes.iter().map(|r| &r.label));
-    let proxy = Arc::new(Proxy::new(&config, store.clone(), metrics.clone(), clock));
+    let proxy = Arc::new(Proxy::new(&config, store.clone(), metrics.clone(), clock)?);
     let stop = CancellationToken::new();
     let draining = Arc::new(std::sync::atomic::AtomicBool::new(false));
 

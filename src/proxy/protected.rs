@@ -202,7 +202,8 @@ impl Proxy {
             OnStoreError::Forward => {
                 warn!(error = %err, route = %req.route.label, "store unavailable; forwarding unguarded (on_store_error = \"forward\")");
                 let forwarded = Request::from_parts(req.parts, full(req.body));
-                let (_, resp) = self.passthrough(forwarded, req.peer).await;
+                let upstream = req.route.upstream.as_deref();
+                let (_, resp) = self.passthrough(upstream, forwarded, req.peer).await;
                 Ok((Outcome::Unguarded, resp))
             }
         }
@@ -244,7 +245,11 @@ impl Proxy {
             .insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
         let resp = match self
             .forwarder
-            .send(Request::from_parts(parts, full(body)), peer)
+            .send(
+                route.upstream.as_deref(),
+                Request::from_parts(parts, full(body)),
+                peer,
+            )
             .await
         {
             Ok(resp) => resp,
@@ -269,7 +274,7 @@ impl Proxy {
                 Ok((Outcome::UpstreamError, resp.map(boxed)))
             }
             Settlement::Store => {
-                let deadline = started + self.forwarder.timeout();
+                let deadline = started + self.forwarder.timeout(route.upstream.as_deref());
                 self.store_response(&route, &method, lease, resp, deadline)
                     .await
             }

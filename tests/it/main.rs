@@ -10,6 +10,7 @@ mod support;
 
 mod faults;
 mod forwarding;
+mod gateway;
 mod hostile_connections;
 mod hostile_requests;
 mod invariants;

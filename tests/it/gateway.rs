@@ -1,0 +1,143 @@
+//! Gateway mode: named upstreams (`[upstreams.NAME]`), each with its own
+//! URL, base path and timeouts, chosen per route; everything else goes to
+//! `[server] upstream` as before. HTTPS upstreams are `upstream_tls.rs`'s;
+//! WebSocket and HTTP/2 passing through are here too, at the end.
+
+use crate::support::{run_on_config_text, Action, Backend, Proxy, Route, Upstream};
+use http::Method;
+use std::time::Duration;
+
+/// Two upstreams: the default (`[server] upstream`) and `orders`, which
+/// has a base path and a short timeout.
+async fn two_upstreams() -> (Upstream, Upstream, Proxy) {
+    let default = Upstream::start().await;
+    let orders = Upstream::start().await;
+    let proxy = Proxy::builder(Backend::Memory, default.addr)
+        .set("upstreams.orders.url", format!("http://{}/v1", orders.addr))
+        .set("upstreams.orders.timeout", "500ms")
+        .set("upstreams.orders.connect_timeout", "1s")
+        .set("upstreams.orders.pool_max_idle", 2)
+        .routes(vec![
+            Route::post("/orders").set("upstream", "orders"),
+            Route::post("/payments"),
+            // Unprotected traffic is routed by a route that needs no key.
+            Route::post("/catalog/*")
+                .set("methods", vec!["GET"])
+                .set("require_key", false)
+                .set("upstream", "orders"),
+        ])
+        .start()
+        .await;
+    (default, orders, proxy)
+}
+
+#[tokio::test]
+async fn routes_send_to_their_named_upstream_and_everything_else_to_the_default() {
+    let (default, orders, proxy) = two_upstreams().await;
+
+    let first = proxy.post("/orders").key("g-1").body("{}").send().await;
+    // The test upstream's 201 is for /orders itself; /v1/orders gets 200.
+    assert_eq!(first.status(), 200);
+    let seen = orders.last();
+    assert_eq!(seen.path, "/v1/orders", "the named upstream's base path");
+    assert_eq!(seen.headers["host"], orders.addr.to_string());
+    let replay = proxy.post("/orders").key("g-1").body("{}").send().await;
+    assert!(
+        replay.replayed(),
+        "protection works the same on a named upstream"
+    );
+    assert_eq!(orders.hits("/v1/orders"), 1);
+
+    assert_eq!(
+        proxy.post("/payments").key("g-2").send().await.status(),
+        200
+    );
+    assert_eq!(default.hits("/payments"), 1);
+    assert_eq!(proxy.get("/elsewhere").send().await.status(), 200);
+    assert_eq!(default.hits("/elsewhere"), 1, "unrouted: the default");
+
+    let catalog = proxy.get("/catalog/items?page=2").send().await;
+    assert_eq!(catalog.status(), 200);
+    assert_eq!(orders.last().path, "/v1/catalog/items");
+    assert_eq!(orders.last().query.as_deref(), Some("page=2"));
+    assert_eq!(default.total_hits(), 2, "nothing else reached the default");
+}
+
+#[tokio::test]
+async fn each_upstream_has_its_own_timeout() {
+    let (default, orders, proxy) = two_upstreams().await;
+    orders.push(Action::Delay(Duration::from_secs(2)));
+    let slow_named = proxy.get("/catalog/slow").send().await;
+    slow_named.assert_problem(504);
+
+    // The default's timeout is its own (the harness default, not 500ms).
+    default.push(Action::Delay(Duration::from_millis(900)));
+    let slow_default = proxy.get("/slow").send().await;
+    assert_eq!(slow_default.status(), 200);
+}
+
+#[tokio::test]
+async fn an_unreachable_named_upstream_is_a_502_and_the_default_still_serves() {
+    let default = Upstream::start().await;
+    let proxy = Proxy::builder(Backend::Memory, default.addr)
+        .set(
+            "upstreams.gone.url",
+            format!("http://{}", Upstream::refusing_addr()),
+        )
+        .routes(vec![Route::post("/orders").set("upstream", "gone")])
+        .start()
+        .await;
+    let r = proxy.post("/orders").key("g-3").send().await;
+    r.assert_problem(502);
+    assert_eq!(proxy.get("/other").send().await.status(), 200);
+    // Nothing was sent, so the key was released: the retry runs again.
+    let again = proxy.post("/orders").key("g-3").send().await;
+    again.assert_problem(502);
+    assert!(!again.replayed());
+}
+
+#[tokio::test]
+async fn check_config_names_the_file_line_and_field_of_an_unknown_upstream() {
+    const TEXT: &str = r#"[server]
+upstream = "http://127.0.0.1:3000"
+
+[upstreams.orders]
+url = "http://127.0.0.1:3001"
+
+[[route]]
+methods = ["POST"]
+path = "/orders"
+upstream = "ordres"
+"#;
+    let (run, file) = run_on_config_text(&["check-config"], TEXT, &[]).await;
+    assert_eq!(run.code, 64, "{run:?}");
+    assert!(
+        run.stderr.contains(&format!(
+            "{file}: line 10: route #1: upstream = \"ordres\" names no [upstreams.ordres] section (defined: orders)"
+        )),
+        "{}",
+        run.stderr
+    );
+
+    let good = TEXT.replace("ordres", "orders");
+    let (run, _) = run_on_config_text(&["check-config"], &good, &[]).await;
+    assert_eq!(run.code, 0, "{run:?}");
+    assert!(
+        run.stdout
+            .contains("upstream   orders: http://127.0.0.1:3001/"),
+        "{}",
+        run.stdout
+    );
+}
+
+#[tokio::test]
+async fn methods_other_than_the_route_s_still_go_to_the_default() {
+    let (default, orders, proxy) = two_upstreams().await;
+    // GET /orders matches no route (the route is POST): unrouted.
+    assert_eq!(
+        proxy.request(Method::GET, "/orders").send().await.status(),
+        200
+    );
+    assert_eq!(default.hits("/orders"), 1);
+    assert_eq!(orders.total_hits(), 0);
+}
