@@ -140,24 +140,29 @@ fn system_roots() -> Result<RootCertStore, TlsSetupError> {
 }
 
 /// The TLS failure somewhere in a client error's source chain, if any.
-/// rustls errors reach hyper wrapped in `io::Error`, whose `source()` skips
-/// the wrapped error itself, so each `io::Error` is opened by hand.
+/// rustls errors reach hyper wrapped in `io::Error`s (tokio-rustls wraps
+/// once, hyper-rustls again), whose `source()` skips the wrapped error
+/// itself, so each `io::Error` is opened by hand.
 pub fn failure_in(err: &(dyn StdError + 'static)) -> Option<TlsFailure> {
     let mut cur: Option<&(dyn StdError + 'static)> = Some(err);
     while let Some(e) = cur {
-        if let Some(tls) = e.downcast_ref::<rustls::Error>() {
-            return Some(classify(tls));
-        }
-        if let Some(tls) = e
-            .downcast_ref::<std::io::Error>()
-            .and_then(|io| io.get_ref())
-            .and_then(|inner| inner.downcast_ref::<rustls::Error>())
-        {
+        if let Some(tls) = rustls_error_in(e) {
             return Some(classify(tls));
         }
         cur = e.source();
     }
     None
+}
+
+/// `e` itself, or what its nested `io::Error`s wrap, as a rustls error.
+fn rustls_error_in<'a>(mut e: &'a (dyn StdError + 'static)) -> Option<&'a rustls::Error> {
+    loop {
+        if let Some(tls) = e.downcast_ref::<rustls::Error>() {
+            return Some(tls);
+        }
+        let inner = e.downcast_ref::<std::io::Error>()?.get_ref()?;
+        e = inner as &(dyn StdError + 'static);
+    }
 }
 
 fn classify(e: &rustls::Error) -> TlsFailure {
@@ -208,6 +213,16 @@ mod tests {
                 "the upstream's TLS certificate is not trusted"
             );
         }
+        // hyper-rustls wraps tokio-rustls's io::Error in another one: the
+        // first end-to-end run showed the raw chain to clients because of it.
+        let twice = std::io::Error::other(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            rustls::Error::InvalidCertificate(CertificateError::UnknownIssuer),
+        ));
+        assert_eq!(
+            failure_in(&twice).map(|f| f.cause().to_string()),
+            Some("unknown issuer".to_string())
+        );
         let plain = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
         assert_eq!(failure_in(&plain), None);
     }

@@ -22,3 +22,4 @@ mod replicas;
 mod route_features;
 mod semantics;
 mod store_contract;
+mod upstream_tls;

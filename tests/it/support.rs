@@ -6,6 +6,7 @@
 //! - [`process`]: the real binary as a child process (`serve`, one-shot commands);
 //! - [`config`]: the config file either of them runs on, as a TOML table;
 //! - [`client`]: requests and responses, fresh or on kept-alive connections;
+//! - [`tls_upstream`]: a test CA and an HTTPS upstream (TLS, ALPN, mTLS);
 //! - [`services`]: PostgreSQL and Redis (URLs, schemas, a private
 //!   `redis-server`, a TCP relay that can cut PostgreSQL off);
 //! - for the invariant harness: [`recording_upstream`] (logs every
@@ -23,6 +24,7 @@ pub mod process;
 pub mod proxy;
 pub mod recording_upstream;
 pub mod services;
+pub mod tls_upstream;
 pub mod traffic;
 pub mod upstream;
 
