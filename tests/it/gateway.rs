@@ -141,3 +141,146 @@ async fn methods_other_than_the_route_s_still_go_to_the_default() {
     assert_eq!(default.hits("/orders"), 1);
     assert_eq!(orders.total_hits(), 0);
 }
+
+// ===== WebSocket (HTTP/1.1 Upgrade) =====
+
+mod websocket {
+    use crate::support::ws_upstream::{
+        accept_key, encode, header, read_frame, read_head, WsUpstream, CLOSE, TEXT,
+    };
+    use crate::support::{bounded, Backend, Proxy, Route};
+    use std::net::SocketAddr;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+
+    const KEY: &str = "dGhlIHNhbXBsZSBub25jZQ==";
+    const MASK: Option<[u8; 4]> = Some([1, 2, 3, 4]);
+
+    /// Opens a connection to the proxy and sends a WebSocket handshake for
+    /// `path`; returns the connection and the response head.
+    async fn handshake(proxy: SocketAddr, path: &str, extra: &str) -> (TcpStream, String) {
+        let mut s = TcpStream::connect(proxy)
+            .await
+            .expect("connect to the proxy");
+        let req = format!(
+            "GET {path} HTTP/1.1\r\nhost: {proxy}\r\nupgrade: websocket\r\nconnection: Upgrade\r\nsec-websocket-key: {KEY}\r\nsec-websocket-version: 13\r\n{extra}\r\n"
+        );
+        s.write_all(req.as_bytes())
+            .await
+            .expect("send the handshake");
+        let head = bounded("the handshake's answer", read_head(&mut s))
+            .await
+            .expect("a response head");
+        (s, head)
+    }
+
+    async fn echo(s: &mut TcpStream, text: &[u8]) -> Vec<u8> {
+        s.write_all(&encode(TEXT, text, MASK))
+            .await
+            .expect("send a frame");
+        let (opcode, payload) = bounded("the echo", read_frame(s)).await.expect("a frame");
+        assert_eq!(opcode, TEXT);
+        payload
+    }
+
+    #[tokio::test]
+    async fn a_websocket_passes_through_an_unprotected_path_as_a_tunnel() {
+        let ws = WsUpstream::start().await;
+        let proxy = Proxy::start(Backend::Memory, ws.addr).await;
+        let (mut s, head) = handshake(proxy.addr, "/chat?room=1", "").await;
+        assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+        assert_eq!(
+            header(&head, "sec-websocket-accept"),
+            Some(accept_key(KEY).as_str())
+        );
+        assert!(header(&head, "upgrade")
+            .unwrap()
+            .eq_ignore_ascii_case("websocket"));
+
+        // The upstream saw the upgrade, not a plain GET.
+        let seen = &ws.heads()[0];
+        assert!(seen.starts_with("GET /chat?room=1 HTTP/1.1"), "{seen}");
+        assert_eq!(header(seen, "upgrade"), Some("websocket"));
+        assert!(header(seen, "connection")
+            .unwrap()
+            .eq_ignore_ascii_case("upgrade"));
+        assert_eq!(header(seen, "sec-websocket-key"), Some(KEY));
+
+        // Frames both ways, small and large (past one read buffer).
+        assert_eq!(echo(&mut s, b"hello").await, b"echo: hello");
+        let big = vec![b'x'; 100_000];
+        let back = echo(&mut s, &big).await;
+        assert_eq!(back.len(), 6 + big.len());
+        assert_eq!(echo(&mut s, b"again").await, b"echo: again");
+
+        // A close goes through and the tunnel ends.
+        s.write_all(&encode(CLOSE, b"", MASK)).await.unwrap();
+        let (opcode, _) = bounded("the close", read_frame(&mut s)).await.unwrap();
+        assert_eq!(opcode, CLOSE);
+        let mut rest = Vec::new();
+        let n = bounded("the tunnel to close", s.read_to_end(&mut rest))
+            .await
+            .unwrap();
+        assert_eq!(n, 0);
+    }
+
+    #[tokio::test]
+    async fn a_websocket_reaches_a_named_upstream_through_a_route_without_a_key() {
+        let default = crate::support::Upstream::start().await;
+        let ws = WsUpstream::start().await;
+        let proxy = Proxy::builder(Backend::Memory, default.addr)
+            .set("upstreams.live.url", format!("http://{}", ws.addr))
+            .routes(vec![Route::post("/live/*")
+                .set("methods", vec!["GET"])
+                .set("require_key", false)
+                .set("upstream", "live")])
+            .start()
+            .await;
+        let (mut s, head) = handshake(proxy.addr, "/live/feed", "").await;
+        assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+        assert_eq!(echo(&mut s, b"tick").await, b"echo: tick");
+        assert_eq!(default.total_hits(), 0);
+    }
+
+    #[tokio::test]
+    async fn an_upgrade_on_a_protected_route_is_refused_and_never_forwarded() {
+        let ws = WsUpstream::start().await;
+        let proxy = Proxy::builder(Backend::Memory, ws.addr)
+            .routes(vec![
+                Route::post("/ws").set("methods", vec!["GET"]),
+                Route::post("/optional")
+                    .set("methods", vec!["GET"])
+                    .set("require_key", false),
+            ])
+            .start()
+            .await;
+        for (path, extra) in [
+            ("/ws", ""),
+            ("/ws", "idempotency-key: k1\r\n"),
+            // Optional keys: a request that carries one is protected.
+            ("/optional", "idempotency-key: k2\r\n"),
+        ] {
+            let (mut s, head) = handshake(proxy.addr, path, extra).await;
+            assert!(head.starts_with("HTTP/1.1 400"), "{path}: {head}");
+            assert_eq!(
+                header(&head, "content-type"),
+                Some("application/problem+json")
+            );
+            let len: usize = header(&head, "content-length").unwrap().parse().unwrap();
+            let mut body = vec![0u8; len];
+            s.read_exact(&mut body).await.unwrap();
+            let problem: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            assert!(
+                problem["type"]
+                    .as_str()
+                    .unwrap()
+                    .ends_with("#problem-upgrade-refused"),
+                "{problem}"
+            );
+        }
+        assert!(ws.heads().is_empty(), "nothing reached the upstream");
+        // Without a key on the optional route, the upgrade passes.
+        let (_s, head) = handshake(proxy.addr, "/optional", "").await;
+        assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    }
+}

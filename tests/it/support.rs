@@ -7,6 +7,7 @@
 //! - [`config`]: the config file either of them runs on, as a TOML table;
 //! - [`client`]: requests and responses, fresh or on kept-alive connections;
 //! - [`tls_upstream`]: a test CA and an HTTPS upstream (TLS, ALPN, mTLS);
+//! - [`ws_upstream`]: a WebSocket echo upstream and frame helpers;
 //! - [`services`]: PostgreSQL and Redis (URLs, schemas, a private
 //!   `redis-server`, a TCP relay that can cut PostgreSQL off);
 //! - for the invariant harness: [`recording_upstream`] (logs every
@@ -27,6 +28,7 @@ pub mod services;
 pub mod tls_upstream;
 pub mod traffic;
 pub mod upstream;
+pub mod ws_upstream;
 
 pub use client::{H2Conn, Http1Conn, Req, Resp};
 pub use config::{Route, TestConfig};
