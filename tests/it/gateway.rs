@@ -284,3 +284,85 @@ mod websocket {
         assert!(head.starts_with("HTTP/1.1 101"), "{head}");
     }
 }
+
+// ===== HTTP/2 upstreams (gRPC-shaped) =====
+
+mod h2 {
+    use crate::support::h2_upstream::H2Upstream;
+    use crate::support::{bounded, Backend, Proxy, Route};
+    use bytes::Bytes;
+    use http::{HeaderMap, Request, Version};
+    use http_body_util::{BodyExt, Full};
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    use std::net::SocketAddr;
+    use tokio::net::TcpStream;
+
+    /// A gRPC-style call over h2c to the proxy: (status, body, trailers).
+    async fn call(proxy: SocketAddr, path: &str) -> (u16, Bytes, Option<HeaderMap>) {
+        bounded("a gRPC-style call", async {
+            let stream = TcpStream::connect(proxy).await.expect("connect");
+            let (mut sender, conn) =
+                hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
+                    .await
+                    .expect("h2 handshake");
+            tokio::spawn(conn);
+            let req = Request::post(format!("http://{proxy}{path}"))
+                .version(Version::HTTP_2)
+                .header("content-type", "application/grpc")
+                .header("te", "trailers")
+                .body(Full::new(Bytes::from_static(b"\0\0\0\0\x02hi")))
+                .unwrap();
+            let resp = sender.send_request(req).await.expect("h2 send");
+            let status = resp.status().as_u16();
+            let collected = resp.into_body().collect().await.expect("the body");
+            let trailers = collected.trailers().cloned();
+            (status, collected.to_bytes(), trailers)
+        })
+        .await
+    }
+
+    #[tokio::test]
+    async fn an_h2c_upstream_gets_http2_and_its_trailers_reach_the_client() {
+        let up = H2Upstream::start().await;
+        let proxy = Proxy::builder(Backend::Memory, up.addr)
+            .set("server.upstream_protocol", "h2")
+            .start()
+            .await;
+        let (status, body, trailers) = call(proxy.addr, "/echo.Echo/Say").await;
+        assert_eq!(status, 200);
+        assert_eq!(&body[..], b"reply:\0\0\0\0\x02hi");
+        let trailers = trailers.expect("trailers arrived");
+        assert_eq!(trailers["grpc-status"], "0");
+        assert_eq!(trailers["grpc-message"], "ok");
+
+        let seen = &up.seen()[0];
+        assert_eq!(seen.version, Version::HTTP_2, "prior knowledge h2c");
+        assert_eq!(seen.path, "/echo.Echo/Say");
+        assert_eq!(seen.headers["te"], "trailers", "gRPC servers require it");
+        assert_eq!(seen.headers["content-type"], "application/grpc");
+        assert_eq!(&seen.body[..], b"\0\0\0\0\x02hi");
+    }
+
+    #[tokio::test]
+    async fn a_named_h2_upstream_serves_its_route_and_http1_stays_the_default() {
+        let default = crate::support::Upstream::start().await;
+        let grpc = H2Upstream::start().await;
+        let proxy = Proxy::builder(Backend::Memory, default.addr)
+            .set("upstreams.grpc.url", format!("http://{}", grpc.addr))
+            .set("upstreams.grpc.protocol", "h2")
+            .routes(vec![Route::post("/echo.Echo/*")
+                .set("require_key", false)
+                .set("upstream", "grpc")])
+            .start()
+            .await;
+        let (status, _, trailers) = call(proxy.addr, "/echo.Echo/Say").await;
+        assert_eq!(status, 200);
+        assert_eq!(trailers.expect("trailers")["grpc-status"], "0");
+        assert_eq!(grpc.seen().len(), 1);
+
+        // Everything else: the default upstream, over HTTP/1.1.
+        let r = proxy.get("/plain").send().await;
+        assert_eq!(r.status(), 200);
+        assert_eq!(default.last().version, Version::HTTP_11);
+    }
+}

@@ -7,6 +7,7 @@
 //! - [`config`]: the config file either of them runs on, as a TOML table;
 //! - [`client`]: requests and responses, fresh or on kept-alive connections;
 //! - [`tls_upstream`]: a test CA and an HTTPS upstream (TLS, ALPN, mTLS);
+//! - [`h2_upstream`]: a gRPC-shaped h2c upstream that answers with trailers;
 //! - [`ws_upstream`]: a WebSocket echo upstream and frame helpers;
 //! - [`services`]: PostgreSQL and Redis (URLs, schemas, a private
 //!   `redis-server`, a TCP relay that can cut PostgreSQL off);
@@ -21,6 +22,7 @@
 pub mod checker;
 pub mod client;
 pub mod config;
+pub mod h2_upstream;
 pub mod process;
 pub mod proxy;
 pub mod recording_upstream;
