@@ -237,13 +237,19 @@ impl Config {
     pub fn warnings(&self) -> Vec<String> {
         let mut out = Vec::new();
         for r in self.routes.iter() {
-            if r.ttl < self.server.upstream_timeout + r.lease {
+            // The route's own upstream's timeout.
+            let upstream_timeout = r
+                .upstream
+                .as_deref()
+                .and_then(|name| self.upstreams.get(name))
+                .map_or(self.server.upstream_timeout, |u| u.timeout);
+            if r.ttl < upstream_timeout + r.lease {
                 out.push(format!(
                     "route #{} {}: ttl ({}) is shorter than upstream_timeout + lease ({} + {}): a slow request's key may expire soon after it completes",
                     r.index,
                     r.path,
                     units::format_duration(r.ttl),
-                    units::format_duration(self.server.upstream_timeout),
+                    units::format_duration(upstream_timeout),
                     units::format_duration(r.lease)
                 ));
             }

@@ -65,6 +65,9 @@ pub enum ProxyError {
     /// tunnel has no response that could be stored and replayed.
     #[error("this route is protected by an idempotency key, so its responses are stored and replayed; a connection upgrade (WebSocket) cannot pass through it")]
     UpgradeOnProtectedRoute,
+    /// `server.max_connections` tunnels are open: nothing was forwarded.
+    #[error("too many upgraded connections (WebSocket) are open; nothing was forwarded")]
+    TooManyTunnels,
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -92,6 +95,7 @@ impl ProxyError {
             // Load from clients: counted in idemgate_body_budget_refusals_total,
             // not logged above debug one by one.
             | ProxyError::Overloaded
+            | ProxyError::TooManyTunnels
             | ProxyError::InFlight { .. }
             | ProxyError::Mismatch
             | ProxyError::NotReplayable { .. }

@@ -104,6 +104,7 @@ pub struct Metrics {
     body_budget_refusals: Counter,
     swept: Counter,
     fast_path: Arc<FastPathCollector>,
+    tunnels: TunnelMetrics,
 }
 
 fn latency_histogram() -> Histogram {
@@ -184,6 +185,7 @@ impl Metrics {
         );
         let fast_path = Arc::new(FastPathCollector::default());
         registry.register_collector(Box::new(fast_path.clone()));
+        let tunnels = TunnelMetrics::register(&mut registry);
         Self {
             registry,
             requests,
@@ -197,7 +199,13 @@ impl Metrics {
             body_budget_refusals,
             swept,
             fast_path,
+            tunnels,
         }
+    }
+
+    /// Upgraded connections (WebSocket tunnels).
+    pub fn tunnels(&self) -> &TunnelMetrics {
+        &self.tunnels
     }
 
     pub fn request(&self, route: &Arc<String>, outcome: Outcome) {
@@ -389,5 +397,67 @@ mod tests {
             "{text}"
         );
         assert_eq!(m.request_count("/orders", Outcome::Replayed), 2);
+    }
+}
+
+// ===== tunnels =====
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DirectionLabels {
+    direction: &'static str,
+}
+
+/// Upgraded connections passed through as tunnels: how many are open, how
+/// many were refused at the limit, and the bytes copied each way.
+pub struct TunnelMetrics {
+    open: Gauge,
+    refused: Counter,
+    bytes: Family<DirectionLabels, Counter>,
+}
+
+impl TunnelMetrics {
+    fn register(registry: &mut Registry) -> Self {
+        let open = Gauge::default();
+        registry.register(
+            "tunnels_open",
+            "Upgraded connections (WebSocket) currently tunnelled to an upstream",
+            open.clone(),
+        );
+        let refused = Counter::default();
+        registry.register(
+            "tunnels_refused",
+            "Upgrade requests refused with 503 because server.max_connections tunnels were open",
+            refused.clone(),
+        );
+        let bytes = Family::default();
+        registry.register(
+            "tunnel_bytes",
+            "Bytes copied through tunnels, by direction (to_upstream, to_client)",
+            bytes.clone(),
+        );
+        Self {
+            open,
+            refused,
+            bytes,
+        }
+    }
+
+    pub fn open(&self) -> &Gauge {
+        &self.open
+    }
+
+    pub fn refused(&self) -> &Counter {
+        &self.refused
+    }
+
+    /// Counts bytes as a tunnel copies them.
+    pub fn copied(&self, to_upstream: u64, to_client: u64) {
+        for (direction, n) in [("to_upstream", to_upstream), ("to_client", to_client)] {
+            if n > 0 {
+                self.bytes
+                    .get_or_create(&DirectionLabels { direction })
+                    .inc_by(n);
+            }
+        }
     }
 }

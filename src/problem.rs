@@ -169,6 +169,15 @@ impl Problem {
                     Outcome::UpstreamError,
                 )
             },
+            ProxyError::TooManyTunnels => Problem {
+                retry_after_secs: Some(OVERLOADED_RETRY_AFTER_SECS),
+                ..p(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "tunnels-exhausted",
+                    "Too many upgraded connections",
+                    Outcome::Overloaded,
+                )
+            },
             ProxyError::UpgradeOnProtectedRoute => p(
                 StatusCode::BAD_REQUEST,
                 "upgrade-refused",
@@ -327,6 +336,7 @@ mod tests {
                 None,
             ),
             (ProxyError::UpgradeOnProtectedRoute, 400, None),
+            (ProxyError::TooManyTunnels, 503, Some("1")),
             (ProxyError::Internal("x".into()), 500, None),
         ];
         for (err, status, retry_after) in cases {

@@ -72,7 +72,7 @@ impl Proxy {
         clock: Clock,
     ) -> Result<Self, UpstreamSetupError> {
         let tasks = TaskTracker::new();
-        let forwarder = Forwarder::new(config)?;
+        let forwarder = Forwarder::new(config, metrics.clone())?;
         Ok(Self {
             routes: config.routes.clone(),
             leases: Leases::new(
@@ -228,5 +228,6 @@ fn forward_error(e: ForwardError, key: KeyFate) -> ProxyError {
         },
         ForwardError::Timeout => ProxyError::UpstreamTimeout { key },
         ForwardError::Failed(reason) => ProxyError::UpstreamFailed { reason, key },
+        ForwardError::TunnelsExhausted => ProxyError::TooManyTunnels,
     }
 }

@@ -327,6 +327,20 @@ mod tests {
     }
 
     #[test]
+    fn the_ttl_warning_uses_the_route_s_own_upstream_timeout() {
+        let cfg = parse(
+            "[upstreams.slow]\nurl = \"http://127.0.0.1:3001\"\ntimeout = \"10m\"\n\
+             [[route]]\nmethods = [\"POST\"]\npath = \"/slow\"\nupstream = \"slow\"\nttl = \"5m\"\n\
+             [[route]]\nmethods = [\"POST\"]\npath = \"/fast\"\nttl = \"5m\"\n",
+        )
+        .unwrap();
+        let warnings = cfg.warnings();
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(warnings[0].contains("route #1 /slow"), "{warnings:?}");
+        assert!(warnings[0].contains("10m + 30s"), "{warnings:?}");
+    }
+
+    #[test]
     fn the_default_upstream_takes_tls_files_and_a_protocol() {
         let cfg = Config::parse(
             "[server]\nupstream = \"https://api.internal\"\nupstream_protocol = \"h2\"\nupstream_ca_file = \"/ca.pem\"\nupstream_cert_file = \"/c.pem\"\nupstream_key_file = \"/k.pem\"\n",

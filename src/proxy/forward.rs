@@ -7,6 +7,7 @@
 use super::headers::{add_forwarded, join_cookies, strip_hop_by_hop, upgrade_protocol};
 use crate::body::ProxyBody;
 use crate::config::{Config, UpstreamProtocol};
+use crate::metrics::Metrics;
 use crate::route::resolve_dot_segments;
 use crate::upstream::tls::{self, TlsFailure};
 use crate::upstream::{tunnel, Upstream, UpstreamSetupError, Upstreams};
@@ -15,7 +16,9 @@ use http::{header, HeaderValue, Request, Response, StatusCode, Version};
 use hyper::body::Incoming;
 use std::borrow::Cow;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
+use tokio::sync::Semaphore;
 use tracing::{debug, warn};
 
 /// Why the upstream gave no response head.
@@ -31,6 +34,10 @@ pub enum ForwardError {
     /// Sent (maybe), then the connection failed: reset, closed, protocol error.
     #[error("upstream request failed: {0}")]
     Failed(String),
+    /// An upgrade request while `server.max_connections` tunnels are open;
+    /// nothing was sent.
+    #[error("too many upgraded connections are open")]
+    TunnelsExhausted,
 }
 
 /// Why a connection to the upstream could not be made.
@@ -51,16 +58,22 @@ pub struct Forwarder {
     upstreams: Upstreams,
     preserve_host: bool,
     trust_forwarded: bool,
+    /// Open tunnels, at most `server.max_connections`: an upgraded
+    /// connection leaves the server's connection limit when it upgrades.
+    tunnels: Arc<Semaphore>,
+    metrics: Arc<Metrics>,
 }
 
 impl Forwarder {
     /// The upstreams' clients ([`Upstreams::from_config`]) and the header
     /// policy, from one configuration.
-    pub fn new(config: &Config) -> Result<Self, UpstreamSetupError> {
+    pub fn new(config: &Config, metrics: Arc<Metrics>) -> Result<Self, UpstreamSetupError> {
         Ok(Self {
             upstreams: Upstreams::from_config(config)?,
             preserve_host: config.server.preserve_host,
             trust_forwarded: config.server.trust_forwarded_headers,
+            tunnels: Arc::new(Semaphore::new(config.server.max_connections)),
+            metrics,
         })
     }
 
@@ -84,6 +97,16 @@ impl Forwarder {
         let h2 = upstream.protocol() == UpstreamProtocol::H2;
         // Upgrades are HTTP/1.1's; an h2 upstream gets a plain request.
         let upgrade = upgrade_protocol(&req).filter(|_| !h2);
+        let slot = match upgrade {
+            Some(_) => match self.tunnels.clone().try_acquire_owned() {
+                Ok(slot) => Some(slot),
+                Err(_) => {
+                    self.metrics.tunnels().refused().inc();
+                    return Err(ForwardError::TunnelsExhausted);
+                }
+            },
+            None => None,
+        };
         let client_side = upgrade.as_ref().map(|_| hyper::upgrade::on(&mut req));
         let wants_trailers = accepts_trailers(req.headers());
         // An absolute-form target's authority wins over `Host` (RFC 9112
@@ -129,19 +152,31 @@ impl Forwarder {
         let switched = resp.status() == StatusCode::SWITCHING_PROTOCOLS;
         let protocol = resp.headers().get(header::UPGRADE).cloned();
         strip_hop_by_hop(resp.headers_mut());
-        if let (true, Some(client_side), Some(protocol)) = (switched, client_side, protocol) {
+        if let (true, Some(client_side), Some(protocol), Some(slot)) =
+            (switched, client_side, protocol, slot)
+        {
             let upstream_side = hyper::upgrade::on(&mut resp);
             let h = resp.headers_mut();
             h.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
             h.insert(header::UPGRADE, protocol);
             let name = upstream.name().to_string();
+            let metrics = self.metrics.clone();
             // Not on the shutdown tracker: a tunnel may live for hours, and
             // ends with the process (its peers see the connection close).
             tokio::spawn(async move {
+                let _slot = slot;
                 match tokio::try_join!(client_side, upstream_side) {
                     Ok((client, upstream)) => {
-                        let copied =
-                            tunnel::run(client, upstream, tunnel::TUNNEL_IDLE_TIMEOUT).await;
+                        let tunnels = metrics.tunnels();
+                        tunnels.open().inc();
+                        let copied = tunnel::run(
+                            client,
+                            upstream,
+                            tunnel::TUNNEL_IDLE_TIMEOUT,
+                            |up, down| tunnels.copied(up, down),
+                        )
+                        .await;
+                        tunnels.open().dec();
                         debug!(
                             upstream = %name,
                             to_upstream = copied.to_upstream,

@@ -23,12 +23,18 @@ pub struct Copied {
 }
 
 /// Copies between the two upgraded connections until both sides closed,
-/// one failed, or nothing moved for `idle`.
-pub async fn run(client: Upgraded, upstream: Upgraded, idle: Duration) -> Copied {
-    pump(TokioIo::new(client), TokioIo::new(upstream), idle).await
+/// one failed, or nothing moved for `idle`. `count(to_upstream, to_client)`
+/// is told of every write as it happens (metrics), the totals returned.
+pub async fn run(
+    client: Upgraded,
+    upstream: Upgraded,
+    idle: Duration,
+    count: impl Fn(u64, u64),
+) -> Copied {
+    pump(TokioIo::new(client), TokioIo::new(upstream), idle, count).await
 }
 
-async fn pump<A, B>(mut a: A, mut b: B, idle: Duration) -> Copied
+async fn pump<A, B>(mut a: A, mut b: B, idle: Duration, count: impl Fn(u64, u64)) -> Copied
 where
     A: AsyncRead + AsyncWrite + Unpin,
     B: AsyncRead + AsyncWrite + Unpin,
@@ -49,6 +55,7 @@ where
                         break;
                     }
                     copied.to_upstream += n as u64;
+                    count(n as u64, 0);
                 }
                 Err(_) => break,
             },
@@ -62,6 +69,7 @@ where
                         break;
                     }
                     copied.to_client += n as u64;
+                    count(0, n as u64);
                 }
                 Err(_) => break,
             },
@@ -79,7 +87,7 @@ mod tests {
     async fn bytes_go_both_ways_and_a_close_is_passed_on() {
         let (client, mut client_peer) = tokio::io::duplex(64);
         let (upstream, mut upstream_peer) = tokio::io::duplex(64);
-        let tunnel = tokio::spawn(pump(client, upstream, Duration::from_secs(5)));
+        let tunnel = tokio::spawn(pump(client, upstream, Duration::from_secs(5), |_, _| {}));
         client_peer.write_all(b"ping").await.unwrap();
         let mut buf = [0u8; 4];
         upstream_peer.read_exact(&mut buf).await.unwrap();
@@ -107,7 +115,7 @@ mod tests {
     async fn an_idle_tunnel_is_closed() {
         let (client, _client_peer) = tokio::io::duplex(64);
         let (upstream, _upstream_peer) = tokio::io::duplex(64);
-        let copied = pump(client, upstream, Duration::from_secs(1)).await;
+        let copied = pump(client, upstream, Duration::from_secs(1), |_, _| {}).await;
         assert_eq!(copied, Copied::default());
     }
 }

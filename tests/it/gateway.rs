@@ -148,7 +148,7 @@ mod websocket {
     use crate::support::ws_upstream::{
         accept_key, encode, header, read_frame, read_head, WsUpstream, CLOSE, TEXT,
     };
-    use crate::support::{bounded, Backend, Proxy, Route};
+    use crate::support::{bounded, metric_value, wait_until, Backend, Proxy, Route};
     use std::net::SocketAddr;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpStream;
@@ -240,6 +240,57 @@ mod websocket {
         assert!(head.starts_with("HTTP/1.1 101"), "{head}");
         assert_eq!(echo(&mut s, b"tick").await, b"echo: tick");
         assert_eq!(default.total_hits(), 0);
+    }
+
+    #[tokio::test]
+    async fn tunnels_are_bounded_by_max_connections_and_counted() {
+        let ws = WsUpstream::start().await;
+        let proxy = Proxy::builder(Backend::Memory, ws.addr)
+            .set("server.max_connections", 1)
+            .start()
+            .await;
+        let (mut first, head) = handshake(proxy.addr, "/a", "").await;
+        assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+        assert_eq!(echo(&mut first, b"one").await, b"echo: one");
+        let metrics = || proxy.metrics.encode();
+        assert_eq!(metric_value(&metrics(), "idemgate_tunnels_open"), 1);
+
+        // The upgraded connection left the connection limit, so a second
+        // client is served, but the tunnel limit is reached: 503.
+        let (second, head) = handshake(proxy.addr, "/b", "").await;
+        assert!(head.starts_with("HTTP/1.1 503"), "{head}");
+        assert!(
+            head.to_ascii_lowercase().contains("retry-after: 1"),
+            "{head}"
+        );
+        assert_eq!(
+            metric_value(&metrics(), "idemgate_tunnels_refused_total"),
+            1
+        );
+        assert_eq!(ws.heads().len(), 1, "the refused upgrade was not forwarded");
+        // It holds the one connection slot while open.
+        drop(second);
+
+        first.write_all(&encode(CLOSE, b"", MASK)).await.unwrap();
+        let mut rest = Vec::new();
+        let _ = bounded("the upstream's close", first.read_to_end(&mut rest)).await;
+        // Half-closed until the client closes too (a tunnel passes
+        // half-closes on, as TCP does).
+        drop(first);
+        wait_until("the tunnel to be counted closed", || {
+            metric_value(&metrics(), "idemgate_tunnels_open") == 0
+        })
+        .await;
+        let text = metrics();
+        assert!(
+            text.contains("idemgate_tunnel_bytes_total{direction=\"to_upstream\"}"),
+            "{text}"
+        );
+        let (_third, head) = handshake(proxy.addr, "/c", "").await;
+        assert!(
+            head.starts_with("HTTP/1.1 101"),
+            "a slot is free again: {head}"
+        );
     }
 
     #[tokio::test]
