@@ -326,6 +326,36 @@ mod tests {
         }
     }
 
+    /// The README's gateway example is a working config.
+    #[test]
+    fn the_readme_gateway_example_parses() {
+        let readme = include_str!("../../README.md");
+        let start = readme
+            .find("<!-- gateway-example")
+            .and_then(|i| {
+                readme[i..]
+                    .find("```toml\n")
+                    .map(|j| i + j + "```toml\n".len())
+            })
+            .expect("the gateway example in the README");
+        let end = start + readme[start..].find("```").expect("its end");
+        let cfg = Config::parse(&readme[start..end], "README.md").unwrap();
+        assert_eq!(cfg.upstreams.len(), 3);
+        assert_eq!(cfg.upstreams["grpc"].protocol, UpstreamProtocol::H2);
+        assert!(cfg.upstreams["payments"].tls.cert_file.is_some());
+        assert!(cfg.server.default_upstream().is_https());
+        let chosen: Vec<_> = cfg.routes.iter().map(|r| r.upstream.clone()).collect();
+        assert_eq!(
+            chosen,
+            vec![
+                Some("payments".into()),
+                Some("grpc".into()),
+                Some("live".into())
+            ]
+        );
+        assert!(cfg.warnings().is_empty(), "{:?}", cfg.warnings());
+    }
+
     #[test]
     fn the_ttl_warning_uses_the_route_s_own_upstream_timeout() {
         let cfg = parse(
