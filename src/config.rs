@@ -292,7 +292,7 @@ fn read_raw(text: &str, env: &BTreeMap<String, String>) -> Result<RawConfig, Str
     // The file on its own first: its mistakes are reported before any
     // variable's, even where a variable would replace the bad value.
     RawConfig::from_document(document.clone(), text).map_err(toml_fail)?;
-    let settings = env::settings(env)?;
+    let settings = env::settings(env, &env::named_upstreams(document.get_ref()))?;
     env::overlay(document.get_mut(), &settings);
     RawConfig::from_document(document, text).map_err(toml_fail)
 }

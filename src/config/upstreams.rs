@@ -3,9 +3,9 @@
 //! `upstream = "NAME"` names one. The default upstream (`[server]
 //! upstream*`) has the same shape ([`UpstreamConfig`]); `server.rs` reads it.
 //!
-//! Named upstreams come from the file only: the environment rule
-//! (`env.rs`) sets `[server]` keys, the default upstream's included, but
-//! never creates or changes a named section.
+//! Named upstreams are defined in the file; the environment (`env.rs`,
+//! `IDEMGATE_UPSTREAMS_<NAME>_<KEY>`) can set the keys of one the file
+//! defines, never create one.
 
 use super::raw::RawUpstream;
 use super::units::format_duration;
@@ -324,6 +324,72 @@ mod tests {
             let e = parse(text).unwrap_err();
             assert!(e.contains(want), "{text}\n  got: {e}\n want: {want}");
         }
+    }
+
+    #[test]
+    fn the_environment_sets_keys_of_the_upstreams_the_file_defines() {
+        let text = format!(
+            "{SERVER}[upstreams.orders]\nurl = \"http://127.0.0.1:3001\"\n[upstreams.orders-eu]\nurl = \"http://127.0.0.1:3002\"\n"
+        );
+        let env = |pairs: &[(&str, &str)]| -> std::collections::BTreeMap<String, String> {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        let cfg = Config::parse_with_env(
+            &text,
+            "t.toml",
+            &env(&[
+                ("IDEMGATE_UPSTREAMS_ORDERS_URL", "https://orders.prod:8443"),
+                ("IDEMGATE_UPSTREAMS_ORDERS_CONNECT_TIMEOUT", "2s"),
+                ("IDEMGATE_UPSTREAMS_ORDERS_EU_TIMEOUT", "9s"),
+                ("IDEMGATE_UPSTREAMS_ORDERS_EU_PROTOCOL", "h2"),
+            ]),
+        )
+        .unwrap();
+        let orders = &cfg.upstreams["orders"];
+        assert_eq!(orders.url, "https://orders.prod:8443/");
+        assert_eq!(orders.connect_timeout, Duration::from_secs(2));
+        // The longest name that fits wins: ORDERS_EU_TIMEOUT is orders-eu's.
+        assert_eq!(orders.timeout, super::DEFAULT_UPSTREAM_TIMEOUT);
+        assert_eq!(cfg.upstreams["orders-eu"].timeout, Duration::from_secs(9));
+        assert_eq!(cfg.upstreams["orders-eu"].protocol, UpstreamProtocol::H2);
+
+        for (name, value, want) in [
+            (
+                "IDEMGATE_UPSTREAMS_BILLING_URL",
+                "http://b:1",
+                "IDEMGATE_UPSTREAMS_BILLING_URL: names no [upstreams.NAME] section of the file (defined: orders, orders-eu)",
+            ),
+            (
+                "IDEMGATE_UPSTREAMS_ORDERS_URLL",
+                "http://b:1",
+                "IDEMGATE_UPSTREAMS_ORDERS_URLL: unknown field `urll`",
+            ),
+            (
+                "IDEMGATE_UPSTREAMS_ORDERS_PROTOCOL",
+                "h3",
+                "IDEMGATE_UPSTREAMS_ORDERS_PROTOCOL: unknown variant `h3`",
+            ),
+        ] {
+            let e = Config::parse_with_env(&text, "t.toml", &env(&[(name, value)]))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(want), "{name}\n  got: {e}\n want: {want}");
+        }
+        let ambiguous = "[server]\nupstream = \"http://a:1\"\n[upstreams.a-b]\nurl = \"http://a:1\"\n[upstreams.a_b]\nurl = \"http://a:1\"\n";
+        let e = Config::parse_with_env(
+            ambiguous,
+            "t.toml",
+            &env(&[("IDEMGATE_UPSTREAMS_A_B_URL", "http://c:1")]),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("could set [upstreams.a-b] or [upstreams.a_b]"),
+            "{e}"
+        );
     }
 
     /// The README's gateway example is a working config.
