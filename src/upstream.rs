@@ -17,7 +17,10 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::{Client, ResponseFuture};
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 use tls::TlsSetupError;
 
@@ -75,7 +78,7 @@ pub struct Upstream {
 /// plain connector; both answer with the same future.
 enum UpstreamClient {
     Plain(Client<HttpConnector, ProxyBody>),
-    Tls(Client<HttpsConnector<HttpConnector>, ProxyBody>),
+    Tls(Client<Bounded<HttpsConnector<HttpConnector>>, ProxyBody>),
 }
 
 impl Upstream {
@@ -106,7 +109,10 @@ impl Upstream {
                 // The upstream picks; h2 when it can.
                 UpstreamProtocol::H2 => https.enable_all_versions().wrap_connector(http),
             };
-            UpstreamClient::Tls(builder.build(connector))
+            UpstreamClient::Tls(builder.build(Bounded {
+                inner: connector,
+                timeout: cfg.connect_timeout,
+            }))
         } else {
             if cfg.protocol == UpstreamProtocol::H2 {
                 // h2c with prior knowledge (RFC 9113 §3.3).
@@ -146,5 +152,50 @@ impl Upstream {
             UpstreamClient::Plain(c) => c.request(req),
             UpstreamClient::Tls(c) => c.request(req),
         }
+    }
+}
+
+// === impl Bounded ===
+
+/// A connector whose whole connect is bounded: for `https://` that is the
+/// TCP connect and the TLS handshake, so an upstream that accepts and then
+/// says nothing fails within `connect_timeout` (nothing was sent), not at
+/// the request's `timeout`. `HttpConnector`'s own timeout covers TCP only.
+#[derive(Clone)]
+pub struct Bounded<C> {
+    inner: C,
+    timeout: Duration,
+}
+
+/// The connect (TCP and TLS handshake) took longer than `connect_timeout`.
+#[derive(Debug, thiserror::Error)]
+#[error("connecting (TCP and TLS handshake) took longer than connect_timeout ({0:?})")]
+pub struct ConnectTimedOut(Duration);
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+impl<C> tower_service::Service<Uri> for Bounded<C>
+where
+    C: tower_service::Service<Uri>,
+    C::Future: Send + 'static,
+    C::Error: Into<BoxError>,
+{
+    type Response = C::Response;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<C::Response, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, dst: Uri) -> Self::Future {
+        let connecting = self.inner.call(dst);
+        let timeout = self.timeout;
+        Box::pin(async move {
+            match tokio::time::timeout(timeout, connecting).await {
+                Ok(connected) => connected.map_err(Into::into),
+                Err(_) => Err(Box::new(ConnectTimedOut(timeout)) as BoxError),
+            }
+        })
     }
 }

@@ -251,3 +251,42 @@ async fn an_unreadable_ca_file_stops_the_start_naming_the_upstream_and_the_file(
         run.stderr
     );
 }
+
+/// An upstream that accepts and never answers the TLS handshake fails
+/// within `connect_timeout`, as a refused connect does (nothing was sent,
+/// the key is released), not at the much longer request `timeout`.
+#[tokio::test]
+async fn a_silent_tls_handshake_fails_within_the_connect_timeout() {
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = silent.local_addr().unwrap();
+    let held = tokio::spawn(async move {
+        let mut open = Vec::new();
+        while let Ok((conn, _)) = silent.accept().await {
+            open.push(conn);
+        }
+    });
+    let ca = TestCa::new("silent");
+    let proxy = Proxy::builder(Backend::Memory, addr)
+        .set(
+            "server.upstream",
+            format!("https://localhost:{}", addr.port()),
+        )
+        .set("server.upstream_ca_file", path(&ca.ca_file()))
+        .set("server.upstream_connect_timeout", "300ms")
+        .set("server.upstream_timeout", "20s")
+        .start()
+        .await;
+    let started = std::time::Instant::now();
+    let r = proxy.post("/orders").key("silent-1").send().await;
+    let problem = r.assert_problem(502);
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(10),
+        "bounded by connect_timeout, not the 20s timeout: {:?}",
+        started.elapsed()
+    );
+    assert!(
+        problem["detail"].as_str().unwrap().contains("released"),
+        "{problem}"
+    );
+    held.abort();
+}
