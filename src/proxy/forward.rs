@@ -14,11 +14,12 @@ use crate::upstream::{tunnel, Upstream, UpstreamSetupError, Upstreams};
 use http::uri::Uri;
 use http::{header, HeaderValue, Request, Response, StatusCode, Version};
 use hyper::body::Incoming;
+use hyper::upgrade::OnUpgrade;
 use std::borrow::Cow;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, warn};
 
 /// Why the upstream gave no response head.
@@ -94,9 +95,9 @@ impl Forwarder {
         peer: SocketAddr,
     ) -> Result<Response<Incoming>, ForwardError> {
         let upstream = self.upstreams.get(name);
-        let h2 = upstream.protocol() == UpstreamProtocol::H2;
         // Upgrades are HTTP/1.1's; an h2 upstream gets a plain request.
-        let upgrade = upgrade_protocol(&req).filter(|_| !h2);
+        let upgrade =
+            upgrade_protocol(&req).filter(|_| upstream.protocol() == UpstreamProtocol::Http1);
         let slot = match upgrade {
             Some(_) => match self.tunnels.clone().try_acquire_owned() {
                 Ok(slot) => Some(slot),
@@ -108,6 +109,38 @@ impl Forwarder {
             None => None,
         };
         let client_side = upgrade.as_ref().map(|_| hyper::upgrade::on(&mut req));
+        self.rewrite(upstream, &mut req, peer, upgrade.as_ref())?;
+        let mut resp = match tokio::time::timeout(upstream.timeout(), upstream.request(req)).await {
+            Err(_) => return Err(ForwardError::Timeout),
+            Ok(Ok(resp)) => resp,
+            Ok(Err(e)) => return Err(classify(upstream, &e)),
+        };
+        let switched = resp.status() == StatusCode::SWITCHING_PROTOCOLS;
+        let protocol = resp.headers().get(header::UPGRADE).cloned();
+        strip_hop_by_hop(resp.headers_mut());
+        if let (true, Some(client_side), Some(protocol), Some(slot)) =
+            (switched, client_side, protocol, slot)
+        {
+            let upstream_side = hyper::upgrade::on(&mut resp);
+            let h = resp.headers_mut();
+            h.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+            h.insert(header::UPGRADE, protocol);
+            self.spawn_tunnel(upstream, client_side, upstream_side, slot);
+        }
+        Ok(resp)
+    }
+
+    /// Makes `req` the request `upstream` gets: its URI, version, `Host`,
+    /// hop-by-hop headers gone (an allowed upgrade's put back),
+    /// `X-Forwarded-*`, cookies joined.
+    fn rewrite(
+        &self,
+        upstream: &Upstream,
+        req: &mut Request<ProxyBody>,
+        peer: SocketAddr,
+        upgrade: Option<&HeaderValue>,
+    ) -> Result<(), ForwardError> {
+        let h2 = upstream.protocol() == UpstreamProtocol::H2;
         let wants_trailers = accepts_trailers(req.headers());
         // An absolute-form target's authority wins over `Host` (RFC 9112
         // §3.2.2); on HTTP/2 it is `:authority`, which `Host` must match.
@@ -123,7 +156,7 @@ impl Forwarder {
         *req.version_mut() = Version::HTTP_11;
         let headers = req.headers_mut();
         strip_hop_by_hop(headers);
-        if let Some(protocol) = &upgrade {
+        if let Some(protocol) = upgrade {
             headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
             headers.insert(header::UPGRADE, protocol.clone());
         }
@@ -144,51 +177,44 @@ impl Forwarder {
         } else if let Some(host) = original_host {
             headers.insert(header::HOST, host);
         }
-        let mut resp = match tokio::time::timeout(upstream.timeout(), upstream.request(req)).await {
-            Err(_) => return Err(ForwardError::Timeout),
-            Ok(Ok(resp)) => resp,
-            Ok(Err(e)) => return Err(classify(upstream, &e)),
-        };
-        let switched = resp.status() == StatusCode::SWITCHING_PROTOCOLS;
-        let protocol = resp.headers().get(header::UPGRADE).cloned();
-        strip_hop_by_hop(resp.headers_mut());
-        if let (true, Some(client_side), Some(protocol), Some(slot)) =
-            (switched, client_side, protocol, slot)
-        {
-            let upstream_side = hyper::upgrade::on(&mut resp);
-            let h = resp.headers_mut();
-            h.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
-            h.insert(header::UPGRADE, protocol);
-            let name = upstream.name().to_string();
-            let metrics = self.metrics.clone();
-            // Not on the shutdown tracker: a tunnel may live for hours, and
-            // ends with the process (its peers see the connection close).
-            tokio::spawn(async move {
-                let _slot = slot;
-                match tokio::try_join!(client_side, upstream_side) {
-                    Ok((client, upstream)) => {
-                        let tunnels = metrics.tunnels();
-                        tunnels.open().inc();
-                        let copied = tunnel::run(
-                            client,
-                            upstream,
-                            tunnel::TUNNEL_IDLE_TIMEOUT,
-                            |up, down| tunnels.copied(up, down),
-                        )
+        Ok(())
+    }
+
+    /// Once both sides have switched, copies between them (bounded idle
+    /// time), holding a tunnel slot. Not on the shutdown tracker: a tunnel
+    /// may live for hours, and ends with the process (its peers see the
+    /// connection close).
+    fn spawn_tunnel(
+        &self,
+        upstream: &Upstream,
+        client_side: OnUpgrade,
+        upstream_side: OnUpgrade,
+        slot: OwnedSemaphorePermit,
+    ) {
+        let name = upstream.name().to_string();
+        let metrics = self.metrics.clone();
+        tokio::spawn(async move {
+            let _slot = slot;
+            match tokio::try_join!(client_side, upstream_side) {
+                Ok((client, upstream)) => {
+                    let tunnels = metrics.tunnels();
+                    tunnels.open().inc();
+                    let copied =
+                        tunnel::run(client, upstream, tunnel::TUNNEL_IDLE_TIMEOUT, |up, down| {
+                            tunnels.copied(up, down)
+                        })
                         .await;
-                        tunnels.open().dec();
-                        debug!(
-                            upstream = %name,
-                            to_upstream = copied.to_upstream,
-                            to_client = copied.to_client,
-                            "tunnel closed"
-                        );
-                    }
-                    Err(e) => debug!(upstream = %name, error = %e, "upgrade did not complete"),
+                    tunnels.open().dec();
+                    debug!(
+                        upstream = %name,
+                        to_upstream = copied.to_upstream,
+                        to_client = copied.to_client,
+                        "tunnel closed"
+                    );
                 }
-            });
-        }
-        Ok(resp)
+                Err(e) => debug!(upstream = %name, error = %e, "upgrade did not complete"),
+            }
+        });
     }
 }
 
