@@ -242,6 +242,55 @@ mod websocket {
         assert_eq!(default.total_hits(), 0);
     }
 
+    /// An upstream that does not switch answers as usual, and the tunnel
+    /// slot taken for the upgrade is given back.
+    #[tokio::test]
+    async fn an_upstream_that_refuses_the_upgrade_answers_as_usual() {
+        let ws = WsUpstream::start().await;
+        let proxy = Proxy::builder(Backend::Memory, ws.addr)
+            .set("server.max_connections", 1)
+            .start()
+            .await;
+        for _ in 0..2 {
+            // No Sec-WebSocket-Key: the echo upstream answers 400.
+            let mut s = TcpStream::connect(proxy.addr).await.unwrap();
+            let req = format!(
+                "GET /chat HTTP/1.1\r\nhost: {}\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\n",
+                proxy.addr
+            );
+            s.write_all(req.as_bytes()).await.unwrap();
+            let head = bounded("the answer", read_head(&mut s)).await.unwrap();
+            assert!(head.starts_with("HTTP/1.1 400"), "{head}");
+        }
+        let text = proxy.metrics.encode();
+        assert_eq!(
+            metric_value(&text, "idemgate_tunnels_refused_total"),
+            0,
+            "{text}"
+        );
+        assert_eq!(metric_value(&text, "idemgate_tunnels_open"), 0, "{text}");
+    }
+
+    /// HTTP/2 has no Upgrade (RFC 9113 §8.6): an h2 upstream gets a plain
+    /// request.
+    #[tokio::test]
+    async fn an_upgrade_to_an_h2_upstream_becomes_a_plain_request() {
+        let up = crate::support::h2_upstream::H2Upstream::start().await;
+        let proxy = Proxy::builder(Backend::Memory, up.addr)
+            .set("server.upstream_protocol", "h2")
+            .start()
+            .await;
+        let (_s, head) = handshake(proxy.addr, "/chat", "").await;
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        let seen = &up.seen()[0];
+        assert!(!seen.headers.contains_key("upgrade"), "{:?}", seen.headers);
+        assert!(
+            !seen.headers.contains_key("connection"),
+            "{:?}",
+            seen.headers
+        );
+    }
+
     #[tokio::test]
     async fn tunnels_are_bounded_by_max_connections_and_counted() {
         let ws = WsUpstream::start().await;
