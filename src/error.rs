@@ -6,6 +6,7 @@
 use crate::idempotency::{KeyError, RepeatedScopeHeader};
 use crate::proxy::admission::RequestError;
 use crate::store::StoreError;
+use crate::upstream::tls::TlsFailure;
 use http::HeaderName;
 
 #[derive(Debug, thiserror::Error)]
@@ -52,6 +53,21 @@ pub enum ProxyError {
     /// The connection failed after the request may have been sent.
     #[error("the upstream connection failed: {reason}")]
     UpstreamFailed { reason: String, key: KeyFate },
+    /// The TLS handshake with an `https://` upstream failed: nothing was
+    /// sent. The client's detail is [`TlsFailure::detail`]; this, the log's.
+    #[error("upstream {upstream}: {} ({})", failure.detail(), failure.cause())]
+    UpstreamTls {
+        upstream: String,
+        failure: TlsFailure,
+        key: KeyFate,
+    },
+    /// An HTTP/1.1 `Upgrade` (e.g. WebSocket) on a protected route: a
+    /// tunnel has no response that could be stored and replayed.
+    #[error("this route is protected by an idempotency key, so its responses are stored and replayed; a connection upgrade (WebSocket) cannot pass through it")]
+    UpgradeOnProtectedRoute,
+    /// `server.max_connections` tunnels are open: nothing was forwarded.
+    #[error("too many upgraded connections (WebSocket) are open; nothing was forwarded")]
+    TooManyTunnels,
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -79,14 +95,17 @@ impl ProxyError {
             // Load from clients: counted in idemgate_body_budget_refusals_total,
             // not logged above debug one by one.
             | ProxyError::Overloaded
+            | ProxyError::TooManyTunnels
             | ProxyError::InFlight { .. }
             | ProxyError::Mismatch
             | ProxyError::NotReplayable { .. }
-            | ProxyError::OutcomeUnknown => Origin::Client,
+            | ProxyError::OutcomeUnknown
+            | ProxyError::UpgradeOnProtectedRoute => Origin::Client,
             ProxyError::Store(_) => Origin::Store,
             ProxyError::UpstreamUnreachable { .. }
             | ProxyError::UpstreamTimeout { .. }
-            | ProxyError::UpstreamFailed { .. } => Origin::Upstream,
+            | ProxyError::UpstreamFailed { .. }
+            | ProxyError::UpstreamTls { .. } => Origin::Upstream,
             ProxyError::Internal(_) => Origin::Internal,
         }
     }
@@ -117,7 +136,8 @@ impl ProxyError {
         match self {
             ProxyError::UpstreamUnreachable { key, .. }
             | ProxyError::UpstreamTimeout { key }
-            | ProxyError::UpstreamFailed { key, .. } => Some(*key),
+            | ProxyError::UpstreamFailed { key, .. }
+            | ProxyError::UpstreamTls { key, .. } => Some(*key),
             _ => None,
         }
     }

@@ -13,6 +13,8 @@
 //! - `lease`: holding a claimed key: renew, complete, release, and the
 //!   one rule for writes whose answer was lost.
 //! - `proxy`: the request path: protected requests, replay, forwarding.
+//! - `upstream`: the upstreams' pooled clients (named, HTTPS, HTTP/2) and
+//!   the byte tunnel of upgraded connections.
 //! - [`clock`]: the wall clock, injected so tests can pause it.
 //! - `problem`: RFC 9457 responses, the one error-to-response mapping.
 //! - [`server`]: listeners, connection limits, sweeper, graceful shutdown.
@@ -43,6 +45,7 @@ pub mod server;
 pub(crate) mod shutdown;
 pub mod store;
 pub mod telemetry;
+pub(crate) mod upstream;
 
 use config::Config;
 use metrics::Metrics;

@@ -164,6 +164,31 @@ impl Problem {
                     Outcome::UpstreamError,
                 )
             },
+            // One stable sentence per kind; the cause is in the log.
+            ProxyError::UpstreamTls { failure, .. } => Problem {
+                detail: released_hint(err, failure.detail().to_string()),
+                ..p(
+                    StatusCode::BAD_GATEWAY,
+                    "upstream-tls",
+                    "Upstream TLS failed",
+                    Outcome::UpstreamError,
+                )
+            },
+            ProxyError::TooManyTunnels => Problem {
+                retry_after_secs: Some(OVERLOADED_RETRY_AFTER_SECS),
+                ..p(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "tunnels-exhausted",
+                    "Too many upgraded connections",
+                    Outcome::Overloaded,
+                )
+            },
+            ProxyError::UpgradeOnProtectedRoute => p(
+                StatusCode::BAD_REQUEST,
+                "upgrade-refused",
+                "Upgrade not allowed on a protected route",
+                Outcome::InvalidRequest,
+            ),
             ProxyError::UpstreamTimeout { .. } => Problem {
                 detail: released_hint(err, detail.clone()),
                 ..p(
@@ -340,6 +365,17 @@ mod tests {
                 504,
                 None,
             ),
+            (
+                ProxyError::UpstreamTls {
+                    upstream: "default".into(),
+                    failure: crate::upstream::tls::TlsFailure::Untrusted("expired".into()),
+                    key: KeyFate::Released,
+                },
+                502,
+                None,
+            ),
+            (ProxyError::UpgradeOnProtectedRoute, 400, None),
+            (ProxyError::TooManyTunnels, 503, Some("1")),
             (ProxyError::Internal("x".into()), 500, None),
         ];
         for (err, status, retry_after) in cases {

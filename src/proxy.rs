@@ -31,7 +31,8 @@ use crate::problem::Problem;
 use crate::route::{normalize_path, RouteTable};
 use crate::store::Store;
 use crate::telemetry::trace;
-use forward::{ForwardError, Forwarder};
+use crate::upstream::UpstreamSetupError;
+use forward::{ConnectError, ForwardError, Forwarder};
 use http::{Request, Response};
 use hyper::body::Incoming;
 use log::RequestLog;
@@ -57,7 +58,7 @@ pub struct Proxy {
     body_budget: Arc<BodyBudget>,
     /// Keys the scope digests when set (`IDEMGATE_SCOPE_SECRET`).
     scope_secret: Option<Secret>,
-    /// The pooled upstream client.
+    /// The upstreams' pooled clients and the forwarding rules.
     forwarder: Forwarder,
     metrics: Arc<Metrics>,
     /// Starts each request's span (a no-op without `[tracing]`).
@@ -83,12 +84,13 @@ type Served = (Outcome, Response<ProxyBody>);
 
 impl Proxy {
     /// The one place the config becomes the request path's settings.
+    /// Fails when an upstream's TLS files cannot be read.
     pub fn new(
         config: &Config,
         store: Arc<dyn Store>,
         metrics: Arc<Metrics>,
         clock: Clock,
-    ) -> Self {
+    ) -> Result<Self, UpstreamSetupError> {
         let tasks = TaskTracker::new();
         let shared = Shared {
             leases: Leases::new(
@@ -115,7 +117,8 @@ impl Proxy {
     /// upstream client come from `config`; the store, the leases, the body
     /// budget and the detached tasks are this one's, so requests running
     /// on either proxy share them.
-    pub fn reconfigured(&self, config: &Config) -> Self {
+    /// Fails when an upstream's client cannot be built (its TLS files).
+    pub fn reconfigured(&self, config: &Config) -> Result<Self, UpstreamSetupError> {
         Self::assemble(
             config,
             Shared {
@@ -131,7 +134,7 @@ impl Proxy {
 
     /// The per-config part built from `config`, around the process-wide
     /// `shared` part: what a reload replaces, in one place.
-    fn assemble(config: &Config, shared: Shared) -> Self {
+    fn assemble(config: &Config, shared: Shared) -> Result<Self, UpstreamSetupError> {
         let Shared {
             leases,
             body_budget,
@@ -140,9 +143,9 @@ impl Proxy {
             tracer,
             tasks,
         } = shared;
-        Self {
+        Ok(Self {
             routes: config.routes.clone(),
-            forwarder: Forwarder::new(&config.server),
+            forwarder: Forwarder::new(config, metrics.clone())?,
             request_body_timeout: config.server.request_body_timeout,
             leases,
             body_budget,
@@ -150,7 +153,7 @@ impl Proxy {
             metrics,
             tracer,
             tasks,
-        }
+        })
     }
 
     pub fn tasks(&self) -> &TaskTracker {
@@ -201,16 +204,20 @@ impl Proxy {
         }
         let path = normalize_path(req.uri().path());
         let Some(route) = self.routes.find(req.method(), &path).cloned() else {
-            let (outcome, resp) = self.passthrough(req.map(boxed), peer).await;
+            let (outcome, resp) = self.passthrough(None, req.map(boxed), peer).await;
             log.finish(&self.metrics, outcome, &resp, false);
             return resp;
         };
         log.set_route(&route.label);
         trace::set_route(&route.label);
+        if let Err(e) = admission::refuse_protected_upgrade(&route, &req) {
+            return self.conclude(Err(e), log);
+        }
         let key = match key_of(&route, req.headers(), self.scope_secret.as_ref()) {
             Ok(Some(key)) => key,
             Ok(None) => {
-                let (outcome, resp) = self.passthrough(req.map(boxed), peer).await;
+                let upstream = route.upstream.as_deref();
+                let (outcome, resp) = self.passthrough(upstream, req.map(boxed), peer).await;
                 log.finish(&self.metrics, outcome, &resp, false);
                 return resp;
             }
@@ -273,11 +280,17 @@ impl Proxy {
         resp
     }
 
-    /// Forwards without protection, streaming both ways.
-    async fn passthrough(&self, req: Request<ProxyBody>, peer: SocketAddr) -> Served {
+    /// Forwards without protection to the upstream called `upstream`
+    /// (`None`: the default), streaming both ways.
+    async fn passthrough(
+        &self,
+        upstream: Option<&str>,
+        req: Request<ProxyBody>,
+        peer: SocketAddr,
+    ) -> Served {
         let id = req.extensions().get::<RequestId>().cloned();
-        let in_flight = self.upstream_request();
-        match self.forwarder.send(req, peer).await {
+        let in_flight = self.upstream_request(upstream);
+        match self.forwarder.send(upstream, req, peer).await {
             Ok(resp) => {
                 trace::record(Outcome::Passthrough, resp.status());
                 (
@@ -293,14 +306,11 @@ impl Proxy {
 impl Proxy {
     /// Counts a request on the upstream (`idemgate_upstream_in_flight`)
     /// while the guard lives.
-    fn upstream_request(&self) -> GaugeGuard {
-        self.metrics.upstream_request(&DEFAULT_UPSTREAM)
+    fn upstream_request(&self, upstream: Option<&str>) -> GaugeGuard {
+        self.metrics
+            .upstream_request(self.forwarder.label(upstream))
     }
 }
-
-/// The label of `server.upstream` in per-upstream metrics.
-static DEFAULT_UPSTREAM: std::sync::LazyLock<Arc<String>> =
-    std::sync::LazyLock::new(|| Arc::new("default".to_string()));
 
 /// A streamed response body holding a guard until it ends or is dropped.
 struct Guarded<B> {
@@ -361,8 +371,16 @@ fn respond(result: Result<Served, ProxyError>, id: Option<&RequestId>) -> Served
 
 fn forward_error(e: ForwardError, key: KeyFate) -> ProxyError {
     match e {
-        ForwardError::Connect(reason) => ProxyError::UpstreamUnreachable { reason, key },
+        ForwardError::Connect(ConnectError::Transport(reason)) => {
+            ProxyError::UpstreamUnreachable { reason, key }
+        }
+        ForwardError::Connect(ConnectError::Tls { upstream, failure }) => ProxyError::UpstreamTls {
+            upstream,
+            failure,
+            key,
+        },
         ForwardError::Timeout => ProxyError::UpstreamTimeout { key },
         ForwardError::Failed(reason) => ProxyError::UpstreamFailed { reason, key },
+        ForwardError::TunnelsExhausted => ProxyError::TooManyTunnels,
     }
 }

@@ -48,6 +48,9 @@ pub struct RouteConfig {
     pub release_statuses: ReleaseStatuses,
     /// What a request whose outcome is unknown does to its key.
     pub on_ambiguous: OnAmbiguous,
+    /// The `[upstreams.NAME]` this route's requests go to; `None`: the
+    /// default (`[server] upstream`).
+    pub upstream: Option<Arc<str>>,
 }
 
 impl RouteConfig {

@@ -6,12 +6,15 @@
 //! `store.rs`, `log.rs`, `routes.rs`).
 
 use super::units::{ByteSize, HumanDuration};
-use super::{Backend, LogFormat, OnAmbiguous, OnStoreError, Readiness, SqliteSync};
+use super::{
+    Backend, LogFormat, OnAmbiguous, OnStoreError, Readiness, SqliteSync, UpstreamProtocol,
+};
 use crate::idempotency::decision::{ReleaseStatuses, StatusEntry};
 use crate::route::PathPattern;
 use http::{HeaderName, Method, Uri};
 use serde::de::{self, Deserializer, Visitor};
 use serde::Deserialize;
+use std::collections::BTreeMap;
 use std::fmt;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -33,6 +36,9 @@ pub(super) struct RawConfig {
     /// Spanned: the section is refused at its line in a build without `otel`.
     #[serde(default)]
     pub(super) tracing: Option<Spanned<RawTracing>>,
+    /// `[upstreams.NAME]`: named upstreams a route may choose.
+    #[serde(default)]
+    pub(super) upstreams: BTreeMap<String, Spanned<RawUpstream>>,
     #[serde(default)]
     pub(super) defaults: RawRouteSettings,
     #[serde(default)]
@@ -74,6 +80,25 @@ pub(super) struct RawServer {
     pub(super) trust_forwarded_headers: Option<bool>,
     pub(super) readiness: Option<Readiness>,
     pub(super) watch_config: Option<bool>,
+    pub(super) upstream_protocol: Option<UpstreamProtocol>,
+    pub(super) upstream_ca_file: Option<PathBuf>,
+    pub(super) upstream_cert_file: Option<PathBuf>,
+    pub(super) upstream_key_file: Option<PathBuf>,
+}
+
+/// One `[upstreams.NAME]`: the `[server] upstream*` keys without the prefix.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawUpstream {
+    pub(super) url: Option<UpstreamUri>,
+    pub(super) timeout: Option<HumanDuration>,
+    pub(super) connect_timeout: Option<HumanDuration>,
+    pub(super) pool_idle_timeout: Option<HumanDuration>,
+    pub(super) pool_max_idle: Option<usize>,
+    pub(super) protocol: Option<UpstreamProtocol>,
+    pub(super) ca_file: Option<PathBuf>,
+    pub(super) cert_file: Option<PathBuf>,
+    pub(super) key_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -146,6 +171,8 @@ pub(super) struct RawRouteSettings {
     pub(super) on_store_error: Option<OnStoreError>,
     pub(super) release_statuses: Option<ReleaseStatusesValue>,
     pub(super) on_ambiguous: Option<OnAmbiguous>,
+    /// Spanned: a name no `[upstreams.NAME]` defines is reported at its line.
+    pub(super) upstream: Option<Spanned<String>>,
 }
 
 // ===== value types that validate while parsing =====
@@ -167,15 +194,15 @@ fn parse_upstream(s: &str) -> Result<Uri, String> {
         .parse()
         .map_err(|e| format!("invalid upstream URL {s:?}: {e}"))?;
     match uri.scheme_str() {
-        Some("http") => {}
+        Some("http" | "https") => {}
         Some(other) => {
             return Err(format!(
-                "invalid upstream URL {s:?}: scheme {other:?} is not supported (use http://)"
+                "invalid upstream URL {s:?}: scheme {other:?} is not supported (use http:// or https://)"
             ))
         }
         None => {
             return Err(format!(
-                "invalid upstream URL {s:?}: expected http://host:port"
+                "invalid upstream URL {s:?}: expected http://host:port or https://host:port"
             ))
         }
     }

@@ -194,6 +194,11 @@ impl Defaults {
                 .map(|v| v.0)
                 .unwrap_or_default(),
             on_ambiguous: r.on_ambiguous.or(defaults.on_ambiguous).unwrap_or_default(),
+            // Checked against [upstreams.NAME] by `Config::from_raw`.
+            upstream: r
+                .upstream
+                .or_else(|| defaults.upstream.clone())
+                .map(|u| Arc::from(u.into_inner())),
         })
     }
 }

@@ -617,60 +617,90 @@ fn every_key_of_the_example_file_can_come_from_the_environment() {
     let shipped = include_str!("../../config/idemgate.toml");
     let full = with_commented_keys_in_force(shipped);
     let document = toml::de::DeTable::parse(&full).expect("the file with every key parses");
-    let mut walked = 0;
+    let parsed: toml::Table = toml::from_str(&full).unwrap();
+    let as_env = |value: &toml::Value| match value {
+        toml::Value::String(s) => s.clone(),
+        other => other.to_string(),
+    };
+    // (variable, value, where the key is in the file)
+    let mut keys: Vec<(String, String, usize)> = Vec::new();
     for (section, table) in document.get_ref() {
+        let section = section.get_ref().as_ref();
         // Routes and their defaults come from the file only.
-        if ["defaults", "route"].contains(&section.get_ref().as_ref()) {
+        if ["defaults", "route"].contains(&section) {
             continue;
         }
         let toml::de::DeValue::Table(table) = table.get_ref() else {
-            panic!("[{}] is not a table", section.get_ref());
+            panic!("[{section}] is not a table");
         };
-        for (key, _) in table {
-            let name = format!(
-                "IDEMGATE_{}_{}",
-                section.get_ref().to_ascii_uppercase(),
-                key.get_ref().to_ascii_uppercase()
-            );
-            let parsed: toml::Table = toml::from_str(&full).unwrap();
-            let value = match &parsed[section.get_ref().as_ref()][key.get_ref().as_ref()] {
-                toml::Value::String(s) => s.clone(),
-                other => other.to_string(),
-            };
-            let env: BTreeMap<String, String> = [(name.clone(), value)].into();
-            let without = blank_line_of(&full, key.span().start);
-            let raw = |text: &str, env: &BTreeMap<String, String>| {
-                let raw = read_raw(text, env).unwrap_or_else(|e| panic!("{name}: {e}"));
-                without_spans(&format!("{raw:?}"))
-            };
-            let from_file = raw(&full, &BTreeMap::new());
-            assert_ne!(
-                raw(&without, &BTreeMap::new()),
-                from_file,
-                "{name}: the key's line was not removed"
-            );
-            assert_eq!(
-                raw(&without, &env),
-                from_file,
-                "{name} does not set the key"
-            );
-
-            // Where the key is in force in the shipped file, the whole
-            // configuration comes out the same.
-            let line = line_at(&full, key.span().start);
-            if shipped[line.clone()] == full[line] {
-                let shipped_without = blank_line_of(shipped, key.span().start);
-                let want = parse(shipped).unwrap();
-                let got = Config::parse_with_env(&shipped_without, "t.toml", &env)
-                    .unwrap_or_else(|e| panic!("{name}: {e}"));
-                assert_eq!(format!("{got:?}"), format!("{want:?}"), "{name}");
-                assert_eq!(got.to_string(), want.to_string(), "{name}");
+        for (key, value) in table {
+            let key_name = key.get_ref().as_ref();
+            // [upstreams.NAME]: IDEMGATE_UPSTREAMS_<NAME>_<KEY>.
+            if section == "upstreams" {
+                let toml::de::DeValue::Table(named) = value.get_ref() else {
+                    panic!("[upstreams.{key_name}] is not a table");
+                };
+                for (inner, _) in named {
+                    let inner_name = inner.get_ref().as_ref();
+                    keys.push((
+                        format!(
+                            "IDEMGATE_UPSTREAMS_{}_{}",
+                            key_name.to_ascii_uppercase(),
+                            inner_name.to_ascii_uppercase()
+                        ),
+                        as_env(&parsed[section][key_name][inner_name]),
+                        inner.span().start,
+                    ));
+                }
+                continue;
             }
-            walked += 1;
+            keys.push((
+                format!(
+                    "IDEMGATE_{}_{}",
+                    section.to_ascii_uppercase(),
+                    key_name.to_ascii_uppercase()
+                ),
+                as_env(&parsed[section][key_name]),
+                key.span().start,
+            ));
         }
     }
-    // server, admin, store, redis and log, with the commented-out keys.
-    assert!(walked >= 30, "only {walked} keys walked");
+    let mut walked = 0;
+    for (name, value, at) in keys {
+        let env: BTreeMap<String, String> = [(name.clone(), value)].into();
+        let without = blank_line_of(&full, at);
+        let raw = |text: &str, env: &BTreeMap<String, String>| {
+            let raw = read_raw(text, env).unwrap_or_else(|e| panic!("{name}: {e}"));
+            without_spans(&format!("{raw:?}"))
+        };
+        let from_file = raw(&full, &BTreeMap::new());
+        assert_ne!(
+            raw(&without, &BTreeMap::new()),
+            from_file,
+            "{name}: the key's line was not removed"
+        );
+        assert_eq!(
+            raw(&without, &env),
+            from_file,
+            "{name} does not set the key"
+        );
+
+        // Where the key is in force in the shipped file, the whole
+        // configuration comes out the same.
+        let line = line_at(&full, at);
+        if shipped[line.clone()] == full[line] {
+            let shipped_without = blank_line_of(shipped, at);
+            let want = parse(shipped).unwrap();
+            let got = Config::parse_with_env(&shipped_without, "t.toml", &env)
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(format!("{got:?}"), format!("{want:?}"), "{name}");
+            assert_eq!(got.to_string(), want.to_string(), "{name}");
+        }
+        walked += 1;
+    }
+    // server, admin, store, redis, log and the example upstream, with the
+    // commented-out keys.
+    assert!(walked >= 40, "only {walked} keys walked");
 }
 
 /// `text` with its commented-out keys and section headers (`# key = value`,

@@ -202,7 +202,8 @@ impl Proxy {
             OnStoreError::Forward => {
                 warn!(error = %err, route = %req.route.label, "store unavailable; forwarding unguarded (on_store_error = \"forward\")");
                 let forwarded = Request::from_parts(req.parts, full(req.body));
-                let (_, resp) = self.passthrough(forwarded, req.peer).await;
+                let upstream = req.route.upstream.as_deref();
+                let (_, resp) = self.passthrough(upstream, forwarded, req.peer).await;
                 Ok((Outcome::Unguarded, resp))
             }
         }
@@ -211,7 +212,7 @@ impl Proxy {
     /// Forwards while the lease is kept alive, then settles the key.
     async fn execute(&self, req: ProtectedRequest, lease: Lease) -> Result<Served, ProxyError> {
         self.metrics.in_flight().inc();
-        let _upstream = self.upstream_request();
+        let _upstream = self.upstream_request(req.route.upstream.as_deref());
         let started = Instant::now();
         let route = req.route.clone();
         let keeper = lease.keep_alive();
@@ -245,7 +246,11 @@ impl Proxy {
             .insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
         let resp = match self
             .forwarder
-            .send(Request::from_parts(parts, full(body)), peer)
+            .send(
+                route.upstream.as_deref(),
+                Request::from_parts(parts, full(body)),
+                peer,
+            )
             .await
         {
             Ok(resp) => resp,
@@ -270,7 +275,7 @@ impl Proxy {
                 Ok((Outcome::UpstreamError, resp.map(boxed)))
             }
             Settlement::Store => {
-                let deadline = started + self.forwarder.timeout();
+                let deadline = started + self.forwarder.timeout(route.upstream.as_deref());
                 self.store_response(&route, &method, lease, resp, deadline)
                     .await
             }

@@ -126,8 +126,17 @@ pub(super) fn reload(
             "config reloaded, but these settings only change on a restart: they keep their running values"
         );
     }
+    // Upstream clients read their TLS files here: a missing or bad one
+    // refuses the reload like a bad config.
+    let next = match current.load().reconfigured(&config) {
+        Ok(next) => next,
+        Err(e) => {
+            error!("config reload refused, the running config stays: {e}");
+            metrics.config_loaded(false, now);
+            return false;
+        }
+    };
     metrics.register_routes(config.routes.iter().map(|r| &r.label));
-    let next = current.load().reconfigured(&config);
     current.store(Arc::new(next));
     metrics.config_loaded(true, now);
     info!(

@@ -11,6 +11,7 @@ mod support;
 mod demo_docs;
 mod faults;
 mod forwarding;
+mod gateway;
 mod hostile_connections;
 mod hostile_requests;
 mod invariants;
@@ -29,3 +30,4 @@ mod semantics;
 mod store_contract;
 #[cfg(feature = "otel")]
 mod tracing;
+mod upstream_tls;

@@ -6,6 +6,9 @@
 //! - [`process`]: the real binary as a child process (`serve`, one-shot commands);
 //! - [`config`]: the config file either of them runs on, as a TOML table;
 //! - [`client`]: requests and responses, fresh or on kept-alive connections;
+//! - [`tls_upstream`]: a test CA and an HTTPS upstream (TLS, ALPN, mTLS);
+//! - [`h2_upstream`]: a gRPC-shaped h2c upstream that answers with trailers;
+//! - [`ws_upstream`]: a WebSocket echo upstream and frame helpers;
 //! - [`services`]: PostgreSQL and Redis (URLs, schemas, a private
 //!   `redis-server`, a TCP relay that can cut PostgreSQL off);
 //! - for the invariant harness: [`recording_upstream`] (logs every
@@ -20,14 +23,17 @@
 pub mod checker;
 pub mod client;
 pub mod config;
+pub mod h2_upstream;
 #[cfg(feature = "otel")]
 pub mod otlp_receiver;
 pub mod process;
 pub mod proxy;
 pub mod recording_upstream;
 pub mod services;
+pub mod tls_upstream;
 pub mod traffic;
 pub mod upstream;
+pub mod ws_upstream;
 
 pub use client::{H2Conn, Http1Conn, Req, Resp};
 pub use config::{Route, TestConfig};
