@@ -51,6 +51,27 @@ impl Problem {
                 "Idempotency-Key is invalid",
                 Outcome::InvalidKey,
             ),
+            ProxyError::BodyKey { reason, .. } if reason.is_missing() => p(
+                StatusCode::BAD_REQUEST,
+                "key-missing",
+                "Idempotency-Key is missing",
+                Outcome::MissingKey,
+            ),
+            ProxyError::BodyKey { .. } => p(
+                StatusCode::BAD_REQUEST,
+                "key-invalid",
+                "Idempotency-Key is invalid",
+                Outcome::InvalidKey,
+            ),
+            ProxyError::TooManyWaiters { retry_after_secs } => Problem {
+                retry_after_secs: Some(*retry_after_secs),
+                ..p(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "too-many-waiters",
+                    "Too many duplicates are waiting",
+                    Outcome::Overloaded,
+                )
+            },
             ProxyError::RepeatedScopeHeader(_) => p(
                 StatusCode::BAD_REQUEST,
                 "scope-header-repeated",

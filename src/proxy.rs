@@ -13,12 +13,14 @@
 pub mod admission;
 pub mod forward;
 pub mod headers;
+mod latency;
 mod log;
 mod protected;
 mod replay;
+pub mod waiters;
 
 use crate::body::budget::BodyBudget;
-use crate::body::{boxed, ProxyBody};
+use crate::body::{self, boxed, ProxyBody};
 use crate::clock::Clock;
 use crate::config::{Config, Secret};
 use crate::error::{KeyFate, Origin, ProxyError};
@@ -31,7 +33,7 @@ use forward::{ForwardError, Forwarder};
 use http::{Request, Response};
 use hyper::body::Incoming;
 use log::RequestLog;
-use protected::{key_of, prepare, read_body};
+use protected::{parse_body, plan_key, prepare, read_body, resolve_key, KeyPlan};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -53,6 +55,10 @@ pub struct Proxy {
     /// The pooled upstream client.
     forwarder: Forwarder,
     metrics: Arc<Metrics>,
+    /// Duplicates waiting for a request in flight (`in_flight = { wait }`).
+    waiters: Arc<waiters::Waiters>,
+    /// Each route's typical upstream latency, for `Retry-After`.
+    latencies: latency::Latencies,
     /// Detached work: protected requests from their claim on, and store
     /// writes that outlive them. Shutdown waits for it.
     tasks: TaskTracker,
@@ -87,6 +93,11 @@ impl Proxy {
             ),
             scope_secret: config.scope_secret.clone(),
             forwarder: Forwarder::new(&config.server),
+            waiters: Arc::new(
+                waiters::Waiters::new(waiters::MAX_WAITERS_PER_KEY, waiters::MAX_WAITERS_TOTAL)
+                    .with_gauge(metrics.waiters().clone()),
+            ),
+            latencies: latency::Latencies::new(config.routes.iter().map(|r| &r.label)),
             metrics,
             tasks,
         }
@@ -118,13 +129,13 @@ impl Proxy {
             return resp;
         };
         log.set_route(&route.label);
-        let key = match key_of(&route, req.headers(), self.scope_secret.as_ref()) {
-            Ok(Some(key)) => key,
-            Ok(None) => {
+        let plan = match plan_key(&route, req.headers(), self.scope_secret.as_ref()) {
+            Ok(KeyPlan::Absent) => {
                 let (outcome, resp) = self.passthrough(req.map(boxed), peer).await;
                 log.finish(&self.metrics, outcome, resp.status(), false);
                 return resp;
             }
+            Ok(plan) => plan,
             Err(e) => return self.conclude(Err(e), log),
         };
         // Owned only here: pass-through requests never copy their path.
@@ -136,7 +147,18 @@ impl Proxy {
             Ok(body) => body,
             Err(e) => return self.conclude(Err(e), log),
         };
-        let req = prepare(route, parts, body, key, &path, peer);
+        let doc = parse_body(&route, &body);
+        let key = match resolve_key(&route, plan, doc.as_ref()) {
+            Ok(Some(key)) => key,
+            Ok(None) => {
+                let forwarded = Request::from_parts(parts, body::full(body));
+                let (outcome, resp) = self.passthrough(forwarded, peer).await;
+                log.finish(&self.metrics, outcome, resp.status(), false);
+                return resp;
+            }
+            Err(e) => return self.conclude(Err(e), log),
+        };
+        let req = prepare(route, parts, body, key, doc, &path, peer);
         log.set_key_id(req.record_key.log_id());
         self.run_detached(req, log).await
     }

@@ -202,9 +202,11 @@ impl Pointer {
                     (_, true) => match chars.next() {
                         Some('0') => token.push('~'),
                         Some('1') => token.push('/'),
-                        _ => return Err(format!(
+                        _ => {
+                            return Err(format!(
                             "JSON pointer {source:?}: '~' must be followed by 0 or 1 (RFC 6901 §3)"
-                        )),
+                        ))
+                        }
                     },
                     (c, false) => token.push(c),
                 }
