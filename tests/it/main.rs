@@ -21,3 +21,5 @@ mod replicas;
 mod route_features;
 mod semantics;
 mod store_contract;
+mod waiting;
+mod webhooks;
