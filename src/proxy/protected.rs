@@ -399,11 +399,16 @@ impl Proxy {
                 }
                 Ok(Acquired::Existing(record)) => {
                     check.done();
-                    if matches!(record.state, RecordState::InFlight { .. }) {
+                    // Still running: wait on. A different request that took a
+                    // released key over is answered now (422), as on arrival.
+                    let running = matches!(record.state, RecordState::InFlight { .. });
+                    if running && record.fingerprint == req.fingerprint {
                         last = record;
                         continue;
                     }
-                    guard.publish(record.clone());
+                    if !running {
+                        guard.publish(record.clone());
+                    }
                     return self.answer(record, &req);
                 }
                 // The wait is bounded anyway: keep waiting, and answer 409
