@@ -59,6 +59,8 @@ pub struct Proxy {
     waiters: Arc<waiters::Waiters>,
     /// Each route's typical upstream latency, for `Retry-After`.
     latencies: latency::Latencies,
+    /// Wakes waiters on other replicas (PostgreSQL with a waiting route).
+    notifier: Option<crate::store::notify::KeyNotifier>,
     /// Detached work: protected requests from their claim on, and store
     /// writes that outlive them. Shutdown waits for it.
     tasks: TaskTracker,
@@ -76,6 +78,11 @@ impl Proxy {
         clock: Clock,
     ) -> Self {
         let tasks = TaskTracker::new();
+        let waiters = Arc::new(
+            waiters::Waiters::new(waiters::MAX_WAITERS_PER_KEY, waiters::MAX_WAITERS_TOTAL)
+                .with_gauge(metrics.waiters().clone()),
+        );
+        let notifier = waiters::spawn_notifier(config, &waiters);
         Self {
             routes: config.routes.clone(),
             leases: Leases::new(
@@ -93,10 +100,8 @@ impl Proxy {
             ),
             scope_secret: config.scope_secret.clone(),
             forwarder: Forwarder::new(&config.server),
-            waiters: Arc::new(
-                waiters::Waiters::new(waiters::MAX_WAITERS_PER_KEY, waiters::MAX_WAITERS_TOTAL)
-                    .with_gauge(metrics.waiters().clone()),
-            ),
+            waiters,
+            notifier,
             latencies: latency::Latencies::new(config.routes.iter().map(|r| &r.label)),
             metrics,
             tasks,

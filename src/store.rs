@@ -24,6 +24,7 @@ pub(crate) mod batch;
 pub(crate) mod codec;
 pub mod instrumented;
 pub mod memory;
+pub mod notify;
 mod open;
 pub mod postgres;
 pub mod redis;

@@ -348,8 +348,12 @@ impl Proxy {
         lease: Lease,
     ) -> Result<Served, ProxyError> {
         let key = req.record_key;
+        let waits = matches!(req.route.in_flight, InFlight::Wait(_));
         let result = self.execute(req, lease).await;
         self.waiters.notify(&key);
+        if let (true, Some(notifier)) = (waits, &self.notifier) {
+            notifier.publish(key.log_id());
+        }
         result
     }
 

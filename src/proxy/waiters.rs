@@ -3,20 +3,25 @@
 //!
 //! Waiters hold no store connection while they wait. They wake when this
 //! process finishes the key ([`Waiters::notify`], after the holder's
-//! completion or release), or on a bounded backoff timer (the backstop for
-//! a holder on another replica); either way the store decides what they
-//! get. Per key, one waiter at a time asks the store ([`WaitGuard::try_check`])
+//! completion or release), when another replica does (PostgreSQL
+//! `NOTIFY`, [`crate::store::notify`], [`Waiters::notify_id`]), or on a
+//! bounded backoff timer (the backstop when a notification is lost);
+//! either way the store decides what they get. Per key, one waiter at a time asks the store ([`WaitGuard::try_check`])
 //! and shares a final answer with the others ([`WaitGuard::publish`]), so a
 //! few hundred waiters cost the store what one does. Bounded: a limit per
 //! key and in all; past either the request is refused (503). An entry
 //! leaves the registry with its last waiter.
 
+use crate::config::{Backend, Config};
 use crate::idempotency::{Record, RecordKey};
+use crate::route::InFlight;
+use crate::store::notify::KeyNotifier;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
+use tracing::warn;
 
 /// Waiters on one key, at most: enough for a burst of redeliveries or
 /// double-clicks; more is a client in a loop.
@@ -39,6 +44,8 @@ pub struct Waiters {
 #[derive(Default)]
 struct State {
     entries: HashMap<RecordKey, Arc<Entry>>,
+    /// The entries' keys by log id, for notifications from other replicas.
+    by_id: HashMap<String, RecordKey>,
     waiting: usize,
 }
 
@@ -86,6 +93,9 @@ impl Waiters {
         if state.waiting >= self.total {
             return Err(Full);
         }
+        if !state.entries.contains_key(&key) {
+            state.by_id.insert(key.log_id(), key);
+        }
         let entry = state
             .entries
             .entry(key)
@@ -121,6 +131,22 @@ impl Waiters {
         }
     }
 
+    /// Wakes the waiters on the key with this log id: another replica
+    /// finished it (`store::notify`).
+    pub fn notify_id(&self, key_id: &str) {
+        let entry = {
+            let state = self.lock();
+            state
+                .by_id
+                .get(key_id)
+                .and_then(|key| state.entries.get(key))
+                .cloned()
+        };
+        if let Some(entry) = entry {
+            entry.generation.send_modify(|g| *g += 1);
+        }
+    }
+
     /// How many wait, in all.
     #[cfg(test)]
     fn waiting(&self) -> usize {
@@ -131,6 +157,27 @@ impl Waiters {
     #[cfg(test)]
     fn keys(&self) -> usize {
         self.lock().entries.len()
+    }
+}
+
+/// The cross-replica notifier, where it can help: a PostgreSQL store
+/// (shared by replicas) and a route whose duplicates wait. Elsewhere the
+/// process's own notifications reach every waiter there is.
+pub fn spawn_notifier(config: &Config, waiters: &Arc<Waiters>) -> Option<KeyNotifier> {
+    let waits = config
+        .routes
+        .iter()
+        .any(|r| matches!(r.in_flight, InFlight::Wait(_)));
+    if config.store.backend != Backend::Postgres || !waits {
+        return None;
+    }
+    let waiters = waiters.clone();
+    match KeyNotifier::spawn(&config.store, Arc::new(move |id| waiters.notify_id(id))) {
+        Ok(notifier) => Some(notifier),
+        Err(e) => {
+            warn!(error = %e, "key notifications off; waiters poll the store");
+            None
+        }
     }
 }
 
@@ -196,6 +243,7 @@ impl Drop for WaitGuard {
         self.waiters.gauge.dec();
         if self.entry.count.fetch_sub(1, Relaxed) == 1 {
             state.entries.remove(&self.key);
+            state.by_id.remove(&self.key.log_id());
         }
     }
 }
@@ -231,6 +279,7 @@ mod tests {
         drop(a2);
         drop(b1);
         assert_eq!((w.waiting(), w.keys()), (0, 0));
+        assert!(w.lock().by_id.is_empty());
         // Room again.
         let _c = w.enter(key("c")).unwrap();
     }
@@ -246,6 +295,21 @@ mod tests {
             .expect("woken");
         // Seen: the next wait blocks until the next notification.
         assert!(tokio::time::timeout(Duration::from_millis(50), g.changed())
+            .await
+            .is_err());
+    }
+
+    #[tokio::test]
+    async fn a_notification_by_log_id_wakes_that_keys_waiters() {
+        let w = Arc::new(Waiters::new(8, 8));
+        let mut a = w.enter(key("a")).unwrap();
+        let mut b = w.enter(key("b")).unwrap();
+        w.notify_id(&key("a").log_id());
+        w.notify_id("no such key");
+        tokio::time::timeout(Duration::from_secs(5), a.changed())
+            .await
+            .expect("woken");
+        assert!(tokio::time::timeout(Duration::from_millis(50), b.changed())
             .await
             .is_err());
     }

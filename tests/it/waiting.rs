@@ -194,7 +194,9 @@ impl Pair {
             }
             let path = dir.path().join(format!("replica-{i}.toml"));
             config.write(&path);
-            async move { ServeProcess::start(&path, listen, admin, &[]).await }
+            // Info, to see the notification listener start; not the access log.
+            let env = [("RUST_LOG", "info,idemgate::access=warn")];
+            async move { ServeProcess::start(&path, listen, admin, &env).await }
         });
         let replicas = futures_util::future::join_all(starts).await;
         Self {
@@ -228,6 +230,13 @@ async fn waiters_on_two_replicas_get_the_replay(redis: bool) {
     let first = first.await.expect("first");
     assert_all_replays(&first, &dups);
     assert_eq!(up.hits(ORDERS), 1, "the upstream ran once");
+    for replica in &pair.replicas {
+        let log = replica.log();
+        assert!(
+            log.contains("listening for key notifications"),
+            "each replica listens for the others' notifications: {log}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -269,4 +278,56 @@ async fn a_release_on_one_postgres_replica_is_taken_over_by_exactly_one_waiter()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_release_on_one_postgres_replica_with_redis_is_taken_over_by_exactly_one_waiter() {
     a_release_on_one_replica_is_taken_over_by_one_waiter_on_either(true).await;
+}
+
+// ===== cross-replica notifications =====
+
+/// `store::notify`: what one process publishes reaches every process
+/// listening on the same schema's channel (itself included), and none on
+/// another schema's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn key_notifications_reach_every_listener_on_the_schema() {
+    use idemgate::store::notify::KeyNotifier;
+    use std::sync::Mutex;
+    let db = database_url();
+    require_postgres(&db).await;
+    let up = Upstream::start().await;
+    let store_of = |schema: &str| {
+        TestConfig::new(up.addr)
+            .set("store.backend", "postgres")
+            .set("store.url", db.as_str())
+            .set("store.schema", schema)
+            .parse()
+            .store
+    };
+    let (same, other) = (TestSchema::new(), TestSchema::new());
+    let seen: Vec<Arc<Mutex<Vec<String>>>> = (0..3).map(|_| Arc::default()).collect();
+    let notifiers: Vec<KeyNotifier> = seen
+        .iter()
+        .zip([&same, &same, &other])
+        .map(|(log, schema)| {
+            let log = log.clone();
+            KeyNotifier::spawn(
+                &store_of(&schema.schema),
+                Arc::new(move |id: &str| log.lock().unwrap().push(id.to_string())),
+            )
+            .expect("a notifier")
+        })
+        .collect();
+    // LISTEN takes effect asynchronously: publish until both have it.
+    crate::support::wait_for("the notification on both listeners", || {
+        notifiers[0].publish("abc123".into());
+        let seen = seen.clone();
+        async move {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let got = |i: usize| seen[i].lock().unwrap().contains(&"abc123".to_string());
+            (got(0) && got(1)).then_some(())
+        }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        seen[2].lock().unwrap().is_empty(),
+        "another schema's channel"
+    );
 }
