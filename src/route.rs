@@ -37,7 +37,8 @@ pub struct RouteConfig {
     pub ttl: Duration,
     pub lease: Duration,
     /// Keys are unique per combination of these headers' values, in this
-    /// order (the credential, then any tenant header); never empty.
+    /// order (the credential, then any tenant header); empty only where
+    /// `scope_value` replaces them.
     pub scope_headers: Vec<HeaderName>,
     pub fingerprint_headers: Vec<HeaderName>,
     pub max_request_body: u64,

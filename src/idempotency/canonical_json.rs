@@ -27,6 +27,11 @@ use std::fmt;
 /// handful of levels; serde_json's default limit is also 128.
 pub const MAX_DEPTH: usize = 128;
 
+/// Values (scalars, arrays, objects and members) at most in one document:
+/// the parsed tree takes tens of bytes per value, so this bounds it (a few
+/// MiB) whatever the body size. Webhook payloads have hundreds.
+pub const MAX_VALUES: usize = 65_536;
+
 /// A parsed JSON value. Object members keep their order as sent (the
 /// writer sorts); a number keeps the text it was written as, for keys.
 #[derive(Clone, Debug, PartialEq)]
@@ -52,11 +57,17 @@ pub enum JsonError {
     NumberOutOfRange,
     #[error("the body has a string with a lone surrogate")]
     LoneSurrogate,
+    #[error("the body has more than {MAX_VALUES} values")]
+    TooManyValues,
 }
 
 /// Parses a whole document (surrounding whitespace allowed, nothing else).
 pub fn parse(bytes: &[u8]) -> Result<Json, JsonError> {
-    let mut p = Parser { bytes, pos: 0 };
+    let mut p = Parser {
+        bytes,
+        pos: 0,
+        values: 0,
+    };
     p.ws();
     let value = p.value(0)?;
     p.ws();
@@ -300,6 +311,8 @@ impl fmt::Display for Pointer {
 struct Parser<'a> {
     bytes: &'a [u8],
     pos: usize,
+    /// Values parsed so far, against [`MAX_VALUES`].
+    values: usize,
 }
 
 impl Parser<'_> {
@@ -333,6 +346,10 @@ impl Parser<'_> {
 
     /// One value at nesting `depth` (the document is at 0).
     fn value(&mut self, depth: usize) -> Result<Json, JsonError> {
+        self.values += 1;
+        if self.values > MAX_VALUES {
+            return Err(JsonError::TooManyValues);
+        }
         match self.bytes.get(self.pos) {
             Some(b'n') => self.literal(b"null", Json::Null),
             Some(b't') => self.literal(b"true", Json::Bool(true)),
@@ -633,6 +650,9 @@ mod tests {
     fn refusals() {
         let deep_ok = format!("{}{}", "[".repeat(MAX_DEPTH), "]".repeat(MAX_DEPTH));
         assert!(parse(deep_ok.as_bytes()).is_ok());
+        // The array itself is a value too.
+        let wide_ok = format!("[{}0]", "0,".repeat(MAX_VALUES - 2));
+        assert!(parse(wide_ok.as_bytes()).is_ok());
         let cases: Vec<(Vec<u8>, JsonError)> = vec![
             (
                 format!("{}{}", "[".repeat(MAX_DEPTH + 1), "]".repeat(MAX_DEPTH + 1)).into(),
@@ -646,6 +666,10 @@ mod tests {
                 JsonError::DuplicateKey("a".into()),
             ),
             (b"[1e400]".to_vec(), JsonError::NumberOutOfRange),
+            (
+                format!("[{}0]", "0,".repeat(MAX_VALUES)).into(),
+                JsonError::TooManyValues,
+            ),
             (br#"["\ud800"]"#.to_vec(), JsonError::LoneSurrogate),
             (br#"["\udc00x"]"#.to_vec(), JsonError::LoneSurrogate),
             (b"".to_vec(), JsonError::Syntax(0)),
