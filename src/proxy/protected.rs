@@ -1,14 +1,19 @@
 //! A protected request, from its key to its stored answer.
 //!
-//! 1. [`key_of`] and [`prepare`] (pure): the key, the client's scope and the
-//!    request's fingerprint, gathered into one [`ProtectedRequest`] once the
-//!    body is read (bounded in size and time).
+//! 1. [`plan_key`], [`resolve_key`] and [`prepare`] (pure): the key (from a
+//!    header, or from the body through a JSON pointer), its scope (the
+//!    client's headers, or the route's fixed consumer name) and the
+//!    request's fingerprint (the body raw or as canonical JSON), gathered
+//!    into one [`ProtectedRequest`] once the body is read (bounded in size
+//!    and time).
 //! 2. [`Proxy::run_detached`]: from the claim on, everything runs in a task
 //!    of its own, so a client hang-up cancels neither a claim that already
 //!    committed nor the upstream call and the storing of its answer.
 //! 3. The claim ([`crate::lease`]): a live record is answered by
 //!    [`decide`]; a won claim is a [`Lease`], renewed while the upstream
 //!    runs and consumed by completing or releasing it, as [`settle`] says.
+//!    On an `in_flight = { wait }` route a duplicate of a request in flight
+//!    waits for its answer ([`super::waiters`]) instead of a 409.
 
 use super::forward::ForwardError;
 use super::replay::{capture, replay};
@@ -675,6 +680,78 @@ mod tests {
         {
             assert_eq!(base.record_key, other.record_key, "case {i}");
             assert_ne!(base.fingerprint, other.fingerprint, "case {i}");
+        }
+    }
+
+    #[test]
+    fn body_key_table() {
+        let required = route("key = { json = \"/message/messageId\" }\nscope = { value = \"c\" }");
+        let optional = route(
+            "key = { json = \"/message/messageId\" }\nscope = { value = \"c\" }\nrequire_key = false",
+        );
+        let resolve = |r: &RouteConfig, body: &str| {
+            let plan = plan_key(r, &parts(&[]).headers, None).unwrap();
+            assert!(matches!(plan, KeyPlan::InBody(_)));
+            let doc = parse_body(r, body.as_bytes());
+            resolve_key(r, plan, doc.as_ref())
+        };
+        let key = |body: &str| resolve(&required, body).unwrap().unwrap();
+        let slug = |r: &RouteConfig, body: &str| match resolve(r, body) {
+            Err(e) => crate::problem::Problem::from_error(&e).slug,
+            Ok(k) => panic!("{body}: a key {k:?}"),
+        };
+        let m = |id: &str| format!(r#"{{"message":{{"messageId":{id}}}}}"#);
+        assert_eq!(key(&m("\"1\"")), key(&m("\"1\"")));
+        assert_ne!(key(&m("\"1\"")), key(&m("\"2\"")));
+        // An integer is its digits: 1 and "1" are one key, 1.0 is refused.
+        assert_eq!(key(&m("1")), key(&m("\"1\"")));
+        assert_eq!(key(&m("-7")), key(&m("\"-7\"")));
+        for (body, want) in [
+            ("not json".to_string(), "key-missing"),
+            (r#"{"message":{}}"#.to_string(), "key-missing"),
+            (r#"{"message":"x"}"#.to_string(), "key-missing"),
+            (
+                r#"{"message":{"messageId":1},"message":{}}"#.to_string(),
+                "key-missing",
+            ),
+            (m("1.0"), "key-invalid"),
+            (m("1e3"), "key-invalid"),
+            (m("true"), "key-invalid"),
+            (m("{}"), "key-invalid"),
+            (m("\"\""), "key-invalid"),
+            (m("\"tab\\there\""), "key-invalid"),
+        ] {
+            assert_eq!(slug(&required, &body), want, "{body}");
+        }
+        // Optional: no key there means unprotected; a bad one is still 400.
+        assert!(matches!(resolve(&optional, "not json"), Ok(None)));
+        assert!(matches!(resolve(&optional, r#"{"message":{}}"#), Ok(None)));
+        assert_eq!(slug(&optional, &m("1.5")), "key-invalid");
+        // The scope is the route's consumer, whatever the credential.
+        let with_auth = |auth: &str| {
+            let h = parts(&[("authorization", auth)]).headers;
+            match plan_key(&required, &h, None).unwrap() {
+                KeyPlan::InBody(scope) => scope,
+                other => panic!("{other:?}"),
+            }
+        };
+        assert_eq!(with_auth("a"), with_auth("b"));
+        assert_eq!(with_auth("a"), Scope::of_value("c", None));
+    }
+
+    #[test]
+    fn json_fingerprints_ignore_order_whitespace_and_the_ignored_members() {
+        let r = route("fingerprint = \"json\"\nfingerprint_ignore = [\"/attempt\"]");
+        let fp = |body: &str| prepared(&r, &[], "/o", body).fingerprint;
+        let base = fp(r#"{"a":1,"b":[1,2],"attempt":1}"#);
+        assert_eq!(base, fp(r#" { "b" : [1, 2.0], "a": 1, "attempt": 7 } "#));
+        assert_eq!(base, fp(r#"{"a":1,"b":[1,2]}"#));
+        assert_ne!(base, fp(r#"{"a":1,"b":[2,1]}"#));
+        assert_ne!(base, fp(r#"{"a":"1","b":[1,2]}"#));
+        // Not I-JSON: the bytes, exactly as a raw route would see them.
+        let raw = route("");
+        for body in ["plain", r#"{"a":1,"a":1}"#] {
+            assert_eq!(fp(body), prepared(&raw, &[], "/o", body).fingerprint);
         }
     }
 }
