@@ -8,6 +8,8 @@
 //! - `replay.rs`: capturing a response for storage, and replaying it.
 //! - `forward.rs`: the upstream client; `headers.rs`: header rules.
 //! - `log.rs`: the access log line and request metric, once per request.
+//! - `waiters.rs`: duplicates waiting for a request in flight;
+//!   `latency.rs`: each route's typical latency, for `Retry-After`.
 //! - [`crate::lease`]: holding the key while the upstream runs.
 
 pub mod admission;

@@ -6,8 +6,8 @@
 
 use crate::support::services::{database_url, redis_url, require_postgres, require_redis};
 use crate::support::{
-    backend_tests, free_port, Action, Backend, Proxy, Req, Resp, Route, ServeProcess, TestConfig,
-    TestSchema, Upstream, ORDERS,
+    backend_tests, free_port, metric_value, wait_for, Action, Backend, Proxy, Req, Resp, Route,
+    ServeProcess, TestConfig, TestSchema, Upstream, ORDERS,
 };
 use std::sync::Arc;
 use std::time::Duration;
@@ -51,18 +51,30 @@ async fn two_hundred_waiters_get_the_replay_and_the_upstream_runs_once(backend: 
     let up = Upstream::start().await;
     let proxy = Proxy::builder(backend, up.addr)
         .routes(vec![wait_route(ORDERS, "10s")])
+        .admin()
         .start()
         .await;
     up.push(Action::Delay(Duration::from_millis(1000)));
     let first = tokio::spawn(proxy.post(ORDERS).key("k").body(BODY).send());
     up.wait_hits(ORDERS, 1).await;
-    let dups = (0..200)
+    let dups: Vec<_> = (0..200)
         .map(|_| tokio::spawn(proxy.post(ORDERS).key("k").body(BODY).send()))
         .collect();
+    let waiting = || async {
+        metric_value(
+            &proxy.admin_get("/metrics").send().await.text(),
+            "idemgate_waiters",
+        )
+    };
+    wait_for("waiters in the gauge", || async {
+        (waiting().await > 0).then_some(())
+    })
+    .await;
     let dups = join(dups).await;
     let first = first.await.expect("first");
     assert_all_replays(&first, &dups);
     assert_eq!(up.hits(ORDERS), 1, "the upstream ran once");
+    assert_eq!(waiting().await, 0, "every waiter left the registry");
 }
 
 /// The first attempt is answered 503 (the key is released): one waiter
@@ -315,7 +327,7 @@ async fn key_notifications_reach_every_listener_on_the_schema() {
         })
         .collect();
     // LISTEN takes effect asynchronously: publish until both have it.
-    crate::support::wait_for("the notification on both listeners", || {
+    wait_for("the notification on both listeners", || {
         notifiers[0].publish("abc123".into());
         let seen = seen.clone();
         async move {
