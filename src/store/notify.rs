@@ -83,32 +83,35 @@ async fn run(
 ) {
     let mut failures = 0;
     loop {
-        match session(&pg, &channel, &mut rx, &on_notify).await {
+        let mut listening = false;
+        match session(&pg, &channel, &mut rx, &on_notify, &mut listening).await {
             Ok(()) => return,
             Err(e) => {
-                failures += 1;
+                // A session that got as far as listening starts the count again.
+                failures = if listening { 1 } else { failures + 1 };
                 if failures == 1 {
                     warn!(error = %e, "key notifications unavailable; waiters poll the store meanwhile");
+                } else {
+                    debug!(error = %e, attempt = failures, "key notifications still unavailable");
                 }
                 tokio::time::sleep(RECONNECT.delay(failures, rand::random())).await;
             }
         }
-        if failures > 0 {
-            debug!(
-                attempt = failures,
-                "reconnecting the key notification listener"
-            );
-        }
     }
 }
 
+/// Notifications sent in one statement, at most.
+const BATCH: usize = 256;
+
 /// Listens and sends until the connection fails (`Err`) or the notifier
-/// is dropped (`Ok`).
+/// is dropped (`Ok`). What is queued goes out in batches: one round trip
+/// for all the keys finished meanwhile.
 async fn session(
     pg: &tokio_postgres::Config,
     channel: &str,
     rx: &mut mpsc::Receiver<String>,
     on_notify: &OnNotify,
+    listening: &mut bool,
 ) -> Result<(), String> {
     let (client, mut conn) = pg.connect(NoTls).await.map_err(|e| e.to_string())?;
     let incoming = async {
@@ -123,11 +126,17 @@ async fn session(
     };
     let outgoing = async {
         client.batch_execute(&format!("LISTEN {channel}")).await?;
+        *listening = true;
         info!("listening for key notifications");
-        while let Some(id) = rx.recv().await {
+        let mut ids = Vec::with_capacity(BATCH);
+        while rx.recv_many(&mut ids, BATCH).await > 0 {
             client
-                .execute("SELECT pg_notify($1, $2)", &[&channel, &id])
+                .execute(
+                    "SELECT pg_notify($1, id) FROM unnest($2::text[]) AS id",
+                    &[&channel, &ids],
+                )
                 .await?;
+            ids.clear();
         }
         Ok::<(), tokio_postgres::Error>(())
     };

@@ -337,6 +337,16 @@ async fn key_notifications_reach_every_listener_on_the_schema() {
         }
     })
     .await;
+    // A burst goes out in batches; every id arrives.
+    let burst: Vec<String> = (0..600).map(|i| format!("id-{i}")).collect();
+    for id in &burst {
+        notifiers[0].publish(id.clone());
+    }
+    crate::support::wait_until("the whole burst on the other listener", || {
+        let got = seen[1].lock().unwrap();
+        burst.iter().all(|id| got.contains(id))
+    })
+    .await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(
         seen[2].lock().unwrap().is_empty(),
