@@ -296,6 +296,29 @@ mod tests {
                 409,
                 Some("7"),
             ),
+            (
+                ProxyError::TooManyWaiters {
+                    retry_after_secs: 3,
+                },
+                503,
+                Some("3"),
+            ),
+            (
+                ProxyError::BodyKey {
+                    pointer: "/id".into(),
+                    reason: crate::error::BodyKeyError::Missing,
+                },
+                400,
+                None,
+            ),
+            (
+                ProxyError::BodyKey {
+                    pointer: "/id".into(),
+                    reason: crate::error::BodyKeyError::WrongType,
+                },
+                400,
+                None,
+            ),
             (ProxyError::Mismatch, 422, None),
             (ProxyError::NotReplayable { status: 200 }, 410, None),
             (ProxyError::OutcomeUnknown, 424, None),
