@@ -9,7 +9,9 @@ use super::{
     DEFAULT_SCOPE_HEADER, DEFAULT_TTL, MIN_LEASE,
 };
 use crate::idempotency::canonical_json::Pointer;
-use crate::route::{FingerprintMode, InFlight, Preset, PresetKey, RouteTable};
+use crate::route::{
+    FingerprintMode, InFlight, PathPattern, Preset, PresetKey, PresetSettings, RouteTable,
+};
 use http::{HeaderName, Method};
 use std::fmt;
 use std::sync::Arc;
@@ -104,13 +106,13 @@ impl Defaults {
         Ok(RouteTable::new(routes))
     }
 
-    fn route(&self, index: usize, r: RawRouteSettings) -> Result<RouteConfig, String> {
+    fn route(&self, index: usize, mut r: RawRouteSettings) -> Result<RouteConfig, String> {
         let defaults = &self.raw;
         one_key_form(&r)?;
         let own_scope_headers = scope_headers(&r)?;
         let preset = r.preset;
         let settings = preset.map(Preset::settings);
-        let methods: Vec<Method> = match (r.methods, preset) {
+        let methods: Vec<Method> = match (r.methods.take(), preset) {
             (Some(m), _) => m.into_iter().map(|m| m.0).collect(),
             // Every preset's sender POSTs.
             (None, Some(_)) => vec![Method::POST],
@@ -121,6 +123,7 @@ impl Defaults {
         }
         let path = r
             .path
+            .take()
             .ok_or("`path` is required, e.g. path = \"/orders\"")?
             .into_inner()
             .0;
@@ -156,15 +159,6 @@ impl Defaults {
                 format_duration(lease)
             ));
         }
-        let pick_header =
-            |v: &Option<HeaderNameValue>, d: &Option<HeaderNameValue>, fallback: &str| {
-                v.as_ref()
-                    .or(d.as_ref())
-                    .map(|h| h.0.clone())
-                    .unwrap_or_else(|| {
-                        HeaderName::from_bytes(fallback.as_bytes()).expect("valid default")
-                    })
-            };
         let max_request_body = r
             .max_request_body
             .or(defaults.max_request_body)
@@ -175,6 +169,59 @@ impl Defaults {
             .or(defaults.max_response_body)
             .map(|s| s.0)
             .unwrap_or(DEFAULT_MAX_RESPONSE_BODY);
+        let d = self.deliveries(&r, own_scope_headers, &path, settings)?;
+        Ok(RouteConfig {
+            index,
+            label: Arc::new(path.as_str().to_string()),
+            methods,
+            path,
+            key_header: d.key_header,
+            key_json: d.key_json,
+            scope_value: d.scope_value,
+            fingerprint: d.fingerprint,
+            fingerprint_ignore: d.fingerprint_ignore,
+            in_flight: d.in_flight,
+            preset,
+            require_key: r.require_key.or(defaults.require_key).unwrap_or(true),
+            ttl,
+            lease,
+            scope_headers: d.scope_headers,
+            fingerprint_headers: headers(r.fingerprint_headers, &defaults.fingerprint_headers),
+            max_request_body,
+            max_response_body,
+            include_response_headers: headers(
+                r.include_response_headers,
+                &defaults.include_response_headers,
+            ),
+            exclude_response_headers: headers(
+                r.exclude_response_headers,
+                &defaults.exclude_response_headers,
+            ),
+            on_store_error: r
+                .on_store_error
+                .or(defaults.on_store_error)
+                .unwrap_or(OnStoreError::Reject),
+            release_statuses: r
+                .release_statuses
+                .or_else(|| defaults.release_statuses.clone())
+                .map(|v| v.0)
+                .unwrap_or_default(),
+            on_ambiguous: r.on_ambiguous.or(defaults.on_ambiguous).unwrap_or_default(),
+        })
+    }
+
+    /// Where the key comes from, whose it is, what the fingerprint covers
+    /// and what a duplicate in flight gets (README "Webhooks and message
+    /// deliveries"): the route's own keys, then its preset's, then
+    /// `[defaults]`.
+    fn deliveries(
+        &self,
+        r: &RawRouteSettings,
+        own_scope_headers: Option<Vec<HeaderName>>,
+        path: &PathPattern,
+        settings: Option<PresetSettings>,
+    ) -> Result<Deliveries, String> {
+        let defaults = &self.raw;
         let key = r
             .key
             .clone()
@@ -183,9 +230,12 @@ impl Defaults {
             .or_else(|| defaults.key.clone());
         let (key_header, key_json) = match key {
             Some(KeySpec::Header(h)) => (h, None),
-            Some(KeySpec::Json(p)) => (pick_header(&None, &None, DEFAULT_KEY_HEADER), Some(p)),
+            Some(KeySpec::Json(p)) => (default_key_header(), Some(p)),
             None => (
-                pick_header(&None, &defaults.key_header, DEFAULT_KEY_HEADER),
+                defaults
+                    .key_header
+                    .as_ref()
+                    .map_or_else(default_key_header, |h| h.0.clone()),
                 None,
             ),
         };
@@ -195,9 +245,10 @@ impl Defaults {
             (None, Some(own)) => (own, None),
             // A preset's consumer is the route: two routes for one sender
             // (two GitHub Apps get the same X-GitHub-Delivery) never share keys.
-            (None, None) if preset.is_some() => (
+            (None, None) if r.preset.is_some() => (
                 Vec::new(),
-                preset.map(|p| format!("{}:{}", p.as_str(), path.as_str())),
+                r.preset
+                    .map(|p| format!("{}:{}", p.as_str(), path.as_str())),
             ),
             (None, None) => match &defaults.scope {
                 Some(ScopeSpec::Header(h)) => (vec![h.clone()], None),
@@ -225,6 +276,7 @@ impl Defaults {
             });
         let fingerprint_ignore: Vec<Pointer> = r
             .fingerprint_ignore
+            .clone()
             .or(preset_ignore)
             .or_else(|| defaults.fingerprint_ignore.clone())
             .unwrap_or_default()
@@ -249,45 +301,31 @@ impl Defaults {
                 ));
             }
         }
-        Ok(RouteConfig {
-            index,
-            label: Arc::new(path.as_str().to_string()),
-            methods,
-            path,
+        Ok(Deliveries {
             key_header,
             key_json,
+            scope_headers,
             scope_value,
             fingerprint,
             fingerprint_ignore,
             in_flight,
-            preset,
-            require_key: r.require_key.or(defaults.require_key).unwrap_or(true),
-            ttl,
-            lease,
-            scope_headers,
-            fingerprint_headers: headers(r.fingerprint_headers, &defaults.fingerprint_headers),
-            max_request_body,
-            max_response_body,
-            include_response_headers: headers(
-                r.include_response_headers,
-                &defaults.include_response_headers,
-            ),
-            exclude_response_headers: headers(
-                r.exclude_response_headers,
-                &defaults.exclude_response_headers,
-            ),
-            on_store_error: r
-                .on_store_error
-                .or(defaults.on_store_error)
-                .unwrap_or(OnStoreError::Reject),
-            release_statuses: r
-                .release_statuses
-                .or_else(|| defaults.release_statuses.clone())
-                .map(|v| v.0)
-                .unwrap_or_default(),
-            on_ambiguous: r.on_ambiguous.or(defaults.on_ambiguous).unwrap_or_default(),
         })
     }
+}
+
+/// What [`Defaults::deliveries`] resolves.
+struct Deliveries {
+    key_header: HeaderName,
+    key_json: Option<Pointer>,
+    scope_headers: Vec<HeaderName>,
+    scope_value: Option<String>,
+    fingerprint: FingerprintMode,
+    fingerprint_ignore: Vec<Pointer>,
+    in_flight: InFlight,
+}
+
+fn default_key_header() -> HeaderName {
+    HeaderName::from_bytes(DEFAULT_KEY_HEADER.as_bytes()).expect("valid default")
 }
 
 fn preset_key(key: PresetKey) -> KeySpec {
