@@ -18,6 +18,12 @@ pub enum ProxyError {
         header: HeaderName,
         reason: KeyError,
     },
+    /// A route whose key is read from the body (`key = { json = .. }`).
+    #[error("no usable key at {pointer} in the body: {reason}")]
+    BodyKey {
+        pointer: String,
+        reason: BodyKeyError,
+    },
     #[error(transparent)]
     RepeatedScopeHeader(#[from] RepeatedScopeHeader),
     /// Malformed in a way hyper does not catch (`proxy/admission.rs`).
@@ -37,6 +43,9 @@ pub enum ProxyError {
     Overloaded,
     #[error("a request with this key is still being processed")]
     InFlight { retry_after_secs: u64 },
+    /// `in_flight = { wait }`: too many duplicates wait already.
+    #[error("too many requests are waiting for the answer to one already in flight")]
+    TooManyWaiters { retry_after_secs: u64 },
     #[error("this key was already used for a different request")]
     Mismatch,
     #[error("the original response (status {status}) could not be stored: it was larger than the route's max_response_body, or the upstream cut it off")]
@@ -72,6 +81,26 @@ pub enum ProxyError {
     Internal(String),
 }
 
+/// Why a body holds no usable key (each is a 400).
+#[derive(Debug, thiserror::Error)]
+pub enum BodyKeyError {
+    #[error("{0}")]
+    NotJson(#[from] crate::idempotency::canonical_json::JsonError),
+    #[error("the body has no value there")]
+    Missing,
+    #[error("the value there is not a string or an integer")]
+    WrongType,
+    #[error("{0}")]
+    Invalid(KeyError),
+}
+
+impl BodyKeyError {
+    /// The key is not there at all (as opposed to there but unusable).
+    pub fn is_missing(&self) -> bool {
+        matches!(self, BodyKeyError::NotJson(_) | BodyKeyError::Missing)
+    }
+}
+
 /// Who is at fault, which decides logging level and metrics.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Origin {
@@ -86,6 +115,8 @@ impl ProxyError {
         match self {
             ProxyError::MissingKey { .. }
             | ProxyError::InvalidKey { .. }
+            | ProxyError::BodyKey { .. }
+            | ProxyError::TooManyWaiters { .. }
             | ProxyError::RepeatedScopeHeader(_)
             | ProxyError::InvalidRequest(_)
             | ProxyError::UnsupportedTransferCoding { .. }

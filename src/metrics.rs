@@ -123,6 +123,7 @@ pub struct Metrics {
     upstream_latency: Family<RouteLabels, Histogram>,
     in_flight: Gauge,
     pending_completions: Gauge,
+    waiters: Gauge,
     buffered_body_bytes: Gauge,
     body_budget_refusals: Counter,
     swept: Counter,
@@ -195,6 +196,12 @@ impl Metrics {
             "pending_completions",
             "Upstream answers received but not yet recorded in the store (retried in the background)",
             pending_completions.clone(),
+        );
+        let waiters = Gauge::default();
+        registry.register(
+            "waiters",
+            "Duplicates waiting for the answer of a request in flight (in_flight = { wait })",
+            waiters.clone(),
         );
         let buffered_body_bytes = Gauge::default();
         registry.register(
@@ -271,6 +278,7 @@ impl Metrics {
             upstream_latency,
             in_flight,
             pending_completions,
+            waiters,
             buffered_body_bytes,
             body_budget_refusals,
             swept,
@@ -381,6 +389,10 @@ impl Metrics {
 
     pub fn in_flight(&self) -> &Gauge {
         &self.in_flight
+    }
+
+    pub fn waiters(&self) -> &Gauge {
+        &self.waiters
     }
 
     pub fn pending_completions(&self) -> &Gauge {

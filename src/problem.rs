@@ -54,6 +54,27 @@ impl Problem {
                 "Idempotency-Key is invalid",
                 Outcome::InvalidKey,
             ),
+            ProxyError::BodyKey { reason, .. } if reason.is_missing() => p(
+                StatusCode::BAD_REQUEST,
+                "key-missing",
+                "Idempotency-Key is missing",
+                Outcome::MissingKey,
+            ),
+            ProxyError::BodyKey { .. } => p(
+                StatusCode::BAD_REQUEST,
+                "key-invalid",
+                "Idempotency-Key is invalid",
+                Outcome::InvalidKey,
+            ),
+            ProxyError::TooManyWaiters { retry_after_secs } => Problem {
+                retry_after_secs: Some(*retry_after_secs),
+                ..p(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "too-many-waiters",
+                    "Too many duplicates are waiting",
+                    Outcome::Overloaded,
+                )
+            },
             ProxyError::RepeatedScopeHeader(_) => p(
                 StatusCode::BAD_REQUEST,
                 "scope-header-repeated",
@@ -338,6 +359,29 @@ mod tests {
                 },
                 409,
                 Some("7"),
+            ),
+            (
+                ProxyError::TooManyWaiters {
+                    retry_after_secs: 3,
+                },
+                503,
+                Some("3"),
+            ),
+            (
+                ProxyError::BodyKey {
+                    pointer: "/id".into(),
+                    reason: crate::error::BodyKeyError::Missing,
+                },
+                400,
+                None,
+            ),
+            (
+                ProxyError::BodyKey {
+                    pointer: "/id".into(),
+                    reason: crate::error::BodyKeyError::WrongType,
+                },
+                400,
+                None,
             ),
             (ProxyError::Mismatch, 422, None),
             (ProxyError::NotReplayable { status: 200 }, 410, None),

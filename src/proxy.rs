@@ -10,18 +10,22 @@
 //! - `log.rs`: the access log line and request metric, once per request.
 //! - `request_id.rs`: `X-Request-Id`, kept or generated, and the problem
 //!   `instance` it names.
+//! - `waiters.rs`: duplicates waiting for a request in flight;
+//!   `latency.rs`: each route's typical latency, for `Retry-After`.
 //! - [`crate::lease`]: holding the key while the upstream runs.
 
 pub mod admission;
 pub mod forward;
 pub mod headers;
+mod latency;
 mod log;
 mod protected;
 mod replay;
 pub mod request_id;
+pub mod waiters;
 
 use crate::body::budget::BodyBudget;
-use crate::body::{boxed, ProxyBody};
+use crate::body::{self, boxed, ProxyBody};
 use crate::clock::Clock;
 use crate::config::{Config, Secret};
 use crate::error::{KeyFate, Origin, ProxyError};
@@ -36,7 +40,7 @@ use forward::{ConnectError, ForwardError, Forwarder};
 use http::{Request, Response};
 use hyper::body::Incoming;
 use log::RequestLog;
-use protected::{key_of, prepare, read_body};
+use protected::{parse_body, plan_key, prepare, read_body, resolve_key, KeyPlan};
 use request_id::{RequestId, X_REQUEST_ID};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -63,6 +67,12 @@ pub struct Proxy {
     metrics: Arc<Metrics>,
     /// Starts each request's span (a no-op without `[tracing]`).
     tracer: trace::Tracer,
+    /// Duplicates waiting for a request in flight (`in_flight = { wait }`).
+    waiters: Arc<waiters::Waiters>,
+    /// Each route's typical upstream latency, for `Retry-After`.
+    latencies: latency::Latencies,
+    /// Wakes waiters on other replicas (PostgreSQL with a waiting route).
+    notifier: Option<Arc<crate::store::notify::KeyNotifier>>,
     /// Detached work: protected requests from their claim on, and store
     /// writes that outlive them. Shutdown waits for it.
     tasks: TaskTracker,
@@ -76,6 +86,10 @@ struct Shared {
     metrics: Arc<Metrics>,
     /// One exporter per process: `[tracing]` changes need a restart.
     tracer: trace::Tracer,
+    /// One registry of waiters per process, so a request finishing on one
+    /// config generation wakes the duplicates waiting on another.
+    waiters: Arc<waiters::Waiters>,
+    notifier: Option<Arc<crate::store::notify::KeyNotifier>>,
     tasks: TaskTracker,
 }
 
@@ -92,6 +106,11 @@ impl Proxy {
         clock: Clock,
     ) -> Result<Self, UpstreamSetupError> {
         let tasks = TaskTracker::new();
+        let waiters = Arc::new(
+            waiters::Waiters::new(waiters::MAX_WAITERS_PER_KEY, waiters::MAX_WAITERS_TOTAL)
+                .with_gauge(metrics.waiters().clone()),
+        );
+        let notifier = waiters::spawn_notifier(config, &waiters).map(Arc::new);
         let shared = Shared {
             leases: Leases::new(
                 store,
@@ -106,6 +125,8 @@ impl Proxy {
                 metrics.body_budget_refusals().clone(),
             ),
             scope_secret: config.scope_secret.clone(),
+            waiters,
+            notifier,
             metrics,
             tracer: trace::Tracer::new(config.tracing.as_ref()),
             tasks,
@@ -127,6 +148,12 @@ impl Proxy {
                 scope_secret: self.scope_secret.clone(),
                 metrics: self.metrics.clone(),
                 tracer: self.tracer.clone(),
+                waiters: self.waiters.clone(),
+                // Started on the first config with a waiting route.
+                notifier: self
+                    .notifier
+                    .clone()
+                    .or_else(|| waiters::spawn_notifier(config, &self.waiters).map(Arc::new)),
                 tasks: self.tasks.clone(),
             },
         )
@@ -141,6 +168,8 @@ impl Proxy {
             scope_secret,
             metrics,
             tracer,
+            waiters,
+            notifier,
             tasks,
         } = shared;
         Ok(Self {
@@ -152,6 +181,9 @@ impl Proxy {
             scope_secret,
             metrics,
             tracer,
+            waiters,
+            notifier,
+            latencies: latency::Latencies::new(config.routes.iter().map(|r| &r.label)),
             tasks,
         })
     }
@@ -213,14 +245,16 @@ impl Proxy {
         if let Err(e) = admission::refuse_protected_upgrade(&route, &req) {
             return self.conclude(Err(e), log);
         }
-        let key = match key_of(&route, req.headers(), self.scope_secret.as_ref()) {
-            Ok(Some(key)) => key,
-            Ok(None) => {
-                let upstream = route.upstream.as_deref();
-                let (outcome, resp) = self.passthrough(upstream, req.map(boxed), peer).await;
+        let upstream = route.upstream.clone();
+        let plan = match plan_key(&route, req.headers(), self.scope_secret.as_ref()) {
+            Ok(KeyPlan::Absent) => {
+                let (outcome, resp) = self
+                    .passthrough(upstream.as_deref(), req.map(boxed), peer)
+                    .await;
                 log.finish(&self.metrics, outcome, &resp, false);
                 return resp;
             }
+            Ok(plan) => plan,
             Err(e) => return self.conclude(Err(e), log),
         };
         // Owned only here: pass-through requests never copy their path.
@@ -233,7 +267,18 @@ impl Proxy {
             Err(e) => return self.conclude(Err(e), log),
         };
         log.set_bytes_in(body.len() as u64);
-        let req = prepare(route, parts, body, key, &path, peer);
+        let doc = parse_body(&route, &body);
+        let key = match resolve_key(&route, plan, doc.as_ref()) {
+            Ok(Some(key)) => key,
+            Ok(None) => {
+                let forwarded = Request::from_parts(parts, body::full(body));
+                let (outcome, resp) = self.passthrough(upstream.as_deref(), forwarded, peer).await;
+                log.finish(&self.metrics, outcome, &resp, false);
+                return resp;
+            }
+            Err(e) => return self.conclude(Err(e), log),
+        };
+        let req = prepare(route, parts, body, key, doc, &path, peer);
         let key_id = req.record_key.log_id();
         trace::set_key_id(&key_id);
         log.set_key_id(key_id);

@@ -794,3 +794,150 @@ fn tracing_section_is_a_config_error_without_the_otel_feature() {
     let e = Config::parse_with_env(MINIMAL, "t.toml", &env).unwrap_err();
     assert!(e.to_string().contains("IDEMGATE_TRACING_"), "{e}");
 }
+
+// ===== natural keys, scopes, fingerprints, waiting duplicates, presets =====
+
+#[test]
+fn natural_keys_scopes_and_delivery_settings_resolve() {
+    use crate::route::{FingerprintMode, InFlight, Preset};
+    use http::{HeaderName, Method};
+    let text = format!(
+        "{MINIMAL}[[route]]\nmethods = [\"POST\"]\npath = \"/a\"\n\
+         key = {{ header = \"X-GitHub-Delivery\" }}\nscope = {{ value = \"github\" }}\n\
+         in_flight = {{ wait = \"10s\" }}\n\
+         [[route]]\nmethods = [\"POST\"]\npath = \"/b\"\nkey = {{ json = \"/message/messageId\" }}\n\
+         scope = {{ header = \"X-Tenant\" }}\nfingerprint = \"json\"\nfingerprint_ignore = [\"/deliveryAttempt\"]\n\
+         in_flight = \"reject\"\n\
+         [[route]]\npath = \"/c\"\npreset = \"stripe\"\n\
+         [[route]]\npath = \"/d\"\npreset = \"stripe\"\nkey = {{ header = \"X-Id\" }}\nfingerprint = \"raw\"\n\
+         ttl = \"1h\"\nin_flight = \"reject\"\nscope = {{ value = \"mine\" }}\n"
+    );
+    let cfg = parse(&text).unwrap();
+    let r: Vec<_> = cfg.routes.iter().collect();
+    assert_eq!(r[0].key_header.as_str(), "x-github-delivery");
+    assert_eq!(r[0].key_json, None);
+    assert_eq!(r[0].scope_value.as_deref(), Some("github"));
+    assert_eq!(r[0].in_flight, InFlight::Wait(Duration::from_secs(10)));
+    assert_eq!(r[0].fingerprint, FingerprintMode::Raw);
+    assert_eq!(
+        r[1].key_json.as_ref().map(|p| p.as_str()),
+        Some("/message/messageId")
+    );
+    assert_eq!(r[1].scope_headers, [HeaderName::from_static("x-tenant")]);
+    assert_eq!(r[1].scope_value, None);
+    assert_eq!(r[1].fingerprint, FingerprintMode::Json);
+    assert_eq!(r[1].fingerprint_ignore.len(), 1);
+    assert_eq!(r[1].in_flight, InFlight::Reject);
+    // A preset: its key, a scope of its own per route, its ttl and wait.
+    assert_eq!(r[2].preset, Some(Preset::Stripe));
+    assert_eq!(r[2].methods, [Method::POST]);
+    assert_eq!(r[2].key_json.as_ref().map(|p| p.as_str()), Some("/id"));
+    assert_eq!(r[2].scope_value.as_deref(), Some("stripe:/c"));
+    assert_eq!(r[2].ttl, Duration::from_secs(4 * 24 * 3600));
+    assert_eq!(r[2].fingerprint, FingerprintMode::Json);
+    assert_eq!(r[2].fingerprint_ignore[0].as_str(), "/pending_webhooks");
+    assert!(matches!(r[2].in_flight, InFlight::Wait(_)));
+    // The route's own keys win over the preset's.
+    assert_eq!(r[3].key_header.as_str(), "x-id");
+    assert_eq!(r[3].key_json, None);
+    assert_eq!(r[3].fingerprint, FingerprintMode::Raw);
+    assert!(r[3].fingerprint_ignore.is_empty());
+    assert_eq!(r[3].ttl, Duration::from_secs(3600));
+    assert_eq!(r[3].in_flight, InFlight::Reject);
+    assert_eq!(r[3].scope_value.as_deref(), Some("mine"));
+    // Today's defaults are unchanged.
+    let plain = parse(&with_route("")).unwrap();
+    let p = plain.routes.iter().next().unwrap();
+    assert_eq!(p.key_header.as_str(), "idempotency-key");
+    assert_eq!((p.key_json.as_ref(), p.scope_value.as_ref()), (None, None));
+    assert_eq!(p.fingerprint, FingerprintMode::Raw);
+    assert_eq!(p.in_flight, InFlight::Reject);
+    let shown = cfg.to_string();
+    assert!(shown.contains("key_json=/id"), "{shown}");
+    assert!(shown.contains("preset=stripe"), "{shown}");
+    assert!(shown.contains("scope=value:stripe:/c"), "{shown}");
+}
+
+#[test]
+fn every_preset_parses() {
+    for preset in [
+        "github",
+        "standard-webhooks",
+        "stripe",
+        "sns",
+        "pub-sub",
+        "shopify",
+    ] {
+        let text = format!("{MINIMAL}[[route]]\npath = \"/hook\"\npreset = \"{preset}\"\n");
+        let cfg = parse(&text).unwrap_or_else(|e| panic!("{preset}: {e}"));
+        let r = cfg.routes.iter().next().unwrap();
+        assert!(r.ttl >= Duration::from_secs(24 * 3600), "{preset}");
+        assert!(r.require_key, "{preset}");
+    }
+}
+
+#[test]
+fn bad_delivery_settings_name_the_line_and_the_fix() {
+    let cases: &[(&str, &[&str])] = &[
+        (
+            "key = { header = \"A\", json = \"/id\" }\n",
+            &["line 6", "exactly one of `header`"],
+        ),
+        ("key = {}\n", &["line 6", "exactly one"]),
+        (
+            "key = { json = \"id\" }\n",
+            &["line 6", "must start with '/'"],
+        ),
+        (
+            "key = { json = \"/a~2\" }\n",
+            &["line 6", "'~' must be followed"],
+        ),
+        ("key = { cookie = \"a\" }\n", &["line 6", "unknown field"]),
+        (
+            "key = { header = \"A\" }\nkey_header = \"B\"\n",
+            &["route #1", "`key` or `key_header`"],
+        ),
+        (
+            "scope = { value = \"s\" }\nscope_header = \"B\"\n",
+            &["route #1", "`scope` or `scope_header`"],
+        ),
+        ("scope = { value = \"\" }\n", &["line 6", "1 to 255"]),
+        (
+            "scope = { header = \"a\", value = \"b\" }\n",
+            &["line 6", "exactly one"],
+        ),
+        ("fingerprint = \"canonical\"\n", &["line 6", "raw", "json"]),
+        (
+            "fingerprint_ignore = [\"/a\"]\n",
+            &["route #1", "needs fingerprint = \"json\""],
+        ),
+        ("in_flight = \"wait\"\n", &["line 6", "in_flight = { wait"]),
+        (
+            "in_flight = { wait = \"0s\" }\n",
+            &["route #1", "more than 0"],
+        ),
+        (
+            "in_flight = { wait = \"1h\" }\n",
+            &["route #1", "at most 5m"],
+        ),
+        ("in_flight = { wait = 10 }\n", &["line 6"]),
+        (
+            "in_flight = { timeout = \"1s\" }\n",
+            &["line 6", "unknown field"],
+        ),
+        ("preset = \"gitlab\"\n", &["line 6", "github"]),
+        ("preset = \"github\"\nttl = \"1s\"\n", &["route #1", "ttl"]),
+    ];
+    for (route, needles) in cases {
+        let msg = err(&with_route(route));
+        for needle in *needles {
+            assert!(msg.contains(needle), "{route:?}: {msg:?} lacks {needle:?}");
+        }
+    }
+    let msg = err(&format!("{MINIMAL}[defaults]\npreset = \"github\"\n"));
+    assert!(msg.contains("belongs in a [[route]]"), "{msg}");
+    let msg = err(&format!(
+        "{MINIMAL}[defaults]\nkey = {{ header = \"A\" }}\nkey_header = \"B\"\n"
+    ));
+    assert!(msg.contains("`key` or `key_header`"), "{msg}");
+}

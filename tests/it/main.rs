@@ -31,3 +31,5 @@ mod store_contract;
 #[cfg(feature = "otel")]
 mod tracing;
 mod upstream_tls;
+mod waiting;
+mod webhooks;
