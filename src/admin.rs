@@ -34,7 +34,12 @@ impl Admin {
                 "not ready: shutting down\n",
             ),
             "/readyz" => match tokio::time::timeout(READY_TIMEOUT, self.store.ping()).await {
-                Ok(Ok(())) => text(StatusCode::OK, "ready\n"),
+                // A fast path that is down costs speed, not correctness:
+                // still ready, with the cause for the operator.
+                Ok(Ok(())) => match self.store.degraded() {
+                    None => text(StatusCode::OK, "ready\n"),
+                    Some(note) => text(StatusCode::OK, &format!("ready\ndegraded: {note}\n")),
+                },
                 Ok(Err(e)) => text(
                     StatusCode::SERVICE_UNAVAILABLE,
                     &format!("not ready: {e}\n"),
