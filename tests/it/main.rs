@@ -16,6 +16,7 @@ mod invariants;
 mod lifecycle;
 mod operations;
 mod properties;
+mod redis_cluster;
 mod redis_tls;
 mod regressions;
 mod replicas;

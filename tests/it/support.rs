@@ -22,6 +22,7 @@ pub mod config;
 pub mod process;
 pub mod proxy;
 pub mod recording_upstream;
+pub mod redis_cluster;
 pub mod redis_tls;
 pub mod services;
 pub mod traffic;
