@@ -190,3 +190,33 @@ async fn a_node_killed_during_traffic_falls_back_to_postgres_and_every_key_runs_
     }
     assert_eq!(up.hits(ORDERS), 20 + keys.len());
 }
+
+/// A cluster over TLS (client and bus), its nodes announcing the host name
+/// their certificate carries, as managed clusters do: `rediss://` with
+/// `ca_file` and `cluster = true` gets fast-path hits on every node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_cluster_gets_fast_path_hits_through_the_ca_file() {
+    let cluster = RedisCluster::start_tls(3);
+    let up = Upstream::start().await;
+    let ca = cluster.pki.as_ref().expect("a TLS cluster").ca();
+    let proxy = Proxy::builder(Backend::PostgresRedis, up.addr)
+        .redis_url(&cluster.url())
+        .set("redis.cluster", true)
+        .set("redis.ca_file", ca.as_str())
+        .set("redis.timeout", "2s")
+        .start()
+        .await;
+    let keys = 30;
+    for i in 0..keys {
+        let key = format!("tls-{i}");
+        let first = proxy.post(ORDERS).key(&key).body(BODY).send().await;
+        assert_eq!(first.status(), 201, "{}", first.text());
+        let replay = proxy.post(ORDERS).key(&key).body(BODY).send().await;
+        assert!(replay.replayed(), "{replay:?}");
+    }
+    assert_eq!(proxy.fast_path_hits(), keys, "{}", proxy.metrics.encode());
+    assert_eq!(proxy.fast_path_errors(), 0, "{}", proxy.metrics.encode());
+    for node in 0..3 {
+        assert!(cluster.keys_on(node) > 0, "node {node} holds no key");
+    }
+}

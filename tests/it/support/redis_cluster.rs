@@ -3,7 +3,13 @@
 //! directory, joined with `redis-cli --cluster create --cluster-replicas 0`,
 //! ready once every node reports `cluster_state:ok`. Nodes can be killed
 //! one by one; all are killed and the directory removed on drop.
+//!
+//! [`RedisCluster::start_tls`] runs the same cluster over TLS only (client
+//! and bus), with a test CA ([`TestPki`]); nodes announce the host name
+//! `localhost` (the name on their certificate), as managed clusters
+//! announce names rather than addresses.
 
+use super::redis_tls::{spawn_tls_server, wait_listening, ClientAuth, TestPki, SERVER_NAME};
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
@@ -17,6 +23,8 @@ struct Node {
 pub struct RedisCluster {
     nodes: Vec<Node>,
     dir: tempfile::TempDir,
+    /// The certificates of a TLS cluster.
+    pub pki: Option<TestPki>,
 }
 
 impl RedisCluster {
@@ -27,6 +35,7 @@ impl RedisCluster {
         let mut cluster = Self {
             nodes: Vec::new(),
             dir,
+            pki: None,
         };
         for _ in 0..n {
             let (port, bus) = (super::free_port().port(), super::free_port().port());
@@ -61,19 +70,67 @@ impl RedisCluster {
             });
             cluster.wait_answering(port);
         }
-        let addrs: Vec<String> = cluster
+        cluster.create();
+        cluster
+    }
+
+    /// Like [`RedisCluster::start`], TLS only, announcing `localhost`.
+    pub fn start_tls(n: usize) -> Self {
+        assert!(n >= 3, "a Redis Cluster needs at least three primaries");
+        let pki = TestPki::generate();
+        let mut nodes = Vec::new();
+        for _ in 0..n {
+            let (port, bus) = (super::free_port().port(), super::free_port().port());
+            let (bus, conf) = (bus.to_string(), format!("nodes-{port}.conf"));
+            let child = spawn_tls_server(
+                &pki,
+                port,
+                ClientAuth::No,
+                &[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    &conf,
+                    "--cluster-port",
+                    &bus,
+                    "--cluster-node-timeout",
+                    "1000",
+                    "--tls-cluster",
+                    "yes",
+                    "--cluster-announce-hostname",
+                    SERVER_NAME,
+                    "--cluster-preferred-endpoint-type",
+                    "hostname",
+                ],
+            );
+            nodes.push(Node {
+                port,
+                child: Some(wait_listening(port, child)),
+            });
+        }
+        let mut cluster = Self {
+            nodes,
+            dir: tempfile::TempDir::new().expect("tempdir"),
+            pki: Some(pki),
+        };
+        cluster.create();
+        cluster
+    }
+
+    /// `redis-cli --cluster create`, then waits for `cluster_state:ok`.
+    fn create(&mut self) {
+        let addrs: Vec<String> = self
             .nodes
             .iter()
             .map(|n| format!("127.0.0.1:{}", n.port))
             .collect();
-        let out = Command::new("redis-cli")
-            .arg("--cluster")
-            .arg("create")
-            .args(&addrs)
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
-            .stdin(Stdio::null())
-            .output()
-            .expect("run redis-cli --cluster create (is redis-tools installed?)");
+        let mut cli = self.cli();
+        let out = cli.arg("--cluster").arg("create").args(&addrs).args([
+            "--cluster-replicas",
+            "0",
+            "--cluster-yes",
+        ]);
+        let out = bounded_output(out, Duration::from_secs(20));
         assert!(
             out.status.success(),
             "redis-cli --cluster create failed: {}\n{}",
@@ -81,8 +138,11 @@ impl RedisCluster {
             String::from_utf8_lossy(&out.stderr)
         );
         let deadline = Instant::now() + Duration::from_secs(15);
-        for port in cluster.ports() {
-            while !command(port, "CLUSTER INFO").contains("cluster_state:ok") {
+        for port in self.ports() {
+            while !self
+                .command(port, "CLUSTER INFO")
+                .contains("cluster_state:ok")
+            {
                 assert!(
                     Instant::now() < deadline,
                     "the cluster did not reach cluster_state:ok within 15 s"
@@ -90,7 +150,30 @@ impl RedisCluster {
                 std::thread::sleep(Duration::from_millis(50));
             }
         }
-        cluster
+    }
+
+    /// `redis-cli`, with the CA for a TLS cluster.
+    fn cli(&self) -> Command {
+        let mut cmd = Command::new("redis-cli");
+        if let Some(pki) = &self.pki {
+            cmd.args(["--tls", "--cacert"]).arg(pki.ca());
+        }
+        cmd
+    }
+
+    /// One command to the node on `port`; its reply as text ("" when it
+    /// does not answer).
+    fn command(&self, port: u16, line: &str) -> String {
+        if self.pki.is_none() {
+            return command(port, line);
+        }
+        self.cli()
+            .args(["-p", &port.to_string()])
+            .args(line.split(' '))
+            .stdin(Stdio::null())
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default()
     }
 
     pub fn ports(&self) -> Vec<u16> {
@@ -99,12 +182,15 @@ impl RedisCluster {
 
     /// The seed URL: the first node.
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.nodes[0].port)
+        match self.pki {
+            None => format!("redis://127.0.0.1:{}", self.nodes[0].port),
+            Some(_) => format!("rediss://{SERVER_NAME}:{}", self.nodes[0].port),
+        }
     }
 
     /// How many keys node `i` holds (`DBSIZE`).
     pub fn keys_on(&self, i: usize) -> u64 {
-        let reply = command(self.nodes[i].port, "DBSIZE");
+        let reply = self.command(self.nodes[i].port, "DBSIZE");
         reply
             .trim_start_matches(':')
             .trim()
@@ -182,4 +268,37 @@ fn complete(reply: &[u8]) -> bool {
         .parse()
         .unwrap_or(-1);
     len < 0 || reply.len() >= eol + 2 + len as usize + 2
+}
+
+/// Runs `cmd` to completion within `limit` (`redis-cli --cluster create`
+/// waits forever for nodes that cannot meet); kills it and panics past it.
+fn bounded_output(cmd: &mut Command, limit: Duration) -> std::process::Output {
+    let dir = tempfile::TempDir::new().expect("tempdir");
+    let (out, err) = (dir.path().join("out"), dir.path().join("err"));
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out).expect("stdout file"))
+        .stderr(std::fs::File::create(&err).expect("stderr file"))
+        .spawn()
+        .expect("run redis-cli (is redis-tools installed?)");
+    let deadline = Instant::now() + limit;
+    let status = loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "{cmd:?} did not finish within {limit:?}:\n{}",
+                std::fs::read_to_string(&out).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    std::process::Output {
+        status,
+        stdout: std::fs::read(&out).unwrap_or_default(),
+        stderr: std::fs::read(&err).unwrap_or_default(),
+    }
 }

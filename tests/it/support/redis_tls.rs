@@ -33,12 +33,21 @@ impl TestPki {
             std::fs::write(dir.path().join(name), text).expect("write a PEM file")
         };
         write("ca.pem", ca_cert.pem());
-        for (name, san, purpose) in [
-            ("server", SERVER_NAME, ExtendedKeyUsagePurpose::ServerAuth),
+        // The server certificate is a client one too: cluster nodes present
+        // it to each other on the (always mutually authenticated) bus.
+        for (name, san, purposes) in [
+            (
+                "server",
+                SERVER_NAME,
+                vec![
+                    ExtendedKeyUsagePurpose::ServerAuth,
+                    ExtendedKeyUsagePurpose::ClientAuth,
+                ],
+            ),
             (
                 "client",
                 "idemgate-client",
-                ExtendedKeyUsagePurpose::ClientAuth,
+                vec![ExtendedKeyUsagePurpose::ClientAuth],
             ),
         ] {
             let key = KeyPair::generate().expect("leaf key");
@@ -46,7 +55,7 @@ impl TestPki {
             params.distinguished_name.push(DnType::CommonName, san);
             params.use_authority_key_identifier_extension = true;
             params.key_usages.push(KeyUsagePurpose::DigitalSignature);
-            params.extended_key_usages.push(purpose);
+            params.extended_key_usages = purposes;
             let cert = params.signed_by(&key, &issuer).expect("sign a leaf");
             write(&format!("{name}.pem"), cert.pem());
             write(&format!("{name}.key"), key.serialize_pem());
