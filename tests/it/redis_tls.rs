@@ -8,7 +8,7 @@
 use crate::support::redis_tls::{ClientAuth, TlsRedis, SERVER_NAME};
 use crate::support::services::{database_url, require_postgres, PrivateRedis, TestSchema};
 use crate::support::{
-    wait_for, Backend, Proxy, Route, ServeProcess, TestConfig, Upstream, DEADLINE, ORDERS,
+    run_on_config_text, wait_for, Backend, Proxy, Route, ServeProcess, TestConfig, Upstream, ORDERS,
 };
 
 const BODY: &str = r#"{"item":"book"}"#;
@@ -177,5 +177,31 @@ async fn serve_starts_on_tls_redis_and_logs_an_untrusted_certificate_once() {
     // Logged per outage, not per request.
     let warnings = log.matches("certificate not trusted").count();
     assert!(warnings <= 3, "{warnings} warnings for 5 requests:\n{log}");
-    let _ = DEADLINE;
+}
+
+/// A certificate file that cannot be read is the operator's mistake, not
+/// a Redis outage: `serve` refuses to start, naming the key and the file
+/// (`check-config` accepts the config: it does not read files).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_refuses_to_start_on_a_missing_ca_file_naming_it() {
+    let up = Upstream::start().await;
+    let schema = TestSchema::new();
+    let text = TestConfig::new(up.addr)
+        .route(Route::post(ORDERS))
+        .set("store.backend", "postgres")
+        .set("store.url", database_url())
+        .set("store.schema", schema.schema.as_str())
+        .set("redis.url", "rediss://localhost:6380")
+        .set("redis.ca_file", "/nonexistent/redis-ca.pem")
+        .render();
+    let (check, _) = run_on_config_text(&["check-config"], &text, &[]).await;
+    assert_eq!(check.code, 0, "{check:?}");
+    let (run, _) = run_on_config_text(&["serve"], &text, &[]).await;
+    assert_ne!(run.code, 0, "{run:?}");
+    assert!(
+        run.stderr
+            .contains("redis.ca_file /nonexistent/redis-ca.pem"),
+        "{}",
+        run.stderr
+    );
 }
