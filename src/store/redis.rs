@@ -447,7 +447,10 @@ impl RedisFastPath {
             }
             Ok(Err(err)) => {
                 let conn_level = is_connection_error(&err);
+                // A cluster client follows redirects itself; one that
+                // surfaces (mid-failover) is just an outage.
                 if err.redirect_node().is_some()
+                    && matches!(self.conn, RedisConn::Node(_))
                     && !self.health.told_moved.swap(true, Ordering::Relaxed)
                 {
                     tracing::error!(
@@ -460,6 +463,8 @@ impl RedisFastPath {
         };
         self.counters.errors.fetch_add(1, Ordering::Relaxed);
         let (message, conn_level) = failure;
+        // Every failure, for debugging; the warnings below are per outage.
+        tracing::debug!(error = %message, "redis fast path call failed");
         if conn_level {
             let until = self.clock.now_millis() + BACKOFF.as_millis() as i64;
             let prev = self.down_until.swap(until, Ordering::Relaxed);

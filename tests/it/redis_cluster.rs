@@ -220,3 +220,74 @@ async fn a_tls_cluster_gets_fast_path_hits_through_the_ca_file() {
         assert!(cluster.keys_on(node) > 0, "node {node} holds no key");
     }
 }
+
+/// A primary killed with a replica behind it: while the replica takes
+/// over, requests are answered on PostgreSQL (each key executed once);
+/// once the cluster is whole again the fast path answers again, without a
+/// restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_failover_to_a_replica_the_fast_path_resumes_and_every_key_ran_once() {
+    let mut cluster = RedisCluster::start_with_replicas(3, 1);
+    let up = Upstream::start().await;
+    let proxy = Proxy::builder(Backend::PostgresRedis, up.addr)
+        .redis_url(&cluster.url())
+        .set("redis.cluster", true)
+        .start()
+        .await;
+    let keys: Vec<String> = (0..20).map(|i| format!("fo-{i}")).collect();
+    let mut answers: HashMap<String, Vec<Resp>> = HashMap::new();
+    // Sequential rounds: a key's earlier answers are in before it is sent
+    // again, so a replay is due on every later round.
+    for round in 0..3 {
+        if round == 1 {
+            cluster.kill_a_replicated_primary();
+        }
+        let sends: Vec<_> = keys
+            .iter()
+            .map(|k| {
+                (
+                    k.clone(),
+                    tokio::spawn(proxy.post(ORDERS).key(k).body(BODY).send()),
+                )
+            })
+            .collect();
+        for (key, send) in sends {
+            let r = bounded("a request during the failover", send)
+                .await
+                .expect("request task");
+            answers.entry(key).or_default().push(r);
+        }
+    }
+    cluster.wait_ok(std::time::Duration::from_secs(15));
+
+    // The fast path answers again: a new key stored now replays from Redis.
+    let hits_before = proxy.fast_path_hits();
+    crate::support::wait_for("fast-path hits after the failover", || async {
+        let key = format!("after-{}", rand::random::<u32>());
+        let first = proxy.post(ORDERS).key(&key).body(BODY).send().await;
+        assert_eq!(first.status(), 201, "{}", first.text());
+        let replay = proxy.post(ORDERS).key(&key).body(BODY).send().await;
+        assert!(replay.replayed(), "{replay:?}");
+        (proxy.fast_path_hits() > hits_before).then_some(())
+    })
+    .await;
+
+    let seen = up.seen();
+    for (key, rs) in &answers {
+        let executions = seen
+            .iter()
+            .filter(|s| {
+                s.headers
+                    .get("idempotency-key")
+                    .is_some_and(|v| v == key.as_str())
+            })
+            .count();
+        assert_eq!(executions, 1, "{key} ran {executions} times");
+        let ok: Vec<&Resp> = rs.iter().filter(|r| r.status() == 201).collect();
+        assert!(!ok.is_empty(), "{key}: {rs:?}");
+        assert!(ok.iter().all(|r| r.body == ok[0].body), "{key}: {rs:?}");
+        for r in rs.iter().filter(|r| r.status() != 201) {
+            r.assert_problem(409);
+        }
+    }
+}

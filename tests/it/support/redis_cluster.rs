@@ -30,7 +30,16 @@ pub struct RedisCluster {
 impl RedisCluster {
     /// Starts `n` (at least 3) primaries sharing the 16384 slots.
     pub fn start(n: usize) -> Self {
-        assert!(n >= 3, "a Redis Cluster needs at least three primaries");
+        Self::start_with_replicas(n, 0)
+    }
+
+    /// `primaries` primaries with `replicas` replicas each (failover).
+    pub fn start_with_replicas(primaries: usize, replicas: usize) -> Self {
+        let n = primaries * (1 + replicas);
+        assert!(
+            primaries >= 3,
+            "a Redis Cluster needs at least three primaries"
+        );
         let dir = tempfile::TempDir::new().expect("tempdir");
         let mut cluster = Self {
             nodes: Vec::new(),
@@ -58,6 +67,10 @@ impl RedisCluster {
                     "",
                     "--appendonly",
                     "no",
+                    // A replica syncs at once (the default waits 5 s), so
+                    // it can take over as soon as the test kills its primary.
+                    "--repl-diskless-sync-delay",
+                    "0",
                 ])
                 .current_dir(cluster.dir.path())
                 .stdout(Stdio::null())
@@ -70,7 +83,7 @@ impl RedisCluster {
             });
             cluster.wait_answering(port);
         }
-        cluster.create();
+        cluster.create(replicas);
         cluster
     }
 
@@ -113,21 +126,22 @@ impl RedisCluster {
             dir: tempfile::TempDir::new().expect("tempdir"),
             pki: Some(pki),
         };
-        cluster.create();
+        cluster.create(0);
         cluster
     }
 
     /// `redis-cli --cluster create`, then waits for `cluster_state:ok`.
-    fn create(&mut self) {
+    fn create(&mut self, replicas: usize) {
         let addrs: Vec<String> = self
             .nodes
             .iter()
             .map(|n| format!("127.0.0.1:{}", n.port))
             .collect();
         let mut cli = self.cli();
+        let replicas = replicas.to_string();
         let out = cli.arg("--cluster").arg("create").args(&addrs).args([
             "--cluster-replicas",
-            "0",
+            &replicas,
             "--cluster-yes",
         ]);
         let out = bounded_output(out, Duration::from_secs(20));
@@ -148,6 +162,22 @@ impl RedisCluster {
                     "the cluster did not reach cluster_state:ok within 15 s"
                 );
                 std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        // A replica that has not synced never takes over.
+        if replicas != "0" {
+            for port in self.ports() {
+                loop {
+                    let info = self.command(port, "INFO replication");
+                    if info.contains("role:master") || info.contains("master_link_status:up") {
+                        break;
+                    }
+                    assert!(
+                        Instant::now() < deadline,
+                        "replica {port} did not sync within 15 s:\n{info}"
+                    );
+                    std::thread::sleep(Duration::from_millis(50));
+                }
             }
         }
     }
@@ -196,6 +226,63 @@ impl RedisCluster {
             .trim()
             .parse()
             .unwrap_or_else(|_| panic!("DBSIZE answered {reply:?}"))
+    }
+
+    /// Kills a primary that has a replica, other than the seed (SIGKILL);
+    /// returns its index. Its replica takes over after the node timeout.
+    pub fn kill_a_replicated_primary(&mut self) -> usize {
+        let nodes = self.command(self.nodes[0].port, "CLUSTER NODES");
+        // <id> <ip:port@bus[,hostname]> <flags> <primary id or -> ...
+        let fields: Vec<Vec<&str>> = nodes
+            .lines()
+            .map(|l| l.split(' ').collect::<Vec<_>>())
+            .filter(|f| f.len() > 3)
+            .collect();
+        let port_of = |addr: &str| -> Option<u16> {
+            addr.split(['@', ','])
+                .next()?
+                .rsplit(':')
+                .next()?
+                .parse()
+                .ok()
+        };
+        let victim = fields
+            .iter()
+            .filter(|f| f[2].contains("master") && port_of(f[1]) != Some(self.nodes[0].port))
+            .find(|f| fields.iter().any(|r| r[3] == f[0]))
+            .and_then(|f| port_of(f[1]))
+            .unwrap_or_else(|| panic!("no replicated primary besides the seed:\n{nodes}"));
+        let i = self
+            .nodes
+            .iter()
+            .position(|n| n.port == victim)
+            .expect("the primary is one of ours");
+        self.kill(i);
+        i
+    }
+
+    /// Waits (bounded) until every live node reports `cluster_state:ok`.
+    pub fn wait_ok(&self, within: Duration) {
+        let deadline = Instant::now() + within;
+        let live: Vec<u16> = self
+            .nodes
+            .iter()
+            .filter(|n| n.child.is_some())
+            .map(|n| n.port)
+            .collect();
+        for port in live {
+            while !self
+                .command(port, "CLUSTER INFO")
+                .contains("cluster_state:ok")
+            {
+                assert!(
+                    Instant::now() < deadline,
+                    "the cluster did not recover within {within:?}: node {port}:\n{}",
+                    self.command(port, "CLUSTER NODES")
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
     }
 
     /// Kills node `i` (SIGKILL) and waits for it to exit.
