@@ -374,9 +374,10 @@ fn is_connection_error(err: &RedisError) -> bool {
 }
 
 impl RedisFastPath {
-    /// Wraps `inner`. Connects lazily: Redis being down here is not an error
-    /// (the fast path stays out of the way until it answers). Only a
-    /// malformed `redis.url` fails.
+    /// Wraps `inner`. Connects lazily: Redis being down here, or refusing
+    /// the TLS handshake, is not an error (the fast path stays out of the
+    /// way until it answers; the start-up probe logs why). Only a malformed
+    /// `redis.url` or an unreadable certificate file fails.
     pub async fn new(inner: Arc<dyn Store>, cfg: &RedisConfig) -> Result<Self, StoreError> {
         let conn = RedisConn::lazy(cfg)?;
         let health = Arc::new(Health::default());
@@ -407,7 +408,8 @@ impl RedisFastPath {
         })
     }
 
-    /// Why the fast path is stepping aside, when it is (for `/readyz`).
+    /// Why the fast path last stepped aside, until a Redis call succeeds
+    /// again (for `/readyz`).
     pub fn status(&self) -> Option<String> {
         self.health.get()
     }
