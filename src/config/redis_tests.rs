@@ -63,6 +63,7 @@ fn certificate_files_need_a_tls_url_and_come_in_pairs() {
             "t.toml: line 8: redis.cluster needs a TCP URL",
         ),
         ("url = \"rediss://h\"\nca_flie = \"x\"", "ca_flie"),
+        ("url = \"rediss://h/#insecure\"", "redis.ca_file"),
     ] {
         let e = redis(section).unwrap_err();
         assert!(e.contains(want), "{section:?}: {e}");

@@ -259,6 +259,11 @@ impl TryFrom<RawRedis> for RedisConfig {
             )
             .into());
         };
+        // redis-rs reads `#insecure` as "verify nothing"; a self-signed
+        // server is trusted through its CA instead.
+        if url.ends_with("#insecure") {
+            return Err("redis.url: #insecure (no certificate verification) is not supported; give the server's CA in redis.ca_file".into());
+        }
         let prefix = r.prefix.unwrap_or_else(|| DEFAULT_REDIS_PREFIX.to_string());
         if prefix.is_empty() || prefix.contains(char::is_whitespace) {
             return Err("redis.prefix must be non-empty and contain no spaces".into());

@@ -933,6 +933,43 @@ mod tests {
     use super::*;
     use crate::store::sample_claim as claim;
 
+    /// Which failures make the fast path step aside (logged once per
+    /// outage) rather than warn per command: redirects and cluster
+    /// failover among them, so a cluster never logs one line per request.
+    #[test]
+    fn connection_level_failures_include_redirects_and_failover() {
+        let server = |reply: &[u8]| {
+            redis::parse_redis_value(reply)
+                .and_then(|v| v.extract_error())
+                .expect_err("an error reply")
+        };
+        for (err, conn_level) in [
+            (server(b"-MOVED 3999 127.0.0.1:6381\r\n"), true),
+            (server(b"-ASK 3999 127.0.0.1:6381\r\n"), true),
+            (server(b"-CLUSTERDOWN The cluster is down\r\n"), true),
+            (
+                server(b"-TRYAGAIN Multiple keys request during rehashing\r\n"),
+                true,
+            ),
+            (
+                server(b"-READONLY You can't write against a read only replica.\r\n"),
+                true,
+            ),
+            (server(b"-ERR wrong number of arguments\r\n"), false),
+            (server(b"-NOSCRIPT No matching script\r\n"), false),
+            (
+                RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionRefused)),
+                true,
+            ),
+            (
+                RedisError::from((ErrorKind::AuthenticationFailed, "bad password")),
+                true,
+            ),
+        ] {
+            assert_eq!(is_connection_error(&err), conn_level, "{err}");
+        }
+    }
+
     #[test]
     fn lock_layout_matches_the_lua_offsets() {
         let c = claim();
