@@ -383,12 +383,11 @@ impl RedisFastPath {
         let health = Arc::new(Health::default());
         // Connect in the background so the first request does not pay for
         // it, and say at start-up why Redis cannot be used, if it cannot.
-        let plain_probe = cfg.is_tls().then(|| tls::plain_address(cfg)).flatten();
         tokio::spawn(probe(
             conn.clone(),
             cfg.timeout,
             health.clone(),
-            plain_probe,
+            plain_probe_of(cfg),
         ));
         Ok(Self {
             inner,
@@ -889,43 +888,77 @@ async fn heal(mut conn: RedisConn, stale: Arc<StaleSet>, timeout: Duration) {
     }
 }
 
-/// The start-up connection attempt: logs that the fast path is up, or why
-/// it is not (the cause first: an untrusted certificate, a host name
-/// mismatch, a plain server behind `rediss://`...). Either way requests
-/// are served; without Redis the inner store answers alone.
-async fn probe(
+/// Connects to the Redis `cfg` names and PINGs it once, for
+/// `check-config --connect`: `Ok` with what answered, or the failure with
+/// its cause first (certificate not trusted, host name mismatch, server
+/// does not speak TLS, client certificate required, ...).
+pub async fn check_connection(cfg: &RedisConfig) -> Result<String, String> {
+    let conn = RedisConn::lazy(cfg).map_err(|e| e.to_string())?;
+    let kind = conn.kind();
+    ping_once(conn, cfg.timeout, plain_probe_of(cfg))
+        .await
+        .map(|()| format!("{kind} at {} answered", crate::config::mask_url(&cfg.url)))
+        .map_err(|(error, _)| error)
+}
+
+/// Where to try a plain-text PING when a TLS connection gets no answer.
+fn plain_probe_of(cfg: &RedisConfig) -> Option<(String, u16)> {
+    cfg.is_tls().then(|| tls::plain_address(cfg)).flatten()
+}
+
+/// One PING within a few timeouts (a cluster connects to every node and
+/// loads the slot map first). The error comes with the cause found by a
+/// plain-text PING, if that is what answered.
+async fn ping_once(
     mut conn: RedisConn,
     timeout: Duration,
-    health: Arc<Health>,
     plain_probe: Option<(String, u16)>,
-) {
-    let kind = conn.kind();
-    let ping = redis::cmd("PING");
-    // A cluster connects to every node and loads the slot map first.
+) -> Result<(), (String, Option<&'static str>)> {
     let bound = timeout * 4;
+    let ping = redis::cmd("PING");
     let error = match tokio::time::timeout(bound, ping.query_async::<Value>(&mut conn)).await {
-        Ok(Ok(_)) => {
-            tracing::info!("{kind} fast path connected");
-            return;
-        }
+        Ok(Ok(_)) => return Ok(()),
         Ok(Err(err)) => tls::describe(&err),
         Err(_) => format!("no answer within {}ms", bound.as_millis()),
     };
     // A plain server never answers a TLS handshake (it waits for a line):
     // ask it a plain-text PING to tell that from a dead or slow server.
-    let error = match plain_probe {
+    match plain_probe {
         Some((host, port)) if tls::answers_plain_ping(&host, port, timeout).await => {
             let cause = tls::NOT_TLS;
-            health.hint(cause);
-            format!("{cause} ({host}:{port} answered a plain-text PING; {error})")
+            Err((
+                format!("{cause} ({host}:{port} answered a plain-text PING; {error})"),
+                Some(cause),
+            ))
         }
-        _ => error,
-    };
-    tracing::warn!(
-        error = %error,
-        "{kind} fast path unavailable at start-up; using the store alone until it answers"
-    );
-    health.failed(error);
+        _ => Err((error, None)),
+    }
+}
+
+/// The start-up connection attempt: logs that the fast path is up, or why
+/// it is not (the cause first: an untrusted certificate, a host name
+/// mismatch, a plain server behind `rediss://`...). Either way requests
+/// are served; without Redis the inner store answers alone.
+async fn probe(
+    conn: RedisConn,
+    timeout: Duration,
+    health: Arc<Health>,
+    plain_probe: Option<(String, u16)>,
+) {
+    let kind = conn.kind();
+    match ping_once(conn, timeout, plain_probe).await {
+        Ok(()) => tracing::info!("{kind} fast path connected"),
+        Err((error, hint)) => {
+            if let Some(cause) = hint {
+                health.hint(cause);
+            }
+            tracing::warn!(
+                error = %error,
+                "{kind} fast path unavailable at start-up; using the store alone until it answers"
+            );
+            health.failed(error);
+        }
+    }
 }
 
 #[cfg(test)]

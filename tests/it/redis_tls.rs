@@ -205,3 +205,43 @@ async fn serve_refuses_to_start_on_a_missing_ca_file_naming_it() {
         run.stderr
     );
 }
+
+/// `check_connection` (for `check-config --connect`) answers with the same
+/// causes as the running proxy's log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_connection_names_each_cause() {
+    let redis = TlsRedis::start(ClientAuth::No);
+    let plain = PrivateRedis::start();
+    let cfg = |url: String, ca: Option<String>| idemgate::config::RedisConfig {
+        url,
+        timeout: std::time::Duration::from_secs(1),
+        prefix: "unused".into(),
+        cluster: false,
+        ca_file: ca.map(Into::into),
+        cert_file: None,
+        key_file: None,
+    };
+    let check = idemgate::store::redis::check_connection;
+    let ok = check(&cfg(redis.url(), Some(redis.pki.ca()))).await;
+    assert!(ok.as_ref().is_ok_and(|s| s.contains("answered")), "{ok:?}");
+    for (config, cause) in [
+        (
+            cfg(redis.url(), Some(redis.pki.other_ca())),
+            "certificate not trusted",
+        ),
+        (
+            cfg(
+                format!("rediss://127.0.0.1:{}", redis.port),
+                Some(redis.pki.ca()),
+            ),
+            "host name mismatch",
+        ),
+        (
+            cfg(plain.url().replace("redis://", "rediss://"), None),
+            "does not speak TLS",
+        ),
+    ] {
+        let e = check(&config).await.expect_err(cause);
+        assert!(e.contains(cause), "want {cause:?}: {e}");
+    }
+}
