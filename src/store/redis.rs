@@ -152,7 +152,8 @@ impl Health {
     }
 
     fn answered(&self) {
-        if self.failing.swap(false, Ordering::Relaxed) {
+        // A load first: the swap's write would contend on every answer.
+        if self.failing.load(Ordering::Relaxed) && self.failing.swap(false, Ordering::Relaxed) {
             *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = None;
             *self.hint.lock().unwrap_or_else(|p| p.into_inner()) = None;
         }
