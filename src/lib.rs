@@ -16,7 +16,8 @@
 //! - [`clock`]: the wall clock, injected so tests can pause it.
 //! - `problem`: RFC 9457 responses, the one error-to-response mapping.
 //! - [`server`]: listeners, connection limits, sweeper, graceful shutdown.
-//! - `admin`, [`metrics`], [`telemetry`]: health, Prometheus, logs.
+//! - `admin`, [`metrics`], [`telemetry`]: health, Prometheus, logs and
+//!   (feature `otel`) OpenTelemetry traces.
 //! - [`keys`]: the `keys` commands that inspect and repair records.
 //! - [`demo`]: a small orders API to try idemgate against, and its commands.
 //! - `fuzzing`: not a stable API; the crate-private parsers and codecs,
@@ -47,10 +48,19 @@ use config::Config;
 use metrics::Metrics;
 use std::sync::Arc;
 
-/// `idemgate serve`: binds, opens the store, runs until SIGTERM/SIGINT.
-pub async fn run(config: Config) -> anyhow::Result<()> {
+/// `idemgate serve`: binds, opens the store, runs until SIGTERM/SIGINT;
+/// SIGHUP (or a change, with `server.watch_config`) reloads `path`.
+pub async fn run(config: Config, path: std::path::PathBuf) -> anyhow::Result<()> {
+    // First, so an early SIGHUP reloads instead of killing the process.
+    let hangups = server::reload::requests(&path, config.server.watch_config)?;
     let listeners = server::Listeners::bind(&config).await?;
     let metrics = Arc::new(Metrics::new());
     let server = server::Server::open(config, metrics, listeners).await?;
-    server.run(shutdown::signal()).await
+    server
+        .reload_on(server::reload::ReloadSource {
+            path,
+            requests: hangups,
+        })
+        .run(shutdown::signal())
+        .await
 }

@@ -1,5 +1,5 @@
 //! The environment's part of the configuration: one rule for every key of
-//! the `server`, `admin`, `store`, `redis` and `log` sections.
+//! the `server`, `admin`, `store`, `redis`, `log` and `tracing` sections.
 //!
 //! `IDEMGATE_<SECTION>_<KEY>` sets `key` in `[section]`, e.g.
 //! `IDEMGATE_SERVER_UPSTREAM_TIMEOUT=5s` or `IDEMGATE_STORE_POOL_SIZE=32`.
@@ -28,7 +28,7 @@ use toml::de::{DeTable, DeValue};
 use toml::Spanned;
 
 /// The sections the environment may set.
-const SECTIONS: [&str; 5] = ["server", "admin", "store", "redis", "log"];
+const SECTIONS: [&str; 6] = ["server", "admin", "store", "redis", "log", "tracing"];
 
 /// Short names for the addresses most deployments set: `(alias, canonical)`.
 /// An alias's value is taken as written; setting both names is an error.

@@ -6,7 +6,7 @@
 //! `store.rs`, `log.rs`, `routes.rs`).
 
 use super::units::{ByteSize, HumanDuration};
-use super::{Backend, LogFormat, OnAmbiguous, OnStoreError, SqliteSync};
+use super::{Backend, LogFormat, OnAmbiguous, OnStoreError, Readiness, SqliteSync};
 use crate::idempotency::decision::{ReleaseStatuses, StatusEntry};
 use crate::route::PathPattern;
 use http::{HeaderName, Method, Uri};
@@ -30,6 +30,9 @@ pub(super) struct RawConfig {
     pub(super) redis: Option<RawRedis>,
     #[serde(default)]
     pub(super) log: RawLog,
+    /// Spanned: the section is refused at its line in a build without `otel`.
+    #[serde(default)]
+    pub(super) tracing: Option<Spanned<RawTracing>>,
     #[serde(default)]
     pub(super) defaults: RawRouteSettings,
     #[serde(default)]
@@ -69,6 +72,8 @@ pub(super) struct RawServer {
     pub(super) shutdown_delay: Option<HumanDuration>,
     pub(super) preserve_host: Option<bool>,
     pub(super) trust_forwarded_headers: Option<bool>,
+    pub(super) readiness: Option<Readiness>,
+    pub(super) watch_config: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -112,7 +117,17 @@ pub(super) struct RawRedis {
 #[serde(deny_unknown_fields)]
 pub(super) struct RawLog {
     pub(super) format: Option<LogFormat>,
-    pub(super) level: Option<String>,
+    /// Spanned: an unknown level is reported at its line.
+    pub(super) level: Option<Spanned<String>>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawTracing {
+    /// Spanned: a bad URL is reported at its line.
+    pub(super) otlp_endpoint: Option<Spanned<String>>,
+    pub(super) service_name: Option<String>,
+    pub(super) sampling_ratio: Option<f64>,
 }
 
 /// One `[[route]]`, and also `[defaults]` (which may not set `methods`/`path`).
@@ -120,6 +135,7 @@ pub(super) struct RawLog {
 #[serde(deny_unknown_fields)]
 pub(super) struct RawRouteSettings {
     pub(super) methods: Option<Vec<MethodName>>,
+    pub(super) allow_custom_methods: Option<bool>,
     pub(super) path: Option<Spanned<PatternValue>>,
     pub(super) key_header: Option<HeaderNameValue>,
     pub(super) require_key: Option<bool>,

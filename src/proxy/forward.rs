@@ -5,6 +5,7 @@ use super::headers::{add_forwarded, join_cookies, strip_hop_by_hop};
 use crate::body::ProxyBody;
 use crate::config::ServerConfig;
 use crate::route::resolve_dot_segments;
+use crate::telemetry::trace;
 use http::uri::Uri;
 use http::{header, HeaderValue, Request, Response};
 use hyper::body::Incoming;
@@ -70,6 +71,7 @@ impl Forwarder {
         mut req: Request<ProxyBody>,
         peer: SocketAddr,
     ) -> Result<Response<Incoming>, ForwardError> {
+        let span = trace::upstream(&mut req, &self.upstream);
         // An absolute-form target's authority wins over `Host` (RFC 9112
         // §3.2.2); on HTTP/2 it is `:authority`, which `Host` must match.
         let original_host = req
@@ -93,15 +95,21 @@ impl Forwarder {
         } else if let Some(host) = original_host {
             headers.insert(header::HOST, host);
         }
-        match tokio::time::timeout(self.timeout, self.client.request(req)).await {
+        let started = tokio::time::Instant::now();
+        let result = match tokio::time::timeout(self.timeout, self.client.request(req)).await {
             Err(_) => Err(ForwardError::Timeout),
             Ok(Ok(mut resp)) => {
                 strip_hop_by_hop(resp.headers_mut());
+                // For the access log: upstream time apart from the total.
+                resp.extensions_mut()
+                    .insert(super::log::UpstreamTime(started.elapsed()));
                 Ok(resp)
             }
             Ok(Err(e)) if e.is_connect() => Err(ForwardError::Connect(error_chain(&e))),
             Ok(Err(e)) => Err(ForwardError::Failed(error_chain(&e))),
-        }
+        };
+        span.finish_response(&result);
+        result
     }
 }
 

@@ -133,6 +133,14 @@ async fn fast_path_down_with_cause(proxy: &Proxy, cause: &str) {
     .await;
     assert_eq!(status, 200, "{body}");
     assert!(body.starts_with("ready\ndegraded: "), "{body}");
+    // The store's own health report names it too; PostgreSQL is up.
+    let store = proxy.admin_get("/healthz/store").send().await;
+    assert_eq!(store.status(), 200, "{}", store.text());
+    let degraded = store.json()["degraded"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(degraded.contains(cause), "{}", store.text());
 }
 
 /// Pins (issue 11): `serve` exited at start on a `rediss://` URL that

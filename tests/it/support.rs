@@ -11,6 +11,7 @@
 //! - for the invariant harness: [`recording_upstream`] (logs every
 //!   execution), [`traffic`] (mixed clients, what each saw) and
 //!   [`checker`] (the invariants over both);
+//! - [`otlp_receiver`] (feature `otel`): an OTLP/HTTP trace receiver;
 //! - here: bounded waits, tracing and [`backend_tests!`].
 //!
 //! Semantics tests are written once as `async fn name(backend: Backend)` and
@@ -19,6 +20,8 @@
 pub mod checker;
 pub mod client;
 pub mod config;
+#[cfg(feature = "otel")]
+pub mod otlp_receiver;
 pub mod process;
 pub mod proxy;
 pub mod recording_upstream;
