@@ -92,6 +92,12 @@ if ! answers "$rhost" "$rport"; then
     exit 1
   fi
 fi
+# The Redis TLS and Cluster suites start their own redis-server (--tls-port,
+# --cluster-enabled) and join clusters with redis-cli --cluster create.
+install_if_possible redis-server redis-server ||
+  say "redis-server is not installed: the Redis fault, TLS and Cluster tests will fail saying so"
+install_if_possible redis-cli redis-tools ||
+  say "redis-cli is not installed (redis-tools): the Redis Cluster tests will fail saying so"
 
 read -r phost pport <<<"$(host_port "$IDEMGATE_TEST_DATABASE_URL")"
 if ! answers "$phost" "$pport" && [ -z "${IDEMGATE_IN_PG_VIRTUALENV:-}" ]; then

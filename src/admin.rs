@@ -52,9 +52,9 @@ impl Admin {
                 "not ready: shutting down\n",
             ),
             "/readyz" => match self.readiness {
-                Readiness::Serving => text(StatusCode::OK, "ready\n"),
+                Readiness::Serving => self.ready(),
                 Readiness::Store => match self.health.check(self.store.as_ref()).await {
-                    Ok(()) => text(StatusCode::OK, "ready\n"),
+                    Ok(()) => self.ready(),
                     Err(e) => text(
                         StatusCode::SERVICE_UNAVAILABLE,
                         &format!("not ready: {e}\n"),
@@ -68,7 +68,9 @@ impl Admin {
                 } else {
                     StatusCode::SERVICE_UNAVAILABLE
                 };
-                let mut resp = text(status, &self.health.report().to_string());
+                let mut report = self.health.report();
+                report["degraded"] = self.store.degraded().into();
+                let mut resp = text(status, &report.to_string());
                 resp.headers_mut().insert(
                     header::CONTENT_TYPE,
                     HeaderValue::from_static("application/json"),
@@ -178,6 +180,18 @@ impl StoreHealth {
                 }
                 _ => {}
             }
+        }
+    }
+}
+
+impl Admin {
+    /// `ready`, with a second line naming what is down without making the
+    /// store unready (the Redis fast path, PostgreSQL answering alone): it
+    /// costs speed, not correctness.
+    fn ready(&self) -> Response<ProxyBody> {
+        match self.store.degraded() {
+            None => text(StatusCode::OK, "ready\n"),
+            Some(note) => text(StatusCode::OK, &format!("ready\ndegraded: {note}\n")),
         }
     }
 }

@@ -260,6 +260,13 @@ pub trait Store: Send + Sync + 'static {
     /// applies it). A backend that enforces `store.timeout` itself reports
     /// a little more, so its own deadline fires first and cleans up.
     fn call_bound(&self) -> Duration;
+
+    /// What is down without making the store unready (the Redis fast path:
+    /// PostgreSQL answers alone), with its cause, for `/readyz`; `None`
+    /// when nothing is.
+    fn degraded(&self) -> Option<String> {
+        None
+    }
 }
 
 // === the two record rules every backend implements ===

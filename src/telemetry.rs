@@ -11,9 +11,11 @@ use tracing_subscriber::EnvFilter;
 
 /// Installs the global subscriber once; later calls are ignored.
 pub fn init(cfg: &LogConfig) {
-    // tokio_postgres logs every server NOTICE at info; keep those quiet.
+    // tokio_postgres logs every server NOTICE at info, and the redis crate
+    // a warning per failed reconnect (several a second while a cluster node
+    // is down); idemgate logs each outage once itself.
     let filter = EnvFilter::try_from_default_env()
-        .or_else(|_| EnvFilter::try_new(format!("{},tokio_postgres=warn", cfg.level)))
+        .or_else(|_| EnvFilter::try_new(format!("{},tokio_postgres=warn,redis=error", cfg.level)))
         .unwrap_or_else(|_| EnvFilter::new("info"));
     // Colour codes only for a person at a terminal, never in a file or pipe.
     let builder = tracing_subscriber::fmt()

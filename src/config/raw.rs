@@ -131,6 +131,12 @@ pub(super) struct RawRedis {
     pub(super) url: Option<String>,
     pub(super) timeout: Option<HumanDuration>,
     pub(super) prefix: Option<String>,
+    /// Spanned (this and the files below): a setting that does not fit the
+    /// URL, or a certificate without its key, is reported at its line.
+    pub(super) cluster: Option<Spanned<bool>>,
+    pub(super) ca_file: Option<Spanned<PathBuf>>,
+    pub(super) cert_file: Option<Spanned<PathBuf>>,
+    pub(super) key_file: Option<Spanned<PathBuf>>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -61,9 +61,21 @@ pub struct StoreConfig {
 /// `Debug` masks the URL's password (see [`mask_url`]).
 #[derive(Clone)]
 pub struct RedisConfig {
+    /// As written: `redis://`, `rediss://` (TLS), their Valkey aliases
+    /// `valkey://` and `valkeys://`, or `unix://`. [`RedisConfig::client_url`]
+    /// is what the client gets.
     pub url: String,
     pub timeout: Duration,
     pub prefix: String,
+    /// `url` is one node of a Redis Cluster (the seed): the client learns
+    /// the others from it and follows `MOVED`/`ASK` itself.
+    pub cluster: bool,
+    /// PEM CA bundle that replaces the system roots (TLS URLs only).
+    pub ca_file: Option<PathBuf>,
+    /// PEM client certificate chain and its private key, for servers that
+    /// require client certificates (TLS URLs only; both or neither).
+    pub cert_file: Option<PathBuf>,
+    pub key_file: Option<PathBuf>,
 }
 
 // === impl StoreConfig ===
@@ -221,6 +233,38 @@ impl fmt::Debug for StoreConfig {
 
 // === impl RedisConfig ===
 
+/// The URL schemes `redis.url` takes: `(scheme, TLS, what the client is given)`.
+/// Valkey speaks the same protocol; its schemes are aliases.
+const REDIS_SCHEMES: [(&str, bool, &str); 5] = [
+    ("redis://", false, "redis://"),
+    ("rediss://", true, "rediss://"),
+    ("valkey://", false, "redis://"),
+    ("valkeys://", true, "rediss://"),
+    ("unix://", false, "unix://"),
+];
+
+fn redis_scheme(url: &str) -> Option<(&'static str, bool, &'static str)> {
+    REDIS_SCHEMES
+        .into_iter()
+        .find(|(scheme, _, _)| url.starts_with(scheme))
+}
+
+impl RedisConfig {
+    /// Whether the URL asks for TLS (`rediss://`, `valkeys://`).
+    pub fn is_tls(&self) -> bool {
+        redis_scheme(&self.url).is_some_and(|(_, tls, _)| tls)
+    }
+
+    /// The URL with a Valkey scheme rewritten to the Redis one the client
+    /// knows (`valkeys://h` → `rediss://h`).
+    pub fn client_url(&self) -> String {
+        match redis_scheme(&self.url) {
+            Some((scheme, _, canonical)) => format!("{canonical}{}", &self.url[scheme.len()..]),
+            None => self.url.clone(),
+        }
+    }
+}
+
 impl TryFrom<RawRedis> for RedisConfig {
     type Error = Invalid;
 
@@ -231,16 +275,21 @@ impl TryFrom<RawRedis> for RedisConfig {
                 "redis.url is required when [redis] is present (or set IDEMGATE_REDIS_URL)",
             )
         })?;
-        if !(url.starts_with("redis://")
-            || url.starts_with("rediss://")
-            || url.starts_with("unix://"))
-        {
+        let Some((_, tls, _)) = redis_scheme(&url) else {
             return Err(Invalid::field(
                 "redis.url",
                 format!(
-                    "redis.url: expected redis://host:port, got {}",
+                    "redis.url: expected redis://host:port (rediss:// for TLS; valkey:// and valkeys:// also work), got {}",
                     mask_url(&url)
                 ),
+            ));
+        };
+        // redis-rs reads `#insecure` as "verify nothing"; a self-signed
+        // server is trusted through its CA instead.
+        if url.ends_with("#insecure") {
+            return Err(Invalid::field(
+                "redis.url",
+                "redis.url: #insecure (no certificate verification) is not supported; give the server's CA in redis.ca_file",
             ));
         }
         let prefix = r.prefix.unwrap_or_else(|| DEFAULT_REDIS_PREFIX.to_string());
@@ -250,10 +299,56 @@ impl TryFrom<RawRedis> for RedisConfig {
                 "redis.prefix must be non-empty and contain no spaces",
             ));
         }
+        // Certificates on a plain URL would be silently unused: the
+        // operator meant TLS and would get none.
+        for (name, file) in [
+            ("ca_file", &r.ca_file),
+            ("cert_file", &r.cert_file),
+            ("key_file", &r.key_file),
+        ] {
+            if let (Some(file), false) = (file, tls) {
+                return Err(Invalid::at(
+                    file.span(),
+                    format!(
+                        "redis.{name} only applies to a TLS URL (rediss:// or valkeys://), but redis.url is {}",
+                        mask_url(&url)
+                    ),
+                ));
+            }
+        }
+        match (&r.cert_file, &r.key_file) {
+            (Some(cert), None) => {
+                return Err(Invalid::at(
+                    cert.span(),
+                    "redis.cert_file is set without redis.key_file: a client certificate needs its private key (both PEM)",
+                ))
+            }
+            (None, Some(key)) => {
+                return Err(Invalid::at(
+                    key.span(),
+                    "redis.key_file is set without redis.cert_file: a private key needs its client certificate (both PEM)",
+                ))
+            }
+            _ => {}
+        }
+        let cluster = match r.cluster {
+            Some(c) if *c.get_ref() && url.starts_with("unix://") => {
+                return Err(Invalid::at(
+                    c.span(),
+                    "redis.cluster needs a TCP URL: cluster nodes announce host:port addresses",
+                ))
+            }
+            Some(c) => c.into_inner(),
+            None => false,
+        };
         Ok(RedisConfig {
             url,
             timeout: dur(r.timeout, DEFAULT_REDIS_TIMEOUT),
             prefix,
+            cluster,
+            ca_file: r.ca_file.map(|f| f.into_inner()),
+            cert_file: r.cert_file.map(|f| f.into_inner()),
+            key_file: r.key_file.map(|f| f.into_inner()),
         })
     }
 }
@@ -265,6 +360,10 @@ impl fmt::Debug for RedisConfig {
             .field("url", &mask_url(&self.url))
             .field("timeout", &self.timeout)
             .field("prefix", &self.prefix)
+            .field("cluster", &self.cluster)
+            .field("ca_file", &self.ca_file)
+            .field("cert_file", &self.cert_file)
+            .field("key_file", &self.key_file)
             .finish()
     }
 }
@@ -272,12 +371,29 @@ impl fmt::Debug for RedisConfig {
 /// One line, password masked.
 impl fmt::Display for RedisConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(
+        write!(
             f,
-            "redis      {} (prefix {:?}, timeout {})",
+            "redis      {} (prefix {:?}, timeout {}",
             mask_url(&self.url),
             self.prefix,
             format_duration(self.timeout)
-        )
+        )?;
+        if self.cluster {
+            f.write_str(", cluster")?;
+        }
+        if self.is_tls() {
+            match &self.ca_file {
+                Some(ca) => write!(f, ", TLS with CA {}", ca.display())?,
+                None => f.write_str(", TLS with the system roots")?,
+            }
+            if let Some(cert) = &self.cert_file {
+                write!(f, ", client certificate {}", cert.display())?;
+            }
+        }
+        writeln!(f, ")")
     }
 }
+
+#[cfg(test)]
+#[path = "redis_tests.rs"]
+mod redis_tests;

@@ -159,6 +159,10 @@ impl Store for Instrumented {
     fn call_bound(&self) -> Duration {
         self.bound
     }
+
+    fn degraded(&self) -> Option<String> {
+        self.inner.degraded()
+    }
 }
 
 #[cfg(test)]

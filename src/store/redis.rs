@@ -34,6 +34,15 @@
 //!
 //! Key names are `{prefix}:{hex(scope)}:{hex(key)}`: digests only, never a
 //! raw credential or idempotency key.
+//!
+//! Redis is reached through [`RedisConn`] (`conn.rs`): one node or a Redis
+//! Cluster (`redis.cluster`), over TLS when the URL says `rediss://` (or
+//! `valkeys://`), with the certificates of `tls.rs`.
+
+mod conn;
+mod tls;
+
+pub(crate) use conn::RedisConn;
 
 use super::codec::{decode_headers, encode_headers};
 use super::{
@@ -46,10 +55,9 @@ use crate::idempotency::{Fingerprint, RecordKey};
 use crate::metrics::FastPathStats;
 use async_trait::async_trait;
 use bytes::Bytes;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{RedisError, Script, Value};
+use redis::{ErrorKind, RedisError, Script, ServerErrorKind, Value};
 use std::future::Future;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -66,10 +74,6 @@ const MAX_STALE: usize = 100_000;
 
 /// Stale keys deleted per Redis call.
 const HEAL_BATCH: usize = 500;
-
-/// Reconnect attempts per failed connection inside the connection manager;
-/// further attempts happen on later calls, after [`BACKOFF`].
-const RECONNECT_RETRIES: usize = 1;
 
 /// Fast-path counters, for metrics.
 #[derive(Debug, Default)]
@@ -97,7 +101,7 @@ impl FastPathStats for FastPathCounters {
 
 pub struct RedisFastPath {
     inner: Arc<dyn Store>,
-    conn: ConnectionManager,
+    conn: RedisConn,
     prefix: String,
     timeout: Duration,
     counters: Arc<FastPathCounters>,
@@ -110,6 +114,57 @@ pub struct RedisFastPath {
     /// Turns absolute times (`expires_at`, `locked_until`) into the relative
     /// expiries Redis takes, and times the backoff.
     clock: Clock,
+    /// Why the fast path last stepped aside (cause first, see `tls.rs`),
+    /// until Redis answers again; shared with the start-up probe.
+    health: Arc<Health>,
+}
+
+/// What the fast path last knew of Redis, for logs and `/readyz`.
+#[derive(Debug, Default)]
+struct Health {
+    /// The last connection-level failure, cleared by the next answer.
+    last_error: std::sync::Mutex<Option<String>>,
+    /// Whether `last_error` is set, so an answer costs no lock.
+    failing: AtomicBool,
+    /// A cause the start-up probe found that later failures (timeouts)
+    /// cannot show, kept in front of them until Redis answers.
+    hint: std::sync::Mutex<Option<&'static str>>,
+    /// Whether a node answered `MOVED`/`ASK` while `redis.cluster` is off
+    /// (said once: the fix is in the config).
+    told_moved: AtomicBool,
+}
+
+impl Health {
+    /// Records a failure; returns it as logged (with the hint in front).
+    fn failed(&self, error: String) -> String {
+        let hint = *self.hint.lock().unwrap_or_else(|p| p.into_inner());
+        let error = match hint {
+            Some(hint) if !error.contains(hint) => format!("{hint} ({error})"),
+            _ => error,
+        };
+        *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(error.clone());
+        self.failing.store(true, Ordering::Relaxed);
+        error
+    }
+
+    fn hint(&self, cause: &'static str) {
+        *self.hint.lock().unwrap_or_else(|p| p.into_inner()) = Some(cause);
+    }
+
+    fn answered(&self) {
+        // A load first: the swap's write would contend on every answer.
+        if self.failing.load(Ordering::Relaxed) && self.failing.swap(false, Ordering::Relaxed) {
+            *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = None;
+            *self.hint.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        }
+    }
+
+    fn get(&self) -> Option<String> {
+        self.last_error
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
 }
 
 struct Scripts {
@@ -299,38 +354,42 @@ pub(crate) fn decode(buf: &[u8]) -> Result<Cached, StoreError> {
     }
 }
 
-/// Whether a Redis error means the connection is gone (step aside) rather
-/// than a server-side answer to one command.
+/// Whether a Redis error means Redis cannot serve the fast path for now
+/// (step aside for [`BACKOFF`], log once) rather than a server-side answer
+/// to one command: the connection is gone, TLS or authentication failed,
+/// or the cluster is redirecting or failing over. Logged per transition,
+/// never per request.
 fn is_connection_error(err: &RedisError) -> bool {
     err.is_io_error()
         || err.is_connection_dropped()
         || err.is_timeout()
         || err.is_unrecoverable_error()
+        || err.is_cluster_error()
+        || matches!(
+            err.kind(),
+            ErrorKind::AuthenticationFailed
+                | ErrorKind::InvalidClientConfig
+                | ErrorKind::ClusterConnectionNotFound
+                | ErrorKind::Server(ServerErrorKind::MasterDown | ServerErrorKind::ReadOnly)
+        )
 }
 
 impl RedisFastPath {
-    /// Wraps `inner`. Connects lazily: Redis being down here is not an error
-    /// (the fast path stays out of the way until it answers). Only a
-    /// malformed `redis.url` fails.
+    /// Wraps `inner`. Connects lazily: Redis being down here, or refusing
+    /// the TLS handshake, is not an error (the fast path stays out of the
+    /// way until it answers; the start-up probe logs why). Only a malformed
+    /// `redis.url` or an unreadable certificate file fails.
     pub async fn new(inner: Arc<dyn Store>, cfg: &RedisConfig) -> Result<Self, StoreError> {
-        // redis-rs parse errors do not echo the URL, so no password leaks.
-        let client = redis::Client::open(cfg.url.as_str())
-            .map_err(|err| StoreError::Unavailable(format!("invalid redis.url: {err}")))?;
-        let config = ConnectionManagerConfig::new()
-            .set_response_timeout(Some(cfg.timeout))
-            .set_connection_timeout(Some(cfg.timeout))
-            .set_number_of_retries(RECONNECT_RETRIES)
-            .set_min_delay(Duration::from_millis(50))
-            .set_max_delay(Duration::from_millis(500));
-        let conn = ConnectionManager::new_lazy_with_config(client, config)
-            .map_err(|err| StoreError::Unavailable(format!("redis connection manager: {err}")))?;
-        // Connect in the background so the first request does not pay for it.
-        let mut warm = conn.clone();
-        let timeout = cfg.timeout;
-        tokio::spawn(async move {
-            let ping = redis::cmd("PING");
-            let _ = tokio::time::timeout(timeout, ping.query_async::<Value>(&mut warm)).await;
-        });
+        let conn = RedisConn::lazy(cfg)?;
+        let health = Arc::new(Health::default());
+        // Connect in the background so the first request does not pay for
+        // it, and say at start-up why Redis cannot be used, if it cannot.
+        tokio::spawn(probe(
+            conn.clone(),
+            cfg.timeout,
+            health.clone(),
+            plain_probe_of(cfg),
+        ));
         Ok(Self {
             inner,
             conn,
@@ -345,7 +404,14 @@ impl RedisFastPath {
             },
             clock: Clock::system(),
             stale: Default::default(),
+            health,
         })
+    }
+
+    /// Why the fast path last stepped aside, until a Redis call succeeds
+    /// again (for `/readyz`).
+    pub fn status(&self) -> Option<String> {
+        self.health.get()
     }
 
     /// The same fast path reading `clock` (the process's, possibly shifted
@@ -377,19 +443,35 @@ impl RedisFastPath {
     {
         let res = tokio::time::timeout(self.timeout, fut).await;
         let failure = match res {
-            Ok(Ok(v)) => return Some(v),
+            Ok(Ok(v)) => {
+                self.health.answered();
+                return Some(v);
+            }
             Ok(Err(err)) => {
                 let conn_level = is_connection_error(&err);
-                (err.to_string(), conn_level)
+                // A cluster client follows redirects itself; one that
+                // surfaces (mid-failover) is just an outage.
+                if err.redirect_node().is_some()
+                    && matches!(self.conn, RedisConn::Node(_))
+                    && !self.health.told_moved.swap(true, Ordering::Relaxed)
+                {
+                    tracing::error!(
+                        "redis answered MOVED/ASK: redis.url is a Redis Cluster node; set redis.cluster = true (the fast path steps aside until then)"
+                    );
+                }
+                (tls::describe(&err), conn_level)
             }
             Err(_) => ("timed out".to_string(), true),
         };
         self.counters.errors.fetch_add(1, Ordering::Relaxed);
         let (message, conn_level) = failure;
+        // Every failure, for debugging; the warnings below are per outage.
+        tracing::debug!(error = %message, "redis fast path call failed");
         if conn_level {
             let until = self.clock.now_millis() + BACKOFF.as_millis() as i64;
             let prev = self.down_until.swap(until, Ordering::Relaxed);
             // Log the transition, not every request during an outage.
+            let message = self.health.failed(message);
             if prev < self.clock.now_millis() - BACKOFF.as_millis() as i64 {
                 tracing::warn!(error = %message, "redis fast path unavailable; using the store alone");
             }
@@ -759,6 +841,15 @@ impl Store for RedisFastPath {
     fn call_bound(&self) -> Duration {
         self.inner.call_bound() + self.timeout * 3
     }
+
+    fn degraded(&self) -> Option<String> {
+        self.status().map(|cause| {
+            format!(
+                "{} fast path unavailable (the store answers alone): {cause}",
+                self.conn.kind()
+            )
+        })
+    }
 }
 
 /// The Redis key names whose copies may be stale (see the module docs).
@@ -772,7 +863,7 @@ fn lock(stale: &StaleSet) -> std::sync::MutexGuard<'_, std::collections::HashSet
 /// Deletes the stale copies in `stale` as soon as Redis answers, in
 /// batches, until none are left. Runs on its own connection handle, so a
 /// proxy in [`BACKOFF`] still heals the moment Redis is back.
-async fn heal(mut conn: ConnectionManager, stale: Arc<StaleSet>, timeout: Duration) {
+async fn heal(mut conn: RedisConn, stale: Arc<StaleSet>, timeout: Duration) {
     let names = || lock(&stale);
     loop {
         let batch: Vec<String> = names().iter().take(HEAL_BATCH).cloned().collect();
@@ -798,10 +889,120 @@ async fn heal(mut conn: ConnectionManager, stale: Arc<StaleSet>, timeout: Durati
     }
 }
 
+/// Connects to the Redis `cfg` names and PINGs it once, for
+/// `check-config --connect`: `Ok` with what answered, or the failure with
+/// its cause first (certificate not trusted, host name mismatch, server
+/// does not speak TLS, client certificate required, ...).
+pub async fn check_connection(cfg: &RedisConfig) -> Result<String, String> {
+    let conn = RedisConn::lazy(cfg).map_err(|e| e.to_string())?;
+    let kind = conn.kind();
+    ping_once(conn, cfg.timeout, plain_probe_of(cfg))
+        .await
+        .map(|()| format!("{kind} at {} answered", crate::config::mask_url(&cfg.url)))
+        .map_err(|(error, _)| error)
+}
+
+/// Where to try a plain-text PING when a TLS connection gets no answer.
+fn plain_probe_of(cfg: &RedisConfig) -> Option<(String, u16)> {
+    cfg.is_tls().then(|| tls::plain_address(cfg)).flatten()
+}
+
+/// One PING within a few timeouts (a cluster connects to every node and
+/// loads the slot map first). The error comes with the cause found by a
+/// plain-text PING, if that is what answered.
+async fn ping_once(
+    mut conn: RedisConn,
+    timeout: Duration,
+    plain_probe: Option<(String, u16)>,
+) -> Result<(), (String, Option<&'static str>)> {
+    let bound = timeout * 4;
+    let ping = redis::cmd("PING");
+    let error = match tokio::time::timeout(bound, ping.query_async::<Value>(&mut conn)).await {
+        Ok(Ok(_)) => return Ok(()),
+        Ok(Err(err)) => tls::describe(&err),
+        Err(_) => format!("no answer within {}ms", bound.as_millis()),
+    };
+    // A plain server never answers a TLS handshake (it waits for a line):
+    // ask it a plain-text PING to tell that from a dead or slow server.
+    match plain_probe {
+        Some((host, port)) if tls::answers_plain_ping(&host, port, timeout).await => {
+            let cause = tls::NOT_TLS;
+            Err((
+                format!("{cause} ({host}:{port} answered a plain-text PING; {error})"),
+                Some(cause),
+            ))
+        }
+        _ => Err((error, None)),
+    }
+}
+
+/// The start-up connection attempt: logs that the fast path is up, or why
+/// it is not (the cause first: an untrusted certificate, a host name
+/// mismatch, a plain server behind `rediss://`...). Either way requests
+/// are served; without Redis the inner store answers alone.
+async fn probe(
+    conn: RedisConn,
+    timeout: Duration,
+    health: Arc<Health>,
+    plain_probe: Option<(String, u16)>,
+) {
+    let kind = conn.kind();
+    match ping_once(conn, timeout, plain_probe).await {
+        Ok(()) => tracing::info!("{kind} fast path connected"),
+        Err((error, hint)) => {
+            if let Some(cause) = hint {
+                health.hint(cause);
+            }
+            tracing::warn!(
+                error = %error,
+                "{kind} fast path unavailable at start-up; using the store alone until it answers"
+            );
+            health.failed(error);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::store::sample_claim as claim;
+
+    /// Which failures make the fast path step aside (logged once per
+    /// outage) rather than warn per command: redirects and cluster
+    /// failover among them, so a cluster never logs one line per request.
+    #[test]
+    fn connection_level_failures_include_redirects_and_failover() {
+        let server = |reply: &[u8]| {
+            redis::parse_redis_value(reply)
+                .and_then(|v| v.extract_error())
+                .expect_err("an error reply")
+        };
+        for (err, conn_level) in [
+            (server(b"-MOVED 3999 127.0.0.1:6381\r\n"), true),
+            (server(b"-ASK 3999 127.0.0.1:6381\r\n"), true),
+            (server(b"-CLUSTERDOWN The cluster is down\r\n"), true),
+            (
+                server(b"-TRYAGAIN Multiple keys request during rehashing\r\n"),
+                true,
+            ),
+            (
+                server(b"-READONLY You can't write against a read only replica.\r\n"),
+                true,
+            ),
+            (server(b"-ERR wrong number of arguments\r\n"), false),
+            (server(b"-NOSCRIPT No matching script\r\n"), false),
+            (
+                RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionRefused)),
+                true,
+            ),
+            (
+                RedisError::from((ErrorKind::AuthenticationFailed, "bad password")),
+                true,
+            ),
+        ] {
+            assert_eq!(is_connection_error(&err), conn_level, "{err}");
+        }
+    }
 
     #[test]
     fn lock_layout_matches_the_lua_offsets() {

@@ -20,6 +20,8 @@ mod operations;
 mod ops_metrics;
 mod properties;
 mod readiness;
+mod redis_cluster;
+mod redis_tls;
 mod regressions;
 mod reload;
 mod replicas;

@@ -503,6 +503,10 @@ fn redis_config(url: String, prefix: &str) -> RedisConfig {
         url,
         timeout: Duration::from_millis(250),
         prefix: prefix.to_string(),
+        cluster: false,
+        ca_file: None,
+        cert_file: None,
+        key_file: None,
     }
 }
 

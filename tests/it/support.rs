@@ -29,6 +29,8 @@ pub mod otlp_receiver;
 pub mod process;
 pub mod proxy;
 pub mod recording_upstream;
+pub mod redis_cluster;
+pub mod redis_tls;
 pub mod services;
 pub mod tls_upstream;
 pub mod traffic;
