@@ -8,11 +8,11 @@ WORKDIR /src
 # until Cargo.toml/Cargo.lock change.
 COPY Cargo.toml Cargo.lock ./
 RUN mkdir src && echo 'fn main() {}' > src/main.rs && touch src/lib.rs \
-    && cargo build --release --locked \
+    && cargo build --release --locked --features otel \
     && rm -rf src target/release/deps/*idemgate* target/release/.fingerprint/idemgate-* target/release/idemgate*
 COPY src ./src
 COPY config ./config
-RUN cargo build --release --locked && strip target/release/idemgate
+RUN cargo build --release --locked --features otel && strip target/release/idemgate
 
 FROM debian:bookworm-slim AS runtime
 RUN apt-get update \

@@ -259,8 +259,8 @@ for p in panels(dash["panels"]):
     for t in p.get("targets", []):
         for n in metric_names(t["expr"]):
             used.add(n)
-            if not n.startswith("idemgate"):
-                errors.append(f"panel {p['title']!r}: {n!r} is not an idemgate metric or rule ({t['expr']})")
+            if not n.startswith(("idemgate", "process_")):
+                errors.append(f"panel {p['title']!r}: {n!r} is not an idemgate (or process_) metric or rule ({t['expr']})")
             elif n not in known:
                 errors.append(f"panel {p['title']!r}: {n!r} is neither exposed on /metrics nor a recording rule")
 if not used:
