@@ -168,6 +168,9 @@ impl Health {
 }
 
 struct Scripts {
+    /// `SET NX PX` our lock, or read what is there and its PTTL: one round
+    /// trip for a fresh key and for a duplicate alike.
+    lock_or_peek: Script,
     /// Deletes the key only if it holds the caller's lock.
     unlock: Script,
     /// Re-arms the caller's lock with a new PX.
@@ -194,6 +197,16 @@ const TAG_UNSTORED: u8 = 3;
 const HEAD_LEN: usize = 1 + 8 + 8 + 32;
 
 // Lua strings are 1-based: the token is bytes 50..65 of a lock.
+/// `1` when our lock went in; else `{value or "", pttl}` (no encoded value
+/// is empty, so `""` means the key expired in between: impossible inside
+/// one script, kept for clarity).
+const LOCK_OR_PEEK_LUA: &str = r#"
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return 1
+end
+return {redis.call('GET', KEYS[1]) or '', redis.call('PTTL', KEYS[1])}
+"#;
+
 const UNLOCK_LUA: &str = r#"
 local v = redis.call('GET', KEYS[1])
 if v and string.byte(v, 1) == 1 and string.sub(v, 50, 65) == ARGV[1] then
@@ -233,6 +246,15 @@ end
 redis.call('DEL', KEYS[1])
 return 0
 "#;
+
+/// What [`RedisFastPath::lock_or_peek`] found.
+enum Locking {
+    /// Our lock went in.
+    Locked,
+    /// Something was there: its value (`None` if it expired in between)
+    /// and its PTTL.
+    Held(Option<Vec<u8>>, i64),
+}
 
 /// A decoded Redis value.
 #[derive(Debug, PartialEq, Eq)]
@@ -398,6 +420,7 @@ impl RedisFastPath {
             counters: Arc::new(FastPathCounters::default()),
             down_until: AtomicI64::new(0),
             scripts: Scripts {
+                lock_or_peek: Script::new(LOCK_OR_PEEK_LUA),
                 unlock: Script::new(UNLOCK_LUA),
                 extend: Script::new(EXTEND_LUA),
                 complete: Script::new(COMPLETE_LUA),
@@ -491,30 +514,33 @@ impl RedisFastPath {
         }
     }
 
-    /// `SET name lock NX PX lease`: `Some(true)` when set, `Some(false)` when
-    /// something is there, `None` when Redis did not answer.
-    async fn try_lock(&self, name: &str, claim: &Claim) -> Option<bool> {
+    /// Our lock in, or what another claim left there: one script, so a
+    /// duplicate costs one round trip like a fresh key. `None` when Redis
+    /// did not answer.
+    async fn lock_or_peek(&self, name: &str, claim: &Claim) -> Option<Locking> {
         let mut conn = self.conn.clone();
-        let cmd = redis::cmd("SET")
-            .arg(name)
+        let mut inv = self.scripts.lock_or_peek.prepare_invoke();
+        inv.key(name)
             .arg(encode_lock(claim))
-            .arg("NX")
-            .arg("PX")
-            .arg(claim.lease_ms.max(1))
-            .to_owned();
-        let v: Value = self.run(cmd.query_async(&mut conn)).await?;
-        Some(!matches!(v, Value::Nil))
-    }
-
-    async fn peek(&self, name: &str) -> Option<(Option<Vec<u8>>, i64)> {
-        let mut conn = self.conn.clone();
-        let pipe = redis::pipe()
-            .cmd("GET")
-            .arg(name)
-            .cmd("PTTL")
-            .arg(name)
-            .to_owned();
-        self.run(pipe.query_async(&mut conn)).await
+            .arg(claim.lease_ms.max(1));
+        let v: Value = self.run(inv.invoke_async(&mut conn)).await?;
+        Some(match v {
+            Value::Int(1) => Locking::Locked,
+            Value::Array(mut parts) if parts.len() == 2 => {
+                let pttl = match parts.pop() {
+                    Some(Value::Int(pttl)) => pttl,
+                    _ => -2,
+                };
+                match parts.pop() {
+                    Some(Value::BulkString(value)) if !value.is_empty() => {
+                        Locking::Held(Some(value), pttl)
+                    }
+                    _ => Locking::Held(None, pttl),
+                }
+            }
+            // Not this script's answer: let the inner store decide.
+            _ => Locking::Held(None, -2),
+        })
     }
 
     /// Removes our lock without waiting, for use while in [`BACKOFF`]: a
@@ -673,24 +699,19 @@ impl Store for RedisFastPath {
         if !self.trusted(&name) {
             return self.claim_bypassing(&name, claim).await;
         }
-        let locked = match self.try_lock(&name, claim).await {
+        let locked = match self.lock_or_peek(&name, claim).await {
             // No answer: the inner store decides alone.
             None => return self.claim_bypassing(&name, claim).await,
-            Some(true) => true,
-            Some(false) => {
-                match self.peek(&name).await {
-                    None => return self.claim_bypassing(&name, claim).await,
-                    Some((Some(value), pttl)) => {
-                        if let Some(outcome) = Self::answer(claim, &value, pttl) {
-                            self.counters.hits.fetch_add(1, Ordering::Relaxed);
-                            return Ok(outcome);
-                        }
-                    }
-                    // Expired between SET and GET.
-                    Some((None, _)) => {}
+            Some(Locking::Locked) => true,
+            Some(Locking::Held(Some(value), pttl)) => {
+                if let Some(outcome) = Self::answer(claim, &value, pttl) {
+                    self.counters.hits.fetch_add(1, Ordering::Relaxed);
+                    return Ok(outcome);
                 }
                 false
             }
+            // Expired in between.
+            Some(Locking::Held(None, _)) => false,
         };
         self.counters.misses.fetch_add(1, Ordering::Relaxed);
         // Redis is never the only guard: a lock we just set still goes to
