@@ -36,7 +36,7 @@ pub use log::{LogConfig, LogFormat};
 // Other modules still name these through `config`; they live in `route`.
 pub use crate::route::{OnAmbiguous, OnStoreError, RouteConfig};
 pub use server::{AdminConfig, ServerConfig};
-pub use store::{Backend, RedisConfig, SqliteSync, StoreConfig};
+pub use store::{Backend, MigrationLock, RedisConfig, SqliteSync, StoreConfig};
 
 /// Where `--config` points when it is not given.
 pub const DEFAULT_CONFIG_PATH: &str = "config/idemgate.toml";

@@ -17,6 +17,8 @@
 //! - `problem`: RFC 9457 responses, the one error-to-response mapping.
 //! - [`server`]: listeners, connection limits, sweeper, graceful shutdown.
 //! - `admin`, [`metrics`], [`telemetry`]: health, Prometheus, logs.
+//! - [`tls`]: rustls client configurations (trust roots, client
+//!   certificates, how much of a server's certificate is checked).
 //! - [`keys`]: the `keys` commands that inspect and repair records.
 //! - [`demo`]: a small orders API to try idemgate against, and its commands.
 //! - `fuzzing`: not a stable API; the crate-private parsers and codecs,
@@ -42,6 +44,7 @@ pub mod server;
 pub(crate) mod shutdown;
 pub mod store;
 pub mod telemetry;
+pub mod tls;
 
 use config::Config;
 use metrics::Metrics;

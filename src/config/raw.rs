@@ -6,7 +6,7 @@
 //! `store.rs`, `log.rs`, `routes.rs`).
 
 use super::units::{ByteSize, HumanDuration};
-use super::{Backend, LogFormat, OnAmbiguous, OnStoreError, SqliteSync};
+use super::{Backend, LogFormat, MigrationLock, OnAmbiguous, OnStoreError, SqliteSync};
 use crate::idempotency::decision::{ReleaseStatuses, StatusEntry};
 use crate::route::PathPattern;
 use http::{HeaderName, Method, Uri};
@@ -89,6 +89,7 @@ pub(super) struct RawStore {
     pub(super) pool_size: Option<usize>,
     pub(super) connect_timeout: Option<HumanDuration>,
     pub(super) statement_timeout: Option<HumanDuration>,
+    pub(super) migration_lock: Option<MigrationLock>,
     pub(super) timeout: Option<HumanDuration>,
     pub(super) sweep_interval: Option<HumanDuration>,
     pub(super) sweep_batch: Option<u32>,
