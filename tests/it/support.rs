@@ -6,6 +6,7 @@
 //! - [`process`]: the real binary as a child process (`serve`, one-shot commands);
 //! - [`config`]: the config file either of them runs on, as a TOML table;
 //! - [`client`]: requests and responses, fresh or on kept-alive connections;
+//! - [`pg_cluster`]: a private PostgreSQL cluster with TLS (its own CA);
 //! - [`services`]: PostgreSQL and Redis (URLs, schemas, a private
 //!   `redis-server`, a TCP relay that can cut PostgreSQL off);
 //! - for the invariant harness: [`recording_upstream`] (logs every
@@ -19,6 +20,7 @@
 pub mod checker;
 pub mod client;
 pub mod config;
+pub mod pg_cluster;
 pub mod process;
 pub mod proxy;
 pub mod recording_upstream;
