@@ -15,6 +15,7 @@ mod hostile_requests;
 mod invariants;
 mod lifecycle;
 mod operations;
+mod pgbouncer;
 mod postgres_tls;
 mod properties;
 mod regressions;

@@ -7,6 +7,7 @@
 //! - [`config`]: the config file either of them runs on, as a TOML table;
 //! - [`client`]: requests and responses, fresh or on kept-alive connections;
 //! - [`pg_cluster`]: a private PostgreSQL cluster with TLS (its own CA);
+//! - [`pgbouncer`]: a private PgBouncer in transaction pooling mode;
 //! - [`services`]: PostgreSQL and Redis (URLs, schemas, a private
 //!   `redis-server`, a TCP relay that can cut PostgreSQL off);
 //! - for the invariant harness: [`recording_upstream`] (logs every
@@ -21,6 +22,7 @@ pub mod checker;
 pub mod client;
 pub mod config;
 pub mod pg_cluster;
+pub mod pgbouncer;
 pub mod process;
 pub mod proxy;
 pub mod recording_upstream;

@@ -1,0 +1,134 @@
+//! Behind PgBouncer in transaction pooling mode (a private one, in front of
+//! the shared PostgreSQL, with fewer server connections than the proxy
+//! has): with `pgbouncer=true` in the URL every store call works (the store
+//! contract, protected traffic, migrations, sweeps); without it the proxy
+//! says to add it.
+
+use crate::store_contract::{run_contract, LATER_MS};
+use crate::support::pg_cluster::exercise;
+use crate::support::pgbouncer::PrivatePgBouncer;
+use crate::support::services::{database_url, drop_schema, pg_store_config, unique_schema};
+use crate::support::{run_on_config_text, Backend, Proxy, TestConfig, Upstream};
+use idemgate::store::postgres::PostgresStore;
+use std::sync::Arc;
+
+async fn store(url: &str, schema: &str, offset_ms: i64) -> Arc<PostgresStore> {
+    Arc::new(
+        PostgresStore::connect(&pg_store_config(url, schema))
+            .await
+            .expect("postgres store")
+            .with_clock_offset(offset_ms),
+    )
+}
+
+/// `check-config --connect` (or another command) on `url`.
+async fn run(args: &[&str], url: &str, schema: &str) -> (i32, String) {
+    let text = TestConfig::new("127.0.0.1:9".parse().unwrap())
+        .set("store.backend", "postgres")
+        .set("store.url", url)
+        .set("store.schema", schema)
+        .render();
+    let (run, _) = run_on_config_text(args, &text, &[]).await;
+    (run.code, format!("{}{}", run.stdout, run.stderr))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_store_contract_holds_through_pgbouncer_in_transaction_mode() {
+    let bouncer = PrivatePgBouncer::start();
+    let url = bouncer.url("pgbouncer=true");
+    let schema = unique_schema("t");
+    let later = store(&url, &schema, LATER_MS).await;
+    run_contract(store(&url, &schema, 0).await, later).await;
+    drop_schema(&database_url(), &schema).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn protected_traffic_and_migrations_work_through_pgbouncer() {
+    let bouncer = PrivatePgBouncer::start();
+    let url = bouncer.url("pgbouncer=true");
+    let schema = unique_schema("t");
+    // `idemgate migrate` through the pooler, then again: nothing left to do.
+    let (code, out) = run(&["migrate"], &url, &schema).await;
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("2 migration(s) applied now"), "{out}");
+    let (code, out) = run(&["migrate"], &url, &schema).await;
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("0 migration(s) applied now"), "{out}");
+    drop_schema(&database_url(), &schema).await;
+
+    let up = Upstream::start().await;
+    let proxy = Proxy::builder(Backend::Postgres, up.addr)
+        .store_url(&url)
+        .set("store.pool_size", 8)
+        .admin()
+        .start()
+        .await;
+    exercise(&proxy, &up, "bouncer").await;
+    // More requests at once than PgBouncer has server connections.
+    let sends = (0..24).map(|i| {
+        proxy
+            .post(crate::support::ORDERS)
+            .key(&format!("burst-{i}"))
+            .body("x")
+            .send()
+    });
+    for r in futures_util::future::join_all(sends).await {
+        assert_eq!(r.status(), 201, "{}", r.text());
+    }
+    let ready = proxy.admin_get("/readyz").send().await;
+    assert_eq!(ready.status(), 200, "{}", ready.text());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_pgbouncer_true_the_proxy_says_to_add_it() {
+    let bouncer = PrivatePgBouncer::start();
+    let schema = unique_schema("t");
+    let (code, out) = run(&["check-config", "--connect"], &bouncer.url(""), &schema).await;
+    assert_ne!(code, 0, "{out}");
+    assert!(out.contains("unsupported startup parameter"), "{out}");
+    assert!(out.contains("add pgbouncer=true"), "{out}");
+
+    let up = Upstream::start().await;
+    let proxy = Proxy::builder(Backend::Postgres, up.addr)
+        .store_url(&bouncer.url(""))
+        .admin()
+        .start()
+        .await;
+    let ready = proxy.admin_get("/readyz").send().await;
+    assert_eq!(ready.status(), 503);
+    assert!(
+        ready.text().contains("add pgbouncer=true"),
+        "{}",
+        ready.text()
+    );
+    let (code, out) = run(
+        &["check-config", "--connect"],
+        &bouncer.url("pgbouncer=true"),
+        &schema,
+    )
+    .await;
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("pgbouncer=true): ok"), "{out}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sslmode_require_against_a_server_without_tls_says_so() {
+    // This PgBouncer offers no TLS to its clients.
+    let bouncer = PrivatePgBouncer::start();
+    let (code, out) = run(
+        &["check-config", "--connect"],
+        &bouncer.url("pgbouncer=true&sslmode=require"),
+        "unused",
+    )
+    .await;
+    assert_ne!(code, 0, "{out}");
+    assert!(out.contains("does not support TLS"), "{out}");
+    // prefer (the default) falls back to plain TCP.
+    let (code, out) = run(
+        &["check-config", "--connect"],
+        &bouncer.url("pgbouncer=true"),
+        "unused",
+    )
+    .await;
+    assert_eq!(code, 0, "{out}");
+}
