@@ -1105,3 +1105,41 @@ impl Store for Core {
         self.timeout + CALL_BOUND_MARGIN
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_serialization_failures_and_deadlocks_are_run_again() {
+        let cases = [
+            (Some(SqlState::T_R_SERIALIZATION_FAILURE), true),
+            (Some(SqlState::T_R_DEADLOCK_DETECTED), true),
+            // A statement_timeout may have hit a write that then committed
+            // nothing, but the caller treats it as a timeout (ambiguous).
+            (Some(SqlState::QUERY_CANCELED), false),
+            (Some(SqlState::UNIQUE_VIOLATION), false),
+            (Some(SqlState::LOCK_NOT_AVAILABLE), false),
+            (Some(SqlState::ADMIN_SHUTDOWN), false),
+            (None, false),
+        ];
+        for (code, rerun) in cases {
+            assert_eq!(is_conflict_code(code.as_ref()), rerun, "{code:?}");
+        }
+    }
+
+    #[test]
+    fn conflict_pauses_double_with_bounded_jitter() {
+        let ms = |attempt, random| conflict_pause(attempt, random).as_millis();
+        assert_eq!(ms(1, 0), 5);
+        assert_eq!(ms(2, 0), 10);
+        assert_eq!(ms(3, 0), 20);
+        // The random part stays below the base.
+        assert_eq!(ms(1, 4), 9);
+        assert_eq!(ms(1, 5), 5);
+        assert!(ms(3, u32::MAX) < 40);
+        // Every rerun of one call fits well inside a store timeout.
+        let total: u128 = (1..CONFLICT_ATTEMPTS).map(|a| ms(a, u32::MAX)).sum();
+        assert!(total < 100, "{total} ms");
+    }
+}

@@ -16,6 +16,7 @@ mod invariants;
 mod lifecycle;
 mod operations;
 mod pgbouncer;
+mod postgres_retries;
 mod postgres_tls;
 mod properties;
 mod regressions;
