@@ -1,3 +1,5 @@
+//! PostgreSQL beyond the defaults.
+//!
 //! Serialization failures and deadlocks (SQLSTATE 40001, 40P01) are run
 //! again inside the store call instead of failing it. Provoked for real:
 //! with `default_transaction_isolation = serializable` (set through the
@@ -5,6 +7,8 @@
 //! it), concurrent claims of one fresh key make PostgreSQL abort all but
 //! one `INSERT ... ON CONFLICT DO UPDATE` with "could not serialize access
 //! due to concurrent update".
+//!
+//! `store.migration_lock = "none"` (engines without advisory locks).
 
 use crate::support::services::{database_url, drop_schema, pg_store_config, unique_schema};
 use idemgate::idempotency::{Fingerprint, RecordKey, Scope};
@@ -78,5 +82,33 @@ async fn concurrent_claims_under_serializable_isolation_get_answers_not_errors()
         }
         assert_eq!(claimed, 1, "round {round}: exactly one claim wins");
     }
+    drop_schema(&database_url(), &schema).await;
+}
+
+/// `store.migration_lock = "none"` (for engines without advisory locks or
+/// transactional DDL): migrations and sweeps take no advisory lock and the
+/// whole store contract still holds. Only plain PostgreSQL runs here; see
+/// docs/deploy.md for what was verified on which engine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_store_contract_holds_without_advisory_locks() {
+    use idemgate::config::MigrationLock;
+    let schema = unique_schema("t");
+    let store = |offset_ms| {
+        let mut cfg = pg_store_config(&database_url(), &schema);
+        cfg.migration_lock = MigrationLock::None;
+        async move {
+            Arc::new(
+                PostgresStore::connect(&cfg)
+                    .await
+                    .expect("store")
+                    .with_clock_offset(offset_ms),
+            )
+        }
+    };
+    let first = store(0).await;
+    assert_eq!(first.migrate().await.expect("migrate"), 2);
+    assert_eq!(first.migrate().await.expect("migrate again"), 0);
+    let later = store(crate::store_contract::LATER_MS).await;
+    crate::store_contract::run_contract(first, later).await;
     drop_schema(&database_url(), &schema).await;
 }
