@@ -101,7 +101,10 @@ http {
 }
 EOF
 nginx -c "$work/nginx/nginx.conf" -p "$work/nginx"
-pids+=("$(cat "$work/nginx/nginx.pid" 2>/dev/null || sleep 0.5; cat "$work/nginx/nginx.pid")")
+# One pid (a first `cat` that succeeded used to print it twice, and the
+# cleanup's `kill "<pid>\n<pid>"` then left nginx running).
+for _ in $(seq 20); do [ -s "$work/nginx/nginx.pid" ] && break; sleep 0.1; done
+pids+=("$(cat "$work/nginx/nginx.pid")")
 
 # ----- idemgate, one process per store -----
 start_idemgate() { # name backend extra-toml -> sets IG_PORT, IG_PID

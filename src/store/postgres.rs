@@ -20,7 +20,8 @@
 //! `query_typed`), and no session state is set at connect (PgBouncer
 //! refuses the `options` startup parameter): every call runs in a
 //! transaction that sets `statement_timeout` and the planner settings with
-//! `SET LOCAL`. That costs two more round trips per call.
+//! `SET LOCAL`. That costs one more round trip per call (`BEGIN` is
+//! pipelined with the first statement; `COMMIT` is not).
 //!
 //! A call that PostgreSQL aborts for a serialization failure or a deadlock
 //! (SQLSTATE 40001, 40P01: a `SERIALIZABLE` default isolation, or a
@@ -514,14 +515,23 @@ impl Core {
             let res = match begin {
                 None => body().await,
                 Some(begin) => {
-                    client.batch_execute(begin).await?;
-                    let res = body().await;
-                    let end = client
-                        .batch_execute(if res.is_ok() { "COMMIT" } else { "ROLLBACK" })
-                        .await;
-                    match (res, end) {
-                        (Ok(v), Ok(())) => Ok(v),
-                        (Err(e), _) | (Ok(_), Err(e)) => Err(e),
+                    // `BEGIN` goes out back to back with the body's first
+                    // statement (tokio-postgres sends requests in the order
+                    // they are first polled, without waiting for answers):
+                    // one round trip for both. Should `BEGIN` fail, the
+                    // statement fails too (an aborted transaction or a dead
+                    // connection), and the connection is never handed back
+                    // inside a transaction.
+                    let (began, res) = tokio::join!(biased; client.batch_execute(begin), body());
+                    let end = if began.is_ok() && res.is_ok() {
+                        "COMMIT"
+                    } else {
+                        "ROLLBACK"
+                    };
+                    let ended = client.batch_execute(end).await;
+                    match (began, res, ended) {
+                        (Err(e), _, _) | (Ok(()), Err(e), _) | (Ok(()), Ok(_), Err(e)) => Err(e),
+                        (Ok(()), Ok(v), Ok(())) => Ok(v),
                     }
                 }
             };
