@@ -292,6 +292,68 @@ impl ServerCertVerifier for ChainOnly {
     }
 }
 
+// === channel binding ===
+
+/// RFC 5929 `tls-server-end-point` channel binding data for a server's
+/// end-entity certificate (DER): its hash with the hash function of its
+/// signature algorithm, SHA-256 for MD5 and SHA-1. `None` where that is
+/// not defined or not known here (Ed25519, RSA-PSS with its parameters):
+/// then no binding is offered, rather than a wrong one that would fail
+/// authentication.
+pub fn tls_server_end_point(der: &[u8]) -> Option<Vec<u8>> {
+    use sha2::Digest;
+    // Certificate ::= SEQUENCE { tbsCertificate, signatureAlgorithm, ... }
+    let (0x30, cert, _) = der_tlv(der)? else {
+        return None;
+    };
+    let (_, _tbs, rest) = der_tlv(cert)?;
+    let (0x30, algorithm, _) = der_tlv(rest)? else {
+        return None;
+    };
+    let (0x06, oid, _) = der_tlv(algorithm)? else {
+        return None;
+    };
+    const RSA: &[u8] = &[0x2a, 0x86, 0x48, 0x86, 0xf7, 0x0d, 0x01, 0x01];
+    const ECDSA_SHA1: &[u8] = &[0x2a, 0x86, 0x48, 0xce, 0x3d, 0x04, 0x01];
+    const ECDSA_SHA2: &[u8] = &[0x2a, 0x86, 0x48, 0xce, 0x3d, 0x04, 0x03];
+    let bits = match oid {
+        // md5WithRSA (4), sha1WithRSA (5), sha256WithRSA (11), sha224WithRSA (14)
+        [rsa @ .., 4 | 5 | 11 | 14] if rsa == RSA => 256,
+        [rsa @ .., 12] if rsa == RSA => 384,
+        [rsa @ .., 13] if rsa == RSA => 512,
+        oid if oid == ECDSA_SHA1 => 256,
+        [ecdsa @ .., 1 | 2] if ecdsa == ECDSA_SHA2 => 256,
+        [ecdsa @ .., 3] if ecdsa == ECDSA_SHA2 => 384,
+        [ecdsa @ .., 4] if ecdsa == ECDSA_SHA2 => 512,
+        _ => return None,
+    };
+    // The hash covers the whole certificate as sent.
+    Some(match bits {
+        256 => sha2::Sha256::digest(der).to_vec(),
+        384 => sha2::Sha384::digest(der).to_vec(),
+        _ => sha2::Sha512::digest(der).to_vec(),
+    })
+}
+
+/// One DER TLV: (tag, contents, what follows). Definite lengths only.
+fn der_tlv(input: &[u8]) -> Option<(u8, &[u8], &[u8])> {
+    let (&tag, rest) = input.split_first()?;
+    let (&first, rest) = rest.split_first()?;
+    let (len, rest) = if first < 0x80 {
+        (usize::from(first), rest)
+    } else {
+        let n = usize::from(first & 0x7f);
+        if n == 0 || n > 4 || rest.len() < n {
+            return None;
+        }
+        let len = rest[..n]
+            .iter()
+            .fold(0usize, |acc, b| (acc << 8) | usize::from(*b));
+        (len, &rest[n..])
+    };
+    (rest.len() >= len).then(|| (tag, &rest[..len], &rest[len..]))
+}
+
 // === errors ===
 
 /// The first rustls error in `err`'s source chain (tokio-rustls wraps it
@@ -397,6 +459,45 @@ mod tests {
             identity: None,
         };
         assert!(client_config(&tls).is_ok());
+    }
+
+    #[test]
+    fn channel_binding_hashes_the_certificate_with_its_signature_hash() {
+        use sha2::Digest;
+        // A certificate shaped as DER: SEQUENCE { tbs, AlgorithmIdentifier, sig }.
+        let cert = |oid: &[u8]| {
+            let mut alg = vec![0x06, oid.len() as u8];
+            alg.extend_from_slice(oid);
+            let mut body = vec![0x30, 0x03, 0x02, 0x01, 0x00];
+            body.extend([0x30, alg.len() as u8]);
+            body.extend(&alg);
+            body.extend([0x03, 0x01, 0x00]);
+            let mut der = vec![0x30, body.len() as u8];
+            der.extend(body);
+            der
+        };
+        let rsa = |last| [0x2a, 0x86, 0x48, 0x86, 0xf7, 0x0d, 0x01, 0x01, last];
+        let ecdsa = |last| [0x2a, 0x86, 0x48, 0xce, 0x3d, 0x04, 0x03, last];
+        for (oid, len) in [
+            (&rsa(11)[..], 32),
+            (&rsa(5)[..], 32),
+            (&rsa(12)[..], 48),
+            (&rsa(13)[..], 64),
+            (&ecdsa(2)[..], 32),
+            (&ecdsa(3)[..], 48),
+            (&ecdsa(4)[..], 64),
+        ] {
+            let der = cert(oid);
+            let bound = tls_server_end_point(&der).unwrap_or_else(|| panic!("{oid:x?}"));
+            assert_eq!(bound.len(), len, "{oid:x?}");
+            if len == 32 {
+                assert_eq!(bound, sha2::Sha256::digest(&der).to_vec());
+            }
+        }
+        // Ed25519 (1.3.101.112) and RSA-PSS: no binding rather than a wrong one.
+        assert_eq!(tls_server_end_point(&cert(&[0x2b, 0x65, 0x70])), None);
+        assert_eq!(tls_server_end_point(&cert(&rsa(10))), None);
+        assert_eq!(tls_server_end_point(b"\x30\x05junk"), None);
     }
 
     #[test]

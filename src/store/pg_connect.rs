@@ -439,10 +439,17 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for RustlsStream<S> {
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> tokio_postgres::tls::TlsStream for RustlsStream<S> {
-    /// SCRAM channel binding is not offered: `channel_binding=prefer` (the
-    /// default) then authenticates without it; `require` is refused.
+    /// SCRAM's `tls-server-end-point` binding (RFC 5929), so
+    /// `channel_binding=require` works as in libpq; none for certificates
+    /// whose hash is not defined here (then `require` is refused).
     fn channel_binding(&self) -> ChannelBinding {
-        ChannelBinding::none()
+        let (_, session) = self.0.get_ref();
+        session
+            .peer_certificates()
+            .and_then(|certs| certs.first())
+            .and_then(|cert| tls::tls_server_end_point(cert))
+            .map(ChannelBinding::tls_server_end_point)
+            .unwrap_or_else(ChannelBinding::none)
     }
 }
 

@@ -4,7 +4,7 @@
 //! of the test's own ([`PgCluster`]). Failures must name their cause at
 //! start-up, in `check-config --connect` and in `/readyz`.
 
-use crate::support::pg_cluster::{exercise, PgCluster, CERT_USER};
+use crate::support::pg_cluster::{exercise, PgCluster, CERT_USER, SCRAM_PASSWORD, SCRAM_USER};
 use crate::support::services::{database_url, unique_schema};
 use crate::support::{
     free_port, run_on_config_text, wait_for, Backend, Proxy, ServeProcess, TestConfig, Upstream,
@@ -205,4 +205,33 @@ async fn a_missing_certificate_file_fails_at_start_naming_the_file() {
     let (code, out) = check_connect(&url).await;
     assert_ne!(code, 0, "{out}");
     assert!(out.contains("/nonexistent/idemgate-root.crt"), "{out}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scram_with_channel_binding_required_authenticates_over_tls() {
+    let cluster = PgCluster::shared();
+    // As hosted PostgreSQL services print their URLs.
+    let query = format!(
+        "sslmode=verify-full&sslrootcert={}&channel_binding=require",
+        cluster.ca.display()
+    );
+    let url = cluster.url(SCRAM_USER, "localhost", &query).replacen(
+        SCRAM_USER,
+        &format!("{SCRAM_USER}:{SCRAM_PASSWORD}"),
+        1,
+    );
+    let (code, out) = check_connect(&url).await;
+    assert_eq!(code, 0, "{out}");
+    let up = Upstream::start().await;
+    let proxy = Proxy::builder(Backend::Postgres, up.addr)
+        .store_url(&url)
+        .start()
+        .await;
+    exercise(&proxy, &up, "scram").await;
+    // A wrong password is an authentication error, not a TLS one.
+    let wrong = url.replacen(SCRAM_PASSWORD, "wrong-password", 1);
+    let (code, out) = check_connect(&wrong).await;
+    assert_ne!(code, 0, "{out}");
+    assert!(out.contains("password authentication failed"), "{out}");
+    assert!(!out.contains("wrong-password"), "never the password: {out}");
 }

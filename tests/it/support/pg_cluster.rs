@@ -12,8 +12,9 @@
 //! the directory.
 //!
 //! `pg_hba.conf`: `certuser` must present a client certificate
-//! (`hostssl ... clientcert=verify-full`); everyone else is trusted over
-//! TLS or plain TCP.
+//! (`hostssl ... clientcert=verify-full`), `scramuser` a password
+//! (SCRAM-SHA-256, TLS only); everyone else is trusted over TLS or plain
+//! TCP.
 
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -23,6 +24,10 @@ use std::time::{Duration, Instant};
 
 /// The role that must authenticate with a client certificate.
 pub const CERT_USER: &str = "certuser";
+
+/// The role that authenticates with a password (SCRAM-SHA-256) over TLS.
+pub const SCRAM_USER: &str = "scramuser";
+pub const SCRAM_PASSWORD: &str = "scram-secret-pw";
 
 /// A running private cluster and the files a client needs.
 pub struct PgCluster {
@@ -100,6 +105,7 @@ impl PgCluster {
         let hba = format!(
             "local all all trust\n\
              hostssl all {CERT_USER} 127.0.0.1/32 trust clientcert=verify-full\n\
+             hostssl all {SCRAM_USER} 127.0.0.1/32 scram-sha-256\n\
              host all {CERT_USER} 127.0.0.1/32 reject\n\
              host all all 127.0.0.1/32 trust\n"
         );
@@ -126,7 +132,11 @@ impl PgCluster {
         let psql = Command::new(bin.join("psql"))
             .args(["-h", "127.0.0.1", "-p", &port.to_string(), "-U", "postgres"])
             .args(["-d", "postgres", "-v", "ON_ERROR_STOP=1", "-qc"])
-            .arg(format!("CREATE ROLE {CERT_USER} LOGIN SUPERUSER"))
+            .arg(format!(
+                "CREATE ROLE {CERT_USER} LOGIN SUPERUSER; \
+                 SET password_encryption = 'scram-sha-256'; \
+                 CREATE ROLE {SCRAM_USER} LOGIN SUPERUSER PASSWORD '{SCRAM_PASSWORD}'"
+            ))
             .env("PGSSLMODE", "disable")
             .output()
             .expect("run psql");
