@@ -6,8 +6,10 @@
 # When nothing answers there it starts throwaway ones: a temporary
 # PostgreSQL cluster with pg_virtualenv (postgresql-common) and a private
 # redis-server on a free port; as root on Debian/Ubuntu it installs them
-# first. Only when none of that is possible does it stop, saying what to
-# install. Extra arguments go to `cargo test`.
+# first; without them it runs throwaway containers (docker) on free ports.
+# Everything it starts is removed when it exits. Only when none of that is
+# possible does it stop, saying what to install. Extra arguments go to
+# `cargo test`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,8 +26,35 @@ host_port() {
   echo "${rest%%:*} ${rest##*:}"
 }
 
-answers() { # host port
-  timeout 2 bash -c "exec 3<>/dev/tcp/$1/$2" 2>/dev/null
+answers() { # host port: does something accept there within 2 s?
+  if command -v timeout >/dev/null 2>&1; then
+    timeout 2 bash -c "exec 3<>/dev/tcp/$1/$2" 2>/dev/null
+    return
+  fi
+  # No timeout(1) (macOS): the same with a watchdog.
+  (exec 3<>"/dev/tcp/$1/$2") 2>/dev/null &
+  local probe=$! watchdog rc=0
+  (sleep 2; kill "$probe" 2>/dev/null) &
+  watchdog=$!
+  wait "$probe" 2>/dev/null || rc=$?
+  kill "$watchdog" 2>/dev/null || true
+  wait "$watchdog" 2>/dev/null || true
+  return "$rc"
+}
+
+free_port() {
+  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])' 2>/dev/null || echo "$1"
+}
+
+have_docker() { command -v docker >/dev/null 2>&1 && docker info >/dev/null 2>&1; }
+
+# A throwaway container publishing one port on 127.0.0.1 only, removed on
+# exit (the compose file publishes no ports, and its database is not the
+# tests' postgres/test). Sets $container; not for $(...), whose subshell
+# would lose the cleanup.
+start_container() { # host-port container-port docker-run-args...
+  container=$(docker run -d --rm -p "127.0.0.1:$1:$2" "${@:3}")
+  cleanup+=("docker rm -f $container >/dev/null")
 }
 
 install_if_possible() { # command package...
@@ -38,12 +67,13 @@ install_if_possible() { # command package...
 }
 
 cleanup=()
-trap 'for c in "${cleanup[@]}"; do eval "$c" || true; done' EXIT
+# ${a[@]+...}: an empty array under set -u is an error in bash 3 (macOS).
+trap 'for c in ${cleanup[@]+"${cleanup[@]}"}; do eval "$c" || true; done' EXIT
 
 read -r rhost rport <<<"$(host_port "$IDEMGATE_TEST_REDIS_URL")"
 if ! answers "$rhost" "$rport"; then
   if install_if_possible redis-server redis-server; then
-    port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])' 2>/dev/null || echo 16379)
+    port=$(free_port 16379)
     dir=$(mktemp -d)
     redis-server --port "$port" --bind 127.0.0.1 --save "" --appendonly no --daemonize yes \
       --dir "$dir" --pidfile "$dir/redis.pid" --logfile "$dir/redis.log"
@@ -51,8 +81,12 @@ if ! answers "$rhost" "$rport"; then
     for _ in $(seq 50); do answers 127.0.0.1 "$port" && break; sleep 0.1; done
     export IDEMGATE_TEST_REDIS_URL="redis://127.0.0.1:$port"
     say "started a private redis-server on port $port"
-  elif command -v docker >/dev/null 2>&1 && docker info >/dev/null 2>&1; then
-    docker compose up -d --wait redis >&2
+  elif have_docker; then
+    port=$(free_port 16379)
+    start_container "$port" 6379 redis:7-alpine redis-server --save "" --appendonly no
+    for _ in $(seq 100); do answers 127.0.0.1 "$port" && break; sleep 0.1; done
+    export IDEMGATE_TEST_REDIS_URL="redis://127.0.0.1:$port"
+    say "started a Redis container on port $port"
   else
     say "no Redis at $IDEMGATE_TEST_REDIS_URL and none can be started: install redis-server, or set IDEMGATE_TEST_REDIS_URL"
     exit 1
@@ -74,12 +108,24 @@ if ! answers "$phost" "$pport" && [ -z "${IDEMGATE_IN_PG_VIRTUALENV:-}" ]; then
   if install_if_possible pg_virtualenv postgresql postgresql-common; then
     say "no PostgreSQL at $phost:$pport: running the suite inside pg_virtualenv"
     # pg_virtualenv exports PGHOST/PGPORT/PGUSER/PGPASSWORD/PGDATABASE.
-    exec pg_virtualenv -o "max_connections=200" bash -c '
+    # Not exec'd: this shell's EXIT trap still has a private redis-server
+    # and its folder to clean up when the suite ends.
+    status=0
+    pg_virtualenv -o "max_connections=200" bash -c '
       export IDEMGATE_IN_PG_VIRTUALENV=1
       export IDEMGATE_TEST_DATABASE_URL="postgres://${PGUSER}:${PGPASSWORD}@127.0.0.1:${PGPORT}/${PGDATABASE}"
-      exec "$0" "$@"' "$0" "$@"
-  elif command -v docker >/dev/null 2>&1 && docker info >/dev/null 2>&1; then
-    docker compose up -d --wait postgres >&2
+      exec "$0" "$@"' "$0" "$@" || status=$?
+    exit "$status"
+  elif have_docker; then
+    port=$(free_port 15432)
+    start_container "$port" 5432 -e POSTGRES_HOST_AUTH_METHOD=trust -e POSTGRES_DB=test \
+      postgres:16-alpine -c max_connections=200
+    for _ in $(seq 300); do
+      docker exec "$container" pg_isready -h 127.0.0.1 -U postgres -d test >/dev/null 2>&1 && break
+      sleep 0.2
+    done
+    export IDEMGATE_TEST_DATABASE_URL="postgres://postgres@127.0.0.1:$port/test"
+    say "started a PostgreSQL container on port $port"
   else
     say "no PostgreSQL at $IDEMGATE_TEST_DATABASE_URL and none can be started: install postgresql (pg_virtualenv), or set IDEMGATE_TEST_DATABASE_URL"
     exit 1

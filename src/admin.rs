@@ -1,18 +1,34 @@
 //! The admin listener, separate from proxied traffic: `GET /healthz` (the
-//! process is up), `GET /readyz` (the store answers) and `GET /metrics`
-//! (Prometheus text format).
+//! process is up), `GET /readyz` (this replica can serve; with
+//! `server.readiness = "store"` also: the store answers), `GET
+//! /healthz/store` (the store's health and last error, as JSON) and `GET
+//! /metrics` (Prometheus text format).
+//!
+//! Readiness does not follow the store by default: every replica shares
+//! it, so one outage would mark them all unready at once and the Service
+//! would drop even the traffic that needs no store (unprotected routes,
+//! `on_store_error = "forward"`). The store's health is reported on its own
+//! ([`StoreHealth`]: `/healthz/store`, `idemgate_store_up`).
 
 use crate::body::{full, ProxyBody};
+use crate::clock::Clock;
+use crate::config::Readiness;
 use crate::metrics::Metrics;
 use crate::store::Store;
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tokio_util::sync::CancellationToken;
 
 /// Readiness must answer before a kubelet's 1 s probe timeout.
 const READY_TIMEOUT: Duration = Duration::from_millis(800);
+
+/// How often the store is pinged in the background for `idemgate_store_up`,
+/// whatever the traffic: often enough for an alert to see an outage within
+/// a scrape interval or two, rare enough to cost the store nothing.
+pub const STORE_PROBE_INTERVAL: Duration = Duration::from_secs(5);
 
 pub struct Admin {
     pub store: Arc<dyn Store>,
@@ -20,6 +36,8 @@ pub struct Admin {
     /// Set when shutdown starts: readiness fails so load balancers move
     /// traffic away while in-flight requests drain.
     pub draining: Arc<AtomicBool>,
+    pub readiness: Readiness,
+    pub health: Arc<StoreHealth>,
 }
 
 impl Admin {
@@ -33,17 +51,30 @@ impl Admin {
                 StatusCode::SERVICE_UNAVAILABLE,
                 "not ready: shutting down\n",
             ),
-            "/readyz" => match tokio::time::timeout(READY_TIMEOUT, self.store.ping()).await {
-                Ok(Ok(())) => text(StatusCode::OK, "ready\n"),
-                Ok(Err(e)) => text(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    &format!("not ready: {e}\n"),
-                ),
-                Err(_) => text(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "not ready: store timed out\n",
-                ),
+            "/readyz" => match self.readiness {
+                Readiness::Serving => text(StatusCode::OK, "ready\n"),
+                Readiness::Store => match self.health.check(self.store.as_ref()).await {
+                    Ok(()) => text(StatusCode::OK, "ready\n"),
+                    Err(e) => text(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        &format!("not ready: {e}\n"),
+                    ),
+                },
             },
+            "/healthz/store" => {
+                let up = self.health.check(self.store.as_ref()).await.is_ok();
+                let status = if up {
+                    StatusCode::OK
+                } else {
+                    StatusCode::SERVICE_UNAVAILABLE
+                };
+                let mut resp = text(status, &self.health.report().to_string());
+                resp.headers_mut().insert(
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static("application/json"),
+                );
+                resp
+            }
             "/metrics" => {
                 let mut resp = text(StatusCode::OK, &self.metrics.encode());
                 resp.headers_mut().insert(
@@ -56,8 +87,97 @@ impl Admin {
             }
             _ => text(
                 StatusCode::NOT_FOUND,
-                "not found: try /healthz, /readyz or /metrics\n",
+                "not found: try /healthz, /readyz, /healthz/store or /metrics\n",
             ),
+        }
+    }
+}
+
+/// The store's health as last checked, for `/healthz/store` and the
+/// `idemgate_store_up` gauge.
+pub struct StoreHealth {
+    backend: &'static str,
+    metrics: Arc<Metrics>,
+    clock: Clock,
+    state: Mutex<HealthState>,
+}
+
+#[derive(Clone, Default)]
+struct HealthState {
+    up: Option<bool>,
+    checked_at_ms: Option<i64>,
+    /// The last failure's cause and time, kept after recovery so an
+    /// operator can see what happened.
+    last_error: Option<(String, i64)>,
+}
+
+impl StoreHealth {
+    pub fn new(backend: &'static str, metrics: Arc<Metrics>, clock: Clock) -> Arc<Self> {
+        Arc::new(Self {
+            backend,
+            metrics,
+            clock,
+            state: Mutex::new(HealthState::default()),
+        })
+    }
+
+    /// Pings the store (bounded) and records the result.
+    pub async fn check(&self, store: &dyn Store) -> Result<(), String> {
+        let result = match tokio::time::timeout(READY_TIMEOUT, store.ping()).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err("store timed out".to_string()),
+        };
+        let now = self.clock.now_millis();
+        {
+            let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            s.up = Some(result.is_ok());
+            s.checked_at_ms = Some(now);
+            if let Err(e) = &result {
+                s.last_error = Some((e.clone(), now));
+            }
+        }
+        self.metrics.store_up(self.backend, result.is_ok());
+        result
+    }
+
+    /// `{"backend", "up", "checked_at", "last_error": {"cause", "at"}}`,
+    /// times as unix milliseconds.
+    pub fn report(&self) -> serde_json::Value {
+        let s = self.state.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        serde_json::json!({
+            "backend": self.backend,
+            "up": s.up,
+            "checked_at": s.checked_at_ms,
+            "last_error": s.last_error.map(|(cause, at)| serde_json::json!({
+                "cause": cause,
+                "at": at,
+            })),
+        })
+    }
+
+    /// Checks every [`STORE_PROBE_INTERVAL`] until `stop`.
+    pub async fn probe_loop(self: Arc<Self>, store: Arc<dyn Store>, stop: CancellationToken) {
+        let mut tick = tokio::time::interval(STORE_PROBE_INTERVAL);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Logged when the state changes, not every interval.
+        let mut was_up = true;
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = stop.cancelled() => return,
+            }
+            match self.check(store.as_ref()).await {
+                Err(e) if was_up => {
+                    tracing::warn!(store = self.backend, error = %e, "store health check failed");
+                    was_up = false;
+                }
+                Ok(()) if !was_up => {
+                    tracing::info!(store = self.backend, "store health check passes again");
+                    was_up = true;
+                }
+                _ => {}
+            }
         }
     }
 }

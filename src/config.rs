@@ -35,7 +35,7 @@ use units::HumanDuration;
 pub use log::{LogConfig, LogFormat};
 // Other modules still name these through `config`; they live in `route`.
 pub use crate::route::{OnAmbiguous, OnStoreError, RouteConfig};
-pub use server::{AdminConfig, ServerConfig};
+pub use server::{AdminConfig, Readiness, ServerConfig};
 pub use store::{Backend, MigrationLock, RedisConfig, SqliteSync, StoreConfig};
 
 /// Where `--config` points when it is not given.
@@ -187,7 +187,11 @@ impl Config {
             .transpose()
             .map_err(located)?;
         if redis.is_some() && store.backend != Backend::Postgres {
-            return Err("[redis] is a fast path in front of PostgreSQL: it needs store.backend = \"postgres\"".into());
+            return Err(Invalid::field(
+                "redis",
+                "[redis] is a fast path in front of PostgreSQL: it needs store.backend = \"postgres\"",
+            )
+            .located(text));
         }
         let log = LogConfig::try_from(raw.log).map_err(located)?;
         let routes = Defaults::try_from(raw.defaults)
@@ -197,13 +201,17 @@ impl Config {
             .iter()
             .find(|r| r.max_request_body > server.max_buffered_body_bytes)
         {
-            return Err(format!(
-                "route #{} {}: max_request_body ({}) is larger than server.max_buffered_body_bytes ({}): such a body could never be buffered",
-                r.index,
-                r.path,
-                units::format_size(r.max_request_body),
-                units::format_size(server.max_buffered_body_bytes)
-            ));
+            return Err(Invalid::field(
+                format!("route.{}.max_request_body", r.index - 1),
+                format!(
+                    "route #{} {}: max_request_body ({}) is larger than server.max_buffered_body_bytes ({}): such a body could never be buffered",
+                    r.index,
+                    r.path,
+                    units::format_size(r.max_request_body),
+                    units::format_size(server.max_buffered_body_bytes)
+                ),
+            )
+            .located(text));
         }
         let scope_secret = env::scope_secret(env)?;
         Ok(Config {
@@ -275,10 +283,12 @@ fn read_raw(text: &str, env: &BTreeMap<String, String>) -> Result<RawConfig, Str
 // ===== shared by the sections =====
 
 /// A section's complaint, with the place in the file it is about when the
-/// section knows it.
+/// section knows it: a span, or the dotted field it names (`store.pool_size`,
+/// `route.2`), looked up in the file when the message is written.
 #[derive(Debug)]
 struct Invalid {
     at: Option<Range<usize>>,
+    field: Option<String>,
     message: String,
 }
 
@@ -286,13 +296,29 @@ impl Invalid {
     fn at(span: Range<usize>, message: impl Into<String>) -> Self {
         Self {
             at: Some(span),
+            field: None,
+            message: message.into(),
+        }
+    }
+
+    /// About `field` (dotted, e.g. `store.pool_size`; array items by index,
+    /// `route.0`): the message names the line of the deepest part of it the
+    /// file has (the key, else its table's header).
+    fn field(field: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            at: None,
+            field: Some(field.into()),
             message: message.into(),
         }
     }
 
     /// The message, after `line N: ` when the place is known.
     fn located(self, text: &str) -> String {
-        match self.at {
+        let span = self
+            .at
+            .filter(|s| *s != env::NOT_IN_FILE)
+            .or_else(|| self.field.as_deref().and_then(|f| span_of(text, f)));
+        match span {
             Some(span) => {
                 let line = text.as_bytes()[..span.start.min(text.len())]
                     .iter()
@@ -306,9 +332,45 @@ impl Invalid {
     }
 }
 
+/// Where the file sets `field` (dotted; a number indexes an array, as in
+/// `route.0`), or the deepest enclosing table it has: for checks over what
+/// a table lacks or combines, its header is the line to look at.
+fn span_of(text: &str, field: &str) -> Option<Range<usize>> {
+    use toml::de::{DeTable, DeValue};
+    let document = DeTable::parse(text).ok()?;
+    let mut table: &DeTable<'_> = document.get_ref();
+    let mut found = None;
+    let mut parts = field.split('.').peekable();
+    while let Some(part) = parts.next() {
+        let Some((key, value)) = table.iter().find(|(k, _)| k.get_ref().as_ref() == part) else {
+            break;
+        };
+        found = Some(key.span());
+        let mut value = value;
+        if let (DeValue::Array(items), Some(i)) = (
+            value.get_ref(),
+            parts.peek().and_then(|p| p.parse::<usize>().ok()),
+        ) {
+            parts.next();
+            let Some(item) = items.get(i) else { break };
+            value = item;
+            found = Some(value.span());
+        }
+        match value.get_ref() {
+            DeValue::Table(t) => table = t,
+            _ => break,
+        }
+    }
+    found
+}
+
 impl From<String> for Invalid {
     fn from(message: String) -> Self {
-        Self { at: None, message }
+        Self {
+            at: None,
+            field: None,
+            message,
+        }
     }
 }
 
@@ -325,7 +387,7 @@ fn dur(v: Option<HumanDuration>, default: Duration) -> Duration {
 
 fn nonzero(key: &str, d: Duration) -> Result<Duration, Invalid> {
     if d.is_zero() {
-        Err(format!("{key} must be greater than 0").into())
+        Err(Invalid::field(key, format!("{key} must be greater than 0")))
     } else {
         Ok(d)
     }
@@ -333,7 +395,7 @@ fn nonzero(key: &str, d: Duration) -> Result<Duration, Invalid> {
 
 fn at_least_one<N: From<u8> + PartialEq>(key: &str, n: N) -> Result<N, Invalid> {
     if n == N::from(0) {
-        Err(format!("{key} must be at least 1").into())
+        Err(Invalid::field(key, format!("{key} must be at least 1")))
     } else {
         Ok(n)
     }

@@ -186,9 +186,11 @@ scope_header = "Authorization"
     )
 }
 
-/// The walkthrough the demo prints.
-pub fn walkthrough(proxy: std::net::SocketAddr) -> String {
+/// The walkthrough the demo prints; `config` is where the demo wrote its
+/// config, for the `keys` commands.
+pub fn walkthrough(proxy: std::net::SocketAddr, config: &std::path::Path) -> String {
     let u = format!("http://{proxy}");
+    let c = config.display();
     format!(
         r#"
 idemgate demo: proxy on {u}, in front of a demo orders API.
@@ -209,6 +211,10 @@ idemgate demo: proxy on {u}, in front of a demo orders API.
    curl -i -X POST {u}/orders -H 'Authorization: Bearer demo' -d '{{"item":"book"}}'
 7. See how many orders the API really created:
    curl -s {u}/orders
+8. Inspect and repair keys in the demo's store (idemgate is target/release/idemgate,
+   or on your PATH after `cargo install --path .`):
+   idemgate keys --config {c} show --scope-header-value 'Bearer demo' order-1
+   idemgate keys --config {c} delete --scope-header-value 'Bearer demo' order-1
 
 Ctrl-C stops the demo.
 "#
@@ -245,12 +251,27 @@ pub async fn run(listen: std::net::SocketAddr, db: std::path::PathBuf) -> anyhow
     tokio::spawn(serve_orders_api(api));
     let text = demo_config(listen, api_addr, &db);
     let config = Config::parse(&text, "<demo>")?;
+    // Written beside the store so `idemgate keys --config` (and a SIGHUP
+    // reload) read the demo's own settings, not config/idemgate.toml.
+    let config_path = db.with_extension("toml");
+    if let Some(dir) = config_path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    }
+    std::fs::write(&config_path, &text)
+        .with_context(|| format!("cannot write {}", config_path.display()))?;
+    let hangups = server::reload::requests(&config_path, false)?;
     let listeners = server::Listeners::bind(&config).await?;
     let addr = listeners.proxy.local_addr()?;
     let metrics = Arc::new(Metrics::new());
     let server = server::Server::open(config, metrics, listeners).await?;
-    println!("{}", walkthrough(addr));
-    server.run(shutdown::signal()).await
+    println!("{}", walkthrough(addr, &config_path));
+    server
+        .reload_on(server::reload::ReloadSource {
+            path: config_path,
+            requests: hangups,
+        })
+        .run(shutdown::signal())
+        .await
 }
 
 /// `idemgate demo-upstream`: only the demo orders API.

@@ -160,13 +160,17 @@ pub fn record_key(key: &str, scope: &ScopeArg, config: &Config) -> Result<Record
 pub async fn show(store: &dyn Store, key: &RecordKey, clock: &Clock) -> Result<String, StoreError> {
     let now = clock.now_millis();
     let Some(record) = store.get(key).await? else {
-        return Ok(format!(
-            "no record for key id {} in scope {}\n",
-            key.log_id(),
-            key.scope.to_hex()
-        ));
+        return Ok(absent(key));
     };
     Ok(describe(key, &record, now))
+}
+
+fn absent(key: &RecordKey) -> String {
+    format!(
+        "no record for key id {} in scope {}\n",
+        key.log_id(),
+        key.scope.to_hex()
+    )
 }
 
 pub fn describe(key: &RecordKey, r: &Record, now: UnixMillis) -> String {
@@ -268,8 +272,21 @@ pub enum KeysAction {
     PurgeExpired,
 }
 
+/// The exit status of `keys show` for a key with no record, so scripts can
+/// tell "absent" (3) from "found" (0) and from a failure (1) or a bad
+/// command line or config (64).
+pub const EXIT_NO_RECORD: u8 = 3;
+
+/// How a `keys` command that ran ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeysOutcome {
+    Done,
+    /// `show` found no record ([`EXIT_NO_RECORD`]).
+    NoRecord,
+}
+
 /// `idemgate keys ...` against the configured store.
-pub async fn run(config: Config, action: KeysAction) -> anyhow::Result<()> {
+pub async fn run(config: Config, action: KeysAction) -> anyhow::Result<KeysOutcome> {
     if config.store.backend == crate::config::Backend::Memory {
         anyhow::bail!(
             "the memory store lives inside the proxy process; nothing outside it can inspect its keys"
@@ -280,9 +297,14 @@ pub async fn run(config: Config, action: KeysAction) -> anyhow::Result<()> {
         .context("cannot open the store")?;
     match action {
         KeysAction::Show(key) => {
-            print!("{}", show(store.as_ref(), &key, &Clock::system()).await?);
+            let Some(record) = store.get(&key).await? else {
+                print!("{}", absent(&key));
+                return Ok(KeysOutcome::NoRecord);
+            };
+            print!("{}", describe(&key, &record, Clock::system().now_millis()));
         }
         KeysAction::Delete(key) => {
+            // Deleting an absent key leaves what was asked for: exit 0.
             if store.delete(&key).await? {
                 println!("deleted key id {}", key.log_id());
             } else {
@@ -295,7 +317,7 @@ pub async fn run(config: Config, action: KeysAction) -> anyhow::Result<()> {
             println!("deleted {n} expired records");
         }
     }
-    Ok(())
+    Ok(KeysOutcome::Done)
 }
 
 #[cfg(test)]

@@ -50,10 +50,19 @@ use config::Config;
 use metrics::Metrics;
 use std::sync::Arc;
 
-/// `idemgate serve`: binds, opens the store, runs until SIGTERM/SIGINT.
-pub async fn run(config: Config) -> anyhow::Result<()> {
+/// `idemgate serve`: binds, opens the store, runs until SIGTERM/SIGINT;
+/// SIGHUP (or a change, with `server.watch_config`) reloads `path`.
+pub async fn run(config: Config, path: std::path::PathBuf) -> anyhow::Result<()> {
+    // First, so an early SIGHUP reloads instead of killing the process.
+    let hangups = server::reload::requests(&path, config.server.watch_config)?;
     let listeners = server::Listeners::bind(&config).await?;
     let metrics = Arc::new(Metrics::new());
     let server = server::Server::open(config, metrics, listeners).await?;
-    server.run(shutdown::signal()).await
+    server
+        .reload_on(server::reload::ReloadSource {
+            path,
+            requests: hangups,
+        })
+        .run(shutdown::signal())
+        .await
 }

@@ -36,7 +36,7 @@ fn main() -> ExitCode {
                 }
             };
             idemgate::telemetry::init(&cfg.log);
-            exit(runtime().and_then(|rt| rt.block_on(idemgate::run(cfg))))
+            exit(runtime().and_then(|rt| rt.block_on(idemgate::run(cfg, config))))
         }
         Command::Migrate { config } => {
             let Some(cfg) = load(&config) else {
@@ -68,7 +68,12 @@ fn main() -> ExitCode {
                     return ExitCode::from(EX_USAGE);
                 }
             };
-            exit(runtime().and_then(|rt| rt.block_on(idemgate::keys::run(cfg, action))))
+            match runtime().and_then(|rt| rt.block_on(idemgate::keys::run(cfg, action))) {
+                Ok(idemgate::keys::KeysOutcome::NoRecord) => {
+                    ExitCode::from(idemgate::keys::EXIT_NO_RECORD)
+                }
+                other => exit(other.map(|_| ())),
+            }
         }
         Command::Demo { listen, db } => {
             idemgate::telemetry::init(&Default::default());

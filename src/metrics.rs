@@ -12,8 +12,11 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+mod process;
 
 /// How a request ended, as counted and logged.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -91,6 +94,26 @@ struct OpLabels {
     op: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BackendLabels {
+    backend: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabels {
+    result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct UpstreamLabels {
+    upstream: Arc<String>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BuildLabels {
+    version: &'static str,
+}
+
 pub struct Metrics {
     registry: Registry,
     requests: Family<RequestLabels, Counter>,
@@ -104,6 +127,11 @@ pub struct Metrics {
     body_budget_refusals: Counter,
     swept: Counter,
     fast_path: Arc<FastPathCollector>,
+    store_up: Family<BackendLabels, Gauge>,
+    config_reloads: Family<ResultLabels, Counter>,
+    last_reload_success: Gauge<f64, AtomicU64>,
+    open_connections: Gauge,
+    upstream_in_flight: Family<UpstreamLabels, Gauge>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -119,7 +147,10 @@ impl Default for Metrics {
 
 impl Metrics {
     pub fn new() -> Self {
-        let mut registry = Registry::with_prefix("idemgate");
+        // process_* keep their conventional names; everything else is
+        // idemgate_*.
+        let mut root = Registry::default();
+        let registry = root.sub_registry_with_prefix("idemgate");
         let requests = Family::default();
         registry.register(
             "requests",
@@ -184,8 +215,53 @@ impl Metrics {
         );
         let fast_path = Arc::new(FastPathCollector::default());
         registry.register_collector(Box::new(fast_path.clone()));
+        let store_up = Family::<BackendLabels, Gauge>::default();
+        registry.register(
+            "store_up",
+            "1 while the store answers its health check (every few seconds, and on /readyz or /healthz/store), 0 after one failed",
+            store_up.clone(),
+        );
+        let config_reloads = Family::<ResultLabels, Counter>::default();
+        registry.register(
+            "config_reloads",
+            "Config reloads (SIGHUP) by result: ok, or error (the old config keeps serving)",
+            config_reloads.clone(),
+        );
+        for result in ["ok", "error"] {
+            drop(config_reloads.get_or_create(&ResultLabels { result }));
+        }
+        let last_reload_success = Gauge::<f64, AtomicU64>::default();
+        registry.register(
+            "config_last_reload_success_timestamp_seconds",
+            "When the running config was loaded (start or last successful reload), unix seconds",
+            last_reload_success.clone(),
+        );
+        let open_connections = Gauge::default();
+        registry.register(
+            "open_connections",
+            "Client connections open on the proxy listener",
+            open_connections.clone(),
+        );
+        let upstream_in_flight = Family::<UpstreamLabels, Gauge>::default();
+        registry.register(
+            "upstream_in_flight",
+            "Requests using an upstream connection now (sent, answer not yet fully read), by upstream: compare with its pool size",
+            upstream_in_flight.clone(),
+        );
+        let build_info = Family::<BuildLabels, Gauge>::default();
+        registry.register(
+            "build_info",
+            "The running build (always 1)",
+            build_info.clone(),
+        );
+        build_info
+            .get_or_create(&BuildLabels {
+                version: env!("CARGO_PKG_VERSION"),
+            })
+            .set(1);
+        root.register_collector(Box::new(process::ProcessCollector));
         Self {
-            registry,
+            registry: root,
             requests,
             takeovers,
             lost_fences,
@@ -197,7 +273,51 @@ impl Metrics {
             body_budget_refusals,
             swept,
             fast_path,
+            store_up,
+            config_reloads,
+            last_reload_success,
+            open_connections,
+            upstream_in_flight,
         }
+    }
+
+    /// Counts one request on `upstream` until the guard is dropped.
+    pub fn upstream_request(&self, upstream: &Arc<String>) -> GaugeGuard {
+        let gauge = self
+            .upstream_in_flight
+            .get_or_create(&UpstreamLabels {
+                upstream: upstream.clone(),
+            })
+            .clone();
+        gauge.inc();
+        GaugeGuard(gauge)
+    }
+
+    /// The store's health as last checked.
+    pub fn store_up(&self, backend: &'static str, up: bool) {
+        self.store_up
+            .get_or_create(&BackendLabels { backend })
+            .set(i64::from(up));
+    }
+
+    /// A config load at start or on reload: `ok`, at `unix_secs`, or not.
+    pub fn config_loaded(&self, ok: bool, unix_secs: f64) {
+        let result = if ok { "ok" } else { "error" };
+        self.config_reloads
+            .get_or_create(&ResultLabels { result })
+            .inc();
+        if ok {
+            self.last_reload_success.set(unix_secs);
+        }
+    }
+
+    /// The start-up load: the timestamp, not counted as a reload.
+    pub fn config_started(&self, unix_secs: f64) {
+        self.last_reload_success.set(unix_secs);
+    }
+
+    pub fn open_connections(&self) -> &Gauge {
+        &self.open_connections
     }
 
     pub fn request(&self, route: &Arc<String>, outcome: Outcome) {
@@ -300,6 +420,16 @@ impl Metrics {
     }
 }
 
+/// Holds a gauge one higher while it lives.
+#[derive(Debug)]
+pub struct GaugeGuard(Gauge);
+
+impl Drop for GaugeGuard {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
 /// The Redis fast path's counters, read at each scrape (implemented by the
 /// store layer's `FastPathCounters`).
 pub trait FastPathStats: std::fmt::Debug + Send + Sync + 'static {
@@ -389,5 +519,36 @@ mod tests {
             "{text}"
         );
         assert_eq!(m.request_count("/orders", Outcome::Replayed), 2);
+    }
+
+    /// The operations series are there from the start; process_* keep
+    /// their conventional unprefixed names.
+    #[test]
+    fn build_reload_connection_and_process_series() {
+        let m = Metrics::new();
+        m.store_up("postgres", false);
+        m.config_loaded(false, 0.0);
+        m.open_connections().inc();
+        let text = m.encode();
+        for line in [
+            format!(
+                "idemgate_build_info{{version=\"{}\"}} 1",
+                env!("CARGO_PKG_VERSION")
+            ),
+            "idemgate_store_up{backend=\"postgres\"} 0".to_string(),
+            "idemgate_config_reloads_total{result=\"ok\"} 0".to_string(),
+            "idemgate_config_reloads_total{result=\"error\"} 1".to_string(),
+            "idemgate_open_connections 1".to_string(),
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line}\n{text}");
+        }
+        #[cfg(target_os = "linux")]
+        for name in [
+            "process_cpu_seconds_total ",
+            "process_open_fds ",
+            "process_resident_memory_bytes ",
+        ] {
+            assert!(text.lines().any(|l| l.starts_with(name)), "{name}\n{text}");
+        }
     }
 }

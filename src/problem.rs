@@ -25,6 +25,8 @@ pub struct Problem {
     pub detail: String,
     pub retry_after_secs: Option<u64>,
     pub outcome: Outcome,
+    /// RFC 9457 §3.1.5: this occurrence, `urn:idemgate:request:<request id>`.
+    pub instance: Option<String>,
 }
 
 impl Problem {
@@ -37,6 +39,7 @@ impl Problem {
             detail: detail.clone(),
             retry_after_secs: None,
             outcome,
+            instance: None,
         };
         match err {
             ProxyError::MissingKey { .. } => p(
@@ -150,8 +153,10 @@ impl Problem {
                     Outcome::StoreError,
                 )
             },
+            // The cause (`tcp connect error: Connection refused ...`) is
+            // the operator's, in the log; clients get a stable sentence.
             ProxyError::UpstreamUnreachable { .. } | ProxyError::UpstreamFailed { .. } => Problem {
-                detail: released_hint(err, detail.clone()),
+                detail: released_hint(err, upstream_sentence(err).to_string()),
                 ..p(
                     StatusCode::BAD_GATEWAY,
                     "upstream-failed",
@@ -181,12 +186,15 @@ impl Problem {
     }
 
     pub fn into_response(self) -> Response<ProxyBody> {
-        let body = serde_json::json!({
+        let mut body = serde_json::json!({
             "type": format!("{TYPE_BASE}{}", self.slug),
             "title": self.title,
             "status": self.status.as_u16(),
             "detail": self.detail,
         });
+        if let Some(instance) = self.instance {
+            body["instance"] = instance.into();
+        }
         let mut resp = Response::new(full(body.to_string()));
         *resp.status_mut() = self.status;
         let h = resp.headers_mut();
@@ -200,6 +208,14 @@ impl Problem {
             h.insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
         resp
+    }
+}
+
+/// What a client is told about an upstream failure, whatever its cause.
+fn upstream_sentence(err: &ProxyError) -> &'static str {
+    match err {
+        ProxyError::UpstreamUnreachable { .. } => "the upstream could not be reached",
+        _ => "the upstream connection failed before a complete answer",
     }
 }
 
@@ -228,6 +244,29 @@ fn released_hint(err: &ProxyError, detail: String) -> String {
 
 #[cfg(test)]
 mod tests {
+    /// The 502's detail is a stable sentence: the internal error chain
+    /// (addresses, OS errors) stays in the log.
+    #[test]
+    fn upstream_failures_do_not_show_their_cause_to_clients() {
+        for err in [
+            ProxyError::UpstreamUnreachable {
+                reason: "client error (Connect): tcp connect error: Connection refused".into(),
+                key: KeyFate::Released,
+            },
+            ProxyError::UpstreamFailed {
+                reason: "connection reset by peer 10.0.0.7:3000".into(),
+                key: KeyFate::Unprotected,
+            },
+        ] {
+            let p = Problem::from_error(&err);
+            assert_eq!(p.status, StatusCode::BAD_GATEWAY);
+            assert!(p.detail.starts_with("the upstream "), "{}", p.detail);
+            for leak in ["tcp", "Connect", "reset", "10.0.0.7"] {
+                assert!(!p.detail.contains(leak), "{leak} in {}", p.detail);
+            }
+        }
+    }
+
     use super::*;
     use crate::idempotency::{KeyError, RepeatedScopeHeader};
     use crate::proxy::admission::RequestError;

@@ -8,6 +8,8 @@
 //! - `replay.rs`: capturing a response for storage, and replaying it.
 //! - `forward.rs`: the upstream client; `headers.rs`: header rules.
 //! - `log.rs`: the access log line and request metric, once per request.
+//! - `request_id.rs`: `X-Request-Id`, kept or generated, and the problem
+//!   `instance` it names.
 //! - [`crate::lease`]: holding the key while the upstream runs.
 
 pub mod admission;
@@ -16,6 +18,7 @@ pub mod headers;
 mod log;
 mod protected;
 mod replay;
+pub mod request_id;
 
 use crate::body::budget::BodyBudget;
 use crate::body::{boxed, ProxyBody};
@@ -23,7 +26,7 @@ use crate::clock::Clock;
 use crate::config::{Config, Secret};
 use crate::error::{KeyFate, Origin, ProxyError};
 use crate::lease::Leases;
-use crate::metrics::{Metrics, Outcome};
+use crate::metrics::{GaugeGuard, Metrics, Outcome};
 use crate::problem::Problem;
 use crate::route::{normalize_path, RouteTable};
 use crate::store::Store;
@@ -32,13 +35,16 @@ use http::{Request, Response};
 use hyper::body::Incoming;
 use log::RequestLog;
 use protected::{key_of, prepare, read_body};
+use request_id::{RequestId, X_REQUEST_ID};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
 
-/// Serves every proxied request; one per process, shared by connections.
+/// Serves every proxied request; shared by connections. A config reload
+/// replaces it with [`Proxy::reconfigured`]: a request keeps the one it
+/// started on (an `Arc`) to its end.
 pub struct Proxy {
     /// The protected routes, tried in file order.
     routes: RouteTable,
@@ -58,6 +64,15 @@ pub struct Proxy {
     tasks: TaskTracker,
 }
 
+/// What every generation of the proxy (one per config reload) shares.
+struct Shared {
+    leases: Arc<Leases>,
+    body_budget: Arc<BodyBudget>,
+    scope_secret: Option<Secret>,
+    metrics: Arc<Metrics>,
+    tasks: TaskTracker,
+}
+
 /// How a request ended, and what the client gets.
 type Served = (Outcome, Response<ProxyBody>);
 
@@ -70,8 +85,7 @@ impl Proxy {
         clock: Clock,
     ) -> Self {
         let tasks = TaskTracker::new();
-        Self {
-            routes: config.routes.clone(),
+        let shared = Shared {
             leases: Leases::new(
                 store,
                 metrics.clone(),
@@ -79,14 +93,52 @@ impl Proxy {
                 clock,
                 crate::lease::MAX_PENDING_COMPLETIONS,
             ),
-            request_body_timeout: config.server.request_body_timeout,
             body_budget: BodyBudget::new(
                 config.server.max_buffered_body_bytes,
                 metrics.buffered_body_bytes().clone(),
                 metrics.body_budget_refusals().clone(),
             ),
             scope_secret: config.scope_secret.clone(),
+            metrics,
+            tasks,
+        };
+        Self::assemble(config, shared)
+    }
+
+    /// This proxy on a reloaded config: routes, per-route settings and the
+    /// upstream client come from `config`; the store, the leases, the body
+    /// budget and the detached tasks are this one's, so requests running
+    /// on either proxy share them.
+    pub fn reconfigured(&self, config: &Config) -> Self {
+        Self::assemble(
+            config,
+            Shared {
+                leases: self.leases.clone(),
+                body_budget: self.body_budget.clone(),
+                scope_secret: self.scope_secret.clone(),
+                metrics: self.metrics.clone(),
+                tasks: self.tasks.clone(),
+            },
+        )
+    }
+
+    /// The per-config part built from `config`, around the process-wide
+    /// `shared` part: what a reload replaces, in one place.
+    fn assemble(config: &Config, shared: Shared) -> Self {
+        let Shared {
+            leases,
+            body_budget,
+            scope_secret,
+            metrics,
+            tasks,
+        } = shared;
+        Self {
+            routes: config.routes.clone(),
             forwarder: Forwarder::new(&config.server),
+            request_body_timeout: config.server.request_body_timeout,
+            leases,
+            body_budget,
+            scope_secret,
             metrics,
             tasks,
         }
@@ -101,20 +153,36 @@ impl Proxy {
         self.leases.backlog().key_ids()
     }
 
-    /// Serves one request; never fails.
+    /// Serves one request; never fails. The request id goes upstream (in
+    /// `X-Request-Id`, and in the request's extensions for the problem
+    /// mapping) and back on every response.
     pub async fn handle(
+        self: Arc<Self>,
+        mut req: Request<Incoming>,
+        peer: SocketAddr,
+    ) -> Response<ProxyBody> {
+        let id = RequestId::of_request(req.headers());
+        req.headers_mut().insert(X_REQUEST_ID, id.header_value());
+        req.extensions_mut().insert(id.clone());
+        let mut resp = self.serve(req, peer, id.clone()).await;
+        resp.headers_mut().insert(X_REQUEST_ID, id.header_value());
+        resp
+    }
+
+    async fn serve(
         self: Arc<Self>,
         req: Request<Incoming>,
         peer: SocketAddr,
+        id: RequestId,
     ) -> Response<ProxyBody> {
-        let mut log = RequestLog::start(req.method(), req.uri().path(), peer);
+        let mut log = RequestLog::start(&req, peer, id);
         if let Err(e) = admission::admit(&req) {
             return self.conclude(Err(e), log);
         }
         let path = normalize_path(req.uri().path());
         let Some(route) = self.routes.find(req.method(), &path).cloned() else {
             let (outcome, resp) = self.passthrough(req.map(boxed), peer).await;
-            log.finish(&self.metrics, outcome, resp.status(), false);
+            log.finish(&self.metrics, outcome, &resp, false);
             return resp;
         };
         log.set_route(&route.label);
@@ -122,7 +190,7 @@ impl Proxy {
             Ok(Some(key)) => key,
             Ok(None) => {
                 let (outcome, resp) = self.passthrough(req.map(boxed), peer).await;
-                log.finish(&self.metrics, outcome, resp.status(), false);
+                log.finish(&self.metrics, outcome, &resp, false);
                 return resp;
             }
             Err(e) => return self.conclude(Err(e), log),
@@ -136,6 +204,7 @@ impl Proxy {
             Ok(body) => body,
             Err(e) => return self.conclude(Err(e), log),
         };
+        log.set_bytes_in(body.len() as u64);
         let req = prepare(route, parts, body, key, &path, peer);
         log.set_key_id(req.record_key.log_id());
         self.run_detached(req, log).await
@@ -153,11 +222,14 @@ impl Proxy {
         let this = Arc::clone(self);
         let task_log = log.clone();
         self.tasks.spawn(async move {
-            let (outcome, resp) = respond(this.claim_and_execute(req).await);
+            let (outcome, resp) = respond(
+                this.claim_and_execute(req).await,
+                Some(task_log.request_id()),
+            );
             // Counted and logged before the client can see the answer, so a
             // client that reads its response also sees it in the metrics.
             let client_left = tx.is_closed();
-            task_log.finish(&this.metrics, outcome, resp.status(), client_left);
+            task_log.finish(&this.metrics, outcome, &resp, client_left);
             let _ = tx.send(resp);
         });
         match rx.await {
@@ -173,31 +245,86 @@ impl Proxy {
 
     /// [`respond`], then the log line.
     fn conclude(&self, result: Result<Served, ProxyError>, log: RequestLog) -> Response<ProxyBody> {
-        let (outcome, resp) = respond(result);
-        log.finish(&self.metrics, outcome, resp.status(), false);
+        let (outcome, resp) = respond(result, Some(log.request_id()));
+        log.finish(&self.metrics, outcome, &resp, false);
         resp
     }
 
     /// Forwards without protection, streaming both ways.
     async fn passthrough(&self, req: Request<ProxyBody>, peer: SocketAddr) -> Served {
+        let id = req.extensions().get::<RequestId>().cloned();
+        let in_flight = self.upstream_request();
         match self.forwarder.send(req, peer).await {
-            Ok(resp) => (Outcome::Passthrough, resp.map(boxed)),
-            Err(e) => respond(Err(forward_error(e, KeyFate::Unprotected))),
+            Ok(resp) => (
+                Outcome::Passthrough,
+                resp.map(|body| boxed(Guarded::new(body, in_flight))),
+            ),
+            Err(e) => respond(Err(forward_error(e, KeyFate::Unprotected)), id.as_ref()),
         }
     }
 }
 
+impl Proxy {
+    /// Counts a request on the upstream (`idemgate_upstream_in_flight`)
+    /// while the guard lives.
+    fn upstream_request(&self) -> GaugeGuard {
+        self.metrics.upstream_request(&DEFAULT_UPSTREAM)
+    }
+}
+
+/// The label of `server.upstream` in per-upstream metrics.
+static DEFAULT_UPSTREAM: std::sync::LazyLock<Arc<String>> =
+    std::sync::LazyLock::new(|| Arc::new("default".to_string()));
+
+/// A streamed response body holding a guard until it ends or is dropped.
+struct Guarded<B> {
+    body: B,
+    _guard: GaugeGuard,
+}
+
+impl<B> Guarded<B> {
+    fn new(body: B, guard: GaugeGuard) -> Self {
+        Self {
+            body,
+            _guard: guard,
+        }
+    }
+}
+
+impl<B: http_body::Body + Unpin> http_body::Body for Guarded<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<B::Data>, B::Error>>> {
+        std::pin::Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
 /// Where a request's result becomes what the client gets: errors through
-/// the one mapping in `problem.rs`, logged by who is at fault.
-fn respond(result: Result<Served, ProxyError>) -> Served {
+/// the one mapping in `problem.rs` (its `instance` naming the request id),
+/// logged by who is at fault.
+fn respond(result: Result<Served, ProxyError>, id: Option<&RequestId>) -> Served {
     match result {
         Ok(served) => served,
         Err(err) => {
+            let request_id = id.map(RequestId::as_str).unwrap_or("-");
             match err.origin() {
-                Origin::Client => debug!(error = %err, "request refused"),
-                _ => warn!(error = %err, "request failed"),
+                Origin::Client => debug!(error = %err, request.id = request_id, "request refused"),
+                _ => warn!(error = %err, request.id = request_id, "request failed"),
             }
-            let problem = Problem::from_error(&err);
+            let mut problem = Problem::from_error(&err);
+            problem.instance = id.map(RequestId::instance);
             (problem.outcome, problem.into_response())
         }
     }

@@ -4,20 +4,24 @@
 //! upstream executions within the grace period).
 //!
 //! - `connection.rs`: one client connection, its deadlines and its close.
+//! - `reload.rs`: SIGHUP reloads of the config, swapped in atomically.
 
 mod connection;
+pub mod reload;
 
-use crate::admin::Admin;
+use crate::admin::{Admin, StoreHealth};
 use crate::clock::Clock;
 use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
 use crate::store::Store;
 use anyhow::Context;
+use arc_swap::ArcSwap;
 use connection::Deadlines;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
+use reload::ReloadSource;
 use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
@@ -84,6 +88,8 @@ pub struct Server {
     listeners: Listeners,
     /// The process's clock (see [`Clock::from_env`]).
     clock: Clock,
+    /// Where config reloads come from; none: the config never changes.
+    reload: Option<ReloadSource>,
 }
 
 impl Server {
@@ -104,35 +110,45 @@ impl Server {
             metrics,
             listeners,
             clock,
+            reload: None,
         })
+    }
+
+    /// Reloads the config from `source.path` on each of its requests
+    /// (see [`reload`]).
+    pub fn reload_on(mut self, source: ReloadSource) -> Self {
+        self.reload = Some(source);
+        self
     }
 
     /// Runs until `shutdown` resolves, then drains.
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
-        let Self {
-            config,
-            store,
-            metrics,
-            listeners,
-            clock,
-        } = self;
-        serve(config, store, metrics, listeners, clock, shutdown).await
+        serve(self, shutdown).await
     }
 }
 
-async fn serve(
-    config: Config,
-    store: Arc<dyn Store>,
-    metrics: Arc<Metrics>,
-    listeners: Listeners,
-    clock: Clock,
-    shutdown: impl Future<Output = ()>,
-) -> anyhow::Result<()> {
+async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+    let Server {
+        config,
+        store,
+        metrics,
+        listeners,
+        clock,
+        reload,
+    } = server;
     for w in config.warnings() {
         warn!("{w}");
     }
     metrics.register_routes(config.routes.iter().map(|r| &r.label));
-    let proxy = Arc::new(Proxy::new(&config, store.clone(), metrics.clone(), clock));
+    metrics.config_started(reload::unix_secs());
+    // The proxy of the running config; a reload swaps in another, and each
+    // request keeps the one it started on.
+    let current = Arc::new(ArcSwap::from_pointee(Proxy::new(
+        &config,
+        store.clone(),
+        metrics.clone(),
+        clock,
+    )));
     let stop = CancellationToken::new();
     let draining = Arc::new(std::sync::atomic::AtomicBool::new(false));
 
@@ -144,11 +160,24 @@ async fn serve(
         config.store.sweep_batch,
         stop.clone(),
     ));
+    let health = StoreHealth::new(store.backend(), metrics.clone(), clock);
+    let prober = tokio::spawn(health.clone().probe_loop(store.clone(), stop.clone()));
+    let reloader = reload.map(|source| {
+        tokio::spawn(reload::reload_loop(
+            source,
+            config.clone(),
+            current.clone(),
+            metrics.clone(),
+            stop.clone(),
+        ))
+    });
     let admin_task = listeners.admin.map(|listener| {
         let admin = Arc::new(Admin {
             store: store.clone(),
             metrics: metrics.clone(),
             draining: draining.clone(),
+            readiness: config.server.readiness,
+            health: health.clone(),
         });
         info!(addr = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(), "admin listening");
         tokio::spawn(admin_loop(listener, admin, stop.clone()))
@@ -225,12 +254,15 @@ async fn serve(
             &builder,
             stream,
             peer,
-            proxy.clone(),
+            current.clone(),
             deadlines,
             drain.clone(),
         );
+        let gauge = metrics.open_connections().clone();
+        gauge.inc();
         open.spawn(async move {
             conn.await;
+            gauge.dec();
             drop(permit);
         });
     }
@@ -245,7 +277,9 @@ async fn serve(
     {
         warn!("grace period over with connections still open; closing them");
     }
-    // Upstream calls already made must still get their results recorded.
+    // Upstream calls already made must still get their results recorded
+    // (every generation of the proxy shares one task tracker).
+    let proxy = current.load_full();
     proxy.tasks().close();
     if tokio::time::timeout_at(deadline, proxy.tasks().wait())
         .await
@@ -259,6 +293,10 @@ async fn serve(
     }
     stop.cancel();
     let _ = sweeper.await;
+    let _ = prober.await;
+    if let Some(t) = reloader {
+        let _ = t.await;
+    }
     if let Some(t) = admin_task {
         let _ = t.await;
     }

@@ -3,6 +3,7 @@
 //! bodies: requests are identified by `key.id`, a truncated hash.
 
 use crate::config::{LogConfig, LogFormat};
+use std::io::IsTerminal;
 use tracing_subscriber::EnvFilter;
 
 /// Installs the global subscriber once; later calls are ignored.
@@ -11,8 +12,10 @@ pub fn init(cfg: &LogConfig) {
     let filter = EnvFilter::try_from_default_env()
         .or_else(|_| EnvFilter::try_new(format!("{},tokio_postgres=warn", cfg.level)))
         .unwrap_or_else(|_| EnvFilter::new("info"));
+    // Colour codes only for a person at a terminal, never in a file or pipe.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
     let _ = match cfg.format {
         LogFormat::Json => builder

@@ -6,7 +6,7 @@
 //! `store.rs`, `log.rs`, `routes.rs`).
 
 use super::units::{ByteSize, HumanDuration};
-use super::{Backend, LogFormat, MigrationLock, OnAmbiguous, OnStoreError, SqliteSync};
+use super::{Backend, LogFormat, MigrationLock, OnAmbiguous, OnStoreError, Readiness, SqliteSync};
 use crate::idempotency::decision::{ReleaseStatuses, StatusEntry};
 use crate::route::PathPattern;
 use http::{HeaderName, Method, Uri};
@@ -69,6 +69,8 @@ pub(super) struct RawServer {
     pub(super) shutdown_delay: Option<HumanDuration>,
     pub(super) preserve_host: Option<bool>,
     pub(super) trust_forwarded_headers: Option<bool>,
+    pub(super) readiness: Option<Readiness>,
+    pub(super) watch_config: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -107,7 +109,8 @@ pub(super) struct RawRedis {
 #[serde(deny_unknown_fields)]
 pub(super) struct RawLog {
     pub(super) format: Option<LogFormat>,
-    pub(super) level: Option<String>,
+    /// Spanned: an unknown level is reported at its line.
+    pub(super) level: Option<Spanned<String>>,
 }
 
 /// One `[[route]]`, and also `[defaults]` (which may not set `methods`/`path`).
@@ -115,6 +118,7 @@ pub(super) struct RawLog {
 #[serde(deny_unknown_fields)]
 pub(super) struct RawRouteSettings {
     pub(super) methods: Option<Vec<MethodName>>,
+    pub(super) allow_custom_methods: Option<bool>,
     pub(super) path: Option<Spanned<PatternValue>>,
     pub(super) key_header: Option<HeaderNameValue>,
     pub(super) require_key: Option<bool>,

@@ -26,9 +26,15 @@ impl TryFrom<RawRouteSettings> for Defaults {
 
     fn try_from(d: RawRouteSettings) -> Result<Self, Invalid> {
         if d.methods.is_some() || d.path.is_some() {
-            return Err(
-                "defaults: `methods` and `path` belong in a [[route]], not in [defaults]".into(),
-            );
+            let key = if d.methods.is_some() {
+                "defaults.methods"
+            } else {
+                "defaults.path"
+            };
+            return Err(Invalid::field(
+                key,
+                "defaults: `methods` and `path` belong in a [[route]], not in [defaults]",
+            ));
         }
         let scope_headers = scope_headers(&d).map_err(|e| match &d.scope_headers {
             Some(list) => Invalid::at(list.span(), format!("defaults: {e}")),
@@ -101,6 +107,11 @@ impl Defaults {
         if methods.is_empty() {
             return Err("`methods` must list at least one method".into());
         }
+        let allow_custom = r
+            .allow_custom_methods
+            .or(defaults.allow_custom_methods)
+            .unwrap_or(false);
+        check_methods(&methods, allow_custom)?;
         let path = r
             .path
             .ok_or("`path` is required, e.g. path = \"/orders\"")?
@@ -184,6 +195,31 @@ impl Defaults {
                 .unwrap_or_default(),
             on_ambiguous: r.on_ambiguous.or(defaults.on_ambiguous).unwrap_or_default(),
         })
+    }
+}
+
+/// The methods of RFC 9110 §9 and PATCH (RFC 5789). Another name is much
+/// more likely a typo (`"PSOT"`) than a method clients send, and a route
+/// that never matches lets its traffic through unprotected: refused unless
+/// the route sets `allow_custom_methods = true`.
+fn check_methods(methods: &[Method], allow_custom: bool) -> Result<(), String> {
+    const REGISTERED: [Method; 9] = [
+        Method::GET,
+        Method::HEAD,
+        Method::POST,
+        Method::PUT,
+        Method::DELETE,
+        Method::CONNECT,
+        Method::OPTIONS,
+        Method::TRACE,
+        Method::PATCH,
+    ];
+    match methods.iter().find(|m| !REGISTERED.contains(m)) {
+        Some(m) if !allow_custom => Err(format!(
+            "method {:?} is not a standard HTTP method (GET, HEAD, POST, PUT, DELETE, CONNECT, OPTIONS, TRACE, PATCH): a typo would leave the route unprotected; set allow_custom_methods = true if clients really send it",
+            m.as_str()
+        )),
+        _ => Ok(()),
     }
 }
 

@@ -43,6 +43,35 @@ pub struct ServerConfig {
     pub preserve_host: bool,
     /// Keep the client's `X-Forwarded-Proto/-Host` (behind a trusted proxy).
     pub trust_forwarded_headers: bool,
+    /// What `/readyz` reflects.
+    pub readiness: Readiness,
+    /// Reload the config file when its content changes, not only on SIGHUP.
+    pub watch_config: bool,
+}
+
+/// What `/readyz` answers for (`server.readiness`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Readiness {
+    /// What this replica can serve: not draining, config loaded, listeners
+    /// up. A store outage does not make it unready: unprotected routes and
+    /// `on_store_error = "forward"` routes still work, and every replica
+    /// shares the store, so failing readiness on it would take them all
+    /// out of the Service at once.
+    #[default]
+    Serving,
+    /// As `Serving`, and the store answers a ping (the behaviour before
+    /// `readiness` existed).
+    Store,
+}
+
+impl Readiness {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Readiness::Serving => "serving",
+            Readiness::Store => "store",
+        }
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -56,10 +85,12 @@ impl TryFrom<RawServer> for ServerConfig {
     type Error = Invalid;
 
     fn try_from(s: RawServer) -> Result<Self, Invalid> {
-        let upstream = s
-            .upstream
-            .map(|u| u.0)
-            .ok_or("server.upstream is required, e.g. upstream = \"http://127.0.0.1:3000\"")?;
+        let upstream = s.upstream.map(|u| u.0).ok_or_else(|| {
+            Invalid::field(
+                "server.upstream",
+                "server.upstream is required, e.g. upstream = \"http://127.0.0.1:3000\"",
+            )
+        })?;
         let max_connections = at_least_one(
             "server.max_connections",
             s.max_connections.unwrap_or(DEFAULT_MAX_CONNECTIONS),
@@ -112,6 +143,8 @@ impl TryFrom<RawServer> for ServerConfig {
             shutdown_delay: dur(s.shutdown_delay, Duration::ZERO),
             preserve_host: s.preserve_host.unwrap_or(false),
             trust_forwarded_headers: s.trust_forwarded_headers.unwrap_or(false),
+            readiness: s.readiness.unwrap_or_default(),
+            watch_config: s.watch_config.unwrap_or(false),
         })
     }
 }
@@ -135,9 +168,12 @@ impl TryFrom<RawAdmin> for AdminConfig {
     type Error = Invalid;
 
     fn try_from(a: RawAdmin) -> Result<Self, Invalid> {
-        let listen = a
-            .listen
-            .ok_or("admin.listen is required when [admin] is present")?;
+        let listen = a.listen.ok_or_else(|| {
+            Invalid::field(
+                "admin.listen",
+                "admin.listen is required when [admin] is present",
+            )
+        })?;
         Ok(AdminConfig { listen })
     }
 }

@@ -101,15 +101,20 @@ impl TryFrom<RawStore> for StoreConfig {
         let backend = s.backend.unwrap_or(Backend::Sqlite);
         let url = match backend {
             Backend::Postgres => {
-                let u = s.url.map(|u| u.into_inner()).ok_or(
-                    "store.url is required for backend = \"postgres\" (or set IDEMGATE_STORE_URL)",
-                )?;
-                if !(u.starts_with("postgres://") || u.starts_with("postgresql://")) {
-                    return Err(format!(
-                        "store.url: expected a postgres://user@host:port/db URL, got {}",
-                        mask_url(&u)
+                let u = s.url.map(|u| u.into_inner()).ok_or_else(|| {
+                    Invalid::field(
+                        "store.url",
+                        "store.url is required for backend = \"postgres\" (or set IDEMGATE_STORE_URL)",
                     )
-                    .into());
+                })?;
+                if !(u.starts_with("postgres://") || u.starts_with("postgresql://")) {
+                    return Err(Invalid::field(
+                        "store.url",
+                        format!(
+                            "store.url: expected a postgres://user@host:port/db URL, got {}",
+                            mask_url(&u)
+                        ),
+                    ));
                 }
                 // libpq's TLS parameters and pgbouncer=true: checked here so
                 // check-config names a bad one; files are read at start.
@@ -131,19 +136,32 @@ impl TryFrom<RawStore> for StoreConfig {
                 None
             }
         };
-        if backend != Backend::Sqlite && (s.path.is_some() || s.synchronous.is_some()) {
-            return Err(
-                "store.path and store.synchronous only apply to backend = \"sqlite\"".into(),
-            );
-        }
-        if backend != Backend::Postgres
-            && (s.pool_size.is_some()
-                || s.schema.is_some()
-                || s.connect_timeout.is_some()
-                || s.statement_timeout.is_some()
-                || s.migration_lock.is_some())
+        // Named at the first such key the file sets.
+        let sqlite_only = [
+            ("store.path", s.path.is_some()),
+            ("store.synchronous", s.synchronous.is_some()),
+        ];
+        if let Some((key, _)) = sqlite_only
+            .iter()
+            .find(|(_, set)| *set && backend != Backend::Sqlite)
         {
-            return Err("store.pool_size, store.schema, store.connect_timeout, store.statement_timeout and store.migration_lock only apply to backend = \"postgres\"".into());
+            return Err(Invalid::field(
+                *key,
+                "store.path and store.synchronous only apply to backend = \"sqlite\"",
+            ));
+        }
+        let postgres_only = [
+            ("store.pool_size", s.pool_size.is_some()),
+            ("store.schema", s.schema.is_some()),
+            ("store.connect_timeout", s.connect_timeout.is_some()),
+            ("store.statement_timeout", s.statement_timeout.is_some()),
+            ("store.migration_lock", s.migration_lock.is_some()),
+        ];
+        if let Some((key, _)) = postgres_only
+            .iter()
+            .find(|(_, set)| *set && backend != Backend::Postgres)
+        {
+            return Err(Invalid::field(*key, "store.pool_size, store.schema, store.connect_timeout, store.statement_timeout and store.migration_lock only apply to backend = \"postgres\""));
         }
         let pool_size = at_least_one(
             "store.pool_size",
@@ -165,10 +183,12 @@ impl TryFrom<RawStore> for StoreConfig {
                 .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
             || schema.as_bytes()[0].is_ascii_digit()
         {
-            return Err(format!(
-                "store.schema {schema:?}: use lower-case letters, digits and '_', not starting with a digit"
-            )
-            .into());
+            return Err(Invalid::field(
+                "store.schema",
+                format!(
+                    "store.schema {schema:?}: use lower-case letters, digits and '_', not starting with a digit"
+                ),
+            ));
         }
         Ok(StoreConfig {
             backend,
@@ -239,22 +259,30 @@ impl TryFrom<RawRedis> for RedisConfig {
     type Error = Invalid;
 
     fn try_from(r: RawRedis) -> Result<Self, Invalid> {
-        let url = r
-            .url
-            .ok_or("redis.url is required when [redis] is present (or set IDEMGATE_REDIS_URL)")?;
+        let url = r.url.ok_or_else(|| {
+            Invalid::field(
+                "redis.url",
+                "redis.url is required when [redis] is present (or set IDEMGATE_REDIS_URL)",
+            )
+        })?;
         if !(url.starts_with("redis://")
             || url.starts_with("rediss://")
             || url.starts_with("unix://"))
         {
-            return Err(format!(
-                "redis.url: expected redis://host:port, got {}",
-                mask_url(&url)
-            )
-            .into());
+            return Err(Invalid::field(
+                "redis.url",
+                format!(
+                    "redis.url: expected redis://host:port, got {}",
+                    mask_url(&url)
+                ),
+            ));
         }
         let prefix = r.prefix.unwrap_or_else(|| DEFAULT_REDIS_PREFIX.to_string());
         if prefix.is_empty() || prefix.contains(char::is_whitespace) {
-            return Err("redis.prefix must be non-empty and contain no spaces".into());
+            return Err(Invalid::field(
+                "redis.prefix",
+                "redis.prefix must be non-empty and contain no spaces",
+            ));
         }
         Ok(RedisConfig {
             url,

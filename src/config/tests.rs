@@ -324,6 +324,51 @@ fn errors_name_file_line_and_field() {
             &["line 4", "on_ambiguous"],
         ),
         ("[server\n", &["test.toml", "line 1"]),
+        // Whole-section and cross-section checks name a line too.
+        (
+            "[server]\nlisten = \"127.0.0.1:8080\"\n",
+            &["test.toml", "line 1", "server.upstream is required"],
+        ),
+        (
+            &format!("{MINIMAL}[store]\nbackend = \"sqlite\"\npool_size = 4\n"),
+            &["test.toml", "line 5", "only apply to backend = \"postgres\""],
+        ),
+        (
+            &format!("{MINIMAL}[store]\nbackend = \"memory\"\n\nsynchronous = \"full\"\n"),
+            &["line 6", "only apply to backend = \"sqlite\""],
+        ),
+        (
+            &format!("{MINIMAL}\n[redis]\nurl = \"redis://127.0.0.1\"\n"),
+            &["test.toml", "line 4", "needs store.backend = \"postgres\""],
+        ),
+        (
+            &format!("{MINIMAL}[store]\nbackend = \"postgres\"\n"),
+            &["line 3", "store.url is required"],
+        ),
+        (
+            &format!("{MINIMAL}[admin]\n"),
+            &["line 3", "admin.listen is required"],
+        ),
+        (
+            &format!("{MINIMAL}idle_timeout = \"0\"\n"),
+            &["line 3", "server.idle_timeout must be greater than 0"],
+        ),
+        (
+            &format!(
+                "{MINIMAL}max_buffered_body_bytes = \"1MiB\"\n[[route]]\nmethods = [\"POST\"]\npath = \"/a\"\n\
+                 [[route]]\nmethods = [\"POST\"]\n\
+                 path = \"/o\"\nmax_request_body = \"2MiB\"\n"
+            ),
+            &["line 10", "route #2 /o", "max_request_body (2MiB)"],
+        ),
+        (
+            &format!("{MINIMAL}[log]\nlevel = \"verbose\"\n"),
+            &["test.toml", "line 4", "log.level", "\"verbose\" is not a level"],
+        ),
+        (
+            &format!("{MINIMAL}[[route]]\nmethods = [\"PSOT\"]\npath = \"/o\"\n"),
+            &["test.toml", "line 3", "route #1", "\"PSOT\"", "allow_custom_methods"],
+        ),
     ];
     for (text, needles) in cases {
         let msg = err(text);
@@ -334,6 +379,24 @@ fn errors_name_file_line_and_field() {
             );
         }
     }
+}
+
+/// A method outside the registered set is refused (`"PSOT"` would leave
+/// the route unprotected) unless the route allows it explicitly.
+#[test]
+fn custom_methods_need_allow_custom_methods() {
+    let text = format!(
+        "{MINIMAL}[[route]]\nmethods = [\"PURGE\"]\npath = \"/o\"\nallow_custom_methods = true\n"
+    );
+    let cfg = parse(&text).unwrap();
+    assert_eq!(
+        cfg.routes.iter().next().unwrap().methods[0].as_str(),
+        "PURGE"
+    );
+    let text = format!(
+        "{MINIMAL}[defaults]\nallow_custom_methods = true\n[[route]]\nmethods = [\"PURGE\"]\npath = \"/o\"\n"
+    );
+    assert!(parse(&text).is_ok());
 }
 
 #[test]

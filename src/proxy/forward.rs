@@ -93,10 +93,14 @@ impl Forwarder {
         } else if let Some(host) = original_host {
             headers.insert(header::HOST, host);
         }
+        let started = tokio::time::Instant::now();
         match tokio::time::timeout(self.timeout, self.client.request(req)).await {
             Err(_) => Err(ForwardError::Timeout),
             Ok(Ok(mut resp)) => {
                 strip_hop_by_hop(resp.headers_mut());
+                // For the access log: upstream time apart from the total.
+                resp.extensions_mut()
+                    .insert(super::log::UpstreamTime(started.elapsed()));
                 Ok(resp)
             }
             Ok(Err(e)) if e.is_connect() => Err(ForwardError::Connect(error_chain(&e))),

@@ -211,6 +211,7 @@ impl Proxy {
     /// Forwards while the lease is kept alive, then settles the key.
     async fn execute(&self, req: ProtectedRequest, lease: Lease) -> Result<Served, ProxyError> {
         self.metrics.in_flight().inc();
+        let _upstream = self.upstream_request();
         let started = Instant::now();
         let route = req.route.clone();
         let keeper = lease.keep_alive();

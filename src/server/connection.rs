@@ -25,6 +25,7 @@
 
 use crate::body::ProxyBody;
 use crate::proxy::Proxy;
+use arc_swap::ArcSwap;
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use hyper::service::service_fn;
@@ -64,14 +65,15 @@ pub fn serve(
     builder: &auto::Builder<TokioExecutor>,
     stream: TcpStream,
     peer: SocketAddr,
-    proxy: Arc<Proxy>,
+    current: Arc<ArcSwap<Proxy>>,
     deadlines: Deadlines,
     drain: CancellationToken,
 ) -> impl Future<Output = ()> + Send + 'static {
     let (in_progress, mut changes) = watch::channel(0usize);
     let in_progress = Arc::new(in_progress);
     let svc = service_fn(move |req| {
-        let proxy = proxy.clone();
+        // The config of the moment, held by the request to its end.
+        let proxy = current.load_full();
         let guard = InProgress::begin(&in_progress);
         async move {
             let resp = proxy.handle(req, peer).await;

@@ -202,6 +202,8 @@ async fn postgres_cut_rejects_protected_requests_and_recovers(backend: Backend) 
             Route::post(ORDERS),
             Route::post("/webhooks").set("on_store_error", "forward"),
         ])
+        // The store-following readiness; the default is in readiness.rs.
+        .set("server.readiness", "store")
         .admin()
         .start()
         .await;

@@ -8,6 +8,7 @@
 
 mod support;
 
+mod demo_docs;
 mod faults;
 mod forwarding;
 mod hostile_connections;
@@ -15,12 +16,17 @@ mod hostile_requests;
 mod invariants;
 mod lifecycle;
 mod operations;
+mod ops_metrics;
 mod pgbouncer;
 mod postgres_retries;
 mod postgres_tls;
 mod properties;
+mod readiness;
 mod regressions;
+mod reload;
 mod replicas;
+mod request_id;
+mod rough_edges;
 mod route_features;
 mod semantics;
 mod store_contract;

@@ -108,12 +108,19 @@ fn memory_config() -> TestConfig {
         .set("store.backend", "memory")
 }
 
-/// `idemgate keys <args> --config <config>`, expected to succeed; its stdout.
+/// `idemgate keys <args> --config <config>`, expected to succeed (or, for
+/// `show`, to find no record: exit 3); its stdout.
 async fn keys(config: &Path, args: &[&str]) -> String {
     let mut all = vec!["keys", "--config", config.to_str().expect("utf-8 path")];
     all.extend_from_slice(args);
     let run = run_to_completion(&all, &[]).await;
-    assert_eq!(run.code, 0, "keys {args:?}: {}{}", run.stdout, run.stderr);
+    let absent = run.stdout.starts_with("no record");
+    let expected = if absent && args[0] == "show" { 3 } else { 0 };
+    assert_eq!(
+        run.code, expected,
+        "keys {args:?}: {}{}",
+        run.stdout, run.stderr
+    );
     run.stdout
 }
 
@@ -235,16 +242,25 @@ async fn metrics_count_each_outcome_of_real_traffic_exactly_once() {
     let text = metrics.text();
     for line in text.lines() {
         if line.starts_with('#') {
+            // process_* keep their conventional names (metrics/process.rs).
+            let named = line
+                .split(' ')
+                .nth(2)
+                .is_some_and(|n| n.starts_with("idemgate_") || n.starts_with("process_"));
             assert!(
-                line.starts_with("# HELP idemgate_")
-                    || line.starts_with("# TYPE idemgate_")
-                    || line.starts_with("# UNIT idemgate_")
+                (named
+                    && (line.starts_with("# HELP ")
+                        || line.starts_with("# TYPE ")
+                        || line.starts_with("# UNIT ")))
                     || line == "# EOF",
                 "unexpected comment line {line:?}"
             );
         } else {
             let (series, value) = line.rsplit_once(' ').expect("`series value`");
-            assert!(series.starts_with("idemgate_"), "{line}");
+            assert!(
+                series.starts_with("idemgate_") || series.starts_with("process_"),
+                "{line}"
+            );
             value
                 .parse::<f64>()
                 .unwrap_or_else(|e| panic!("{line}: value is not a number: {e}"));
@@ -315,7 +331,10 @@ async fn readyz_turns_503_while_postgres_is_cut_off_and_200_when_it_returns() {
     let schema = unique_schema("ops");
     let up = Upstream::start().await;
     let url = support::services::database_url_via(relay.addr());
-    let setup = Setup::new(up.addr, |c, _| postgres_store(c, &url, &schema));
+    // readiness = "store": the default ("serving") is in readiness.rs.
+    let setup = Setup::new(up.addr, |c, _| {
+        postgres_store(c, &url, &schema).set("server.readiness", "store")
+    });
     let gate = setup.start().await;
 
     let ready = |want: u16| {
@@ -857,6 +876,7 @@ async fn serve_enables_the_redis_fast_path_from_the_environment_and_counts_its_h
     require_postgres(&database_url()).await;
     support::services::require_redis(&support::services::redis_url());
     let schema = unique_schema("ops");
+    let _keys = support::services::RedisPrefix(schema.clone());
     let up = Upstream::start().await;
     let url = database_url();
     let setup = Setup::new(up.addr, |c, _| {
@@ -1007,7 +1027,13 @@ async fn keys_commands_find_keys_of_a_proxy_with_a_scope_secret_only_with_that_s
         "{}",
         with.stdout
     );
+    assert_eq!(with.code, 0, "{}", with.stderr);
     let without = run_to_completion(&args, &[]).await;
+    assert_eq!(
+        without.code, 3,
+        "keys show exits 3 for a key with no record: {}",
+        without.stderr
+    );
     assert!(
         without.stdout.starts_with("no record"),
         "{}",

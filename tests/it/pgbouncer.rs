@@ -60,6 +60,7 @@ async fn protected_traffic_and_migrations_work_through_pgbouncer() {
     let proxy = Proxy::builder(Backend::Postgres, up.addr)
         .store_url(&url)
         .set("store.pool_size", 8)
+        .set("server.readiness", "store")
         .admin()
         .start()
         .await;
@@ -91,9 +92,16 @@ async fn without_pgbouncer_true_the_proxy_says_to_add_it() {
     let up = Upstream::start().await;
     let proxy = Proxy::builder(Backend::Postgres, up.addr)
         .store_url(&bouncer.url(""))
+        .set("server.readiness", "store")
         .admin()
         .start()
         .await;
+    let health = proxy.admin_get("/healthz/store").send().await;
+    assert!(
+        health.text().contains("add pgbouncer=true"),
+        "{}",
+        health.text()
+    );
     let ready = proxy.admin_get("/readyz").send().await;
     assert_eq!(ready.status(), 503);
     assert!(

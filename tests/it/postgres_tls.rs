@@ -2,7 +2,8 @@
 //! `sslkey` in `store.url`, against real servers: the machine's PostgreSQL
 //! (`ssl = on`, a self-signed certificate) and a private cluster with a CA
 //! of the test's own ([`PgCluster`]). Failures must name their cause at
-//! start-up, in `check-config --connect` and in `/readyz`.
+//! start-up, in `check-config --connect`, in `/healthz/store` and in
+//! `/readyz` (with `server.readiness = "store"`).
 
 use crate::support::pg_cluster::{exercise, PgCluster, CERT_USER, SCRAM_PASSWORD, SCRAM_USER};
 use crate::support::services::{database_url, unique_schema};
@@ -94,12 +95,16 @@ async fn verify_full_with_a_ca_that_did_not_sign_the_certificate_says_not_truste
         .set("store.backend", "postgres")
         .set("store.url", url.as_str())
         .set("store.schema", unique_schema("tls").as_str())
+        .set("server.readiness", "store")
         .listen(listen, admin)
         .write(&config);
     let serve = ServeProcess::start(&config, listen, admin, &[]).await;
     let ready = serve.admin_get("/readyz").send().await;
     assert_eq!(ready.status(), 503);
     assert!(ready.text().contains("not trusted"), "{}", ready.text());
+    let health = serve.admin_get("/healthz/store").send().await;
+    assert_eq!(health.status(), 503);
+    assert!(health.text().contains("not trusted"), "{}", health.text());
     let log = wait_for("the start-up warning", || {
         let log = serve.log();
         async move { log.contains("not trusted").then_some(log) }

@@ -9,7 +9,7 @@
 use crate::support;
 use crate::support::services::{
     database_url, drop_schema, pg_store_config, redis_url, require_postgres, require_redis,
-    unique_schema, PrivateRedis, TcpRelay,
+    unique_schema, PrivateRedis, RedisPrefix, TcpRelay,
 };
 use bytes::Bytes;
 use idemgate::config::{RedisConfig, SqliteSync};
@@ -531,6 +531,7 @@ async fn contract_postgres() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn contract_postgres_redis() {
     let schema = unique_schema("t");
+    let _keys = RedisPrefix(schema.clone());
     let url = redis_url();
     require_redis(&url);
     let pg: Arc<dyn Store> = postgres(&schema).await;
@@ -572,6 +573,7 @@ async fn complete_one(store: &dyn Store) -> Claim {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_answers_completed_keys_and_postgres_answers_the_rest() {
     let schema = unique_schema("t");
+    let _keys = RedisPrefix(schema.clone());
     let url = redis_url();
     require_redis(&url);
     let pg = postgres(&schema).await;

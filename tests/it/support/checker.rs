@@ -92,8 +92,14 @@ pub fn releases_key(status: u16) -> bool {
 }
 
 /// Response headers that differ per hop or per response and are never
-/// compared.
-const PER_RESPONSE: [&str; 4] = ["date", "content-length", "connection", "transfer-encoding"];
+/// compared (`x-request-id` is the current request's, replays included).
+const PER_RESPONSE: [&str; 5] = [
+    "date",
+    "content-length",
+    "connection",
+    "transfer-encoding",
+    "x-request-id",
+];
 
 /// `(name, value)` pairs in `HeaderMap` order, without `skip`.
 fn header_list(headers: &HeaderMap, skip: &[&str]) -> Vec<(String, String)> {

@@ -25,6 +25,12 @@ fn idemgate() -> Command {
     cmd
 }
 
+/// `idemgate` with a clean `IDEMGATE_*` environment, for a test that runs
+/// it its own way (e.g. `demo`); the test kills what it spawns.
+pub fn command() -> Command {
+    idemgate()
+}
+
 // ===== one-shot commands =====
 
 /// One run of the binary to completion.
@@ -180,6 +186,16 @@ impl ServeProcess {
             .status()
             .expect("run kill");
         assert!(status.success(), "kill -TERM {pid} failed: {status}");
+    }
+
+    /// Sends SIGHUP (reload the config).
+    pub fn hangup(&self) {
+        let pid = self.child.as_ref().expect("running").id();
+        let status = Command::new("kill")
+            .args(["-HUP", &pid.to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -HUP {pid} failed: {status}");
     }
 
     /// SIGKILL, then reaps it.

@@ -400,7 +400,9 @@ impl Drop for TestSchema {
     }
 }
 
-/// Deletes `{prefix}:*` on the shared Redis (test cleanup; errors ignored).
+/// Deletes every key starting with `prefix` on the shared Redis (test
+/// cleanup; errors ignored). SCAN, not KEYS: the shared Redis may hold many
+/// keys, and KEYS blocks it while it looks.
 async fn delete_redis_prefix(prefix: &str) {
     let Ok(client) = redis::Client::open(redis_url().as_str()) else {
         return;
@@ -408,13 +410,51 @@ async fn delete_redis_prefix(prefix: &str) {
     let Ok(mut conn) = client.get_multiplexed_async_connection().await else {
         return;
     };
-    let script = redis::Script::new(
-        "local n = 0 for _, k in ipairs(redis.call('KEYS', ARGV[1])) do \
-         redis.call('DEL', k) n = n + 1 end return n",
-    );
-    let _: redis::RedisResult<i64> = script
-        .prepare_invoke()
-        .arg(format!("{prefix}:*"))
-        .invoke_async(&mut conn)
-        .await;
+    let mut cursor: u64 = 0;
+    loop {
+        let Ok((next, keys)): redis::RedisResult<(u64, Vec<String>)> = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(format!("{prefix}*"))
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(&mut conn)
+            .await
+        else {
+            return;
+        };
+        if !keys.is_empty() {
+            let _: redis::RedisResult<i64> =
+                redis::cmd("DEL").arg(&keys).query_async(&mut conn).await;
+        }
+        if next == 0 {
+            return;
+        }
+        cursor = next;
+    }
+}
+
+/// Deletes the shared Redis's keys under a prefix when dropped, for tests
+/// that give a store or a `serve` process a prefix of their own without a
+/// [`TestSchema`]: the fast path's keys live for a route's ttl (a day by
+/// default), so a test that does not delete them leaves them behind.
+pub struct RedisPrefix(pub String);
+
+impl Drop for RedisPrefix {
+    fn drop(&mut self) {
+        let prefix = self.0.clone();
+        let cleanup = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            rt.block_on(async {
+                let _ = tokio::time::timeout(Duration::from_secs(3), delete_redis_prefix(&prefix))
+                    .await;
+            });
+        });
+        let _ = cleanup.join();
+    }
 }
