@@ -2,7 +2,9 @@
 //! the shared PostgreSQL, with fewer server connections than the proxy
 //! has): with `pgbouncer=true` in the URL every store call works (the store
 //! contract, protected traffic, migrations, sweeps); without it the proxy
-//! says to add it.
+//! says to add it, whether PgBouncer refuses the startup options or (when
+//! configured to ignore them) the named statements get lost between
+//! server connections.
 
 use crate::store_contract::{run_contract, LATER_MS};
 use crate::support::pg_cluster::exercise;
@@ -139,4 +141,50 @@ async fn sslmode_require_against_a_server_without_tls_says_so() {
     )
     .await;
     assert_eq!(code, 0, "{out}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn prepared_statements_lost_between_server_connections_say_to_add_pgbouncer_true() {
+    use idemgate::idempotency::{Fingerprint, RecordKey, Scope};
+    use idemgate::store::{Claim, LeaseToken, Store};
+    // Startup options accepted (and dropped): what fails now is the named
+    // statement prepared on one server connection and run on another.
+    let bouncer = PrivatePgBouncer::start_ignoring_options();
+    let schema = unique_schema("t");
+    let store = store(&bouncer.url(""), &schema, 0).await;
+    store
+        .migrate()
+        .await
+        .expect("migrations use no named statements");
+    let mut seen = None;
+    for _ in 0..50 {
+        let claims = (0..16).map(|_| {
+            let store = store.clone();
+            let claim = Claim {
+                key: RecordKey {
+                    scope: Scope(rand::random()),
+                    key: rand::random(),
+                },
+                fingerprint: Fingerprint(rand::random()),
+                token: LeaseToken::random(),
+                now: idemgate::clock::Clock::system().now_millis(),
+                lease_ms: 10_000,
+                ttl_ms: 60_000,
+            };
+            tokio::spawn(async move { store.claim(&claim).await })
+        });
+        let failed = futures_util::future::join_all(claims)
+            .await
+            .into_iter()
+            .filter_map(|r| r.expect("claim task").err())
+            .map(|e| e.to_string())
+            .find(|e| e.contains("prepared statement"));
+        if let Some(err) = failed {
+            seen = Some(err);
+            break;
+        }
+    }
+    let err = seen.expect("named statements break behind a transaction pooler");
+    assert!(err.contains("add pgbouncer=true"), "{err}");
+    drop_schema(&database_url(), &schema).await;
 }

@@ -26,6 +26,17 @@ pub struct PrivatePgBouncer {
 
 impl PrivatePgBouncer {
     pub fn start() -> Self {
+        Self::start_with("")
+    }
+
+    /// One that accepts and drops the `options` startup parameter (as some
+    /// deployments configure it), so a client that prepares statements by
+    /// name gets as far as running them.
+    pub fn start_ignoring_options() -> Self {
+        Self::start_with("ignore_startup_parameters = options\n")
+    }
+
+    fn start_with(extra: &str) -> Self {
         let (uid, gid) = postgres_ids();
         let shared: tokio_postgres::Config = database_url()
             .parse()
@@ -56,7 +67,7 @@ impl PrivatePgBouncer {
                  [pgbouncer]\nlisten_addr = 127.0.0.1\nlisten_port = {listen}\n\
                  unix_socket_dir =\nauth_type = trust\nauth_file = {userlist}\n\
                  pool_mode = transaction\ndefault_pool_size = {SERVER_POOL}\n\
-                 max_client_conn = 200\nlogfile = {log}\nadmin_users = {user}\n",
+                 max_client_conn = 200\nlogfile = {log}\nadmin_users = {user}\n{extra}",
                 userlist = userlist.display(),
                 log = dir.path().join("pgbouncer.log").display(),
             ),
