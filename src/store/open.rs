@@ -39,8 +39,9 @@ pub async fn migrate(cfg: &Config) -> Result<u32, StoreError> {
 }
 
 /// `check-config --connect`: connects to the configured store and runs one
-/// trivial call, changing nothing (no migration); returns one line per
-/// store reached, or the first failure with its cause.
+/// trivial call; returns one line per store reached, or the first failure
+/// with its cause. PostgreSQL: `SELECT 1`, no migration. SQLite: the file
+/// is opened as `serve` would (created when missing).
 pub async fn check_connect(cfg: &Config) -> Result<Vec<String>, String> {
     let unavailable = |err: StoreError| match err {
         StoreError::Unavailable(cause) => cause,
@@ -70,7 +71,7 @@ pub async fn check_connect(cfg: &Config) -> Result<Vec<String>, String> {
                 format!("{target}: {}", cause.strip_prefix(&at).unwrap_or(&cause))
             })?;
             // The Redis fast path is a hint, not the authority: it is not
-            // probed here (`/readyz` reflects PostgreSQL alone too).
+            // probed here (`/healthz/store` reflects PostgreSQL alone too).
             Ok(vec![format!("{target}: ok")])
         }
     }

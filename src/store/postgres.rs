@@ -142,7 +142,8 @@ type Param<'a> = (&'a (dyn ToSql + Sync), Type);
 impl PostgresStore {
     /// Builds the pool without connecting: PostgreSQL being down at start is
     /// not an error, operations fail with [`StoreError`] until it answers.
-    /// Only a missing or malformed `store.url` fails here.
+    /// Only a missing or malformed `store.url`, or a certificate file it
+    /// names that cannot be read, fails here.
     pub async fn connect(cfg: &StoreConfig) -> Result<Self, StoreError> {
         Ok(Self {
             core: Arc::new(Core::connect(cfg).await?),
@@ -238,7 +239,8 @@ fn quote_ident(name: &str) -> String {
 impl Core {
     /// Builds the pool without connecting: PostgreSQL being down at start is
     /// not an error, operations fail with [`StoreError`] until it answers.
-    /// Only a missing or malformed `store.url` fails here.
+    /// Only a missing or malformed `store.url`, or a certificate file it
+    /// names that cannot be read, fails here.
     pub async fn connect(cfg: &StoreConfig) -> Result<Self, StoreError> {
         let url = cfg
             .url
