@@ -537,6 +537,17 @@ mod tests {
     }
 
     #[test]
+    fn check_config_names_a_bad_tls_parameter_without_the_password() {
+        let text = "[server]\nupstream = \"http://127.0.0.1:9\"\n[store]\nbackend = \"postgres\"\n\
+                    url = \"postgres://u:hunter2@h/db?sslmode=verify_full\"\n";
+        let err = crate::config::Config::parse(text, "t.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("store.url: sslmode=\"verify_full\""), "{err}");
+        assert!(!err.contains("hunter2"), "{err}");
+    }
+
+    #[test]
     fn pooler_errors_carry_the_hint() {
         assert!(
             describe_db("unsupported startup parameter: options", "08P01")
