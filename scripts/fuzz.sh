@@ -6,7 +6,7 @@
 #
 #   scripts/fuzz.sh [SECONDS_PER_TARGET] [TARGET...]   # default 60 s, every target
 #
-# Targets: key, path, config, codec, redis_value, fingerprint (see the
+# Targets: key, path, config, codec, redis_value, fingerprint, canonical_json (see the
 # comment at the top of each fuzz/fuzz_targets/*.rs). New inputs that
 # reach new code go to fuzz/corpus/<target>/ (not committed); the seeds in
 # fuzz/seeds/<target>/ and the dictionaries in fuzz/dict/ are.
@@ -22,7 +22,7 @@ seconds="${1:-60}"
 shift || true
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
-  targets=(key path config codec redis_value fingerprint)
+  targets=(key path config codec redis_value fingerprint canonical_json)
 fi
 case "$seconds" in
   ''|*[!0-9]*) echo "scripts/fuzz.sh: SECONDS_PER_TARGET must be a number, not '$seconds'" >&2; exit 64 ;;

@@ -133,4 +133,5 @@ if ! answers "$phost" "$pport" && [ -z "${IDEMGATE_IN_PG_VIRTUALENV:-}" ]; then
 fi
 
 say "PostgreSQL: $(echo "$IDEMGATE_TEST_DATABASE_URL" | sed -E 's#(://[^:/@]+):[^@]*@#\1:****@#'), Redis: $IDEMGATE_TEST_REDIS_URL"
-cargo test --all-targets "$@"
+# `otel` (OpenTelemetry traces) is not a default feature; test it too.
+cargo test --all-targets --features otel "$@"

@@ -20,7 +20,9 @@ mod raw;
 mod routes;
 mod server;
 mod store;
+mod tracing;
 pub mod units;
+mod upstreams;
 
 use crate::route::RouteTable;
 use raw::RawConfig;
@@ -37,6 +39,8 @@ pub use log::{LogConfig, LogFormat};
 pub use crate::route::{OnAmbiguous, OnStoreError, RouteConfig};
 pub use server::{AdminConfig, Readiness, ServerConfig};
 pub use store::{Backend, MigrationLock, RedisConfig, SqliteSync, StoreConfig};
+pub use tracing::TracingConfig;
+pub use upstreams::{UpstreamConfig, UpstreamProtocol, UpstreamTls, DEFAULT_UPSTREAM_NAME};
 
 /// Where `--config` points when it is not given.
 pub const DEFAULT_CONFIG_PATH: &str = "config/idemgate.toml";
@@ -113,6 +117,10 @@ pub struct Config {
     pub store: StoreConfig,
     pub redis: Option<RedisConfig>,
     pub log: LogConfig,
+    /// `[tracing]`: OpenTelemetry export (feature `otel`); `None` = off.
+    pub tracing: Option<TracingConfig>,
+    /// `[upstreams.NAME]`, by name; the default upstream is in `server`.
+    pub upstreams: BTreeMap<String, UpstreamConfig>,
     pub routes: RouteTable,
 }
 
@@ -194,6 +202,30 @@ impl Config {
             .located(text));
         }
         let log = LogConfig::try_from(raw.log).map_err(located)?;
+        let tracing = match raw.tracing {
+            Some(section) if !cfg!(feature = "otel") => {
+                let message = "[tracing] needs idemgate built with the `otel` feature (cargo build --features otel); this build has no tracing";
+                return Err(located(match section.span() {
+                    env::NOT_IN_FILE => {
+                        format!("{message} (set by IDEMGATE_TRACING_* variables)").into()
+                    }
+                    at => Invalid::at(at, message),
+                }));
+            }
+            Some(section) => Some(TracingConfig::try_from(section.into_inner()).map_err(located)?),
+            None => None,
+        };
+        let upstreams = upstreams::named(raw.upstreams).map_err(located)?;
+        let choices = raw
+            .defaults
+            .upstream
+            .iter()
+            .map(|u| ("defaults".to_string(), u))
+            .chain(raw.route.iter().enumerate().filter_map(|(i, r)| {
+                let u = r.get_ref().upstream.as_ref()?;
+                Some((format!("route #{}", i + 1), u))
+            }));
+        upstreams::check_choices(choices, &upstreams).map_err(located)?;
         let routes = Defaults::try_from(raw.defaults)
             .and_then(|defaults| defaults.routes(raw.route))
             .map_err(located)?;
@@ -221,6 +253,8 @@ impl Config {
             store,
             redis,
             log,
+            tracing,
+            upstreams,
             routes,
         })
     }
@@ -229,13 +263,19 @@ impl Config {
     pub fn warnings(&self) -> Vec<String> {
         let mut out = Vec::new();
         for r in self.routes.iter() {
-            if r.ttl < self.server.upstream_timeout + r.lease {
+            // The route's own upstream's timeout.
+            let upstream_timeout = r
+                .upstream
+                .as_deref()
+                .and_then(|name| self.upstreams.get(name))
+                .map_or(self.server.upstream_timeout, |u| u.timeout);
+            if r.ttl < upstream_timeout + r.lease {
                 out.push(format!(
                     "route #{} {}: ttl ({}) is shorter than upstream_timeout + lease ({} + {}): a slow request's key may expire soon after it completes",
                     r.index,
                     r.path,
                     units::format_duration(r.ttl),
-                    units::format_duration(self.server.upstream_timeout),
+                    units::format_duration(upstream_timeout),
                     units::format_duration(r.lease)
                 ));
             }
@@ -254,6 +294,12 @@ impl fmt::Display for Config {
         write!(f, "{}", self.store)?;
         if let Some(redis) = &self.redis {
             write!(f, "{redis}")?;
+        }
+        if let Some(tracing) = &self.tracing {
+            write!(f, "{tracing}")?;
+        }
+        for (name, upstream) in &self.upstreams {
+            writeln!(f, "upstream   {name}: {upstream}")?;
         }
         writeln!(
             f,
@@ -275,7 +321,7 @@ fn read_raw(text: &str, env: &BTreeMap<String, String>) -> Result<RawConfig, Str
     // The file on its own first: its mistakes are reported before any
     // variable's, even where a variable would replace the bad value.
     RawConfig::from_document(document.clone(), text).map_err(toml_fail)?;
-    let settings = env::settings(env)?;
+    let settings = env::settings(env, &env::named_upstreams(document.get_ref()))?;
     env::overlay(document.get_mut(), &settings);
     RawConfig::from_document(document, text).map_err(toml_fail)
 }

@@ -6,6 +6,7 @@
 use crate::idempotency::{KeyError, RepeatedScopeHeader};
 use crate::proxy::admission::RequestError;
 use crate::store::StoreError;
+use crate::upstream::tls::TlsFailure;
 use http::HeaderName;
 
 #[derive(Debug, thiserror::Error)]
@@ -16,6 +17,12 @@ pub enum ProxyError {
     InvalidKey {
         header: HeaderName,
         reason: KeyError,
+    },
+    /// A route whose key is read from the body (`key = { json = .. }`).
+    #[error("no usable key at {pointer} in the body: {reason}")]
+    BodyKey {
+        pointer: String,
+        reason: BodyKeyError,
     },
     #[error(transparent)]
     RepeatedScopeHeader(#[from] RepeatedScopeHeader),
@@ -36,6 +43,9 @@ pub enum ProxyError {
     Overloaded,
     #[error("a request with this key is still being processed")]
     InFlight { retry_after_secs: u64 },
+    /// `in_flight = { wait }`: too many duplicates wait already.
+    #[error("too many requests are waiting for the answer to one already in flight")]
+    TooManyWaiters { retry_after_secs: u64 },
     #[error("this key was already used for a different request")]
     Mismatch,
     #[error("the original response (status {status}) could not be stored: it was larger than the route's max_response_body, or the upstream cut it off")]
@@ -52,8 +62,43 @@ pub enum ProxyError {
     /// The connection failed after the request may have been sent.
     #[error("the upstream connection failed: {reason}")]
     UpstreamFailed { reason: String, key: KeyFate },
+    /// The TLS handshake with an `https://` upstream failed: nothing was
+    /// sent. The client's detail is [`TlsFailure::detail`]; this, the log's.
+    #[error("upstream {upstream}: {} ({})", failure.detail(), failure.cause())]
+    UpstreamTls {
+        upstream: String,
+        failure: TlsFailure,
+        key: KeyFate,
+    },
+    /// An HTTP/1.1 `Upgrade` (e.g. WebSocket) on a protected route: a
+    /// tunnel has no response that could be stored and replayed.
+    #[error("this route is protected by an idempotency key, so its responses are stored and replayed; a connection upgrade (WebSocket) cannot pass through it")]
+    UpgradeOnProtectedRoute,
+    /// `server.max_connections` tunnels are open: nothing was forwarded.
+    #[error("too many upgraded connections (WebSocket) are open; nothing was forwarded")]
+    TooManyTunnels,
     #[error("internal error: {0}")]
     Internal(String),
+}
+
+/// Why a body holds no usable key (each is a 400).
+#[derive(Debug, thiserror::Error)]
+pub enum BodyKeyError {
+    #[error("{0}")]
+    NotJson(#[from] crate::idempotency::canonical_json::JsonError),
+    #[error("the body has no value there")]
+    Missing,
+    #[error("the value there is not a string or an integer")]
+    WrongType,
+    #[error("{0}")]
+    Invalid(KeyError),
+}
+
+impl BodyKeyError {
+    /// The key is not there at all (as opposed to there but unusable).
+    pub fn is_missing(&self) -> bool {
+        matches!(self, BodyKeyError::NotJson(_) | BodyKeyError::Missing)
+    }
 }
 
 /// Who is at fault, which decides logging level and metrics.
@@ -70,6 +115,8 @@ impl ProxyError {
         match self {
             ProxyError::MissingKey { .. }
             | ProxyError::InvalidKey { .. }
+            | ProxyError::BodyKey { .. }
+            | ProxyError::TooManyWaiters { .. }
             | ProxyError::RepeatedScopeHeader(_)
             | ProxyError::InvalidRequest(_)
             | ProxyError::UnsupportedTransferCoding { .. }
@@ -79,14 +126,17 @@ impl ProxyError {
             // Load from clients: counted in idemgate_body_budget_refusals_total,
             // not logged above debug one by one.
             | ProxyError::Overloaded
+            | ProxyError::TooManyTunnels
             | ProxyError::InFlight { .. }
             | ProxyError::Mismatch
             | ProxyError::NotReplayable { .. }
-            | ProxyError::OutcomeUnknown => Origin::Client,
+            | ProxyError::OutcomeUnknown
+            | ProxyError::UpgradeOnProtectedRoute => Origin::Client,
             ProxyError::Store(_) => Origin::Store,
             ProxyError::UpstreamUnreachable { .. }
             | ProxyError::UpstreamTimeout { .. }
-            | ProxyError::UpstreamFailed { .. } => Origin::Upstream,
+            | ProxyError::UpstreamFailed { .. }
+            | ProxyError::UpstreamTls { .. } => Origin::Upstream,
             ProxyError::Internal(_) => Origin::Internal,
         }
     }
@@ -117,7 +167,8 @@ impl ProxyError {
         match self {
             ProxyError::UpstreamUnreachable { key, .. }
             | ProxyError::UpstreamTimeout { key }
-            | ProxyError::UpstreamFailed { key, .. } => Some(*key),
+            | ProxyError::UpstreamFailed { key, .. }
+            | ProxyError::UpstreamTls { key, .. } => Some(*key),
             _ => None,
         }
     }

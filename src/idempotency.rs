@@ -17,6 +17,7 @@
 //! `unknown`: neither runs twice, and retries get a definite answer instead
 //! of a replay.
 
+pub mod canonical_json;
 pub mod decision;
 pub mod fingerprint;
 pub mod key;

@@ -13,10 +13,13 @@
 //! - `lease`: holding a claimed key: renew, complete, release, and the
 //!   one rule for writes whose answer was lost.
 //! - `proxy`: the request path: protected requests, replay, forwarding.
+//! - `upstream`: the upstreams' pooled clients (named, HTTPS, HTTP/2) and
+//!   the byte tunnel of upgraded connections.
 //! - [`clock`]: the wall clock, injected so tests can pause it.
 //! - `problem`: RFC 9457 responses, the one error-to-response mapping.
 //! - [`server`]: listeners, connection limits, sweeper, graceful shutdown.
-//! - `admin`, [`metrics`], [`telemetry`]: health, Prometheus, logs.
+//! - `admin`, [`metrics`], [`telemetry`]: health, Prometheus, logs and
+//!   (feature `otel`) OpenTelemetry traces.
 //! - [`tls`]: rustls client configurations (trust roots, client
 //!   certificates, how much of a server's certificate is checked).
 //! - [`keys`]: the `keys` commands that inspect and repair records.
@@ -45,6 +48,7 @@ pub(crate) mod shutdown;
 pub mod store;
 pub mod telemetry;
 pub mod tls;
+pub(crate) mod upstream;
 
 use config::Config;
 use metrics::Metrics;

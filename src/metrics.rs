@@ -123,6 +123,7 @@ pub struct Metrics {
     upstream_latency: Family<RouteLabels, Histogram>,
     in_flight: Gauge,
     pending_completions: Gauge,
+    waiters: Gauge,
     buffered_body_bytes: Gauge,
     body_budget_refusals: Counter,
     swept: Counter,
@@ -132,6 +133,7 @@ pub struct Metrics {
     last_reload_success: Gauge<f64, AtomicU64>,
     open_connections: Gauge,
     upstream_in_flight: Family<UpstreamLabels, Gauge>,
+    tunnels: TunnelMetrics,
 }
 
 fn latency_histogram() -> Histogram {
@@ -194,6 +196,12 @@ impl Metrics {
             "pending_completions",
             "Upstream answers received but not yet recorded in the store (retried in the background)",
             pending_completions.clone(),
+        );
+        let waiters = Gauge::default();
+        registry.register(
+            "waiters",
+            "Duplicates waiting for the answer of a request in flight (in_flight = { wait })",
+            waiters.clone(),
         );
         let buffered_body_bytes = Gauge::default();
         registry.register(
@@ -259,6 +267,7 @@ impl Metrics {
                 version: env!("CARGO_PKG_VERSION"),
             })
             .set(1);
+        let tunnels = TunnelMetrics::register(registry);
         root.register_collector(Box::new(process::ProcessCollector));
         Self {
             registry: root,
@@ -269,6 +278,7 @@ impl Metrics {
             upstream_latency,
             in_flight,
             pending_completions,
+            waiters,
             buffered_body_bytes,
             body_budget_refusals,
             swept,
@@ -278,7 +288,13 @@ impl Metrics {
             last_reload_success,
             open_connections,
             upstream_in_flight,
+            tunnels,
         }
+    }
+
+    /// Upgraded connections (WebSocket tunnels).
+    pub fn tunnels(&self) -> &TunnelMetrics {
+        &self.tunnels
     }
 
     /// Counts one request on `upstream` until the guard is dropped.
@@ -373,6 +389,10 @@ impl Metrics {
 
     pub fn in_flight(&self) -> &Gauge {
         &self.in_flight
+    }
+
+    pub fn waiters(&self) -> &Gauge {
+        &self.waiters
     }
 
     pub fn pending_completions(&self) -> &Gauge {
@@ -549,6 +569,68 @@ mod tests {
             "process_resident_memory_bytes ",
         ] {
             assert!(text.lines().any(|l| l.starts_with(name)), "{name}\n{text}");
+        }
+    }
+}
+
+// ===== tunnels =====
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DirectionLabels {
+    direction: &'static str,
+}
+
+/// Upgraded connections passed through as tunnels: how many are open, how
+/// many were refused at the limit, and the bytes copied each way.
+pub struct TunnelMetrics {
+    open: Gauge,
+    refused: Counter,
+    bytes: Family<DirectionLabels, Counter>,
+}
+
+impl TunnelMetrics {
+    fn register(registry: &mut Registry) -> Self {
+        let open = Gauge::default();
+        registry.register(
+            "tunnels_open",
+            "Upgraded connections (WebSocket) currently tunnelled to an upstream",
+            open.clone(),
+        );
+        let refused = Counter::default();
+        registry.register(
+            "tunnels_refused",
+            "Upgrade requests refused with 503 because server.max_connections tunnels were open",
+            refused.clone(),
+        );
+        let bytes = Family::default();
+        registry.register(
+            "tunnel_bytes",
+            "Bytes copied through tunnels, by direction (to_upstream, to_client)",
+            bytes.clone(),
+        );
+        Self {
+            open,
+            refused,
+            bytes,
+        }
+    }
+
+    pub fn open(&self) -> &Gauge {
+        &self.open
+    }
+
+    pub fn refused(&self) -> &Counter {
+        &self.refused
+    }
+
+    /// Counts bytes as a tunnel copies them.
+    pub fn copied(&self, to_upstream: u64, to_client: u64) {
+        for (direction, n) in [("to_upstream", to_upstream), ("to_client", to_client)] {
+            if n > 0 {
+                self.bytes
+                    .get_or_create(&DirectionLabels { direction })
+                    .inc_by(n);
+            }
         }
     }
 }

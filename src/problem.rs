@@ -54,6 +54,27 @@ impl Problem {
                 "Idempotency-Key is invalid",
                 Outcome::InvalidKey,
             ),
+            ProxyError::BodyKey { reason, .. } if reason.is_missing() => p(
+                StatusCode::BAD_REQUEST,
+                "key-missing",
+                "Idempotency-Key is missing",
+                Outcome::MissingKey,
+            ),
+            ProxyError::BodyKey { .. } => p(
+                StatusCode::BAD_REQUEST,
+                "key-invalid",
+                "Idempotency-Key is invalid",
+                Outcome::InvalidKey,
+            ),
+            ProxyError::TooManyWaiters { retry_after_secs } => Problem {
+                retry_after_secs: Some(*retry_after_secs),
+                ..p(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "too-many-waiters",
+                    "Too many duplicates are waiting",
+                    Outcome::Overloaded,
+                )
+            },
             ProxyError::RepeatedScopeHeader(_) => p(
                 StatusCode::BAD_REQUEST,
                 "scope-header-repeated",
@@ -164,6 +185,31 @@ impl Problem {
                     Outcome::UpstreamError,
                 )
             },
+            // One stable sentence per kind; the cause is in the log.
+            ProxyError::UpstreamTls { failure, .. } => Problem {
+                detail: released_hint(err, failure.detail().to_string()),
+                ..p(
+                    StatusCode::BAD_GATEWAY,
+                    "upstream-tls",
+                    "Upstream TLS failed",
+                    Outcome::UpstreamError,
+                )
+            },
+            ProxyError::TooManyTunnels => Problem {
+                retry_after_secs: Some(OVERLOADED_RETRY_AFTER_SECS),
+                ..p(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "tunnels-exhausted",
+                    "Too many upgraded connections",
+                    Outcome::Overloaded,
+                )
+            },
+            ProxyError::UpgradeOnProtectedRoute => p(
+                StatusCode::BAD_REQUEST,
+                "upgrade-refused",
+                "Upgrade not allowed on a protected route",
+                Outcome::InvalidRequest,
+            ),
             ProxyError::UpstreamTimeout { .. } => Problem {
                 detail: released_hint(err, detail.clone()),
                 ..p(
@@ -314,6 +360,29 @@ mod tests {
                 409,
                 Some("7"),
             ),
+            (
+                ProxyError::TooManyWaiters {
+                    retry_after_secs: 3,
+                },
+                503,
+                Some("3"),
+            ),
+            (
+                ProxyError::BodyKey {
+                    pointer: "/id".into(),
+                    reason: crate::error::BodyKeyError::Missing,
+                },
+                400,
+                None,
+            ),
+            (
+                ProxyError::BodyKey {
+                    pointer: "/id".into(),
+                    reason: crate::error::BodyKeyError::WrongType,
+                },
+                400,
+                None,
+            ),
             (ProxyError::Mismatch, 422, None),
             (ProxyError::NotReplayable { status: 200 }, 410, None),
             (ProxyError::OutcomeUnknown, 424, None),
@@ -340,6 +409,17 @@ mod tests {
                 504,
                 None,
             ),
+            (
+                ProxyError::UpstreamTls {
+                    upstream: "default".into(),
+                    failure: crate::upstream::tls::TlsFailure::Untrusted("expired".into()),
+                    key: KeyFate::Released,
+                },
+                502,
+                None,
+            ),
+            (ProxyError::UpgradeOnProtectedRoute, 400, None),
+            (ProxyError::TooManyTunnels, 503, Some("1")),
             (ProxyError::Internal("x".into()), 500, None),
         ];
         for (err, status, retry_after) in cases {

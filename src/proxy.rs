@@ -10,18 +10,22 @@
 //! - `log.rs`: the access log line and request metric, once per request.
 //! - `request_id.rs`: `X-Request-Id`, kept or generated, and the problem
 //!   `instance` it names.
+//! - `waiters.rs`: duplicates waiting for a request in flight;
+//!   `latency.rs`: each route's typical latency, for `Retry-After`.
 //! - [`crate::lease`]: holding the key while the upstream runs.
 
 pub mod admission;
 pub mod forward;
 pub mod headers;
+mod latency;
 mod log;
 mod protected;
 mod replay;
 pub mod request_id;
+pub mod waiters;
 
 use crate::body::budget::BodyBudget;
-use crate::body::{boxed, ProxyBody};
+use crate::body::{self, boxed, ProxyBody};
 use crate::clock::Clock;
 use crate::config::{Config, Secret};
 use crate::error::{KeyFate, Origin, ProxyError};
@@ -30,11 +34,13 @@ use crate::metrics::{GaugeGuard, Metrics, Outcome};
 use crate::problem::Problem;
 use crate::route::{normalize_path, RouteTable};
 use crate::store::Store;
-use forward::{ForwardError, Forwarder};
+use crate::telemetry::trace;
+use crate::upstream::UpstreamSetupError;
+use forward::{ConnectError, ForwardError, Forwarder};
 use http::{Request, Response};
 use hyper::body::Incoming;
 use log::RequestLog;
-use protected::{key_of, prepare, read_body};
+use protected::{parse_body, plan_key, prepare, read_body, resolve_key, KeyPlan};
 use request_id::{RequestId, X_REQUEST_ID};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -56,9 +62,17 @@ pub struct Proxy {
     body_budget: Arc<BodyBudget>,
     /// Keys the scope digests when set (`IDEMGATE_SCOPE_SECRET`).
     scope_secret: Option<Secret>,
-    /// The pooled upstream client.
+    /// The upstreams' pooled clients and the forwarding rules.
     forwarder: Forwarder,
     metrics: Arc<Metrics>,
+    /// Starts each request's span (a no-op without `[tracing]`).
+    tracer: trace::Tracer,
+    /// Duplicates waiting for a request in flight (`in_flight = { wait }`).
+    waiters: Arc<waiters::Waiters>,
+    /// Each route's typical upstream latency, for `Retry-After`.
+    latencies: latency::Latencies,
+    /// Wakes waiters on other replicas (PostgreSQL with a waiting route).
+    notifier: Option<Arc<crate::store::notify::KeyNotifier>>,
     /// Detached work: protected requests from their claim on, and store
     /// writes that outlive them. Shutdown waits for it.
     tasks: TaskTracker,
@@ -70,6 +84,12 @@ struct Shared {
     body_budget: Arc<BodyBudget>,
     scope_secret: Option<Secret>,
     metrics: Arc<Metrics>,
+    /// One exporter per process: `[tracing]` changes need a restart.
+    tracer: trace::Tracer,
+    /// One registry of waiters per process, so a request finishing on one
+    /// config generation wakes the duplicates waiting on another.
+    waiters: Arc<waiters::Waiters>,
+    notifier: Option<Arc<crate::store::notify::KeyNotifier>>,
     tasks: TaskTracker,
 }
 
@@ -78,13 +98,19 @@ type Served = (Outcome, Response<ProxyBody>);
 
 impl Proxy {
     /// The one place the config becomes the request path's settings.
+    /// Fails when an upstream's TLS files cannot be read.
     pub fn new(
         config: &Config,
         store: Arc<dyn Store>,
         metrics: Arc<Metrics>,
         clock: Clock,
-    ) -> Self {
+    ) -> Result<Self, UpstreamSetupError> {
         let tasks = TaskTracker::new();
+        let waiters = Arc::new(
+            waiters::Waiters::new(waiters::MAX_WAITERS_PER_KEY, waiters::MAX_WAITERS_TOTAL)
+                .with_gauge(metrics.waiters().clone()),
+        );
+        let notifier = waiters::spawn_notifier(config, &waiters).map(Arc::new);
         let shared = Shared {
             leases: Leases::new(
                 store,
@@ -99,7 +125,10 @@ impl Proxy {
                 metrics.body_budget_refusals().clone(),
             ),
             scope_secret: config.scope_secret.clone(),
+            waiters,
+            notifier,
             metrics,
+            tracer: trace::Tracer::new(config.tracing.as_ref()),
             tasks,
         };
         Self::assemble(config, shared)
@@ -109,7 +138,8 @@ impl Proxy {
     /// upstream client come from `config`; the store, the leases, the body
     /// budget and the detached tasks are this one's, so requests running
     /// on either proxy share them.
-    pub fn reconfigured(&self, config: &Config) -> Self {
+    /// Fails when an upstream's client cannot be built (its TLS files).
+    pub fn reconfigured(&self, config: &Config) -> Result<Self, UpstreamSetupError> {
         Self::assemble(
             config,
             Shared {
@@ -117,6 +147,13 @@ impl Proxy {
                 body_budget: self.body_budget.clone(),
                 scope_secret: self.scope_secret.clone(),
                 metrics: self.metrics.clone(),
+                tracer: self.tracer.clone(),
+                waiters: self.waiters.clone(),
+                // Started on the first config with a waiting route.
+                notifier: self
+                    .notifier
+                    .clone()
+                    .or_else(|| waiters::spawn_notifier(config, &self.waiters).map(Arc::new)),
                 tasks: self.tasks.clone(),
             },
         )
@@ -124,24 +161,31 @@ impl Proxy {
 
     /// The per-config part built from `config`, around the process-wide
     /// `shared` part: what a reload replaces, in one place.
-    fn assemble(config: &Config, shared: Shared) -> Self {
+    fn assemble(config: &Config, shared: Shared) -> Result<Self, UpstreamSetupError> {
         let Shared {
             leases,
             body_budget,
             scope_secret,
             metrics,
+            tracer,
+            waiters,
+            notifier,
             tasks,
         } = shared;
-        Self {
+        Ok(Self {
             routes: config.routes.clone(),
-            forwarder: Forwarder::new(&config.server),
+            forwarder: Forwarder::new(config, metrics.clone())?,
             request_body_timeout: config.server.request_body_timeout,
             leases,
             body_budget,
             scope_secret,
             metrics,
+            tracer,
+            waiters,
+            notifier,
+            latencies: latency::Latencies::new(config.routes.iter().map(|r| &r.label)),
             tasks,
-        }
+        })
     }
 
     pub fn tasks(&self) -> &TaskTracker {
@@ -155,7 +199,8 @@ impl Proxy {
 
     /// Serves one request; never fails. The request id goes upstream (in
     /// `X-Request-Id`, and in the request's extensions for the problem
-    /// mapping) and back on every response.
+    /// mapping) and back on every response; everything runs under the
+    /// request's trace span, when tracing is on.
     pub async fn handle(
         self: Arc<Self>,
         mut req: Request<Incoming>,
@@ -175,24 +220,41 @@ impl Proxy {
         peer: SocketAddr,
         id: RequestId,
     ) -> Response<ProxyBody> {
+        let span = self.tracer.start(&req);
+        trace::within(span, self.serve_traced(req, peer, id)).await
+    }
+
+    async fn serve_traced(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+        peer: SocketAddr,
+        id: RequestId,
+    ) -> Response<ProxyBody> {
         let mut log = RequestLog::start(&req, peer, id);
         if let Err(e) = admission::admit(&req) {
             return self.conclude(Err(e), log);
         }
         let path = normalize_path(req.uri().path());
         let Some(route) = self.routes.find(req.method(), &path).cloned() else {
-            let (outcome, resp) = self.passthrough(req.map(boxed), peer).await;
+            let (outcome, resp) = self.passthrough(None, req.map(boxed), peer).await;
             log.finish(&self.metrics, outcome, &resp, false);
             return resp;
         };
         log.set_route(&route.label);
-        let key = match key_of(&route, req.headers(), self.scope_secret.as_ref()) {
-            Ok(Some(key)) => key,
-            Ok(None) => {
-                let (outcome, resp) = self.passthrough(req.map(boxed), peer).await;
+        trace::set_route(&route.label);
+        if let Err(e) = admission::refuse_protected_upgrade(&route, &req) {
+            return self.conclude(Err(e), log);
+        }
+        let upstream = route.upstream.clone();
+        let plan = match plan_key(&route, req.headers(), self.scope_secret.as_ref()) {
+            Ok(KeyPlan::Absent) => {
+                let (outcome, resp) = self
+                    .passthrough(upstream.as_deref(), req.map(boxed), peer)
+                    .await;
                 log.finish(&self.metrics, outcome, &resp, false);
                 return resp;
             }
+            Ok(plan) => plan,
             Err(e) => return self.conclude(Err(e), log),
         };
         // Owned only here: pass-through requests never copy their path.
@@ -205,8 +267,21 @@ impl Proxy {
             Err(e) => return self.conclude(Err(e), log),
         };
         log.set_bytes_in(body.len() as u64);
-        let req = prepare(route, parts, body, key, &path, peer);
-        log.set_key_id(req.record_key.log_id());
+        let doc = parse_body(&route, &body);
+        let key = match resolve_key(&route, plan, doc.as_ref()) {
+            Ok(Some(key)) => key,
+            Ok(None) => {
+                let forwarded = Request::from_parts(parts, body::full(body));
+                let (outcome, resp) = self.passthrough(upstream.as_deref(), forwarded, peer).await;
+                log.finish(&self.metrics, outcome, &resp, false);
+                return resp;
+            }
+            Err(e) => return self.conclude(Err(e), log),
+        };
+        let req = prepare(route, parts, body, key, doc, &path, peer);
+        let key_id = req.record_key.log_id();
+        trace::set_key_id(&key_id);
+        log.set_key_id(key_id);
         self.run_detached(req, log).await
     }
 
@@ -221,7 +296,7 @@ impl Proxy {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let this = Arc::clone(self);
         let task_log = log.clone();
-        self.tasks.spawn(async move {
+        self.tasks.spawn(trace::in_current(async move {
             let (outcome, resp) = respond(
                 this.claim_and_execute(req).await,
                 Some(task_log.request_id()),
@@ -231,7 +306,7 @@ impl Proxy {
             let client_left = tx.is_closed();
             task_log.finish(&this.metrics, outcome, &resp, client_left);
             let _ = tx.send(resp);
-        });
+        }));
         match rx.await {
             Ok(resp) => resp,
             Err(_) => self.conclude(
@@ -250,15 +325,24 @@ impl Proxy {
         resp
     }
 
-    /// Forwards without protection, streaming both ways.
-    async fn passthrough(&self, req: Request<ProxyBody>, peer: SocketAddr) -> Served {
+    /// Forwards without protection to the upstream called `upstream`
+    /// (`None`: the default), streaming both ways.
+    async fn passthrough(
+        &self,
+        upstream: Option<&str>,
+        req: Request<ProxyBody>,
+        peer: SocketAddr,
+    ) -> Served {
         let id = req.extensions().get::<RequestId>().cloned();
-        let in_flight = self.upstream_request();
-        match self.forwarder.send(req, peer).await {
-            Ok(resp) => (
-                Outcome::Passthrough,
-                resp.map(|body| boxed(Guarded::new(body, in_flight))),
-            ),
+        let in_flight = self.upstream_request(upstream);
+        match self.forwarder.send(upstream, req, peer).await {
+            Ok(resp) => {
+                trace::record(Outcome::Passthrough, resp.status());
+                (
+                    Outcome::Passthrough,
+                    resp.map(|body| boxed(Guarded::new(body, in_flight))),
+                )
+            }
             Err(e) => respond(Err(forward_error(e, KeyFate::Unprotected)), id.as_ref()),
         }
     }
@@ -267,14 +351,11 @@ impl Proxy {
 impl Proxy {
     /// Counts a request on the upstream (`idemgate_upstream_in_flight`)
     /// while the guard lives.
-    fn upstream_request(&self) -> GaugeGuard {
-        self.metrics.upstream_request(&DEFAULT_UPSTREAM)
+    fn upstream_request(&self, upstream: Option<&str>) -> GaugeGuard {
+        self.metrics
+            .upstream_request(self.forwarder.label(upstream))
     }
 }
-
-/// The label of `server.upstream` in per-upstream metrics.
-static DEFAULT_UPSTREAM: std::sync::LazyLock<Arc<String>> =
-    std::sync::LazyLock::new(|| Arc::new("default".to_string()));
 
 /// A streamed response body holding a guard until it ends or is dropped.
 struct Guarded<B> {
@@ -313,9 +394,10 @@ impl<B: http_body::Body + Unpin> http_body::Body for Guarded<B> {
 
 /// Where a request's result becomes what the client gets: errors through
 /// the one mapping in `problem.rs` (its `instance` naming the request id),
-/// logged by who is at fault.
+/// logged by who is at fault, and the outcome recorded on the request's
+/// trace span.
 fn respond(result: Result<Served, ProxyError>, id: Option<&RequestId>) -> Served {
-    match result {
+    let (outcome, resp) = match result {
         Ok(served) => served,
         Err(err) => {
             let request_id = id.map(RequestId::as_str).unwrap_or("-");
@@ -327,13 +409,23 @@ fn respond(result: Result<Served, ProxyError>, id: Option<&RequestId>) -> Served
             problem.instance = id.map(RequestId::instance);
             (problem.outcome, problem.into_response())
         }
-    }
+    };
+    trace::record(outcome, resp.status());
+    (outcome, resp)
 }
 
 fn forward_error(e: ForwardError, key: KeyFate) -> ProxyError {
     match e {
-        ForwardError::Connect(reason) => ProxyError::UpstreamUnreachable { reason, key },
+        ForwardError::Connect(ConnectError::Transport(reason)) => {
+            ProxyError::UpstreamUnreachable { reason, key }
+        }
+        ForwardError::Connect(ConnectError::Tls { upstream, failure }) => ProxyError::UpstreamTls {
+            upstream,
+            failure,
+            key,
+        },
         ForwardError::Timeout => ProxyError::UpstreamTimeout { key },
         ForwardError::Failed(reason) => ProxyError::UpstreamFailed { reason, key },
+        ForwardError::TunnelsExhausted => ProxyError::TooManyTunnels,
     }
 }

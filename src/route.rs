@@ -14,6 +14,7 @@
 //! the fingerprint, as the query is: one key on `/orders;v=1` and
 //! `/orders;v=2` is a reuse (422), never a replay of the other's answer.
 
+use crate::idempotency::canonical_json::Pointer;
 use crate::idempotency::decision::ReleaseStatuses;
 use http::{HeaderName, Method};
 use serde::Deserialize;
@@ -36,7 +37,8 @@ pub struct RouteConfig {
     pub ttl: Duration,
     pub lease: Duration,
     /// Keys are unique per combination of these headers' values, in this
-    /// order (the credential, then any tenant header); never empty.
+    /// order (the credential, then any tenant header); empty only where
+    /// `scope_value` replaces them.
     pub scope_headers: Vec<HeaderName>,
     pub fingerprint_headers: Vec<HeaderName>,
     pub max_request_body: u64,
@@ -48,17 +50,160 @@ pub struct RouteConfig {
     pub release_statuses: ReleaseStatuses,
     /// What a request whose outcome is unknown does to its key.
     pub on_ambiguous: OnAmbiguous,
+    /// The `[upstreams.NAME]` this route's requests go to; `None`: the
+    /// default (`[server] upstream`).
+    pub upstream: Option<Arc<str>>,
+    /// `key = { json = "/id" }`: the key is read from the body at this
+    /// pointer instead of from `key_header` (natural keys: a message id).
+    pub key_json: Option<Pointer>,
+    /// `scope = { value = "stripe" }`: one fixed consumer name instead of
+    /// `scope_headers`, as in a processed-messages table's
+    /// `(consumer, message_id)`.
+    pub scope_value: Option<String>,
+    /// What of the body the fingerprint covers.
+    pub fingerprint: FingerprintMode,
+    /// With `fingerprint = "json"`: members removed before canonicalizing
+    /// (fields a sender changes per attempt, e.g. `/deliveryAttempt`).
+    pub fingerprint_ignore: Vec<Pointer>,
+    /// What a duplicate gets while the first request is in flight.
+    pub in_flight: InFlight,
+    /// The preset the route's defaults came from, for `check-config`.
+    pub preset: Option<Preset>,
 }
 
 impl RouteConfig {
     /// The scope headers as `check-config` prints them, for messages:
     /// `authorization,stripe-account`.
     pub fn scope_label(&self) -> String {
+        if let Some(value) = &self.scope_value {
+            return format!("value:{value}");
+        }
         self.scope_headers
             .iter()
             .map(HeaderName::as_str)
             .collect::<Vec<_>>()
             .join(",")
+    }
+}
+
+/// `fingerprint`: how the body enters the fingerprint.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FingerprintMode {
+    /// The bytes as sent.
+    #[default]
+    Raw,
+    /// The RFC 8785 canonical form of a JSON body (key order and
+    /// whitespace ignored); a body that is not I-JSON as raw bytes.
+    Json,
+}
+
+impl FingerprintMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FingerprintMode::Raw => "raw",
+            FingerprintMode::Json => "json",
+        }
+    }
+}
+
+/// `in_flight`: what a duplicate gets while the first request runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum InFlight {
+    /// 409 with `Retry-After` at once.
+    #[default]
+    Reject,
+    /// Wait up to this long for the first request's answer and replay it
+    /// (or take the key over if it is released); 409 when it runs out.
+    Wait(Duration),
+}
+
+/// `preset`: the settings a known sender's deliveries need (README
+/// "Webhooks and message deliveries"). A route's own keys override them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Preset {
+    Github,
+    StandardWebhooks,
+    Stripe,
+    Sns,
+    PubSub,
+    Shopify,
+}
+
+/// Where a preset reads its key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PresetKey {
+    Header(&'static str),
+    Json(&'static str),
+}
+
+/// What a preset sets; see [`Preset::settings`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PresetSettings {
+    pub key: PresetKey,
+    /// At least the sender's retry (or manual redelivery) horizon.
+    pub ttl: Duration,
+    pub fingerprint: FingerprintMode,
+    pub fingerprint_ignore: &'static [&'static str],
+    pub in_flight_wait: Duration,
+}
+
+/// A webhook sender waits about 10 s for an answer (GitHub, Pub/Sub's
+/// default ack deadline): a duplicate waits half of that for the first
+/// one's answer, so it can still be acknowledged with the replayed 2xx.
+const PRESET_WAIT: Duration = Duration::from_secs(5);
+const HOUR: u64 = 3600;
+const DAY: u64 = 24 * HOUR;
+
+impl Preset {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Preset::Github => "github",
+            Preset::StandardWebhooks => "standard-webhooks",
+            Preset::Stripe => "stripe",
+            Preset::Sns => "sns",
+            Preset::PubSub => "pub-sub",
+            Preset::Shopify => "shopify",
+        }
+    }
+
+    /// The sender's key, and a ttl covering its retries (the README's
+    /// preset table gives the sources and what is uncertain).
+    pub fn settings(self) -> PresetSettings {
+        let s = |key, days: u64, fingerprint, fingerprint_ignore| PresetSettings {
+            key,
+            ttl: Duration::from_secs(days * DAY),
+            fingerprint,
+            fingerprint_ignore,
+            in_flight_wait: PRESET_WAIT,
+        };
+        use FingerprintMode::{Json, Raw};
+        match self {
+            // No automatic retries; manual redelivery of recent deliveries
+            // (about 3 days), same X-GitHub-Delivery.
+            Preset::Github => s(PresetKey::Header("x-github-delivery"), 4, Raw, &[]),
+            // The spec's schedule runs up to about 3 days.
+            Preset::StandardWebhooks => s(PresetKey::Header("webhook-id"), 4, Raw, &[]),
+            // Live mode retries for up to 3 days; `pending_webhooks` counts
+            // the endpoints still owed the event and may change between
+            // attempts.
+            Preset::Stripe => s(PresetKey::Json("/id"), 4, Json, &["/pending_webhooks"]),
+            // Delivery policies retry for at most an hour.
+            Preset::Sns => s(PresetKey::Header("x-amz-sns-message-id"), 1, Json, &[]),
+            // Redelivered until acknowledged or the subscription's message
+            // retention runs out (7 days by default); `deliveryAttempt`
+            // counts attempts (dead-letter policies only).
+            Preset::PubSub => s(
+                PresetKey::Json("/message/messageId"),
+                7,
+                Json,
+                &["/deliveryAttempt"],
+            ),
+            // Retries for up to 48 hours (older documentation: 19 times;
+            // newer: 8 times over 4 hours).
+            Preset::Shopify => s(PresetKey::Header("x-shopify-webhook-id"), 2, Raw, &[]),
+        }
     }
 }
 

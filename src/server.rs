@@ -148,7 +148,7 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
         store.clone(),
         metrics.clone(),
         clock,
-    )));
+    )?));
     let stop = CancellationToken::new();
     let draining = Arc::new(std::sync::atomic::AtomicBool::new(false));
 

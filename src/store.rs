@@ -18,12 +18,14 @@
 //! (reference, not durable), `sqlite` (the embedded default), `postgres`
 //! (shared) and `redis` (a fast path in front of PostgreSQL, never the
 //! guard); `codec` and `sql` hold what they share, and `open` builds the
-//! configured one from the config.
+//! configured one from the config. `notify` is no store: PostgreSQL
+//! `LISTEN`/`NOTIFY` that wakes waiting duplicates on other replicas.
 
 pub(crate) mod batch;
 pub(crate) mod codec;
 pub mod instrumented;
 pub mod memory;
+pub mod notify;
 mod open;
 pub mod pg_connect;
 pub mod postgres;

@@ -1,6 +1,9 @@
 //! Logging: `tracing` with an `EnvFilter` (`RUST_LOG` wins over
 //! `log.level`), as text or JSON. Nothing logs raw keys, credentials or
 //! bodies: requests are identified by `key.id`, a truncated hash.
+//! OpenTelemetry traces (feature `otel`, `[tracing]`): [`trace`].
+
+pub mod trace;
 
 use crate::config::{LogConfig, LogFormat};
 use std::io::IsTerminal;

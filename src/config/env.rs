@@ -1,8 +1,13 @@
 //! The environment's part of the configuration: one rule for every key of
-//! the `server`, `admin`, `store`, `redis` and `log` sections.
+//! the `server`, `admin`, `store`, `redis`, `log` and `tracing` sections,
+//! and of the named upstreams the file defines.
 //!
 //! `IDEMGATE_<SECTION>_<KEY>` sets `key` in `[section]`, e.g.
 //! `IDEMGATE_SERVER_UPSTREAM_TIMEOUT=5s` or `IDEMGATE_STORE_POOL_SIZE=32`.
+//! `IDEMGATE_UPSTREAMS_<NAME>_<KEY>` sets `key` in `[upstreams.NAME]`
+//! (NAME upper-cased, `-` as `_`), e.g. `IDEMGATE_UPSTREAMS_BILLING_URL`,
+//! for a NAME the file defines: the environment changes an upstream, it
+//! never creates one (a route must name it in the file anyway).
 //! The value is read as one TOML value, or else taken as a string; a `url`
 //! is always taken as written, so a password in it never meets the TOML
 //! parser (whose errors would quote it). An empty variable counts as unset,
@@ -28,7 +33,10 @@ use toml::de::{DeTable, DeValue};
 use toml::Spanned;
 
 /// The sections the environment may set.
-const SECTIONS: [&str; 5] = ["server", "admin", "store", "redis", "log"];
+const SECTIONS: [&str; 6] = ["server", "admin", "store", "redis", "log", "tracing"];
+
+/// The section of named tables (`[upstreams.NAME]`) the environment may set.
+const NAMED: &str = "upstreams";
 
 /// Short names for the addresses most deployments set: `(alias, canonical)`.
 /// An alias's value is taken as written; setting both names is an error.
@@ -45,6 +53,8 @@ pub(super) const NOT_IN_FILE: Range<usize> = 0..0;
 /// One variable that sets a key of a section.
 pub(super) struct Setting<'e> {
     section: &'static str,
+    /// The named table within the section (`[upstreams.NAME]`), if any.
+    name: Option<String>,
     key: String,
     value: &'e str,
     /// `v = <value>`: the value read as TOML, unless it is taken as written.
@@ -55,11 +65,25 @@ pub(super) struct Setting<'e> {
 /// bad one is an error naming its variable. An unknown key of a known
 /// section is an error too (without the value: it may be a secret set
 /// under a wrong name).
-pub(super) fn settings(env: &BTreeMap<String, String>) -> Result<Vec<Setting<'_>>, String> {
+/// `upstreams` are the names of the file's `[upstreams.NAME]` tables.
+pub(super) fn settings<'e>(
+    env: &'e BTreeMap<String, String>,
+    upstreams: &[String],
+) -> Result<Vec<Setting<'e>>, String> {
     let set = |name: &str| env.get(name).map(String::as_str).filter(|v| !v.is_empty());
     let mut out = Vec::new();
     for (name, value) in env {
         if value.is_empty() || ALIASES.iter().any(|(alias, _)| alias == name) {
+            continue;
+        }
+        if let Some(rest) = name.strip_prefix("IDEMGATE_UPSTREAMS_") {
+            let (upstream, key) =
+                named_location(rest, upstreams).map_err(|e| format!("{name}: {e}"))?;
+            let as_written = key == "url";
+            let mut setting = Setting::new(NAMED, key, value, as_written);
+            setting.name = Some(upstream);
+            setting.check().map_err(|e| format!("{name}: {e}"))?;
+            out.push(setting);
             continue;
         }
         let Some((section, key)) = location(name) else {
@@ -109,6 +133,47 @@ pub(super) fn scope_secret(env: &BTreeMap<String, String>) -> Result<Option<Secr
     }
 }
 
+/// The names of the `[upstreams.NAME]` tables of a parsed file.
+pub(super) fn named_upstreams(document: &DeTable<'_>) -> Vec<String> {
+    match document.get(NAMED).map(|v| v.get_ref()) {
+        Some(DeValue::Table(t)) => t.keys().map(|k| k.get_ref().to_string()).collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// `<NAME>_<KEY>` (after `IDEMGATE_UPSTREAMS_`) → (name, key), NAME being
+/// one of `upstreams` as a variable spells it; the longest that fits wins.
+fn named_location(rest: &str, upstreams: &[String]) -> Result<(String, String), String> {
+    let spelled = |n: &str| n.to_ascii_uppercase().replace('-', "_");
+    let fits: Vec<&String> = upstreams
+        .iter()
+        .filter(|n| {
+            rest.strip_prefix(&spelled(n))
+                .is_some_and(|k| k.len() > 1 && k.starts_with('_'))
+        })
+        .collect();
+    let Some(longest) = fits.iter().map(|n| n.len()).max() else {
+        return Err(format!(
+            "names no [upstreams.NAME] section of the file ({}); the environment sets keys of the upstreams the file defines",
+            if upstreams.is_empty() {
+                "it defines none".to_string()
+            } else {
+                format!("defined: {}", upstreams.join(", "))
+            }
+        ));
+    };
+    let longest: Vec<&&String> = fits.iter().filter(|n| n.len() == longest).collect();
+    if longest.len() > 1 {
+        return Err(format!(
+            "could set [upstreams.{}] or [upstreams.{}]; rename one of them",
+            longest[0], longest[1]
+        ));
+    }
+    let name = longest[0].to_string();
+    let key = rest[spelled(&name).len() + 1..].to_ascii_lowercase();
+    Ok((name, key))
+}
+
 /// `IDEMGATE_<SECTION>_<KEY>` → (section, key); the key in lower case.
 fn location(name: &str) -> Option<(&'static str, String)> {
     let rest = name.strip_prefix("IDEMGATE_")?;
@@ -125,6 +190,7 @@ impl<'e> Setting<'e> {
         let toml = (!as_written).then(|| format!("v = {value}"));
         Self {
             section,
+            name: None,
             key,
             value,
             toml,
@@ -148,6 +214,16 @@ impl<'e> Setting<'e> {
         let DeValue::Table(table) = section.get_mut() else {
             return;
         };
+        let mut table = table;
+        if let Some(name) = &self.name {
+            let named = table
+                .entry(Spanned::new(NOT_IN_FILE, Cow::Borrowed(name.as_str())))
+                .or_insert_with(|| Spanned::new(NOT_IN_FILE, DeValue::Table(DeTable::new())));
+            let DeValue::Table(named) = named.get_mut() else {
+                return;
+            };
+            table = named;
+        }
         let span = table
             .get(self.key.as_str())
             .map_or(NOT_IN_FILE, |v| v.span());

@@ -6,12 +6,17 @@
 //! `store.rs`, `log.rs`, `routes.rs`).
 
 use super::units::{ByteSize, HumanDuration};
-use super::{Backend, LogFormat, MigrationLock, OnAmbiguous, OnStoreError, Readiness, SqliteSync};
+use super::{
+    Backend, LogFormat, MigrationLock, OnAmbiguous, OnStoreError, Readiness, SqliteSync,
+    UpstreamProtocol,
+};
+use crate::idempotency::canonical_json::Pointer;
 use crate::idempotency::decision::{ReleaseStatuses, StatusEntry};
-use crate::route::PathPattern;
+use crate::route::{FingerprintMode, InFlight, PathPattern, Preset};
 use http::{HeaderName, Method, Uri};
 use serde::de::{self, Deserializer, Visitor};
 use serde::Deserialize;
+use std::collections::BTreeMap;
 use std::fmt;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -30,6 +35,12 @@ pub(super) struct RawConfig {
     pub(super) redis: Option<RawRedis>,
     #[serde(default)]
     pub(super) log: RawLog,
+    /// Spanned: the section is refused at its line in a build without `otel`.
+    #[serde(default)]
+    pub(super) tracing: Option<Spanned<RawTracing>>,
+    /// `[upstreams.NAME]`: named upstreams a route may choose.
+    #[serde(default)]
+    pub(super) upstreams: BTreeMap<String, Spanned<RawUpstream>>,
     #[serde(default)]
     pub(super) defaults: RawRouteSettings,
     #[serde(default)]
@@ -71,6 +82,25 @@ pub(super) struct RawServer {
     pub(super) trust_forwarded_headers: Option<bool>,
     pub(super) readiness: Option<Readiness>,
     pub(super) watch_config: Option<bool>,
+    pub(super) upstream_protocol: Option<UpstreamProtocol>,
+    pub(super) upstream_ca_file: Option<PathBuf>,
+    pub(super) upstream_cert_file: Option<PathBuf>,
+    pub(super) upstream_key_file: Option<PathBuf>,
+}
+
+/// One `[upstreams.NAME]`: the `[server] upstream*` keys without the prefix.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawUpstream {
+    pub(super) url: Option<UpstreamUri>,
+    pub(super) timeout: Option<HumanDuration>,
+    pub(super) connect_timeout: Option<HumanDuration>,
+    pub(super) pool_idle_timeout: Option<HumanDuration>,
+    pub(super) pool_max_idle: Option<usize>,
+    pub(super) protocol: Option<UpstreamProtocol>,
+    pub(super) ca_file: Option<PathBuf>,
+    pub(super) cert_file: Option<PathBuf>,
+    pub(super) key_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -113,6 +143,15 @@ pub(super) struct RawLog {
     pub(super) level: Option<Spanned<String>>,
 }
 
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawTracing {
+    /// Spanned: a bad URL is reported at its line.
+    pub(super) otlp_endpoint: Option<Spanned<String>>,
+    pub(super) service_name: Option<String>,
+    pub(super) sampling_ratio: Option<f64>,
+}
+
 /// One `[[route]]`, and also `[defaults]` (which may not set `methods`/`path`).
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -135,6 +174,16 @@ pub(super) struct RawRouteSettings {
     pub(super) on_store_error: Option<OnStoreError>,
     pub(super) release_statuses: Option<ReleaseStatusesValue>,
     pub(super) on_ambiguous: Option<OnAmbiguous>,
+    /// Spanned: a name no `[upstreams.NAME]` defines is reported at its line.
+    pub(super) upstream: Option<Spanned<String>>,
+    /// `key = { header = ".." }` or `{ json = "/pointer" }`.
+    pub(super) key: Option<KeySpec>,
+    /// `scope = { header = ".." }` or `{ value = "consumer" }`.
+    pub(super) scope: Option<ScopeSpec>,
+    pub(super) fingerprint: Option<FingerprintMode>,
+    pub(super) fingerprint_ignore: Option<Vec<PointerValue>>,
+    pub(super) in_flight: Option<InFlightValue>,
+    pub(super) preset: Option<Preset>,
 }
 
 // ===== value types that validate while parsing =====
@@ -156,15 +205,15 @@ fn parse_upstream(s: &str) -> Result<Uri, String> {
         .parse()
         .map_err(|e| format!("invalid upstream URL {s:?}: {e}"))?;
     match uri.scheme_str() {
-        Some("http") => {}
+        Some("http" | "https") => {}
         Some(other) => {
             return Err(format!(
-                "invalid upstream URL {s:?}: scheme {other:?} is not supported (use http://)"
+                "invalid upstream URL {s:?}: scheme {other:?} is not supported (use http:// or https://)"
             ))
         }
         None => {
             return Err(format!(
-                "invalid upstream URL {s:?}: expected http://host:port"
+                "invalid upstream URL {s:?}: expected http://host:port or https://host:port"
             ))
         }
     }
@@ -286,5 +335,118 @@ impl<'de> Deserialize<'de> for ScopeHeadersValue {
             )));
         }
         Ok(ScopeHeadersValue(names))
+    }
+}
+
+// ===== natural keys and deliveries =====
+
+/// An RFC 6901 pointer, checked as it is read.
+#[derive(Clone, Debug)]
+pub(super) struct PointerValue(pub(super) Pointer);
+
+impl<'de> Deserialize<'de> for PointerValue {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        Pointer::parse(&s)
+            .map(PointerValue)
+            .map_err(de::Error::custom)
+    }
+}
+
+/// `key`: exactly one source.
+#[derive(Clone, Debug)]
+pub(super) enum KeySpec {
+    Header(HeaderName),
+    Json(Pointer),
+}
+
+impl<'de> Deserialize<'de> for KeySpec {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct Raw {
+            header: Option<HeaderNameValue>,
+            json: Option<PointerValue>,
+        }
+        match Raw::deserialize(d)? {
+            Raw {
+                header: Some(h),
+                json: None,
+            } => Ok(KeySpec::Header(h.0)),
+            Raw {
+                header: None,
+                json: Some(p),
+            } => Ok(KeySpec::Json(p.0)),
+            _ => Err(de::Error::custom(
+                "key: set exactly one of `header` (key = { header = \"X-GitHub-Delivery\" }) or `json` (key = { json = \"/message/messageId\" })",
+            )),
+        }
+    }
+}
+
+/// `scope`: exactly one source.
+#[derive(Clone, Debug)]
+pub(super) enum ScopeSpec {
+    Header(HeaderName),
+    Value(String),
+}
+
+impl<'de> Deserialize<'de> for ScopeSpec {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct Raw {
+            header: Option<HeaderNameValue>,
+            value: Option<String>,
+        }
+        match Raw::deserialize(d)? {
+            Raw {
+                header: Some(h),
+                value: None,
+            } => Ok(ScopeSpec::Header(h.0)),
+            Raw {
+                header: None,
+                value: Some(v),
+            } if !v.is_empty() && v.len() <= 255 => Ok(ScopeSpec::Value(v)),
+            Raw { value: Some(_), header: None } => Err(de::Error::custom(
+                "scope: `value` must be 1 to 255 characters",
+            )),
+            _ => Err(de::Error::custom(
+                "scope: set exactly one of `header` (scope = { header = \"X-Tenant-Id\" }) or `value` (scope = { value = \"stripe\" })",
+            )),
+        }
+    }
+}
+
+/// `in_flight = "reject"` or `in_flight = { wait = "10s" }`.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct InFlightValue(pub(super) InFlight);
+
+impl<'de> Deserialize<'de> for InFlightValue {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        const EXPECTED: &str = "in_flight = \"reject\" or in_flight = { wait = \"10s\" }";
+        impl<'de> Visitor<'de> for V {
+            type Value = InFlightValue;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(EXPECTED)
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<InFlightValue, E> {
+                match v {
+                    "reject" => Ok(InFlightValue(InFlight::Reject)),
+                    _ => Err(E::custom(format!("in_flight: {v:?} is not {EXPECTED}"))),
+                }
+            }
+            fn visit_map<A: de::MapAccess<'de>>(self, map: A) -> Result<InFlightValue, A::Error> {
+                #[derive(Deserialize)]
+                #[serde(deny_unknown_fields)]
+                struct Wait {
+                    wait: HumanDuration,
+                }
+                let w = Wait::deserialize(de::value::MapAccessDeserializer::new(map))?;
+                Ok(InFlightValue(InFlight::Wait(w.wait.0)))
+            }
+        }
+        d.deserialize_any(V)
     }
 }

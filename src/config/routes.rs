@@ -1,14 +1,17 @@
 //! `[defaults]` and `[[route]]`: each route's settings, resolved against the
 //! defaults, and the route table in file order.
 
-use super::raw::{HeaderNameValue, RawRouteSettings};
+use super::raw::{HeaderNameValue, KeySpec, PointerValue, RawRouteSettings, ScopeSpec};
 use super::units::{format_duration, format_size};
 use super::{Invalid, OnStoreError, RouteConfig};
 use super::{
     DEFAULT_KEY_HEADER, DEFAULT_LEASE, DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_RESPONSE_BODY,
     DEFAULT_SCOPE_HEADER, DEFAULT_TTL, MIN_LEASE,
 };
-use crate::route::RouteTable;
+use crate::idempotency::canonical_json::Pointer;
+use crate::route::{
+    FingerprintMode, InFlight, PathPattern, Preset, PresetKey, PresetSettings, RouteTable,
+};
 use http::{HeaderName, Method};
 use std::fmt;
 use std::sync::Arc;
@@ -36,6 +39,10 @@ impl TryFrom<RawRouteSettings> for Defaults {
                 "defaults: `methods` and `path` belong in a [[route]], not in [defaults]",
             ));
         }
+        if d.preset.is_some() {
+            return Err("defaults: `preset` belongs in a [[route]], not in [defaults]".into());
+        }
+        one_key_form(&d).map_err(|e| Invalid::from(format!("defaults: {e}")))?;
         let scope_headers = scope_headers(&d).map_err(|e| match &d.scope_headers {
             Some(list) => Invalid::at(list.span(), format!("defaults: {e}")),
             None => format!("defaults: {e}").into(),
@@ -46,6 +53,22 @@ impl TryFrom<RawRouteSettings> for Defaults {
         })
     }
 }
+
+/// `key` and `key_header` say the same thing; `scope` and
+/// `scope_header(s)` too: setting both is ambiguous.
+fn one_key_form(r: &RawRouteSettings) -> Result<(), String> {
+    if r.key.is_some() && r.key_header.is_some() {
+        return Err("set `key` or `key_header`, not both".into());
+    }
+    if r.scope.is_some() && (r.scope_header.is_some() || r.scope_headers.is_some()) {
+        return Err("set `scope` or `scope_header`/`scope_headers`, not both".into());
+    }
+    Ok(())
+}
+
+/// The longest `in_flight = { wait }`: a waiting duplicate holds a
+/// connection and a task, and a sender gives up long before this.
+const MAX_IN_FLIGHT_WAIT: std::time::Duration = std::time::Duration::from_secs(300);
 
 /// A table's scope headers: `scope_header` is the one-header form of
 /// `scope_headers`; setting both is ambiguous.
@@ -89,21 +112,18 @@ impl Defaults {
         Ok(RouteTable::new(routes))
     }
 
-    fn route(&self, index: usize, r: RawRouteSettings) -> Result<RouteConfig, String> {
+    fn route(&self, index: usize, mut r: RawRouteSettings) -> Result<RouteConfig, String> {
         let defaults = &self.raw;
-        let scope_headers = match scope_headers(&r)? {
-            Some(own) => own,
-            None => self
-                .scope_headers
-                .clone()
-                .unwrap_or_else(|| vec![DEFAULT_SCOPE_HEADER]),
+        one_key_form(&r)?;
+        let own_scope_headers = scope_headers(&r)?;
+        let preset = r.preset;
+        let settings = preset.map(Preset::settings);
+        let methods: Vec<Method> = match (r.methods.take(), preset) {
+            (Some(m), _) => m.into_iter().map(|m| m.0).collect(),
+            // Every preset's sender POSTs.
+            (None, Some(_)) => vec![Method::POST],
+            (None, None) => return Err("`methods` is required, e.g. methods = [\"POST\"]".into()),
         };
-        let methods: Vec<Method> = r
-            .methods
-            .ok_or("`methods` is required, e.g. methods = [\"POST\"]")?
-            .into_iter()
-            .map(|m| m.0)
-            .collect();
         if methods.is_empty() {
             return Err("`methods` must list at least one method".into());
         }
@@ -114,6 +134,7 @@ impl Defaults {
         check_methods(&methods, allow_custom)?;
         let path = r
             .path
+            .take()
             .ok_or("`path` is required, e.g. path = \"/orders\"")?
             .into_inner()
             .0;
@@ -136,7 +157,12 @@ impl Defaults {
                 format_duration(MIN_LEASE)
             ));
         }
-        let ttl = r.ttl.or(defaults.ttl).map(|d| d.0).unwrap_or(DEFAULT_TTL);
+        let ttl = r
+            .ttl
+            .map(|d| d.0)
+            .or(settings.map(|p| p.ttl))
+            .or(defaults.ttl.map(|d| d.0))
+            .unwrap_or(DEFAULT_TTL);
         if ttl < lease {
             return Err(format!(
                 "ttl ({}) must be at least the lease ({})",
@@ -144,15 +170,6 @@ impl Defaults {
                 format_duration(lease)
             ));
         }
-        let pick_header =
-            |v: &Option<HeaderNameValue>, d: &Option<HeaderNameValue>, fallback: &str| {
-                v.as_ref()
-                    .or(d.as_ref())
-                    .map(|h| h.0.clone())
-                    .unwrap_or_else(|| {
-                        HeaderName::from_bytes(fallback.as_bytes()).expect("valid default")
-                    })
-            };
         let max_request_body = r
             .max_request_body
             .or(defaults.max_request_body)
@@ -163,16 +180,23 @@ impl Defaults {
             .or(defaults.max_response_body)
             .map(|s| s.0)
             .unwrap_or(DEFAULT_MAX_RESPONSE_BODY);
+        let d = self.deliveries(&r, own_scope_headers, &path, settings)?;
         Ok(RouteConfig {
             index,
             label: Arc::new(path.as_str().to_string()),
             methods,
             path,
-            key_header: pick_header(&r.key_header, &defaults.key_header, DEFAULT_KEY_HEADER),
+            key_header: d.key_header,
+            key_json: d.key_json,
+            scope_value: d.scope_value,
+            fingerprint: d.fingerprint,
+            fingerprint_ignore: d.fingerprint_ignore,
+            in_flight: d.in_flight,
+            preset,
             require_key: r.require_key.or(defaults.require_key).unwrap_or(true),
             ttl,
             lease,
-            scope_headers,
+            scope_headers: d.scope_headers,
             fingerprint_headers: headers(r.fingerprint_headers, &defaults.fingerprint_headers),
             max_request_body,
             max_response_body,
@@ -194,7 +218,136 @@ impl Defaults {
                 .map(|v| v.0)
                 .unwrap_or_default(),
             on_ambiguous: r.on_ambiguous.or(defaults.on_ambiguous).unwrap_or_default(),
+            // Checked against [upstreams.NAME] by `Config::from_raw`.
+            upstream: r
+                .upstream
+                .or_else(|| defaults.upstream.clone())
+                .map(|u| Arc::from(u.into_inner())),
         })
+    }
+
+    /// Where the key comes from, whose it is, what the fingerprint covers
+    /// and what a duplicate in flight gets (README "Webhooks and message
+    /// deliveries"): the route's own keys, then its preset's, then
+    /// `[defaults]`.
+    fn deliveries(
+        &self,
+        r: &RawRouteSettings,
+        own_scope_headers: Option<Vec<HeaderName>>,
+        path: &PathPattern,
+        settings: Option<PresetSettings>,
+    ) -> Result<Deliveries, String> {
+        let defaults = &self.raw;
+        let key = r
+            .key
+            .clone()
+            .or_else(|| r.key_header.as_ref().map(|h| KeySpec::Header(h.0.clone())))
+            .or_else(|| settings.map(|p| preset_key(p.key)))
+            .or_else(|| defaults.key.clone());
+        let (key_header, key_json) = match key {
+            Some(KeySpec::Header(h)) => (h, None),
+            Some(KeySpec::Json(p)) => (default_key_header(), Some(p)),
+            None => (
+                defaults
+                    .key_header
+                    .as_ref()
+                    .map_or_else(default_key_header, |h| h.0.clone()),
+                None,
+            ),
+        };
+        let (scope_headers, scope_value) = match (&r.scope, own_scope_headers) {
+            (Some(ScopeSpec::Header(h)), _) => (vec![h.clone()], None),
+            (Some(ScopeSpec::Value(v)), _) => (Vec::new(), Some(v.clone())),
+            (None, Some(own)) => (own, None),
+            // A preset's consumer is the route: two routes for one sender
+            // (two GitHub Apps get the same X-GitHub-Delivery) never share keys.
+            (None, None) if r.preset.is_some() => (
+                Vec::new(),
+                r.preset
+                    .map(|p| format!("{}:{}", p.as_str(), path.as_str())),
+            ),
+            (None, None) => match &defaults.scope {
+                Some(ScopeSpec::Header(h)) => (vec![h.clone()], None),
+                Some(ScopeSpec::Value(v)) => (Vec::new(), Some(v.clone())),
+                None => (
+                    self.scope_headers
+                        .clone()
+                        .unwrap_or_else(|| vec![DEFAULT_SCOPE_HEADER]),
+                    None,
+                ),
+            },
+        };
+        let fingerprint = r
+            .fingerprint
+            .or(settings.map(|p| p.fingerprint))
+            .or(defaults.fingerprint)
+            .unwrap_or_default();
+        let preset_ignore = settings
+            .filter(|_| fingerprint == FingerprintMode::Json)
+            .map(|p| {
+                p.fingerprint_ignore
+                    .iter()
+                    .map(|s| PointerValue(Pointer::parse(s).expect("a valid preset pointer")))
+                    .collect()
+            });
+        let fingerprint_ignore: Vec<Pointer> = r
+            .fingerprint_ignore
+            .clone()
+            .or(preset_ignore)
+            .or_else(|| defaults.fingerprint_ignore.clone())
+            .unwrap_or_default()
+            .into_iter()
+            .map(|p| p.0)
+            .collect();
+        if !fingerprint_ignore.is_empty() && fingerprint != FingerprintMode::Json {
+            return Err("`fingerprint_ignore` needs fingerprint = \"json\"".into());
+        }
+        let in_flight = r
+            .in_flight
+            .map(|v| v.0)
+            .or(settings.map(|p| InFlight::Wait(p.in_flight_wait)))
+            .or(defaults.in_flight.map(|v| v.0))
+            .unwrap_or_default();
+        if let InFlight::Wait(wait) = in_flight {
+            if wait.is_zero() || wait > MAX_IN_FLIGHT_WAIT {
+                return Err(format!(
+                    "in_flight = {{ wait = {:?} }} must be more than 0 and at most {}",
+                    format_duration(wait),
+                    format_duration(MAX_IN_FLIGHT_WAIT)
+                ));
+            }
+        }
+        Ok(Deliveries {
+            key_header,
+            key_json,
+            scope_headers,
+            scope_value,
+            fingerprint,
+            fingerprint_ignore,
+            in_flight,
+        })
+    }
+}
+
+/// What [`Defaults::deliveries`] resolves.
+struct Deliveries {
+    key_header: HeaderName,
+    key_json: Option<Pointer>,
+    scope_headers: Vec<HeaderName>,
+    scope_value: Option<String>,
+    fingerprint: FingerprintMode,
+    fingerprint_ignore: Vec<Pointer>,
+    in_flight: InFlight,
+}
+
+fn default_key_header() -> HeaderName {
+    HeaderName::from_bytes(DEFAULT_KEY_HEADER.as_bytes()).expect("valid default")
+}
+
+fn preset_key(key: PresetKey) -> KeySpec {
+    match key {
+        PresetKey::Header(h) => KeySpec::Header(HeaderName::from_static(h)),
+        PresetKey::Json(p) => KeySpec::Json(Pointer::parse(p).expect("a valid preset pointer")),
     }
 }
 
@@ -233,7 +386,7 @@ impl fmt::Display for RoutesDisplay<'_> {
             writeln!(f, "  (none: every request passes through unprotected)")?;
         }
         for r in self.0.iter() {
-            writeln!(
+            write!(
                 f,
                 "  #{} {} {}  key={} required={} scope={} ttl={} lease={} max_request_body={} max_response_body={} on_store_error={} release={} on_ambiguous={}",
                 r.index,
@@ -253,6 +406,23 @@ impl fmt::Display for RoutesDisplay<'_> {
                 r.release_statuses,
                 r.on_ambiguous.as_str(),
             )?;
+            // Only what differs from the defaults, so existing lines stay as they were.
+            if let Some(p) = &r.key_json {
+                write!(f, " key_json={p}")?;
+            }
+            if r.fingerprint != FingerprintMode::Raw {
+                write!(f, " fingerprint={}", r.fingerprint.as_str())?;
+            }
+            for p in &r.fingerprint_ignore {
+                write!(f, " fingerprint_ignore={p}")?;
+            }
+            if let InFlight::Wait(d) = r.in_flight {
+                write!(f, " in_flight=wait:{}", format_duration(d))?;
+            }
+            if let Some(p) = r.preset {
+                write!(f, " preset={}", p.as_str())?;
+            }
+            writeln!(f)?;
         }
         Ok(())
     }

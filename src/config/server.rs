@@ -2,6 +2,9 @@
 
 use super::raw::{RawAdmin, RawServer};
 use super::units::format_duration;
+use super::upstreams::{
+    check_tls, UpstreamConfig, UpstreamProtocol, UpstreamTls, DEFAULT_UPSTREAM_NAME,
+};
 use super::{at_least_one, dur, nonzero, Invalid};
 use super::{
     DEFAULT_H2_MAX_CONCURRENT_STREAMS, DEFAULT_HEADER_READ_TIMEOUT, DEFAULT_IDLE_TIMEOUT,
@@ -23,6 +26,10 @@ pub struct ServerConfig {
     pub upstream_connect_timeout: Duration,
     pub upstream_pool_idle_timeout: Duration,
     pub upstream_pool_max_idle: usize,
+    /// HTTP/1.1 or HTTP/2 to the default upstream.
+    pub upstream_protocol: UpstreamProtocol,
+    /// `upstream_ca_file`, `upstream_cert_file`, `upstream_key_file`.
+    pub upstream_tls: UpstreamTls,
     pub max_connections: usize,
     /// From accept to the first complete request head (also each later
     /// HTTP/1.1 head, from the end of the previous response).
@@ -95,6 +102,12 @@ impl TryFrom<RawServer> for ServerConfig {
             "server.max_connections",
             s.max_connections.unwrap_or(DEFAULT_MAX_CONNECTIONS),
         )?;
+        let upstream_tls = UpstreamTls {
+            ca_file: s.upstream_ca_file,
+            cert_file: s.upstream_cert_file,
+            key_file: s.upstream_key_file,
+        };
+        check_tls(&upstream, &upstream_tls, "server.upstream_")?;
         let upstream_timeout = nonzero(
             "server.upstream_timeout",
             dur(s.upstream_timeout, DEFAULT_UPSTREAM_TIMEOUT),
@@ -116,6 +129,8 @@ impl TryFrom<RawServer> for ServerConfig {
             upstream_pool_max_idle: s
                 .upstream_pool_max_idle
                 .unwrap_or(DEFAULT_UPSTREAM_POOL_MAX_IDLE),
+            upstream_protocol: s.upstream_protocol.unwrap_or_default(),
+            upstream_tls,
             max_connections,
             header_read_timeout: nonzero(
                 "server.header_read_timeout",
@@ -149,16 +164,37 @@ impl TryFrom<RawServer> for ServerConfig {
     }
 }
 
+impl ServerConfig {
+    /// The default upstream in the shape every upstream has.
+    pub fn default_upstream(&self) -> UpstreamConfig {
+        UpstreamConfig {
+            name: DEFAULT_UPSTREAM_NAME.to_string(),
+            url: self.upstream.clone(),
+            timeout: self.upstream_timeout,
+            connect_timeout: self.upstream_connect_timeout,
+            pool_idle_timeout: self.upstream_pool_idle_timeout,
+            pool_max_idle: self.upstream_pool_max_idle,
+            protocol: self.upstream_protocol,
+            tls: self.upstream_tls.clone(),
+        }
+    }
+}
+
 impl fmt::Display for ServerConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "listen     {}", self.listen)?;
-        writeln!(
-            f,
-            "upstream   {} (timeout {}, connect {})",
-            self.upstream,
-            format_duration(self.upstream_timeout),
-            format_duration(self.upstream_connect_timeout)
-        )
+        let upstream = self.default_upstream();
+        if upstream.protocol == UpstreamProtocol::Http1 && !upstream.is_https() {
+            // As before named upstreams: check-config's output unchanged.
+            return writeln!(
+                f,
+                "upstream   {} (timeout {}, connect {})",
+                self.upstream,
+                format_duration(self.upstream_timeout),
+                format_duration(self.upstream_connect_timeout)
+            );
+        }
+        writeln!(f, "upstream   {upstream}")
     }
 }
 

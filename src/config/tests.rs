@@ -617,60 +617,90 @@ fn every_key_of_the_example_file_can_come_from_the_environment() {
     let shipped = include_str!("../../config/idemgate.toml");
     let full = with_commented_keys_in_force(shipped);
     let document = toml::de::DeTable::parse(&full).expect("the file with every key parses");
-    let mut walked = 0;
+    let parsed: toml::Table = toml::from_str(&full).unwrap();
+    let as_env = |value: &toml::Value| match value {
+        toml::Value::String(s) => s.clone(),
+        other => other.to_string(),
+    };
+    // (variable, value, where the key is in the file)
+    let mut keys: Vec<(String, String, usize)> = Vec::new();
     for (section, table) in document.get_ref() {
+        let section = section.get_ref().as_ref();
         // Routes and their defaults come from the file only.
-        if ["defaults", "route"].contains(&section.get_ref().as_ref()) {
+        if ["defaults", "route"].contains(&section) {
             continue;
         }
         let toml::de::DeValue::Table(table) = table.get_ref() else {
-            panic!("[{}] is not a table", section.get_ref());
+            panic!("[{section}] is not a table");
         };
-        for (key, _) in table {
-            let name = format!(
-                "IDEMGATE_{}_{}",
-                section.get_ref().to_ascii_uppercase(),
-                key.get_ref().to_ascii_uppercase()
-            );
-            let parsed: toml::Table = toml::from_str(&full).unwrap();
-            let value = match &parsed[section.get_ref().as_ref()][key.get_ref().as_ref()] {
-                toml::Value::String(s) => s.clone(),
-                other => other.to_string(),
-            };
-            let env: BTreeMap<String, String> = [(name.clone(), value)].into();
-            let without = blank_line_of(&full, key.span().start);
-            let raw = |text: &str, env: &BTreeMap<String, String>| {
-                let raw = read_raw(text, env).unwrap_or_else(|e| panic!("{name}: {e}"));
-                without_spans(&format!("{raw:?}"))
-            };
-            let from_file = raw(&full, &BTreeMap::new());
-            assert_ne!(
-                raw(&without, &BTreeMap::new()),
-                from_file,
-                "{name}: the key's line was not removed"
-            );
-            assert_eq!(
-                raw(&without, &env),
-                from_file,
-                "{name} does not set the key"
-            );
-
-            // Where the key is in force in the shipped file, the whole
-            // configuration comes out the same.
-            let line = line_at(&full, key.span().start);
-            if shipped[line.clone()] == full[line] {
-                let shipped_without = blank_line_of(shipped, key.span().start);
-                let want = parse(shipped).unwrap();
-                let got = Config::parse_with_env(&shipped_without, "t.toml", &env)
-                    .unwrap_or_else(|e| panic!("{name}: {e}"));
-                assert_eq!(format!("{got:?}"), format!("{want:?}"), "{name}");
-                assert_eq!(got.to_string(), want.to_string(), "{name}");
+        for (key, value) in table {
+            let key_name = key.get_ref().as_ref();
+            // [upstreams.NAME]: IDEMGATE_UPSTREAMS_<NAME>_<KEY>.
+            if section == "upstreams" {
+                let toml::de::DeValue::Table(named) = value.get_ref() else {
+                    panic!("[upstreams.{key_name}] is not a table");
+                };
+                for (inner, _) in named {
+                    let inner_name = inner.get_ref().as_ref();
+                    keys.push((
+                        format!(
+                            "IDEMGATE_UPSTREAMS_{}_{}",
+                            key_name.to_ascii_uppercase(),
+                            inner_name.to_ascii_uppercase()
+                        ),
+                        as_env(&parsed[section][key_name][inner_name]),
+                        inner.span().start,
+                    ));
+                }
+                continue;
             }
-            walked += 1;
+            keys.push((
+                format!(
+                    "IDEMGATE_{}_{}",
+                    section.to_ascii_uppercase(),
+                    key_name.to_ascii_uppercase()
+                ),
+                as_env(&parsed[section][key_name]),
+                key.span().start,
+            ));
         }
     }
-    // server, admin, store, redis and log, with the commented-out keys.
-    assert!(walked >= 30, "only {walked} keys walked");
+    let mut walked = 0;
+    for (name, value, at) in keys {
+        let env: BTreeMap<String, String> = [(name.clone(), value)].into();
+        let without = blank_line_of(&full, at);
+        let raw = |text: &str, env: &BTreeMap<String, String>| {
+            let raw = read_raw(text, env).unwrap_or_else(|e| panic!("{name}: {e}"));
+            without_spans(&format!("{raw:?}"))
+        };
+        let from_file = raw(&full, &BTreeMap::new());
+        assert_ne!(
+            raw(&without, &BTreeMap::new()),
+            from_file,
+            "{name}: the key's line was not removed"
+        );
+        assert_eq!(
+            raw(&without, &env),
+            from_file,
+            "{name} does not set the key"
+        );
+
+        // Where the key is in force in the shipped file, the whole
+        // configuration comes out the same.
+        let line = line_at(&full, at);
+        if shipped[line.clone()] == full[line] {
+            let shipped_without = blank_line_of(shipped, at);
+            let want = parse(shipped).unwrap();
+            let got = Config::parse_with_env(&shipped_without, "t.toml", &env)
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(format!("{got:?}"), format!("{want:?}"), "{name}");
+            assert_eq!(got.to_string(), want.to_string(), "{name}");
+        }
+        walked += 1;
+    }
+    // server, admin, store, redis, log and the example upstream, with the
+    // commented-out keys.
+    assert!(walked >= 40, "only {walked} keys walked");
 }
 
 /// `text` with its commented-out keys and section headers (`# key = value`,
@@ -713,4 +743,201 @@ fn without_spans(debug: &str) -> String {
     }
     out.push_str(rest);
     out
+}
+
+// ===== [tracing] =====
+
+const TRACING: &str = "[tracing]\notlp_endpoint = \"http://127.0.0.1:4318\"\n";
+
+#[cfg(feature = "otel")]
+#[test]
+fn tracing_section_sets_the_exporter_with_defaults() {
+    let cfg = parse(&format!("{MINIMAL}{TRACING}")).unwrap();
+    let t = cfg.tracing.expect("tracing on");
+    assert_eq!(t.traces_url.to_string(), "http://127.0.0.1:4318/v1/traces");
+    assert_eq!(t.service_name, "idemgate");
+    assert_eq!(t.sampling_ratio, 1.0);
+    assert!(parse(MINIMAL).unwrap().tracing.is_none());
+    for (extra, part) in [
+        ("sampling_ratio = 1.5\n", "between 0 and 1"),
+        ("service_name = \"\"\n", "service_name"),
+        ("sampling = 0.5\n", "unknown field"),
+    ] {
+        let e = err(&format!("{MINIMAL}{TRACING}{extra}"));
+        assert!(e.contains(part), "{extra}: {e}");
+    }
+    let e = err(&format!(
+        "{MINIMAL}[tracing]\nservice_name = \"x\"\notlp_endpoint = \"https://c:4318\"\n"
+    ));
+    assert!(e.contains("line") && e.contains("https"), "{e}");
+    let e = err(&format!("{MINIMAL}[tracing]\nservice_name = \"x\"\n"));
+    assert!(e.contains("needs otlp_endpoint"), "{e}");
+}
+
+/// Without the feature the section is refused, never ignored: an operator
+/// who asked for traces must not get a silent build without them.
+#[cfg(not(feature = "otel"))]
+#[test]
+fn tracing_section_is_a_config_error_without_the_otel_feature() {
+    let text = format!("{MINIMAL}{TRACING}");
+    let e = err(&text);
+    let line = text.lines().position(|l| l == "[tracing]").unwrap() + 1;
+    assert!(
+        e.contains("otel") && e.contains(&format!("line {line}")),
+        "{e}"
+    );
+    let env = [(
+        "IDEMGATE_TRACING_OTLP_ENDPOINT".to_string(),
+        "http://127.0.0.1:4318".to_string(),
+    )]
+    .into();
+    let e = Config::parse_with_env(MINIMAL, "t.toml", &env).unwrap_err();
+    assert!(e.to_string().contains("IDEMGATE_TRACING_"), "{e}");
+}
+
+// ===== natural keys, scopes, fingerprints, waiting duplicates, presets =====
+
+#[test]
+fn natural_keys_scopes_and_delivery_settings_resolve() {
+    use crate::route::{FingerprintMode, InFlight, Preset};
+    use http::{HeaderName, Method};
+    let text = format!(
+        "{MINIMAL}[[route]]\nmethods = [\"POST\"]\npath = \"/a\"\n\
+         key = {{ header = \"X-GitHub-Delivery\" }}\nscope = {{ value = \"github\" }}\n\
+         in_flight = {{ wait = \"10s\" }}\n\
+         [[route]]\nmethods = [\"POST\"]\npath = \"/b\"\nkey = {{ json = \"/message/messageId\" }}\n\
+         scope = {{ header = \"X-Tenant\" }}\nfingerprint = \"json\"\nfingerprint_ignore = [\"/deliveryAttempt\"]\n\
+         in_flight = \"reject\"\n\
+         [[route]]\npath = \"/c\"\npreset = \"stripe\"\n\
+         [[route]]\npath = \"/d\"\npreset = \"stripe\"\nkey = {{ header = \"X-Id\" }}\nfingerprint = \"raw\"\n\
+         ttl = \"1h\"\nin_flight = \"reject\"\nscope = {{ value = \"mine\" }}\n"
+    );
+    let cfg = parse(&text).unwrap();
+    let r: Vec<_> = cfg.routes.iter().collect();
+    assert_eq!(r[0].key_header.as_str(), "x-github-delivery");
+    assert_eq!(r[0].key_json, None);
+    assert_eq!(r[0].scope_value.as_deref(), Some("github"));
+    assert_eq!(r[0].in_flight, InFlight::Wait(Duration::from_secs(10)));
+    assert_eq!(r[0].fingerprint, FingerprintMode::Raw);
+    assert_eq!(
+        r[1].key_json.as_ref().map(|p| p.as_str()),
+        Some("/message/messageId")
+    );
+    assert_eq!(r[1].scope_headers, [HeaderName::from_static("x-tenant")]);
+    assert_eq!(r[1].scope_value, None);
+    assert_eq!(r[1].fingerprint, FingerprintMode::Json);
+    assert_eq!(r[1].fingerprint_ignore.len(), 1);
+    assert_eq!(r[1].in_flight, InFlight::Reject);
+    // A preset: its key, a scope of its own per route, its ttl and wait.
+    assert_eq!(r[2].preset, Some(Preset::Stripe));
+    assert_eq!(r[2].methods, [Method::POST]);
+    assert_eq!(r[2].key_json.as_ref().map(|p| p.as_str()), Some("/id"));
+    assert_eq!(r[2].scope_value.as_deref(), Some("stripe:/c"));
+    assert_eq!(r[2].ttl, Duration::from_secs(4 * 24 * 3600));
+    assert_eq!(r[2].fingerprint, FingerprintMode::Json);
+    assert_eq!(r[2].fingerprint_ignore[0].as_str(), "/pending_webhooks");
+    assert!(matches!(r[2].in_flight, InFlight::Wait(_)));
+    // The route's own keys win over the preset's.
+    assert_eq!(r[3].key_header.as_str(), "x-id");
+    assert_eq!(r[3].key_json, None);
+    assert_eq!(r[3].fingerprint, FingerprintMode::Raw);
+    assert!(r[3].fingerprint_ignore.is_empty());
+    assert_eq!(r[3].ttl, Duration::from_secs(3600));
+    assert_eq!(r[3].in_flight, InFlight::Reject);
+    assert_eq!(r[3].scope_value.as_deref(), Some("mine"));
+    // Today's defaults are unchanged.
+    let plain = parse(&with_route("")).unwrap();
+    let p = plain.routes.iter().next().unwrap();
+    assert_eq!(p.key_header.as_str(), "idempotency-key");
+    assert_eq!((p.key_json.as_ref(), p.scope_value.as_ref()), (None, None));
+    assert_eq!(p.fingerprint, FingerprintMode::Raw);
+    assert_eq!(p.in_flight, InFlight::Reject);
+    let shown = cfg.to_string();
+    assert!(shown.contains("key_json=/id"), "{shown}");
+    assert!(shown.contains("preset=stripe"), "{shown}");
+    assert!(shown.contains("scope=value:stripe:/c"), "{shown}");
+}
+
+#[test]
+fn every_preset_parses() {
+    for preset in [
+        "github",
+        "standard-webhooks",
+        "stripe",
+        "sns",
+        "pub-sub",
+        "shopify",
+    ] {
+        let text = format!("{MINIMAL}[[route]]\npath = \"/hook\"\npreset = \"{preset}\"\n");
+        let cfg = parse(&text).unwrap_or_else(|e| panic!("{preset}: {e}"));
+        let r = cfg.routes.iter().next().unwrap();
+        assert!(r.ttl >= Duration::from_secs(24 * 3600), "{preset}");
+        assert!(r.require_key, "{preset}");
+    }
+}
+
+#[test]
+fn bad_delivery_settings_name_the_line_and_the_fix() {
+    let cases: &[(&str, &[&str])] = &[
+        (
+            "key = { header = \"A\", json = \"/id\" }\n",
+            &["line 6", "exactly one of `header`"],
+        ),
+        ("key = {}\n", &["line 6", "exactly one"]),
+        (
+            "key = { json = \"id\" }\n",
+            &["line 6", "must start with '/'"],
+        ),
+        (
+            "key = { json = \"/a~2\" }\n",
+            &["line 6", "'~' must be followed"],
+        ),
+        ("key = { cookie = \"a\" }\n", &["line 6", "unknown field"]),
+        (
+            "key = { header = \"A\" }\nkey_header = \"B\"\n",
+            &["route #1", "`key` or `key_header`"],
+        ),
+        (
+            "scope = { value = \"s\" }\nscope_header = \"B\"\n",
+            &["route #1", "`scope` or `scope_header`"],
+        ),
+        ("scope = { value = \"\" }\n", &["line 6", "1 to 255"]),
+        (
+            "scope = { header = \"a\", value = \"b\" }\n",
+            &["line 6", "exactly one"],
+        ),
+        ("fingerprint = \"canonical\"\n", &["line 6", "raw", "json"]),
+        (
+            "fingerprint_ignore = [\"/a\"]\n",
+            &["route #1", "needs fingerprint = \"json\""],
+        ),
+        ("in_flight = \"wait\"\n", &["line 6", "in_flight = { wait"]),
+        (
+            "in_flight = { wait = \"0s\" }\n",
+            &["route #1", "more than 0"],
+        ),
+        (
+            "in_flight = { wait = \"1h\" }\n",
+            &["route #1", "at most 5m"],
+        ),
+        ("in_flight = { wait = 10 }\n", &["line 6"]),
+        (
+            "in_flight = { timeout = \"1s\" }\n",
+            &["line 6", "unknown field"],
+        ),
+        ("preset = \"gitlab\"\n", &["line 6", "github"]),
+        ("preset = \"github\"\nttl = \"1s\"\n", &["route #1", "ttl"]),
+    ];
+    for (route, needles) in cases {
+        let msg = err(&with_route(route));
+        for needle in *needles {
+            assert!(msg.contains(needle), "{route:?}: {msg:?} lacks {needle:?}");
+        }
+    }
+    let msg = err(&format!("{MINIMAL}[defaults]\npreset = \"github\"\n"));
+    assert!(msg.contains("belongs in a [[route]]"), "{msg}");
+    let msg = err(&format!(
+        "{MINIMAL}[defaults]\nkey = {{ header = \"A\" }}\nkey_header = \"B\"\n"
+    ));
+    assert!(msg.contains("`key` or `key_header`"), "{msg}");
 }

@@ -44,6 +44,20 @@ fn retry_after_secs(locked_until: UnixMillis, now: UnixMillis) -> u64 {
     ms.div_ceil(1000).max(1)
 }
 
+/// `Retry-After` for a 409: when the answer is likely ready. `lease_secs`
+/// is what the record says (seconds until its lease runs out, at least 1),
+/// `typical` the route's usual upstream latency. Without an observation
+/// the lease is all there is; with one, a client that honours the header
+/// comes back after about one execution, never later than the lease
+/// (when a dead holder's key can be taken over) and never before 1 s.
+pub fn retry_after_hint(lease_secs: u64, typical: Option<std::time::Duration>) -> u64 {
+    let lease_secs = lease_secs.max(1);
+    match typical {
+        None => lease_secs,
+        Some(t) => (t.as_millis() as u64).div_ceil(1000).clamp(1, lease_secs),
+    }
+}
+
 /// What to do with the key once the upstream answered with `status`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Settlement {
@@ -194,6 +208,32 @@ impl fmt::Display for StatusEntry {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn retry_after_follows_the_route_latency_within_the_lease() {
+        use std::time::Duration;
+        let ms = Duration::from_millis;
+        // (lease seconds left, typical latency, want)
+        let cases = [
+            (30, None, 30),
+            (30, Some(ms(1)), 1),
+            (30, Some(ms(900)), 1),
+            (30, Some(ms(1000)), 1),
+            (30, Some(ms(1001)), 2),
+            (30, Some(ms(4500)), 5),
+            (3, Some(ms(10_000)), 3),
+            (1, Some(ms(60_000)), 1),
+            (0, None, 1),
+            (0, Some(ms(5000)), 1),
+        ];
+        for (lease, typical, want) in cases {
+            assert_eq!(
+                retry_after_hint(lease, typical),
+                want,
+                "{lease} {typical:?}"
+            );
+        }
+    }
+
     use super::*;
     use bytes::Bytes;
 

@@ -53,6 +53,21 @@ impl IdempotencyKey {
         Ok(Self(value))
     }
 
+    /// A key taken from a JSON body (a natural key such as a message id):
+    /// the same rules as a header's value, without quoting or trimming.
+    pub fn from_value(value: &str) -> Result<Self, KeyError> {
+        if value.is_empty() {
+            return Err(KeyError::Empty);
+        }
+        if value.bytes().any(|b| !(0x20..=0x7e).contains(&b)) {
+            return Err(KeyError::NotPrintable);
+        }
+        if value.len() > MAX_KEY_LEN {
+            return Err(KeyError::TooLong);
+        }
+        Ok(Self(value.to_string()))
+    }
+
     /// Reads the key from `headers`: `Ok(None)` when absent.
     pub fn from_headers(
         headers: &http::HeaderMap,
@@ -218,6 +233,16 @@ impl Scope {
                 input.extend_from_slice(value);
             }
         }
+        Self::digest(&input, secret)
+    }
+
+    /// The scope of a route with a fixed consumer name (`scope = { value
+    /// = "stripe" }`): its own encoding, so it never equals a scope derived
+    /// from headers, and keyed by the scope secret like every other.
+    pub fn of_value(value: &str, secret: Option<&[u8]>) -> Self {
+        let mut input = Vec::with_capacity(32 + value.len());
+        input.extend_from_slice(b"idemgate/scope/value/v1\0");
+        input.extend_from_slice(value.as_bytes());
         Self::digest(&input, secret)
     }
 
@@ -518,6 +543,47 @@ mod tests {
         assert_eq!(
             Scope::of_request(&joined, &cookie, None).unwrap(),
             Scope::from_header_value(Some(b"a=1; b=2"))
+        );
+    }
+
+    #[test]
+    fn a_fixed_consumer_scope_is_its_own_and_keyed_by_the_secret() {
+        let stripe = Scope::of_value("stripe", None);
+        assert_eq!(stripe, Scope::of_value("stripe", None));
+        assert_ne!(stripe, Scope::of_value("github", None));
+        assert_ne!(
+            stripe,
+            Scope::of_value("stripe", Some(b"a-long-enough-secret"))
+        );
+        // Never the scope of a request whose scope header says the same.
+        assert_ne!(stripe, Scope::from_header_value(Some(b"stripe")));
+        assert_ne!(stripe, Scope::from_header_value(None));
+    }
+
+    #[test]
+    fn keys_from_a_body_follow_the_header_rules_without_quoting() {
+        let long = "a".repeat(MAX_KEY_LEN);
+        assert_eq!(
+            IdempotencyKey::from_value("evt_1").unwrap().as_str(),
+            "evt_1"
+        );
+        assert_eq!(
+            IdempotencyKey::from_value("\"q\"").unwrap().as_str(),
+            "\"q\""
+        );
+        assert_eq!(IdempotencyKey::from_value(" a ").unwrap().as_str(), " a ");
+        assert!(IdempotencyKey::from_value(&long).is_ok());
+        let cases = [
+            ("", KeyError::Empty),
+            ("é", KeyError::NotPrintable),
+            ("a\nb", KeyError::NotPrintable),
+        ];
+        for (v, want) in cases {
+            assert_eq!(IdempotencyKey::from_value(v), Err(want), "{v:?}");
+        }
+        assert_eq!(
+            IdempotencyKey::from_value(&format!("{long}a")),
+            Err(KeyError::TooLong)
         );
     }
 

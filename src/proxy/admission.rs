@@ -21,8 +21,13 @@
 //!   itself answers a bare 400 when `chunked` is not the final coding or
 //!   the request is HTTP/1.0; HTTP/2 carries no transfer-codings, and h2
 //!   resets a stream that sends one.)
+//!
+//! After route lookup, [`refuse_protected_upgrade`]: an HTTP/1.1 upgrade
+//! (WebSocket) passes through as a tunnel on unprotected traffic only.
 
+use super::headers::upgrade_protocol;
 use crate::error::ProxyError;
+use crate::route::RouteConfig;
 use http::{header, HeaderMap, Request, Uri, Version};
 
 /// The longest coding name a problem's detail repeats back.
@@ -50,6 +55,21 @@ pub fn admit<B>(req: &Request<B>) -> Result<(), ProxyError> {
         .and_then(|()| host(req))
         .map_err(ProxyError::InvalidRequest)?;
     transfer_codings(req.headers())
+}
+
+/// An upgrade request on a route that protects it (it requires a key, or
+/// the request carries one) is refused with 400: a tunnel has no response
+/// to store or replay. Without a key on a `require_key = false` route the
+/// request is unprotected, and the upgrade passes.
+pub fn refuse_protected_upgrade<B>(
+    route: &RouteConfig,
+    req: &Request<B>,
+) -> Result<(), ProxyError> {
+    let protected = route.require_key || req.headers().contains_key(&route.key_header);
+    if protected && upgrade_protocol(req).is_some() {
+        return Err(ProxyError::UpgradeOnProtectedRoute);
+    }
+    Ok(())
 }
 
 /// Origin-form or absolute-form: the target has a path starting with `/`.

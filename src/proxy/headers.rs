@@ -1,7 +1,9 @@
 //! Header rules for forwarding: hop-by-hop stripping, `X-Forwarded-*`,
-//! cookie joining. Which response headers are stored is `replay.rs`'s.
+//! cookie joining, what makes an upgrade request. Which response headers
+//! are stored is `replay.rs`'s.
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Request, Version};
 use std::net::SocketAddr;
 
 /// RFC 9110 §7.6.1: these apply to one connection only and must not be
@@ -31,6 +33,27 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
         headers.remove(name);
     }
     headers.remove(header::UPGRADE);
+}
+
+/// The protocol an HTTP/1.1 upgrade request asks for (RFC 9110 §7.8): an
+/// `Upgrade` field, named by `Connection` as it must be. Hop-by-hop, so
+/// [`strip_hop_by_hop`] removes both; the forwarder puts them back on
+/// requests that may pass an upgrade. HTTP/2 has no `Upgrade` (RFC 9113
+/// §8.6), and HTTP/1.0 cannot be upgraded.
+pub fn upgrade_protocol<B>(req: &Request<B>) -> Option<HeaderValue> {
+    if req.version() != Version::HTTP_11 {
+        return None;
+    }
+    let named = req
+        .headers()
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| t.trim().eq_ignore_ascii_case("upgrade"));
+    named
+        .then(|| req.headers().get(header::UPGRADE).cloned())
+        .flatten()
 }
 
 /// Adds `X-Forwarded-For/-Proto/-Host` for the upstream. Only with `trust`
@@ -109,6 +132,25 @@ mod tests {
         strip_hop_by_hop(&mut h);
         assert_eq!(h.len(), 1, "{h:?}");
         assert!(h.contains_key("x-kept"));
+    }
+
+    #[test]
+    fn an_upgrade_is_an_http11_upgrade_field_named_by_connection() {
+        let req = |version, fields: &[(&str, &str)]| {
+            let mut r = Request::get("/ws").version(version);
+            for (k, v) in fields {
+                r = r.header(*k, *v);
+            }
+            upgrade_protocol(&r.body(()).unwrap())
+        };
+        let ws = [
+            ("connection", "keep-alive, Upgrade"),
+            ("upgrade", "websocket"),
+        ];
+        assert_eq!(req(Version::HTTP_11, &ws).unwrap(), "websocket");
+        assert_eq!(req(Version::HTTP_10, &ws), None);
+        assert_eq!(req(Version::HTTP_11, &[("upgrade", "websocket")]), None);
+        assert_eq!(req(Version::HTTP_11, &[("connection", "upgrade")]), None);
     }
 
     #[test]

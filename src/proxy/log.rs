@@ -105,8 +105,8 @@ impl RequestLog {
             target: "idemgate::access",
             method = %self.method,
             request.id = self.request_id.as_str(),
-            // Filled once tracing propagates a W3C trace context.
-            trace.id = tracing::field::Empty,
+            // Absent without tracing; `finish` runs inside the request's trace.
+            trace.id = crate::telemetry::trace::current_trace_id().as_deref(),
             path = %self.path,
             protocol = ?self.version,
             route = %self.route,

@@ -84,7 +84,8 @@ pub fn serve(
         }
     });
     let conn = builder
-        .serve_connection(TokioIo::new(stream), svc)
+        // Upgrades (WebSocket) pass on unprotected routes: proxy/forward.rs.
+        .serve_connection_with_upgrades(TokioIo::new(stream), svc)
         .into_owned();
     async move {
         tokio::pin!(conn);

@@ -126,8 +126,17 @@ pub(super) fn reload(
             "config reloaded, but these settings only change on a restart: they keep their running values"
         );
     }
+    // Upstream clients read their TLS files here: a missing or bad one
+    // refuses the reload like a bad config.
+    let next = match current.load().reconfigured(&config) {
+        Ok(next) => next,
+        Err(e) => {
+            error!("config reload refused, the running config stays: {e}");
+            metrics.config_loaded(false, now);
+            return false;
+        }
+    };
     metrics.register_routes(config.routes.iter().map(|r| &r.label));
-    let next = current.load().reconfigured(&config);
     current.store(Arc::new(next));
     metrics.config_loaded(true, now);
     info!(
@@ -197,6 +206,7 @@ pub fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
         "log",
         (old.log.format, &old.log.level) != (new.log.format, &new.log.level),
     );
+    check("tracing", old.tracing != new.tracing);
     out
 }
 

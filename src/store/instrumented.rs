@@ -1,8 +1,9 @@
 //! The one seam every store call goes through. [`Instrumented`] wraps the
 //! configured backend: it bounds each call by the backend's own
 //! [`Store::call_bound`] (past it, the call is [`StoreError::Timeout`]) and
-//! records its latency as `idemgate_store_duration_seconds{op}`, so callers
-//! write neither a timeout nor a metric around a store call.
+//! records its latency as `idemgate_store_duration_seconds{op}` (and, when
+//! tracing, a child span of the request's), so callers write neither a
+//! timeout nor a metric around a store call.
 //!
 //! It decides nothing else: no retries, and a timed-out write is reported,
 //! not undone (it may still land; the caller's token decides what it means).
@@ -12,6 +13,7 @@ use super::{
 };
 use crate::idempotency::RecordKey;
 use crate::metrics::Metrics;
+use crate::telemetry::trace;
 use async_trait::async_trait;
 use std::future::Future;
 use std::sync::Arc;
@@ -76,9 +78,12 @@ impl Instrumented {
             started: Instant::now(),
             metrics: &self.metrics,
         };
-        tokio::time::timeout(self.bound, call)
+        let span = trace::store(op.as_str());
+        let result = tokio::time::timeout(self.bound, call)
             .await
-            .unwrap_or(Err(StoreError::Timeout))
+            .unwrap_or(Err(StoreError::Timeout));
+        span.finish(&result);
+        result
     }
 }
 

@@ -11,6 +11,7 @@ mod support;
 mod demo_docs;
 mod faults;
 mod forwarding;
+mod gateway;
 mod hostile_connections;
 mod hostile_requests;
 mod invariants;
@@ -30,3 +31,8 @@ mod rough_edges;
 mod route_features;
 mod semantics;
 mod store_contract;
+#[cfg(feature = "otel")]
+mod tracing;
+mod upstream_tls;
+mod waiting;
+mod webhooks;

@@ -8,11 +8,15 @@
 //! - [`client`]: requests and responses, fresh or on kept-alive connections;
 //! - [`pg_cluster`]: a private PostgreSQL cluster with TLS (its own CA);
 //! - [`pgbouncer`]: a private PgBouncer in transaction pooling mode;
+//! - [`tls_upstream`]: a test CA and an HTTPS upstream (TLS, ALPN, mTLS);
+//! - [`h2_upstream`]: a gRPC-shaped h2c upstream that answers with trailers;
+//! - [`ws_upstream`]: a WebSocket echo upstream and frame helpers;
 //! - [`services`]: PostgreSQL and Redis (URLs, schemas, a private
 //!   `redis-server`, a TCP relay that can cut PostgreSQL off);
 //! - for the invariant harness: [`recording_upstream`] (logs every
 //!   execution), [`traffic`] (mixed clients, what each saw) and
 //!   [`checker`] (the invariants over both);
+//! - [`otlp_receiver`] (feature `otel`): an OTLP/HTTP trace receiver;
 //! - here: bounded waits, tracing and [`backend_tests!`].
 //!
 //! Semantics tests are written once as `async fn name(backend: Backend)` and
@@ -21,14 +25,19 @@
 pub mod checker;
 pub mod client;
 pub mod config;
+pub mod h2_upstream;
+#[cfg(feature = "otel")]
+pub mod otlp_receiver;
 pub mod pg_cluster;
 pub mod pgbouncer;
 pub mod process;
 pub mod proxy;
 pub mod recording_upstream;
 pub mod services;
+pub mod tls_upstream;
 pub mod traffic;
 pub mod upstream;
+pub mod ws_upstream;
 
 pub use client::{H2Conn, Http1Conn, Req, Resp};
 pub use config::{Route, TestConfig};

@@ -1,0 +1,341 @@
+//! Duplicates that wait (`in_flight = { wait = ".." }`): a per-key registry
+//! of the requests waiting for the answer of one already in flight.
+//!
+//! Waiters hold no store connection while they wait. They wake when this
+//! process finishes the key ([`Waiters::notify`], after the holder's
+//! completion or release), when another replica does (PostgreSQL
+//! `NOTIFY`, [`crate::store::notify`], [`Waiters::notify_id`]), or on a
+//! bounded backoff timer (the backstop when a notification is lost);
+//! either way the store decides what they get. Per key, one waiter at a time asks the store ([`WaitGuard::try_check`])
+//! and shares a final answer with the others ([`WaitGuard::publish`]), so a
+//! few hundred waiters cost the store what one does. Bounded: a limit per
+//! key and in all; past either the request is refused (503). An entry
+//! leaves the registry with its last waiter.
+
+use crate::config::{Backend, Config};
+use crate::idempotency::{Record, RecordKey};
+use crate::route::InFlight;
+use crate::store::notify::KeyNotifier;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tracing::warn;
+
+/// Waiters on one key, at most: enough for a burst of redeliveries or
+/// double-clicks; more is a client in a loop.
+pub const MAX_WAITERS_PER_KEY: usize = 1024;
+/// Waiters in all, at most: each holds a connection, a task and a request
+/// body, which `max_connections` and the body budget bound too.
+pub const MAX_WAITERS_TOTAL: usize = 8192;
+/// Timer-driven store checks for one key are at least this far apart,
+/// however many wait on it (a notification always checks).
+const MIN_POLL_INTERVAL: Duration = Duration::from_millis(200);
+
+/// The registry; one per process.
+pub struct Waiters {
+    state: Mutex<State>,
+    per_key: usize,
+    total: usize,
+    gauge: prometheus_client::metrics::gauge::Gauge,
+}
+
+#[derive(Default)]
+struct State {
+    entries: HashMap<RecordKey, Arc<Entry>>,
+    /// The entries' keys by log id, for notifications from other replicas.
+    by_id: HashMap<String, RecordKey>,
+    waiting: usize,
+}
+
+/// One key's waiters.
+struct Entry {
+    /// Guarded by the registry's mutex.
+    count: std::sync::atomic::AtomicUsize,
+    /// Bumped on every notification and publication.
+    generation: watch::Sender<u64>,
+    /// A final record some waiter read, for the others.
+    published: Mutex<Option<Record>>,
+    /// Held while one waiter asks the store.
+    checking: tokio::sync::Mutex<Option<Instant>>,
+}
+
+/// Why a request may not wait.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Full;
+
+impl Waiters {
+    pub fn new(per_key: usize, total: usize) -> Self {
+        Self {
+            state: Mutex::default(),
+            per_key,
+            total,
+            gauge: Default::default(),
+        }
+    }
+
+    /// Reports the number waiting on `gauge` (idemgate_waiters).
+    pub fn with_gauge(mut self, gauge: prometheus_client::metrics::gauge::Gauge) -> Self {
+        self.gauge = gauge;
+        self
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A std mutex: no await happens while it is held.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Starts waiting on `key`, unless the limits are reached.
+    pub fn enter(self: &Arc<Self>, key: RecordKey) -> Result<WaitGuard, Full> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let mut state = self.lock();
+        if state.waiting >= self.total {
+            return Err(Full);
+        }
+        if !state.entries.contains_key(&key) {
+            state.by_id.insert(key.log_id(), key);
+        }
+        let entry = state
+            .entries
+            .entry(key)
+            .or_insert_with(|| {
+                Arc::new(Entry {
+                    count: Default::default(),
+                    generation: watch::Sender::new(0),
+                    published: Mutex::new(None),
+                    checking: tokio::sync::Mutex::new(None),
+                })
+            })
+            .clone();
+        if entry.count.load(Relaxed) >= self.per_key {
+            return Err(Full);
+        }
+        entry.count.fetch_add(1, Relaxed);
+        state.waiting += 1;
+        self.gauge.inc();
+        let changed = entry.generation.subscribe();
+        Ok(WaitGuard {
+            waiters: self.clone(),
+            key,
+            entry,
+            changed,
+        })
+    }
+
+    /// Wakes `key`'s waiters: this process completed or released it.
+    pub fn notify(&self, key: &RecordKey) {
+        let entry = self.lock().entries.get(key).cloned();
+        if let Some(entry) = entry {
+            entry.generation.send_modify(|g| *g += 1);
+        }
+    }
+
+    /// Wakes the waiters on the key with this log id: another replica
+    /// finished it (`store::notify`).
+    pub fn notify_id(&self, key_id: &str) {
+        let entry = {
+            let state = self.lock();
+            state
+                .by_id
+                .get(key_id)
+                .and_then(|key| state.entries.get(key))
+                .cloned()
+        };
+        if let Some(entry) = entry {
+            entry.generation.send_modify(|g| *g += 1);
+        }
+    }
+
+    /// How many wait, in all.
+    #[cfg(test)]
+    fn waiting(&self) -> usize {
+        self.lock().waiting
+    }
+
+    /// How many keys have waiters.
+    #[cfg(test)]
+    fn keys(&self) -> usize {
+        self.lock().entries.len()
+    }
+}
+
+/// The cross-replica notifier, where it can help: a PostgreSQL store
+/// (shared by replicas) and a route whose duplicates wait. Elsewhere the
+/// process's own notifications reach every waiter there is.
+pub fn spawn_notifier(config: &Config, waiters: &Arc<Waiters>) -> Option<KeyNotifier> {
+    let waits = config
+        .routes
+        .iter()
+        .any(|r| matches!(r.in_flight, InFlight::Wait(_)));
+    if config.store.backend != Backend::Postgres || !waits {
+        return None;
+    }
+    let waiters = waiters.clone();
+    match KeyNotifier::spawn(&config.store, Arc::new(move |id| waiters.notify_id(id))) {
+        Ok(notifier) => Some(notifier),
+        Err(e) => {
+            warn!(error = %e, "key notifications off; waiters poll the store");
+            None
+        }
+    }
+}
+
+/// One waiting request; leaves the registry when dropped.
+pub struct WaitGuard {
+    waiters: Arc<Waiters>,
+    key: RecordKey,
+    entry: Arc<Entry>,
+    changed: watch::Receiver<u64>,
+}
+
+/// Permission to ask the store for the key; see [`WaitGuard::try_check`].
+pub struct Check<'a> {
+    _held: tokio::sync::MutexGuard<'a, Option<Instant>>,
+}
+
+impl WaitGuard {
+    /// Resolves at the next notification or publication since the last
+    /// one this waiter saw (none is missed between two calls).
+    pub async fn changed(&mut self) {
+        // The sender lives in the entry this guard holds: never closed.
+        let _ = self.changed.changed().await;
+    }
+
+    /// A final record another waiter read.
+    pub fn published(&self) -> Option<Record> {
+        self.entry
+            .published
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Shares a final record with the key's other waiters.
+    pub fn publish(&self, record: Record) {
+        *self
+            .entry
+            .published
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(record);
+        self.entry.generation.send_modify(|g| *g += 1);
+    }
+
+    /// The right to ask the store now, if no other waiter on this key is
+    /// asking and (for a timer wake-up, `notified = false`) none asked in
+    /// the last [`MIN_POLL_INTERVAL`].
+    pub fn try_check(&self, notified: bool) -> Option<Check<'_>> {
+        let mut guard = self.entry.checking.try_lock().ok()?;
+        let now = Instant::now();
+        if !notified && guard.is_some_and(|last| now - last < MIN_POLL_INTERVAL) {
+            return None;
+        }
+        *guard = Some(now);
+        Some(Check { _held: guard })
+    }
+}
+
+impl Drop for WaitGuard {
+    fn drop(&mut self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let mut state = self.waiters.lock();
+        state.waiting -= 1;
+        self.waiters.gauge.dec();
+        if self.entry.count.fetch_sub(1, Relaxed) == 1 {
+            state.entries.remove(&self.key);
+            state.by_id.remove(&self.key.log_id());
+        }
+    }
+}
+
+impl Check<'_> {
+    /// Done asking (dropping does the same).
+    pub fn done(self) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::idempotency::{IdempotencyKey, RecordState, Scope};
+
+    fn key(k: &str) -> RecordKey {
+        RecordKey::new(
+            Scope::from_header_value(None),
+            &IdempotencyKey::parse(k.as_bytes()).unwrap(),
+        )
+    }
+
+    #[test]
+    fn limits_per_key_and_in_all_and_entries_leave_with_their_last_waiter() {
+        let w = Arc::new(Waiters::new(2, 3));
+        let a1 = w.enter(key("a")).unwrap();
+        let a2 = w.enter(key("a")).unwrap();
+        assert_eq!(w.enter(key("a")).err(), Some(Full));
+        let b1 = w.enter(key("b")).unwrap();
+        assert_eq!(w.enter(key("c")).err(), Some(Full));
+        assert_eq!((w.waiting(), w.keys()), (3, 2));
+        drop(a1);
+        assert_eq!((w.waiting(), w.keys()), (2, 2));
+        drop(a2);
+        drop(b1);
+        assert_eq!((w.waiting(), w.keys()), (0, 0));
+        assert!(w.lock().by_id.is_empty());
+        // Room again.
+        let _c = w.enter(key("c")).unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_notification_before_the_wait_is_not_missed() {
+        let w = Arc::new(Waiters::new(8, 8));
+        let mut g = w.enter(key("a")).unwrap();
+        w.notify(&key("b"));
+        w.notify(&key("a"));
+        tokio::time::timeout(Duration::from_secs(5), g.changed())
+            .await
+            .expect("woken");
+        // Seen: the next wait blocks until the next notification.
+        assert!(tokio::time::timeout(Duration::from_millis(50), g.changed())
+            .await
+            .is_err());
+    }
+
+    #[tokio::test]
+    async fn a_notification_by_log_id_wakes_that_keys_waiters() {
+        let w = Arc::new(Waiters::new(8, 8));
+        let mut a = w.enter(key("a")).unwrap();
+        let mut b = w.enter(key("b")).unwrap();
+        w.notify_id(&key("a").log_id());
+        w.notify_id("no such key");
+        tokio::time::timeout(Duration::from_secs(5), a.changed())
+            .await
+            .expect("woken");
+        assert!(tokio::time::timeout(Duration::from_millis(50), b.changed())
+            .await
+            .is_err());
+    }
+
+    #[tokio::test]
+    async fn one_waiter_checks_at_a_time_and_publishes_for_the_others() {
+        let w = Arc::new(Waiters::new(8, 8));
+        let a = w.enter(key("a")).unwrap();
+        let mut b = w.enter(key("a")).unwrap();
+        let check = a.try_check(true).expect("first");
+        assert!(b.try_check(true).is_none(), "a is checking");
+        check.done();
+        // A timer wake-up right after a check does not ask again...
+        assert!(b.try_check(false).is_none());
+        // ...a notification does.
+        assert!(b.try_check(true).is_some());
+        let record = Record {
+            fingerprint: crate::idempotency::Fingerprint([0; 32]),
+            state: RecordState::Unknown,
+            created_at: 0,
+            expires_at: 0,
+        };
+        a.publish(record.clone());
+        tokio::time::timeout(Duration::from_secs(5), b.changed())
+            .await
+            .expect("woken by the publication");
+        assert_eq!(b.published(), Some(record));
+    }
+}

@@ -1,0 +1,121 @@
+//! An upgraded connection (HTTP/1.1 `Upgrade`, e.g. WebSocket) as a byte
+//! tunnel between the client and the upstream: bytes are copied both ways
+//! as they come, a side that closes has its close passed on, and a tunnel
+//! with no byte either way for [`TUNNEL_IDLE_TIMEOUT`] is closed.
+
+use hyper::upgrade::Upgraded;
+use hyper_util::rt::TokioIo;
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+/// WebSocket peers ping every 20 to 60 s; five minutes without a byte
+/// either way is a peer that is gone, and its descriptors are freed.
+pub const TUNNEL_IDLE_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// One read's worth; a tunnel holds two.
+const BUFFER: usize = 16 * 1024;
+
+/// Bytes copied by a tunnel, per direction.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Copied {
+    pub to_upstream: u64,
+    pub to_client: u64,
+}
+
+/// Copies between the two upgraded connections until both sides closed,
+/// one failed, or nothing moved for `idle`. `count(to_upstream, to_client)`
+/// is told of every write as it happens (metrics), the totals returned.
+pub async fn run(
+    client: Upgraded,
+    upstream: Upgraded,
+    idle: Duration,
+    count: impl Fn(u64, u64),
+) -> Copied {
+    pump(TokioIo::new(client), TokioIo::new(upstream), idle, count).await
+}
+
+async fn pump<A, B>(mut a: A, mut b: B, idle: Duration, count: impl Fn(u64, u64)) -> Copied
+where
+    A: AsyncRead + AsyncWrite + Unpin,
+    B: AsyncRead + AsyncWrite + Unpin,
+{
+    let mut copied = Copied::default();
+    let (mut buf_a, mut buf_b) = (vec![0u8; BUFFER], vec![0u8; BUFFER]);
+    let (mut a_open, mut b_open) = (true, true);
+    while a_open || b_open {
+        // Reads are cancel-safe; each write finishes inside its branch.
+        tokio::select! {
+            r = a.read(&mut buf_a), if a_open => match r {
+                Ok(0) => {
+                    a_open = false;
+                    let _ = b.shutdown().await;
+                }
+                Ok(n) => {
+                    if b.write_all(&buf_a[..n]).await.is_err() {
+                        break;
+                    }
+                    copied.to_upstream += n as u64;
+                    count(n as u64, 0);
+                }
+                Err(_) => break,
+            },
+            r = b.read(&mut buf_b), if b_open => match r {
+                Ok(0) => {
+                    b_open = false;
+                    let _ = a.shutdown().await;
+                }
+                Ok(n) => {
+                    if a.write_all(&buf_b[..n]).await.is_err() {
+                        break;
+                    }
+                    copied.to_client += n as u64;
+                    count(0, n as u64);
+                }
+                Err(_) => break,
+            },
+            () = tokio::time::sleep(idle) => break,
+        }
+    }
+    copied
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn bytes_go_both_ways_and_a_close_is_passed_on() {
+        let (client, mut client_peer) = tokio::io::duplex(64);
+        let (upstream, mut upstream_peer) = tokio::io::duplex(64);
+        let tunnel = tokio::spawn(pump(client, upstream, Duration::from_secs(5), |_, _| {}));
+        client_peer.write_all(b"ping").await.unwrap();
+        let mut buf = [0u8; 4];
+        upstream_peer.read_exact(&mut buf).await.unwrap();
+        assert_eq!(&buf, b"ping");
+        upstream_peer.write_all(b"pong!").await.unwrap();
+        let mut buf = [0u8; 5];
+        client_peer.read_exact(&mut buf).await.unwrap();
+        assert_eq!(&buf, b"pong!");
+        drop(client_peer);
+        // The upstream sees the client's close, then closes its side.
+        let mut rest = Vec::new();
+        upstream_peer.read_to_end(&mut rest).await.unwrap();
+        drop(upstream_peer);
+        let copied = tunnel.await.unwrap();
+        assert_eq!(
+            copied,
+            Copied {
+                to_upstream: 4,
+                to_client: 5
+            }
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_idle_tunnel_is_closed() {
+        let (client, _client_peer) = tokio::io::duplex(64);
+        let (upstream, _upstream_peer) = tokio::io::duplex(64);
+        let copied = pump(client, upstream, Duration::from_secs(1), |_, _| {}).await;
+        assert_eq!(copied, Copied::default());
+    }
+}

@@ -1,0 +1,96 @@
+//! A gRPC-shaped HTTP/2 upstream (h2c, prior knowledge only): every
+//! request is answered 200 `application/grpc` with a body that echoes the
+//! request's, then trailers (`grpc-status: 0`, `grpc-message`). It records
+//! each request's version and headers, so a test sees what arrived.
+
+use bytes::Bytes;
+use http::{HeaderMap, Response, Version};
+use http_body_util::{BodyExt, StreamBody};
+use hyper::body::{Frame, Incoming};
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use idemgate::body::{boxed, BoxError, ProxyBody};
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+
+/// One request as the upstream saw it.
+#[derive(Clone, Debug)]
+pub struct H2Seen {
+    pub version: Version,
+    pub path: String,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+pub struct H2Upstream {
+    pub addr: SocketAddr,
+    seen: Arc<Mutex<Vec<H2Seen>>>,
+    task: JoinHandle<()>,
+}
+
+impl Drop for H2Upstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl H2Upstream {
+    pub async fn start() -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind h2 upstream");
+        let addr = listener.local_addr().expect("addr");
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let log = seen.clone();
+        let task = tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let log = log.clone();
+                tokio::spawn(async move {
+                    let svc = service_fn(move |req: http::Request<Incoming>| {
+                        let log = log.clone();
+                        async move { Ok::<_, Infallible>(answer(req, &log).await) }
+                    });
+                    let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await;
+                });
+            }
+        });
+        Self { addr, seen, task }
+    }
+
+    pub fn seen(&self) -> Vec<H2Seen> {
+        self.seen.lock().unwrap().clone()
+    }
+}
+
+async fn answer(req: http::Request<Incoming>, log: &Mutex<Vec<H2Seen>>) -> Response<ProxyBody> {
+    let (parts, body) = req.into_parts();
+    let body = body
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
+    log.lock().unwrap().push(H2Seen {
+        version: parts.version,
+        path: parts.uri.path().to_string(),
+        headers: parts.headers,
+        body: body.clone(),
+    });
+    let mut trailers = HeaderMap::new();
+    trailers.insert("grpc-status", "0".parse().unwrap());
+    trailers.insert("grpc-message", "ok".parse().unwrap());
+    let frames: Vec<Result<Frame<Bytes>, BoxError>> = vec![
+        Ok(Frame::data(Bytes::from_static(b"reply:"))),
+        Ok(Frame::data(body)),
+        Ok(Frame::trailers(trailers)),
+    ];
+    Response::builder()
+        .status(200)
+        .header("content-type", "application/grpc")
+        .body(boxed(StreamBody::new(futures_util::stream::iter(frames))))
+        .expect("response")
+}
