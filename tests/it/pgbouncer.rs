@@ -188,3 +188,37 @@ async fn prepared_statements_lost_between_server_connections_say_to_add_pgbounce
     assert!(err.contains("add pgbouncer=true"), "{err}");
     drop_schema(&database_url(), &schema).await;
 }
+
+/// Waiting duplicates behind a transaction pooler: LISTEN cannot work
+/// there, so the notifier stays off and waiters poll the store; each still
+/// gets the first request's answer, and the upstream runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_duplicates_get_the_replay_through_pgbouncer() {
+    use crate::support::{Action, Route, ORDERS};
+    use std::time::Duration;
+    let bouncer = PrivatePgBouncer::start();
+    let up = Upstream::start().await;
+    let mut wait = toml::Table::new();
+    wait.insert("wait".into(), "10s".into());
+    let proxy = Proxy::builder(Backend::Postgres, up.addr)
+        .store_url(&bouncer.url("pgbouncer=true"))
+        .routes(vec![
+            Route::post(ORDERS).set("in_flight", toml::Value::Table(wait))
+        ])
+        .start()
+        .await;
+    up.push(Action::Delay(Duration::from_millis(500)));
+    let first = tokio::spawn(proxy.post(ORDERS).key("w").body("x").send());
+    up.wait_hits(ORDERS, 1).await;
+    let dups: Vec<_> = (0..20)
+        .map(|_| tokio::spawn(proxy.post(ORDERS).key("w").body("x").send()))
+        .collect();
+    let first = first.await.expect("first");
+    assert_eq!(first.status(), 201, "{}", first.text());
+    for dup in futures_util::future::join_all(dups).await {
+        let dup = dup.expect("duplicate");
+        assert_eq!(dup.status(), 201, "{}", dup.text());
+        assert!(dup.replayed());
+    }
+    assert_eq!(up.hits(ORDERS), 1, "the upstream ran once");
+}

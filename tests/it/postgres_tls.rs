@@ -240,3 +240,44 @@ async fn scram_with_channel_binding_required_authenticates_over_tls() {
     assert!(out.contains("password authentication failed"), "{out}");
     assert!(!out.contains("wrong-password"), "never the password: {out}");
 }
+
+/// The LISTEN/NOTIFY connection of waiting routes opens like the store's:
+/// over verify-full TLS, with the URL's TLS parameters understood (it once
+/// parsed the URL itself, refusing `sslrootcert` as an unknown option, and
+/// connected without TLS).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn key_notifications_travel_over_verified_tls() {
+    use idemgate::store::notify::KeyNotifier;
+    use std::sync::{Arc, Mutex};
+    let cluster = PgCluster::shared();
+    let url = cluster.url(
+        "postgres",
+        "localhost",
+        &format!("sslmode=verify-full&sslrootcert={}", cluster.ca.display()),
+    );
+    let store = TestConfig::new("127.0.0.1:9".parse().unwrap())
+        .set("store.backend", "postgres")
+        .set("store.url", url.as_str())
+        .set("store.schema", unique_schema("tls").as_str())
+        .parse()
+        .store;
+    let seen: Arc<Mutex<Vec<String>>> = Arc::default();
+    let log = seen.clone();
+    let notifier = KeyNotifier::spawn(
+        &store,
+        Arc::new(move |id: &str| log.lock().unwrap().push(id.to_string())),
+    )
+    .expect("a notifier");
+    wait_for("the notification back over TLS", || {
+        notifier.publish("tls-id".into());
+        let seen = seen.clone();
+        async move {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            seen.lock()
+                .unwrap()
+                .contains(&"tls-id".to_string())
+                .then_some(())
+        }
+    })
+    .await;
+}
