@@ -47,7 +47,7 @@ impl KeyNotifier {
     /// a missing or malformed `store.url`.
     pub fn spawn(cfg: &StoreConfig, on_notify: OnNotify) -> Result<Self, String> {
         let url = cfg.url.as_deref().ok_or("store.url is not set")?;
-        let target = PgTarget::new(url).map_err(|e| format!("invalid store.url: {e}"))?;
+        let target = PgTarget::new(url).map_err(|e| format!("store.url: {e}"))?;
         let (tx, mut rx) = mpsc::channel(QUEUE);
         if target.url.pgbouncer {
             info!("key notifications are off behind a transaction pooler (LISTEN needs a session); waiting duplicates poll the store");

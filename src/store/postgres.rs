@@ -247,7 +247,7 @@ impl Core {
             .as_deref()
             .ok_or_else(|| StoreError::Unavailable("store.url is not set".into()))?;
         let target = PgTarget::new(url)
-            .map_err(|err| StoreError::Unavailable(format!("invalid store.url: {err}")))?;
+            .map_err(|err| StoreError::Unavailable(format!("store.url: {err}")))?;
         let mut pg = target.config.clone();
         // Every statement here looks records up by primary key. A table that
         // grew since it was last analyzed (a new deployment's first minutes,
