@@ -3,8 +3,9 @@
 #
 #   bench/run.sh                 # all rows, prints one table
 #   DURATION=8 CONNS=32 bench/run.sh
+#   ONLY='pgbouncer|TLS' DURATION=2 bench/run.sh   # only the rows whose label matches
 #
-# Needs wrk, nginx, pgbench (postgresql-client) and redis-server; as root on
+# Needs wrk, nginx, pgbench (postgresql-client), pgbouncer and redis-server; as root on
 # Debian/Ubuntu it installs the missing ones with apt, elsewhere it names
 # them. PostgreSQL at IDEMGATE_TEST_DATABASE_URL (default
 # postgres://postgres@127.0.0.1:5432/test) and Redis at
@@ -39,6 +40,7 @@ need nginx nginx
 need pgbench postgresql-client
 need redis-cli redis-tools
 need psql postgresql-client
+need pgbouncer pgbouncer
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
@@ -56,7 +58,7 @@ trap cleanup EXIT
 
 say "building the release binary"
 cargo build --release --locked -q
-bin="$PWD/target/release/idemgate"
+bin="${CARGO_TARGET_DIR:-$PWD/target}/release/idemgate"
 
 # ----- the upstream (nginx, one worker, a fixed 201) and a plain nginx proxy -----
 up_port=$(free_port)
@@ -99,7 +101,10 @@ http {
 }
 EOF
 nginx -c "$work/nginx/nginx.conf" -p "$work/nginx"
-pids+=("$(cat "$work/nginx/nginx.pid" 2>/dev/null || sleep 0.5; cat "$work/nginx/nginx.pid")")
+# One pid (a first `cat` that succeeded used to print it twice, and the
+# cleanup's `kill "<pid>\n<pid>"` then left nginx running).
+for _ in $(seq 20); do [ -s "$work/nginx/nginx.pid" ] && break; sleep 0.1; done
+pids+=("$(cat "$work/nginx/nginx.pid")")
 
 # ----- idemgate, one process per store -----
 start_idemgate() { # name backend extra-toml -> sets IG_PORT, IG_PID
@@ -140,6 +145,7 @@ peak_rss_mib() { awk '/VmHWM/ {printf "%.0f", $2/1024}' "/proc/$1/status" 2>/dev
 rows=()
 run() { # label url keys conns [pid] [storm-path]
   local label=$1 url=$2 keys=$3 conns=$4 pid=${5:-} storm=${6:-}
+  if [ -n "${ONLY:-}" ] && ! [[ $label =~ $ONLY ]]; then return 0; fi
   local path="${PATH_:-/orders}"
   [ -n "$storm" ] && path="$storm"
   PATH_="$path" KEYS="$keys" wrk -t1 -c"$conns" -d"${WARMUP}s" -s bench/wrk.lua "$url" >/dev/null 2>&1 || true
@@ -186,7 +192,10 @@ run "duplicate storm, sqlite" "$sqlite" storm "$STORM_CONNS" "$sqlite_pid" /stor
 # run (or the 1M-row load below) left for the checkpointer.
 checkpoint() { psql -q "$DB_URL" -c CHECKPOINT >/dev/null 2>&1 || true; sleep 1; }
 checkpoint
-start_idemgate postgres postgres "url = \"$DB_URL\"
+# The plain rows connect without TLS (sslmode=disable), as before TLS
+# support: comparable with earlier runs. The TLS row shows its cost.
+with_query() { case $1 in *\?*) echo "$1&$2" ;; *) echo "$1?$2" ;; esac; }
+start_idemgate postgres postgres "url = \"$(with_query "$DB_URL" sslmode=disable)\"
 schema = \"$schema\""
 pg="http://127.0.0.1:$IG_PORT"; pg_pid=$IG_PID
 run "fresh keys, postgres" "$pg" fresh "$CONNS" "$pg_pid"
@@ -194,7 +203,52 @@ run "one key replayed, postgres" "$pg" one "$CONNS" "$pg_pid"
 run "100 keys, postgres" "$pg" 100 "$CONNS" "$pg_pid"
 run "duplicate storm, postgres" "$pg" storm "$STORM_CONNS" "$pg_pid" /storm/postgres
 
-start_idemgate redis postgres "url = \"$DB_URL\"
+start_idemgate tls postgres "url = \"$(with_query "$DB_URL" sslmode=require)\"
+schema = \"$schema\""
+tls="http://127.0.0.1:$IG_PORT"; tls_pid=$IG_PID
+checkpoint
+run "fresh keys, postgres over TLS (sslmode=require)" "$tls" fresh "$CONNS" "$tls_pid"
+
+# PgBouncer in transaction pooling mode in front of the same database,
+# with as many server connections as idemgate's pool: pgbouncer=true
+# (unnamed statements, SET LOCAL per call) against the direct rows above.
+if [ -z "${ONLY:-}" ] || [[ "fresh keys, postgres via pgbouncer" =~ $ONLY ]]; then
+  bouncer_port=$(free_port)
+  mkdir -p "$work/pgbouncer"
+  chmod 755 "$work"
+  read -r bh bp bu bpw bdb <<<"$(python3 -c 'import sys,urllib.parse as u; p=u.urlsplit(sys.argv[1]); print(p.hostname or "127.0.0.1", p.port or 5432, p.username or "postgres", u.unquote(p.password or "-"), p.path.lstrip("/") or "postgres")' "$DB_URL")"
+  [ "$bpw" = "-" ] && bpw=""
+  echo "\"$bu\" \"\"" >"$work/pgbouncer/userlist.txt"
+  cat >"$work/pgbouncer/pgbouncer.ini" <<INI
+[databases]
+* = host=$bh port=$bp user=$bu ${bpw:+password=$bpw}
+[pgbouncer]
+listen_addr = 127.0.0.1
+listen_port = $bouncer_port
+unix_socket_dir =
+auth_type = trust
+auth_file = $work/pgbouncer/userlist.txt
+pool_mode = transaction
+default_pool_size = 16
+max_client_conn = 1000
+logfile = $work/pgbouncer/pgbouncer.log
+pidfile = $work/pgbouncer/pgbouncer.pid
+INI
+  # PgBouncer refuses to run as root.
+  as_pg=()
+  if [ "$(id -u)" = 0 ]; then chown -R postgres "$work/pgbouncer"; as_pg=(runuser -u postgres --); fi
+  "${as_pg[@]}" pgbouncer -d "$work/pgbouncer/pgbouncer.ini"
+  for _ in $(seq 50); do [ -s "$work/pgbouncer/pgbouncer.pid" ] && break; sleep 0.1; done
+  pids+=("$(cat "$work/pgbouncer/pgbouncer.pid")")
+  start_idemgate bouncer postgres "url = \"postgres://$bu@127.0.0.1:$bouncer_port/$bdb?pgbouncer=true\"
+schema = \"$schema\""
+  bn="http://127.0.0.1:$IG_PORT"; bn_pid=$IG_PID
+  checkpoint
+  run "fresh keys, postgres via pgbouncer (transaction mode)" "$bn" fresh "$CONNS" "$bn_pid"
+  run "100 keys, postgres via pgbouncer (transaction mode)" "$bn" 100 "$CONNS" "$bn_pid"
+fi
+
+start_idemgate redis postgres "url = \"$(with_query "$DB_URL" sslmode=disable)\"
 schema = \"$schema\"
 [redis]
 url = \"$REDIS_URL\"
@@ -206,6 +260,7 @@ run "one key replayed, postgres + redis" "$rd" one "$CONNS" "$rd_pid"
 run "100 keys, postgres + redis" "$rd" 100 "$CONNS" "$rd_pid"
 run "duplicate storm, postgres + redis" "$rd" storm "$STORM_CONNS" "$rd_pid" /storm/redis
 
+if [ -z "${ONLY:-}" ]; then
 say "loading $LIVE_KEYS live keys into PostgreSQL"
 psql -q "$DB_URL" -v ON_ERROR_STOP=1 -c "
   INSERT INTO $schema.idempotency_records
@@ -238,6 +293,7 @@ EOF
 checkpoint
 pgb=$(pgbench -n -c "$CONNS" -j 1 -T "$DURATION" -f "$work/claim_complete.sql" "$DB_URL" 2>&1 | awk '/^tps/ {printf "%.0f", $3}')
 rows+=("| pgbench: claim + complete statements (requests/s) | $CONNS | $pgb | | | | | | |")
+fi
 
 echo
 echo "| row | conns | req/s | p50 ms | p99 ms | p99.9 ms | non-2xx | peak RSS MiB | upstream executions |"

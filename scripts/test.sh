@@ -99,6 +99,16 @@ install_if_possible redis-server redis-server ||
 install_if_possible redis-cli redis-tools ||
   say "redis-cli is not installed (redis-tools): the Redis Cluster tests will fail saying so"
 
+# The TLS and pooler suites start private servers of their own: a
+# PostgreSQL cluster (initdb from /usr/lib/postgresql/*/bin, run as the
+# `postgres` OS user) and PgBouncer. Install them where we can; the tests
+# say what is missing otherwise.
+if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  say "installing postgresql (apt-get) for the private-cluster tests"
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql) >&2 || true
+fi
+install_if_possible pgbouncer pgbouncer || say "pgbouncer is not installed: the pgbouncer suite will fail (apt-get install pgbouncer)"
+
 read -r phost pport <<<"$(host_port "$IDEMGATE_TEST_DATABASE_URL")"
 if ! answers "$phost" "$pport" && [ -z "${IDEMGATE_IN_PG_VIRTUALENV:-}" ]; then
   if install_if_possible pg_virtualenv postgresql postgresql-common; then

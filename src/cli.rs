@@ -27,6 +27,11 @@ pub enum Command {
     CheckConfig {
         #[arg(long, short, default_value = DEFAULT_CONFIG_PATH, env = "IDEMGATE_CONFIG")]
         config: PathBuf,
+        /// Also connect to the store and run one trivial call (no
+        /// migration): exits 1 naming the cause (refused, TLS not trusted,
+        /// host name mismatch, ...) when it cannot.
+        #[arg(long)]
+        connect: bool,
     },
     /// Run the proxy in front of a built-in demo orders API, on the embedded
     /// SQLite store, and print curl commands to try.

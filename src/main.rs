@@ -11,11 +11,14 @@ const EX_USAGE: u8 = 64;
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Command::CheckConfig { config } => match Config::load(&config) {
+        Command::CheckConfig { config, connect } => match Config::load(&config) {
             Ok(cfg) => {
                 println!("{}: ok\n{}", config.display(), cfg);
                 for w in cfg.warnings() {
                     println!("warning: {w}");
+                }
+                if connect {
+                    return exit(runtime().and_then(|rt| rt.block_on(check_connect(&cfg))));
                 }
                 ExitCode::SUCCESS
             }
@@ -91,6 +94,17 @@ fn load(path: &std::path::Path) -> Option<Config> {
             None
         }
     }
+}
+
+/// `check-config --connect`: one line per store reached.
+async fn check_connect(cfg: &Config) -> anyhow::Result<()> {
+    let reached = idemgate::store::check_connect(cfg)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot connect: {e}"))?;
+    for line in reached {
+        println!("connect: {line}");
+    }
+    Ok(())
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {

@@ -27,13 +27,14 @@ pub mod instrumented;
 pub mod memory;
 pub mod notify;
 mod open;
+pub mod pg_connect;
 pub mod postgres;
 pub mod redis;
 pub(crate) mod sql;
 pub mod sqlite;
 
 pub use crate::idempotency::record::{Record, RecordState, StoredResponse, UnixMillis};
-pub use open::{migrate, open, open_with_metrics, run_migrate};
+pub use open::{check_connect, migrate, open, open_with_metrics, run_migrate};
 
 use crate::idempotency::{Fingerprint, RecordKey};
 use async_trait::async_trait;

@@ -7,7 +7,8 @@
 
 use super::units::{ByteSize, HumanDuration};
 use super::{
-    Backend, LogFormat, OnAmbiguous, OnStoreError, Readiness, SqliteSync, UpstreamProtocol,
+    Backend, LogFormat, MigrationLock, OnAmbiguous, OnStoreError, Readiness, SqliteSync,
+    UpstreamProtocol,
 };
 use crate::idempotency::canonical_json::Pointer;
 use crate::idempotency::decision::{ReleaseStatuses, StatusEntry};
@@ -120,6 +121,7 @@ pub(super) struct RawStore {
     pub(super) pool_size: Option<usize>,
     pub(super) connect_timeout: Option<HumanDuration>,
     pub(super) statement_timeout: Option<HumanDuration>,
+    pub(super) migration_lock: Option<MigrationLock>,
     pub(super) timeout: Option<HumanDuration>,
     pub(super) sweep_interval: Option<HumanDuration>,
     pub(super) sweep_batch: Option<u32>,

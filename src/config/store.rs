@@ -41,6 +41,30 @@ pub enum SqliteSync {
     Normal,
 }
 
+/// How PostgreSQL migrations (and sweeps) keep replicas from colliding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MigrationLock {
+    /// One transaction under `pg_advisory_xact_lock` (PostgreSQL, and
+    /// PgBouncer in transaction mode); sweeps take a try-lock so one
+    /// replica sweeps at a time.
+    Advisory,
+    /// No advisory locks and no transaction around the DDL, for engines
+    /// that lack them (CockroachDB, YugabyteDB): run `idemgate migrate`
+    /// once before starting replicas; concurrent sweeps skip each other's
+    /// rows (`SKIP LOCKED`).
+    None,
+}
+
+impl MigrationLock {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MigrationLock::Advisory => "advisory",
+            MigrationLock::None => "none",
+        }
+    }
+}
+
 /// `Debug` masks the URL's password (see [`mask_url`]).
 #[derive(Clone)]
 pub struct StoreConfig {
@@ -53,6 +77,8 @@ pub struct StoreConfig {
     pub pool_size: usize,
     pub connect_timeout: Duration,
     pub statement_timeout: Duration,
+    /// PostgreSQL only: see [`MigrationLock`].
+    pub migration_lock: MigrationLock,
     pub timeout: Duration,
     pub sweep_interval: Duration,
     pub sweep_batch: u32,
@@ -102,6 +128,11 @@ impl TryFrom<RawStore> for StoreConfig {
                         ),
                     ));
                 }
+                // libpq's TLS parameters and pgbouncer=true: checked here so
+                // check-config names a bad one; files are read at start.
+                crate::store::pg_connect::PgUrl::parse(&u)
+                    .and_then(|url| url.pg_config().map(|_| ()))
+                    .map_err(|e| format!("store.url: {e}"))?;
                 Some(u)
             }
             Backend::Sqlite | Backend::Memory => {
@@ -136,12 +167,13 @@ impl TryFrom<RawStore> for StoreConfig {
             ("store.schema", s.schema.is_some()),
             ("store.connect_timeout", s.connect_timeout.is_some()),
             ("store.statement_timeout", s.statement_timeout.is_some()),
+            ("store.migration_lock", s.migration_lock.is_some()),
         ];
         if let Some((key, _)) = postgres_only
             .iter()
             .find(|(_, set)| *set && backend != Backend::Postgres)
         {
-            return Err(Invalid::field(*key, "store.pool_size, store.schema, store.connect_timeout and store.statement_timeout only apply to backend = \"postgres\""));
+            return Err(Invalid::field(*key, "store.pool_size, store.schema, store.connect_timeout, store.statement_timeout and store.migration_lock only apply to backend = \"postgres\""));
         }
         let pool_size = at_least_one(
             "store.pool_size",
@@ -179,6 +211,7 @@ impl TryFrom<RawStore> for StoreConfig {
             pool_size,
             connect_timeout: dur(s.connect_timeout, DEFAULT_PG_CONNECT_TIMEOUT),
             statement_timeout: dur(s.statement_timeout, DEFAULT_PG_STATEMENT_TIMEOUT),
+            migration_lock: s.migration_lock.unwrap_or(MigrationLock::Advisory),
             timeout,
             sweep_interval,
             sweep_batch,
@@ -224,6 +257,7 @@ impl fmt::Debug for StoreConfig {
             .field("pool_size", &self.pool_size)
             .field("connect_timeout", &self.connect_timeout)
             .field("statement_timeout", &self.statement_timeout)
+            .field("migration_lock", &self.migration_lock)
             .field("timeout", &self.timeout)
             .field("sweep_interval", &self.sweep_interval)
             .field("sweep_batch", &self.sweep_batch)

@@ -11,16 +11,19 @@
 //!
 //! The connection is not from the store's pool, so waiters never take a
 //! pool slot; it reconnects with a capped backoff while PostgreSQL is away.
+//! It is opened like the store's ([`PgTarget`]: TLS as `sslmode` says).
+//! Behind a transaction pooler (`pgbouncer=true`) `LISTEN` cannot work (the
+//! session is not kept), so notifications are off and waiters poll.
 
+use super::pg_connect::{MakeRustls, PgTarget};
 use crate::config::StoreConfig;
 use crate::lease::Backoff;
 use sha2::{Digest, Sha256};
-use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
-use tokio_postgres::{AsyncMessage, NoTls};
+use tokio_postgres::AsyncMessage;
 use tracing::{debug, info, warn};
 
 /// Notifications queued for sending, at most; more are dropped (waiters
@@ -44,13 +47,23 @@ impl KeyNotifier {
     /// a missing or malformed `store.url`.
     pub fn spawn(cfg: &StoreConfig, on_notify: OnNotify) -> Result<Self, String> {
         let url = cfg.url.as_deref().ok_or("store.url is not set")?;
-        let mut pg =
-            tokio_postgres::Config::from_str(url).map_err(|e| format!("invalid store.url: {e}"))?;
+        let target = PgTarget::new(url).map_err(|e| format!("store.url: {e}"))?;
+        let (tx, mut rx) = mpsc::channel(QUEUE);
+        if target.url.pgbouncer {
+            info!("key notifications are off behind a transaction pooler (LISTEN needs a session); waiting duplicates poll the store");
+            let task = tokio::spawn(async move { while rx.recv().await.is_some() {} });
+            return Ok(Self { tx, task });
+        }
+        let mut pg = target.config.clone();
         pg.connect_timeout(cfg.connect_timeout)
             .keepalives(true)
             .application_name("idemgate-notify");
-        let (tx, rx) = mpsc::channel(QUEUE);
-        let task = tokio::spawn(run(pg, channel(&cfg.schema), rx, on_notify));
+        let task = tokio::spawn(run(
+            Session { pg, target },
+            channel(&cfg.schema),
+            rx,
+            on_notify,
+        ));
         Ok(Self { tx, task })
     }
 
@@ -75,12 +88,15 @@ pub fn channel(schema: &str) -> String {
     format!("idemgate_keys_{}", hex::encode(&digest[..8]))
 }
 
-async fn run(
+/// How the listening connection is opened.
+struct Session {
     pg: tokio_postgres::Config,
-    channel: String,
-    mut rx: mpsc::Receiver<String>,
-    on_notify: OnNotify,
-) {
+    /// The store URL's target: its TLS connector, and messages that name
+    /// the host and the cause.
+    target: PgTarget,
+}
+
+async fn run(pg: Session, channel: String, mut rx: mpsc::Receiver<String>, on_notify: OnNotify) {
     let mut failures = 0;
     loop {
         let mut listening = false;
@@ -107,13 +123,18 @@ const BATCH: usize = 256;
 /// is dropped (`Ok`). What is queued goes out in batches: one round trip
 /// for all the keys finished meanwhile.
 async fn session(
-    pg: &tokio_postgres::Config,
+    pg: &Session,
     channel: &str,
     rx: &mut mpsc::Receiver<String>,
     on_notify: &OnNotify,
     listening: &mut bool,
 ) -> Result<(), String> {
-    let (client, mut conn) = pg.connect(NoTls).await.map_err(|e| e.to_string())?;
+    let tls: MakeRustls = pg.target.tls.clone();
+    let (client, mut conn) = pg
+        .pg
+        .connect(tls)
+        .await
+        .map_err(|e| pg.target.describe(&e))?;
     let incoming = async {
         loop {
             match std::future::poll_fn(|cx| conn.poll_message(cx)).await {

@@ -11,29 +11,48 @@
 //! heals by itself), and the mapping of every failure to [`StoreError`].
 //! Claims commit with the server's `synchronous_commit` (durable): the
 //! upstream is only called after the claim is remembered.
+//!
+//! Connections are opened by [`super::pg_connect`] (TLS as libpq's
+//! `sslmode` says). With `pgbouncer=true` in the URL a transaction-pooling
+//! PgBouncer is in front, where one client's statements may run on a
+//! different server connection each transaction: then no statement is
+//! prepared by name (each is sent unnamed with its parameter types,
+//! `query_typed`), and no session state is set at connect (PgBouncer
+//! refuses the `options` startup parameter): every call runs in a
+//! transaction that sets `statement_timeout` and the planner settings with
+//! `SET LOCAL`. That costs one more round trip per call (`BEGIN` is
+//! pipelined with the first statement; `COMMIT` is not).
+//!
+//! A call that PostgreSQL aborts for a serialization failure or a deadlock
+//! (SQLSTATE 40001, 40P01: a `SERIALIZABLE` default isolation, or a
+//! distributed engine) changed nothing, so it is run again, a few times
+//! with a short jittered pause ([`is_conflict`], [`conflict_pause`]),
+//! within the call's deadline.
 
 use super::batch::Batcher;
 use super::codec::array_from;
 use super::codec::RecordRow;
+use super::pg_connect::PgTarget;
 use super::sql::{Dialect, KeyParams, OwnerParams, Statements};
 use super::{
     is_claimable, Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, RecordState, Span,
     Store, StoreError, UnixMillis,
 };
-use crate::config::StoreConfig;
+use crate::config::{MigrationLock, StoreConfig};
 use crate::idempotency::RecordKey;
 use crate::idempotency::Scope;
 use async_trait::async_trait;
 use deadpool_postgres::{
-    Manager, ManagerConfig, Object, Pool, PoolError, RecyclingMethod, Runtime,
+    ClientWrapper, Manager, ManagerConfig, Object, Pool, PoolError, RecyclingMethod, Runtime,
+    TimeoutType,
 };
-use std::str::FromStr;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 use tokio::sync::OnceCell;
 use tokio::time::Instant;
 use tokio_postgres::error::SqlState;
-use tokio_postgres::NoTls;
+use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::Row;
 
 /// Ordered schema migrations (the text lives with the SQLite twin in
 /// `store/sql.rs`); `{schema}` is replaced by the quoted schema name.
@@ -47,6 +66,17 @@ const SWEEP_LOCK: i32 = 0x1de6_0002;
 /// A claim that loses a race with a release or sweep between its two
 /// statements retries; more than this many losses in a row is pathological.
 const CLAIM_ATTEMPTS: usize = 5;
+
+/// Runs of one call that PostgreSQL aborted for a serialization failure or
+/// deadlock ([`is_conflict`]): each run changed nothing, so running it
+/// again is safe; more than a few in a row means heavy contention, which a
+/// 503 reports better than a longer wait.
+const CONFLICT_ATTEMPTS: u32 = 4;
+
+/// The pause before the first rerun of a conflicted call; doubled each
+/// time, and a random part added so that the calls that collided do not
+/// collide again.
+const CONFLICT_PAUSE: Duration = Duration::from_millis(5);
 
 /// Detects a half-open connection (peer vanished without FIN) well before
 /// the kernel's default of ~15 minutes of retransmissions.
@@ -97,12 +127,23 @@ struct Core {
     /// Added to the server's clock in every statement: zero, except in
     /// tests that play time forward ([`PostgresStore::with_clock_offset`]).
     clock_offset_ms: i64,
+    /// Where the database is, for messages.
+    target: PgTarget,
+    /// `pgbouncer=true`: the statement that opens every call's transaction
+    /// and sets the session options in it (see the module docs).
+    pooled: Option<String>,
+    migration_lock: MigrationLock,
 }
+
+/// One statement parameter with its type: the type is what an unnamed
+/// statement (behind a pooler) is parsed with.
+type Param<'a> = (&'a (dyn ToSql + Sync), Type);
 
 impl PostgresStore {
     /// Builds the pool without connecting: PostgreSQL being down at start is
     /// not an error, operations fail with [`StoreError`] until it answers.
-    /// Only a missing or malformed `store.url` fails here.
+    /// Only a missing or malformed `store.url`, or a certificate file it
+    /// names that cannot be read, fails here.
     pub async fn connect(cfg: &StoreConfig) -> Result<Self, StoreError> {
         Ok(Self {
             core: Arc::new(Core::connect(cfg).await?),
@@ -123,6 +164,36 @@ impl PostgresStore {
     /// The schema this store lives in.
     pub fn schema(&self) -> &str {
         &self.core.schema
+    }
+
+    /// Connects and runs one trivial statement, without migrating
+    /// (`check-config --connect`); the error names the cause.
+    pub async fn probe(&self) -> Result<(), StoreError> {
+        let core = &self.core;
+        let deadline = core.deadline();
+        let client = core.connection(deadline).await?;
+        let res = tokio::time::timeout_at(deadline, client.simple_query("SELECT 1")).await;
+        core.settle(client, res).map(|_| ())
+    }
+
+    /// `host:port` of the database (every host the URL names).
+    pub fn endpoint(&self) -> &str {
+        &self.core.target.endpoint
+    }
+
+    /// Where the database is (`host:port`) and the TLS mode, for messages.
+    pub fn describe_target(&self) -> String {
+        let url = &self.core.target.url;
+        format!(
+            "postgres at {} (sslmode={}{})",
+            self.core.target.endpoint,
+            url.sslmode.as_str(),
+            if url.pgbouncer {
+                ", pgbouncer=true"
+            } else {
+                ""
+            }
+        )
     }
 
     /// Applies pending migrations; returns how many ran now (0 when current).
@@ -168,30 +239,52 @@ fn quote_ident(name: &str) -> String {
 impl Core {
     /// Builds the pool without connecting: PostgreSQL being down at start is
     /// not an error, operations fail with [`StoreError`] until it answers.
-    /// Only a missing or malformed `store.url` fails here.
+    /// Only a missing or malformed `store.url`, or a certificate file it
+    /// names that cannot be read, fails here.
     pub async fn connect(cfg: &StoreConfig) -> Result<Self, StoreError> {
         let url = cfg
             .url
             .as_deref()
             .ok_or_else(|| StoreError::Unavailable("store.url is not set".into()))?;
-        // The parser's messages name the bad part, never the password.
-        let mut pg = tokio_postgres::Config::from_str(url)
-            .map_err(|err| StoreError::Unavailable(format!("invalid store.url: {err}")))?;
+        let target = PgTarget::new(url)
+            .map_err(|err| StoreError::Unavailable(format!("store.url: {err}")))?;
+        let mut pg = target.config.clone();
         // Every statement here looks records up by primary key. A table that
         // grew since it was last analyzed (a new deployment's first minutes,
         // autoanalyze runs once a minute) made the planner scan it for the
         // batched claims, each batch slower than the last; these make it
         // keep to the index.
-        let statement_timeout = format!(
-            "-c statement_timeout={} -c enable_seqscan=off -c enable_hashjoin=off -c enable_mergejoin=off",
-            cfg.statement_timeout.as_millis().max(1)
-        );
-        let options = match pg.get_options() {
-            Some(o) if !o.trim().is_empty() => format!("{o} {statement_timeout}"),
-            _ => statement_timeout,
+        let settings = [
+            (
+                "statement_timeout",
+                cfg.statement_timeout.as_millis().max(1).to_string(),
+            ),
+            ("enable_seqscan", "off".to_string()),
+            ("enable_hashjoin", "off".to_string()),
+            ("enable_mergejoin", "off".to_string()),
+        ];
+        let pooled = if target.url.pgbouncer {
+            // PgBouncer refuses the `options` startup parameter: set them
+            // per transaction instead.
+            let mut begin = String::from("BEGIN");
+            for (name, value) in &settings {
+                begin.push_str(&format!("; SET LOCAL {name} = {value}"));
+            }
+            Some(begin)
+        } else {
+            let session = settings
+                .iter()
+                .map(|(name, value)| format!("-c {name}={value}"))
+                .collect::<Vec<_>>()
+                .join(" ");
+            let options = match pg.get_options() {
+                Some(o) if !o.trim().is_empty() => format!("{o} {session}"),
+                _ => session,
+            };
+            pg.options(options);
+            None
         };
-        pg.options(options)
-            .connect_timeout(cfg.connect_timeout)
+        pg.connect_timeout(cfg.connect_timeout)
             .keepalives(true)
             .keepalives_idle(KEEPALIVE_IDLE)
             .tcp_user_timeout(TCP_USER_TIMEOUT);
@@ -200,7 +293,7 @@ impl Core {
         }
         let manager = Manager::from_config(
             pg,
-            NoTls,
+            target.tls.clone(),
             // Fast: only `is_closed()` on checkout, so a claim stays one round
             // trip; a connection that dies mid-call is discarded by `settle`.
             ManagerConfig {
@@ -225,6 +318,9 @@ impl Core {
             timeout: cfg.timeout,
             sql: Statements::new(Dialect::Postgres, &table),
             clock_offset_ms: 0,
+            target,
+            pooled,
+            migration_lock: cfg.migration_lock,
         })
     }
 
@@ -235,66 +331,83 @@ impl Core {
     }
 
     async fn run_migrations(&self) -> Result<u32, StoreError> {
-        let mut client = self.pool.get().await.map_err(pool_err)?;
+        let client = InUse(Some(self.pool.get().await.map_err(|e| self.pool_err(e))?));
+        // Migrations run rarely: unnamed statements in every mode, so the
+        // one code path works behind a pooler too.
+        let locked = self.migration_lock == MigrationLock::Advisory;
+        let on: &ClientWrapper = &client;
+        let res = self.unit(on, locked, || self.migrate_on(on, locked)).await;
+        let applied = self.settle(client, Ok(res))?;
+        if applied > 0 {
+            tracing::info!(schema = %self.schema, applied, "postgres migrations applied");
+        }
+        Ok(applied)
+    }
+
+    /// The migrations, inside [`Core::unit`]'s transaction when `locked`
+    /// (then under the advisory lock, so replicas wait for each other);
+    /// without it each statement commits on its own.
+    async fn migrate_on(
+        &self,
+        client: &ClientWrapper,
+        locked: bool,
+    ) -> Result<u32, tokio_postgres::Error> {
         let schema = quote_ident(&self.schema);
-        let tx = client.transaction().await.map_err(pg_err)?;
-        tx.execute(
-            "SELECT pg_advisory_xact_lock($1, hashtext($2))",
-            &[&MIGRATION_LOCK, &self.schema],
-        )
-        .await
-        .map_err(pg_err)?;
+        if locked {
+            client
+                .query_typed(
+                    "SELECT pg_advisory_xact_lock($1, hashtext($2))",
+                    &[(&MIGRATION_LOCK, Type::INT4), (&self.schema, Type::TEXT)],
+                )
+                .await?;
+        }
         // Checked first: CREATE SCHEMA IF NOT EXISTS still needs the CREATE
         // privilege, which a role given a ready-made schema may lack.
-        let exists = tx
-            .query_opt(
+        let exists = !client
+            .query_typed(
                 "SELECT 1 FROM pg_namespace WHERE nspname = $1",
-                &[&self.schema],
+                &[(&self.schema, Type::TEXT)],
             )
-            .await
-            .map_err(pg_err)?
-            .is_some();
+            .await?
+            .is_empty();
         if !exists {
-            tx.batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {schema}"))
-                .await
-                .map_err(pg_err)?;
+            client
+                .batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {schema}"))
+                .await?;
         }
-        tx.batch_execute(&format!(
-            "CREATE TABLE IF NOT EXISTS {schema}.idemgate_migrations (\
-               version int PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
-        ))
-        .await
-        .map_err(pg_err)?;
-        let current: i32 = tx
-            .query_one(
+        client
+            .batch_execute(&format!(
+                "CREATE TABLE IF NOT EXISTS {schema}.idemgate_migrations (\
+                   version int PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
+            ))
+            .await?;
+        let current: i32 = client
+            .query_typed(
                 &format!("SELECT coalesce(max(version), 0) FROM {schema}.idemgate_migrations"),
                 &[],
             )
-            .await
-            .map_err(pg_err)?
-            .get(0);
+            .await?
+            .first()
+            .map(|row| row.get(0))
+            .unwrap_or(0);
         let mut applied = 0;
         for (i, sql) in MIGRATIONS.iter().enumerate() {
             let version = i as i32 + 1;
             if version <= current {
                 continue;
             }
-            tx.batch_execute(&sql.replace("{schema}", &schema))
-                .await
-                .map_err(pg_err)?;
-            tx.execute(
-                &format!(
-                    "INSERT INTO {schema}.idemgate_migrations (version, applied_at) VALUES ($1, now())"
-                ),
-                &[&version],
-            )
-            .await
-            .map_err(pg_err)?;
+            client
+                .batch_execute(&sql.replace("{schema}", &schema))
+                .await?;
+            client
+                .execute_typed(
+                    &format!(
+                        "INSERT INTO {schema}.idemgate_migrations (version, applied_at) VALUES ($1, now())"
+                    ),
+                    &[(&version, Type::INT4)],
+                )
+                .await?;
             applied += 1;
-        }
-        tx.commit().await.map_err(pg_err)?;
-        if applied > 0 {
-            tracing::info!(schema = %self.schema, applied, "postgres migrations applied");
         }
         Ok(applied)
     }
@@ -305,12 +418,20 @@ impl Core {
         let ready = async {
             self.migrated
                 .get_or_try_init(|| async { self.run_migrations().await.map(|_| ()) })
-                .await?;
-            self.pool.get().await.map_err(pool_err)
+                .await
         };
-        let object = tokio::time::timeout_at(deadline, ready)
+        tokio::time::timeout_at(deadline, ready)
             .await
             .map_err(|_| StoreError::Timeout)??;
+        self.connection(deadline).await
+    }
+
+    /// A pooled connection, before `deadline`.
+    async fn connection(&self, deadline: Instant) -> Result<InUse, StoreError> {
+        let object = tokio::time::timeout_at(deadline, self.pool.get())
+            .await
+            .map_err(|_| StoreError::Timeout)?
+            .map_err(|e| self.pool_err(e))?;
         Ok(InUse(Some(object)))
     }
 
@@ -318,21 +439,174 @@ impl Core {
         Instant::now() + self.timeout
     }
 
-    /// One prepared statement that returns a row count, within the deadline.
-    async fn execute(
-        &self,
-        sql: &str,
-        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
-    ) -> Result<u64, StoreError> {
+    /// One statement that returns a row count, as one call.
+    async fn write(&self, sql: &str, params: &[Param<'_>]) -> Result<u64, StoreError> {
         let deadline = self.deadline();
         let client = self.checkout(deadline).await?;
-        let res = tokio::time::timeout_at(deadline, async {
-            let stmt = client.prepare_cached(sql).await?;
-            client.execute(&stmt, params).await
-        })
+        let res = tokio::time::timeout_at(
+            deadline,
+            self.unit(&client, false, || self.execute(&client, sql, params)),
+        )
         .await;
-        settle(client, res)
+        self.settle(client, res)
     }
+
+    /// One statement that returns rows, as one call.
+    async fn read(&self, sql: &str, params: &[Param<'_>]) -> Result<Vec<Row>, StoreError> {
+        let deadline = self.deadline();
+        let client = self.checkout(deadline).await?;
+        let res = tokio::time::timeout_at(
+            deadline,
+            self.unit(&client, false, || self.query(&client, sql, params)),
+        )
+        .await;
+        self.settle(client, res)
+    }
+
+    /// One statement, for its rows: prepared once per connection and
+    /// cached, or behind a pooler sent unnamed with its parameter types.
+    async fn query(
+        &self,
+        client: &ClientWrapper,
+        sql: &str,
+        params: &[Param<'_>],
+    ) -> Result<Vec<Row>, tokio_postgres::Error> {
+        if self.pooled.is_some() {
+            return client.query_typed(sql, params).await;
+        }
+        let stmt = client.prepare_cached(sql).await?;
+        let values: Vec<&(dyn ToSql + Sync)> = params.iter().map(|(v, _)| *v).collect();
+        client.query(&stmt, &values).await
+    }
+
+    /// [`Core::query`] for a row count.
+    async fn execute(
+        &self,
+        client: &ClientWrapper,
+        sql: &str,
+        params: &[Param<'_>],
+    ) -> Result<u64, tokio_postgres::Error> {
+        if self.pooled.is_some() {
+            return client.execute_typed(sql, params).await;
+        }
+        let stmt = client.prepare_cached(sql).await?;
+        let values: Vec<&(dyn ToSql + Sync)> = params.iter().map(|(v, _)| *v).collect();
+        client.execute(&stmt, &values).await
+    }
+
+    /// Runs `body` on `client` as one unit: behind a pooler (or when
+    /// `transaction`) inside a transaction (behind a pooler one that sets
+    /// the session options first); run again when PostgreSQL aborted it
+    /// for a serialization failure or deadlock, which changed nothing.
+    async fn unit<T, F>(
+        &self,
+        client: &ClientWrapper,
+        transaction: bool,
+        body: impl Fn() -> F,
+    ) -> Result<T, tokio_postgres::Error>
+    where
+        F: std::future::Future<Output = Result<T, tokio_postgres::Error>>,
+    {
+        let begin = match &self.pooled {
+            Some(begin) => Some(begin.as_str()),
+            None if transaction => Some("BEGIN"),
+            None => None,
+        };
+        let mut attempt = 1;
+        loop {
+            let res = match begin {
+                None => body().await,
+                Some(begin) => {
+                    // `BEGIN` goes out back to back with the body's first
+                    // statement (tokio-postgres sends requests in the order
+                    // they are first polled, without waiting for answers):
+                    // one round trip for both. Should `BEGIN` fail, the
+                    // statement fails too (an aborted transaction or a dead
+                    // connection), and the connection is never handed back
+                    // inside a transaction.
+                    let (began, res) = tokio::join!(biased; client.batch_execute(begin), body());
+                    let end = if began.is_ok() && res.is_ok() {
+                        "COMMIT"
+                    } else {
+                        "ROLLBACK"
+                    };
+                    let ended = client.batch_execute(end).await;
+                    match (began, res, ended) {
+                        (Err(e), _, _) | (Ok(()), Err(e), _) | (Ok(()), Ok(_), Err(e)) => Err(e),
+                        (Ok(()), Ok(v), Ok(())) => Ok(v),
+                    }
+                }
+            };
+            match res {
+                Err(err) if attempt < CONFLICT_ATTEMPTS && is_conflict(&err) => {
+                    tracing::debug!(error = %self.pg_err(err), attempt, "postgres aborted a call; running it again");
+                    tokio::time::sleep(conflict_pause(attempt, rand::random())).await;
+                    attempt += 1;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// Ends a call: an answered call's connection goes back to the pool; a
+    /// timed-out one may be wedged mid-statement, so it is dropped (see
+    /// [`InUse`]).
+    fn settle<T>(
+        &self,
+        mut client: InUse,
+        res: Result<Result<T, tokio_postgres::Error>, tokio::time::error::Elapsed>,
+    ) -> Result<T, StoreError> {
+        let answered = res.is_ok();
+        if answered {
+            drop(client.0.take());
+        }
+        match res {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(err)) => Err(self.pg_err(err)),
+            Err(_) => Err(StoreError::Timeout),
+        }
+    }
+
+    fn pg_err(&self, err: tokio_postgres::Error) -> StoreError {
+        if err.code() == Some(&SqlState::QUERY_CANCELED) {
+            // statement_timeout fired.
+            return StoreError::Timeout;
+        }
+        StoreError::Unavailable(self.target.describe(&err))
+    }
+
+    fn pool_err(&self, err: PoolError) -> StoreError {
+        match err {
+            // Nothing was sent: the call certainly did nothing.
+            PoolError::Timeout(TimeoutType::Create) => StoreError::Unavailable(format!(
+                "postgres at {}: connecting timed out",
+                self.target.endpoint
+            )),
+            PoolError::Timeout(_) => StoreError::Timeout,
+            PoolError::Backend(err) => self.pg_err(err),
+            other => StoreError::Unavailable(format!("postgres pool: {other}")),
+        }
+    }
+}
+
+/// A serialization failure or a deadlock: PostgreSQL aborted the statement
+/// (or transaction), so it changed nothing and may run again.
+fn is_conflict(err: &tokio_postgres::Error) -> bool {
+    is_conflict_code(err.code())
+}
+
+fn is_conflict_code(code: Option<&SqlState>) -> bool {
+    code == Some(&SqlState::T_R_SERIALIZATION_FAILURE)
+        || code == Some(&SqlState::T_R_DEADLOCK_DETECTED)
+}
+
+/// The pause before rerun `attempt` (1-based) of a conflicted call:
+/// [`CONFLICT_PAUSE`] doubled per attempt, plus up to as much again picked
+/// by `random`.
+fn conflict_pause(attempt: u32, random: u32) -> Duration {
+    let base = CONFLICT_PAUSE * 2u32.saturating_pow(attempt.saturating_sub(1)).min(64);
+    let jitter_ms = u64::from(random) % (base.as_millis() as u64).max(1);
+    base + Duration::from_millis(jitter_ms)
 }
 
 /// A pooled connection in the middle of one call. Only [`settle`] puts it
@@ -360,44 +634,6 @@ impl Drop for InUse {
         if let Some(object) = self.0.take() {
             drop(Object::take(object));
         }
-    }
-}
-
-/// Ends a call: an answered call's connection goes back to the pool; a
-/// timed-out one may be wedged mid-statement, so it is dropped (see [`InUse`]).
-fn settle<T>(
-    mut client: InUse,
-    res: Result<Result<T, tokio_postgres::Error>, tokio::time::error::Elapsed>,
-) -> Result<T, StoreError> {
-    let answered = res.is_ok();
-    if answered {
-        drop(client.0.take());
-    }
-    match res {
-        Ok(Ok(v)) => Ok(v),
-        Ok(Err(err)) => Err(pg_err(err)),
-        Err(_) => Err(StoreError::Timeout),
-    }
-}
-
-fn pg_err(err: tokio_postgres::Error) -> StoreError {
-    if err.code() == Some(&SqlState::QUERY_CANCELED) {
-        // statement_timeout fired.
-        return StoreError::Timeout;
-    }
-    match err.as_db_error() {
-        Some(db) => {
-            StoreError::Unavailable(format!("postgres: {} ({})", db.message(), db.code().code()))
-        }
-        None => StoreError::Unavailable(format!("postgres: {err}")),
-    }
-}
-
-fn pool_err(err: PoolError) -> StoreError {
-    match err {
-        PoolError::Timeout(_) => StoreError::Timeout,
-        PoolError::Backend(err) => pg_err(err),
-        other => StoreError::Unavailable(format!("postgres pool: {other}")),
     }
 }
 
@@ -466,38 +702,109 @@ impl Core {
         out
     }
 
+    /// The claim's statements on `client`: one round trip in the common
+    /// cases, more when it races with a release or sweep.
+    async fn claim_on(
+        &self,
+        client: &ClientWrapper,
+        claim: &Claim,
+    ) -> Result<Result<ClaimOutcome, StoreError>, tokio_postgres::Error> {
+        let key = KeyParams::new(&claim.key);
+        let fingerprint = &claim.fingerprint.0[..];
+        let token = &claim.token.0[..];
+        let params: [Param<'_>; 7] = [
+            (&key.scope, Type::BYTEA),
+            (&key.key, Type::BYTEA),
+            (&fingerprint, Type::BYTEA),
+            (&token, Type::BYTEA),
+            (&claim.lease_ms, Type::INT8),
+            (&self.clock_offset_ms, Type::INT8),
+            (&claim.ttl_ms, Type::INT8),
+        ];
+        // One round trip in the common cases: it claims, or it finds a
+        // live record and writes nothing (a replay takes no row lock).
+        let rows = self.query(client, &self.sql.claim_or_read, &params).await?;
+        let Some(row) = rows.first() else {
+            return Ok(Err(StoreError::Corrupt("the claim answered no row".into())));
+        };
+        if let Some(takeover) = row.get::<_, Option<bool>>(0) {
+            return Ok(Ok(ClaimOutcome::Claimed { takeover }));
+        }
+        if row.get::<_, Option<Vec<u8>>>(2).is_some() {
+            let server_now: i64 = row.get(1);
+            match decode_row_at(row, 2).map(|r| shifted(r, claim.now - server_now)) {
+                Ok(record) if !is_claimable(&record, &claim.fingerprint, claim.now) => {
+                    return Ok(Ok(ClaimOutcome::Existing(record)))
+                }
+                Ok(_) => {}
+                Err(err) => return Ok(Err(err)),
+            }
+        }
+        // A concurrent claim, release or sweep changed the record between
+        // this statement's snapshot and its insert: settle it the long way.
+        for _ in 0..CLAIM_ATTEMPTS {
+            let rows = self.query(client, &self.sql.claim, &params).await?;
+            if let Some(row) = rows.first() {
+                return Ok(Ok(ClaimOutcome::Claimed {
+                    takeover: row.get(0),
+                }));
+            }
+            // A live record is there. This SELECT is a new snapshot, so it
+            // sees the row the claim conflicted with, unless that was
+            // released or swept in between: then claim again. It may also
+            // have changed in between: a record that is claimable by now
+            // is claimed again rather than reported as live.
+            let rows = self
+                .query(
+                    client,
+                    &self.sql.select_at,
+                    &[
+                        (&key.scope, Type::BYTEA),
+                        (&key.key, Type::BYTEA),
+                        (&self.clock_offset_ms, Type::INT8),
+                    ],
+                )
+                .await?;
+            if let Some(row) = rows.first() {
+                let server_now: i64 = row.get(8);
+                let record = decode_row(row).map(|r| shifted(r, claim.now - server_now));
+                match record {
+                    Ok(record) if is_claimable(&record, &claim.fingerprint, claim.now) => continue,
+                    Ok(record) => return Ok(Ok(ClaimOutcome::Existing(record))),
+                    Err(err) => return Ok(Err(err)),
+                }
+            }
+        }
+        Ok(Err(StoreError::Unavailable(format!(
+            "claim raced with concurrent deletes {CLAIM_ATTEMPTS} times"
+        ))))
+    }
+
     /// One multi-row claim; `None` for a key the statement could not settle.
     async fn claim_batch(
         &self,
         claims: &[Claim],
     ) -> Result<Vec<Option<Result<ClaimOutcome, StoreError>>>, StoreError> {
-        let deadline = self.deadline();
-        let client = self.checkout(deadline).await?;
         let scopes: Vec<&[u8]> = claims.iter().map(|c| &c.key.scope.0[..]).collect();
         let keys: Vec<&[u8]> = claims.iter().map(|c| &c.key.key[..]).collect();
         let fingerprints: Vec<&[u8]> = claims.iter().map(|c| &c.fingerprint.0[..]).collect();
         let tokens: Vec<&[u8]> = claims.iter().map(|c| &c.token.0[..]).collect();
         let leases: Vec<i64> = claims.iter().map(|c| c.lease_ms).collect();
         let ttls: Vec<i64> = claims.iter().map(|c| c.ttl_ms).collect();
-        let res = tokio::time::timeout_at(deadline, async {
-            let stmt = client.prepare_cached(&self.sql.claim_many).await?;
-            client
-                .query(
-                    &stmt,
-                    &[
-                        &scopes,
-                        &keys,
-                        &fingerprints,
-                        &tokens,
-                        &leases,
-                        &ttls,
-                        &self.clock_offset_ms,
-                    ],
-                )
-                .await
-        })
-        .await;
-        let rows = settle(client, res)?;
+        let rows = self
+            .read(
+                &self.sql.claim_many,
+                &[
+                    (&scopes, Type::BYTEA_ARRAY),
+                    (&keys, Type::BYTEA_ARRAY),
+                    (&fingerprints, Type::BYTEA_ARRAY),
+                    (&tokens, Type::BYTEA_ARRAY),
+                    (&leases, Type::INT8_ARRAY),
+                    (&ttls, Type::INT8_ARRAY),
+                    (&self.clock_offset_ms, Type::INT8),
+                ],
+            )
+            .await?;
         if rows.len() != claims.len() {
             return Err(StoreError::Corrupt(format!(
                 "a batched claim of {} keys answered {} rows",
@@ -562,8 +869,6 @@ impl Core {
         &self,
         items: &[Completing],
     ) -> Result<std::collections::HashSet<RecordKey>, StoreError> {
-        let deadline = self.deadline();
-        let client = self.checkout(deadline).await?;
         let columns: Vec<_> = items.iter().map(|c| c.completion.columns()).collect();
         let scopes: Vec<&[u8]> = items.iter().map(|c| &c.key.scope.0[..]).collect();
         let keys: Vec<&[u8]> = items.iter().map(|c| &c.key.key[..]).collect();
@@ -573,27 +878,22 @@ impl Core {
         let headers: Vec<Option<&[u8]>> = columns.iter().map(|c| c.headers.as_deref()).collect();
         let bodies: Vec<Option<&[u8]>> = columns.iter().map(|c| c.body).collect();
         let keeps: Vec<i64> = items.iter().map(|c| c.keep.ms).collect();
-        let res = tokio::time::timeout_at(deadline, async {
-            let stmt = client.prepare_cached(&self.sql.complete_many).await?;
-            client
-                .query(
-                    &stmt,
-                    &[
-                        &scopes,
-                        &keys,
-                        &tokens,
-                        &states,
-                        &statuses,
-                        &headers,
-                        &bodies,
-                        &keeps,
-                        &self.clock_offset_ms,
-                    ],
-                )
-                .await
-        })
-        .await;
-        let rows = settle(client, res)?;
+        let rows = self
+            .read(
+                &self.sql.complete_many,
+                &[
+                    (&scopes, Type::BYTEA_ARRAY),
+                    (&keys, Type::BYTEA_ARRAY),
+                    (&tokens, Type::BYTEA_ARRAY),
+                    (&states, Type::TEXT_ARRAY),
+                    (&statuses, Type::INT4_ARRAY),
+                    (&headers, Type::BYTEA_ARRAY),
+                    (&bodies, Type::BYTEA_ARRAY),
+                    (&keeps, Type::INT8_ARRAY),
+                    (&self.clock_offset_ms, Type::INT8),
+                ],
+            )
+            .await?;
         rows.iter()
             .map(|row| {
                 let scope: &[u8] = row.get(0);
@@ -672,84 +972,12 @@ impl Store for Core {
     async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
         let deadline = self.deadline();
         let client = self.checkout(deadline).await?;
-        let key = KeyParams::new(&claim.key);
-        let res = tokio::time::timeout_at(deadline, async {
-            // One round trip in the common cases: it claims, or it finds a
-            // live record and writes nothing (a replay takes no row lock).
-            let stmt = client.prepare_cached(&self.sql.claim_or_read).await?;
-            let params = [
-                &key.scope as &(dyn tokio_postgres::types::ToSql + Sync),
-                &key.key,
-                &&claim.fingerprint.0[..],
-                &&claim.token.0[..],
-                &claim.lease_ms,
-                &self.clock_offset_ms,
-                &claim.ttl_ms,
-            ];
-            let row = client.query_one(&stmt, &params).await?;
-            if let Some(takeover) = row.get::<_, Option<bool>>(0) {
-                return Ok(Ok(ClaimOutcome::Claimed { takeover }));
-            }
-            if row.get::<_, Option<Vec<u8>>>(2).is_some() {
-                let server_now: i64 = row.get(1);
-                match decode_row_at(&row, 2).map(|r| shifted(r, claim.now - server_now)) {
-                    Ok(record) if !is_claimable(&record, &claim.fingerprint, claim.now) => {
-                        return Ok(Ok(ClaimOutcome::Existing(record)))
-                    }
-                    Ok(_) => {}
-                    Err(err) => return Ok(Err(err)),
-                }
-            }
-            // A concurrent claim, release or sweep changed the record between
-            // this statement's snapshot and its insert: settle it the long way.
-            for _ in 0..CLAIM_ATTEMPTS {
-                let stmt = client.prepare_cached(&self.sql.claim).await?;
-                let row = client
-                    .query_opt(
-                        &stmt,
-                        &[
-                            &key.scope,
-                            &key.key,
-                            &&claim.fingerprint.0[..],
-                            &&claim.token.0[..],
-                            &claim.lease_ms,
-                            &self.clock_offset_ms,
-                            &claim.ttl_ms,
-                        ],
-                    )
-                    .await?;
-                if let Some(row) = row {
-                    return Ok(Ok(ClaimOutcome::Claimed {
-                        takeover: row.get(0),
-                    }));
-                }
-                // A live record is there. This SELECT is a new snapshot, so it
-                // sees the row the claim conflicted with, unless that was
-                // released or swept in between: then claim again. It may also
-                // have changed in between: a record that is claimable by now
-                // is claimed again rather than reported as live.
-                let stmt = client.prepare_cached(&self.sql.select_at).await?;
-                let row = client
-                    .query_opt(&stmt, &[&key.scope, &key.key, &self.clock_offset_ms])
-                    .await?;
-                if let Some(row) = row {
-                    let server_now: i64 = row.get(8);
-                    let record = decode_row(&row).map(|r| shifted(r, claim.now - server_now));
-                    match record {
-                        Ok(record) if is_claimable(&record, &claim.fingerprint, claim.now) => {
-                            continue
-                        }
-                        Ok(record) => return Ok(Ok(ClaimOutcome::Existing(record))),
-                        Err(err) => return Ok(Err(err)),
-                    }
-                }
-            }
-            Ok(Err(StoreError::Unavailable(format!(
-                "claim raced with concurrent deletes {CLAIM_ATTEMPTS} times"
-            ))))
-        })
+        let res = tokio::time::timeout_at(
+            deadline,
+            self.unit(&client, false, || self.claim_on(&client, claim)),
+        )
         .await;
-        settle(client, res)?
+        self.settle(client, res)?
     }
 
     async fn renew(
@@ -759,14 +987,14 @@ impl Store for Core {
         lease: Span,
     ) -> Result<Fence, StoreError> {
         let owner = OwnerParams::new(key, token);
-        self.execute(
+        self.write(
             &self.sql.renew,
             &[
-                &owner.scope,
-                &owner.key,
-                &owner.token,
-                &self.clock_offset_ms,
-                &lease.ms,
+                (&owner.scope, Type::BYTEA),
+                (&owner.key, Type::BYTEA),
+                (&owner.token, Type::BYTEA),
+                (&self.clock_offset_ms, Type::INT8),
+                (&lease.ms, Type::INT8),
             ],
         )
         .await
@@ -783,18 +1011,18 @@ impl Store for Core {
         let owner = OwnerParams::new(key, token);
         let columns = completion.columns();
         let status = columns.status.map(i32::from);
-        self.execute(
+        self.write(
             &self.sql.complete,
             &[
-                &owner.scope,
-                &owner.key,
-                &owner.token,
-                &columns.state,
-                &status,
-                &columns.headers,
-                &columns.body,
-                &self.clock_offset_ms,
-                &keep.ms,
+                (&owner.scope, Type::BYTEA),
+                (&owner.key, Type::BYTEA),
+                (&owner.token, Type::BYTEA),
+                (&columns.state, Type::TEXT),
+                (&status, Type::INT4),
+                (&columns.headers, Type::BYTEA),
+                (&columns.body, Type::BYTEA),
+                (&self.clock_offset_ms, Type::INT8),
+                (&keep.ms, Type::INT8),
             ],
         )
         .await
@@ -803,65 +1031,82 @@ impl Store for Core {
 
     async fn release(&self, key: &RecordKey, token: &LeaseToken) -> Result<Fence, StoreError> {
         let owner = OwnerParams::new(key, token);
-        self.execute(&self.sql.release, &[&owner.scope, &owner.key, &owner.token])
-            .await
-            .map(Fence::from_rows)
+        self.write(
+            &self.sql.release,
+            &[
+                (&owner.scope, Type::BYTEA),
+                (&owner.key, Type::BYTEA),
+                (&owner.token, Type::BYTEA),
+            ],
+        )
+        .await
+        .map(Fence::from_rows)
     }
 
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
-        let deadline = self.deadline();
-        let client = self.checkout(deadline).await?;
-        let res = tokio::time::timeout_at(deadline, async {
-            let key = KeyParams::new(key);
-            let stmt = client.prepare_cached(&self.sql.select).await?;
-            client.query_opt(&stmt, &[&key.scope, &key.key]).await
-        })
-        .await;
-        settle(client, res)?.as_ref().map(decode_row).transpose()
+        let key = KeyParams::new(key);
+        let rows = self
+            .read(
+                &self.sql.select,
+                &[(&key.scope, Type::BYTEA), (&key.key, Type::BYTEA)],
+            )
+            .await?;
+        rows.first().map(decode_row).transpose()
     }
 
     async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
         let key = KeyParams::new(key);
-        self.execute(&self.sql.delete, &[&key.scope, &key.key])
-            .await
-            .map(|n| n > 0)
+        self.write(
+            &self.sql.delete,
+            &[(&key.scope, Type::BYTEA), (&key.key, Type::BYTEA)],
+        )
+        .await
+        .map(|n| n > 0)
     }
 
     /// Sweeps by the server's clock; `now` (the caller's) is not used.
     async fn sweep(&self, _now: UnixMillis, batch: u32) -> Result<u64, StoreError> {
         let deadline = self.deadline();
-        let mut client = self.checkout(deadline).await?;
-        let res = tokio::time::timeout_at(deadline, async {
-            let tx = client.transaction().await?;
-            // One sweeper at a time across replicas; the others skip this
-            // round instead of queueing behind it.
-            let got: bool = tx
-                .query_one(
-                    "SELECT pg_try_advisory_xact_lock($1, hashtext($2))",
-                    &[&SWEEP_LOCK, &self.schema],
+        let client = self.checkout(deadline).await?;
+        let batch = i64::from(batch);
+        let locked = self.migration_lock == MigrationLock::Advisory;
+        let on: &ClientWrapper = &client;
+        let batch = &batch;
+        let res = tokio::time::timeout_at(
+            deadline,
+            self.unit(on, locked, || async move {
+                // One sweeper at a time across replicas; the others skip this
+                // round instead of queueing behind it.
+                if locked {
+                    let got: bool = on
+                        .query_typed(
+                            "SELECT pg_try_advisory_xact_lock($1, hashtext($2))",
+                            &[(&SWEEP_LOCK, Type::INT4), (&self.schema, Type::TEXT)],
+                        )
+                        .await?
+                        .first()
+                        .is_some_and(|row| row.get(0));
+                    if !got {
+                        return Ok(0);
+                    }
+                }
+                self.execute(
+                    on,
+                    &self.sql.sweep,
+                    &[(&self.clock_offset_ms, Type::INT8), (batch, Type::INT8)],
                 )
-                .await?
-                .get(0);
-            if !got {
-                tx.rollback().await?;
-                return Ok(0);
-            }
-            let stmt = tx.prepare_cached(&self.sql.sweep).await?;
-            let n = tx
-                .execute(&stmt, &[&self.clock_offset_ms, &i64::from(batch)])
-                .await?;
-            tx.commit().await?;
-            Ok(n)
-        })
+                .await
+            }),
+        )
         .await;
-        settle(client, res)
+        self.settle(client, res)
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
         let deadline = self.deadline();
         let client = self.checkout(deadline).await?;
         let res = tokio::time::timeout_at(deadline, client.simple_query("SELECT 1")).await;
-        settle(client, res).map(|_| ())
+        self.settle(client, res).map(|_| ())
     }
 
     fn backend(&self) -> &'static str {
@@ -870,5 +1115,43 @@ impl Store for Core {
 
     fn call_bound(&self) -> Duration {
         self.timeout + CALL_BOUND_MARGIN
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_serialization_failures_and_deadlocks_are_run_again() {
+        let cases = [
+            (Some(SqlState::T_R_SERIALIZATION_FAILURE), true),
+            (Some(SqlState::T_R_DEADLOCK_DETECTED), true),
+            // A statement_timeout may have hit a write that then committed
+            // nothing, but the caller treats it as a timeout (ambiguous).
+            (Some(SqlState::QUERY_CANCELED), false),
+            (Some(SqlState::UNIQUE_VIOLATION), false),
+            (Some(SqlState::LOCK_NOT_AVAILABLE), false),
+            (Some(SqlState::ADMIN_SHUTDOWN), false),
+            (None, false),
+        ];
+        for (code, rerun) in cases {
+            assert_eq!(is_conflict_code(code.as_ref()), rerun, "{code:?}");
+        }
+    }
+
+    #[test]
+    fn conflict_pauses_double_with_bounded_jitter() {
+        let ms = |attempt, random| conflict_pause(attempt, random).as_millis();
+        assert_eq!(ms(1, 0), 5);
+        assert_eq!(ms(2, 0), 10);
+        assert_eq!(ms(3, 0), 20);
+        // The random part stays below the base.
+        assert_eq!(ms(1, 4), 9);
+        assert_eq!(ms(1, 5), 5);
+        assert!(ms(3, u32::MAX) < 40);
+        // Every rerun of one call fits well inside a store timeout.
+        let total: u128 = (1..CONFLICT_ATTEMPTS).map(|a| ms(a, u32::MAX)).sum();
+        assert!(total < 100, "{total} ms");
     }
 }

@@ -4,8 +4,9 @@
 //! Statements are written once, in PostgreSQL's placeholder style (`$1`),
 //! and [`Statements::new`] turns them into SQLite's (`?1`). The only other
 //! differences are spelled out where they occur: the table name (schema
-//! qualified in PostgreSQL), and the sweep's row selection (`ctid ... FOR
-//! UPDATE SKIP LOCKED` in PostgreSQL, the primary key in SQLite). Column
+//! qualified in PostgreSQL), and the sweep's row locking (`FOR UPDATE SKIP
+//! LOCKED` in PostgreSQL). Both select rows by primary key, never by
+//! `ctid`, which distributed PostgreSQL-compatible engines lack. Column
 //! types differ too (BLOB/INTEGER vs bytea/bigint), but only in the
 //! migrations, which are frozen text: see [`SQLITE_MIGRATIONS`].
 //!
@@ -214,12 +215,14 @@ impl Statements {
                 "MAX",
             ),
             // Rows a claim is writing right now are skipped, not waited for.
+            // By primary key, not `ctid`: CockroachDB and YugabyteDB have
+            // no `ctid`, and the key is one index probe per row either way.
             Dialect::Postgres => (
                 format!(
-                    "DELETE FROM {table} WHERE ctid = ANY(ARRAY( \
-                       SELECT ctid FROM {table} \
+                    "DELETE FROM {table} WHERE (scope, key) IN ( \
+                       SELECT scope, key FROM {table} \
                        WHERE {sweepable} \
-                       ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED))"
+                       ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED)"
                 ),
                 "GREATEST",
             ),
@@ -433,6 +436,8 @@ mod tests {
         assert!(sqlite.complete.contains("MAX(expires_at, ?8 + ?9)"));
         assert!(sqlite.sweep.contains("(scope, key) IN"));
         assert!(postgres.sweep.contains("FOR UPDATE SKIP LOCKED"));
+        // Distributed engines (CockroachDB, YugabyteDB) have no ctid.
+        assert!(!postgres.sweep.contains("ctid"));
         assert_eq!(
             sqlite.release,
             "DELETE FROM idempotency_records \

@@ -253,3 +253,37 @@ async fn check_connection_names_each_cause() {
         assert!(e.contains(cause), "want {cause:?}: {e}");
     }
 }
+
+/// `check-config --connect` tests the Redis fast path after PostgreSQL:
+/// a trusted TLS Redis is reported as answering, one whose certificate is
+/// not trusted fails the check with the cause (serve would run on
+/// PostgreSQL alone, which the message says).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_config_connect_tests_the_redis_fast_path_too() {
+    let redis = TlsRedis::start(ClientAuth::No);
+    let schema = TestSchema::new();
+    let config = |ca: String| {
+        TestConfig::new("127.0.0.1:9".parse().unwrap())
+            .set("store.backend", "postgres")
+            .set("store.url", database_url())
+            .set("store.schema", schema.schema.as_str())
+            .set("redis.url", redis.url())
+            .set("redis.ca_file", ca)
+            .render()
+    };
+    let (ok, _) =
+        run_on_config_text(&["check-config", "--connect"], &config(redis.pki.ca()), &[]).await;
+    assert_eq!(ok.code, 0, "{ok:?}");
+    assert!(ok.stdout.contains("answered"), "{ok:?}");
+    let (bad, _) = run_on_config_text(
+        &["check-config", "--connect"],
+        &config(redis.pki.other_ca()),
+        &[],
+    )
+    .await;
+    assert_ne!(bad.code, 0, "{bad:?}");
+    assert!(
+        bad.stderr.contains("redis fast path") && bad.stderr.contains("certificate not trusted"),
+        "{bad:?}"
+    );
+}

@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 const LEASE_MS: i64 = 10_000;
 /// How far ahead `later` (see [`run_contract`]) is.
-const LATER_MS: i64 = 5_000;
+pub(crate) const LATER_MS: i64 = 5_000;
 
 fn now_millis() -> i64 {
     idemgate::clock::Clock::system().now_millis()
@@ -131,7 +131,7 @@ async fn sleep_ms(ms: u64) {
 
 /// `later` is the same store seen 5 s ahead (where the backend judges time
 /// by its own clock, a handle whose clock is offset; otherwise `store`).
-async fn run_contract(store: Arc<dyn Store>, later: Arc<dyn Store>) {
+pub(crate) async fn run_contract(store: Arc<dyn Store>, later: Arc<dyn Store>) {
     // Sweep first: it is store-wide, so the other cases' records must not count.
     sweep_deletes_only_expired_and_respects_batch(&*store, &*later).await;
     new_key_claims(&*store).await;

@@ -6,6 +6,8 @@
 //! - [`process`]: the real binary as a child process (`serve`, one-shot commands);
 //! - [`config`]: the config file either of them runs on, as a TOML table;
 //! - [`client`]: requests and responses, fresh or on kept-alive connections;
+//! - [`pg_cluster`]: a private PostgreSQL cluster with TLS (its own CA);
+//! - [`pgbouncer`]: a private PgBouncer in transaction pooling mode;
 //! - [`tls_upstream`]: a test CA and an HTTPS upstream (TLS, ALPN, mTLS);
 //! - [`h2_upstream`]: a gRPC-shaped h2c upstream that answers with trailers;
 //! - [`ws_upstream`]: a WebSocket echo upstream and frame helpers;
@@ -26,6 +28,8 @@ pub mod config;
 pub mod h2_upstream;
 #[cfg(feature = "otel")]
 pub mod otlp_receiver;
+pub mod pg_cluster;
+pub mod pgbouncer;
 pub mod process;
 pub mod proxy;
 pub mod recording_upstream;

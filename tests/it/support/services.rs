@@ -5,7 +5,7 @@
 //!
 //! Tests never skip: a missing service is a panic that says how to fix it.
 
-use idemgate::config::{mask_url, Backend, SqliteSync, StoreConfig};
+use idemgate::config::{mask_url, Backend, MigrationLock, SqliteSync, StoreConfig};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream as StdStream};
 use std::process::{Child, Command, Stdio};
@@ -113,6 +113,7 @@ pub fn pg_store_config(url: &str, schema: &str) -> StoreConfig {
         pool_size: 8,
         connect_timeout: Duration::from_secs(1),
         statement_timeout: Duration::from_secs(2),
+        migration_lock: MigrationLock::Advisory,
         timeout: Duration::from_secs(2),
         sweep_interval: Duration::from_secs(60),
         sweep_batch: 500,
