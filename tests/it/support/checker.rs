@@ -34,6 +34,12 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::time::{Duration, Instant};
 
+/// How long after a SIGKILL the upstream may still read a request the
+/// victim sent before it died: the kill is stamped before the signal, the
+/// arrival after the upstream has read the body (a replica is restarted
+/// far later than this).
+const IN_TRANSIT: Duration = Duration::from_millis(250);
+
 /// A fault the harness injected, and when.
 #[derive(Clone, Copy, Debug)]
 pub struct Event {
@@ -626,7 +632,7 @@ impl Checker<'_> {
         let o = own?;
         let killed = self.t.events.iter().find(|ev| {
             ev.kind == EventKind::Killed(o.replica)
-                && ev.at >= e.arrived
+                && ev.at + IN_TRANSIT >= e.arrived
                 && match o.seen {
                     Seen::Transport(_) => ev.at <= o.ended,
                     Seen::Dropped => e
