@@ -43,7 +43,8 @@ where
     let (mut buf_a, mut buf_b) = (vec![0u8; BUFFER], vec![0u8; BUFFER]);
     let (mut a_open, mut b_open) = (true, true);
     while a_open || b_open {
-        // Reads are cancel-safe; each write finishes inside its branch.
+        // Reads are cancel-safe; each write finishes inside its branch,
+        // bounded by the idle time.
         tokio::select! {
             r = a.read(&mut buf_a), if a_open => match r {
                 Ok(0) => {
@@ -51,7 +52,9 @@ where
                     let _ = b.shutdown().await;
                 }
                 Ok(n) => {
-                    if b.write_all(&buf_a[..n]).await.is_err() {
+                    // A peer that stops reading must not hold the tunnel
+                    // past the idle time either.
+                    if !matches!(tokio::time::timeout(idle, b.write_all(&buf_a[..n])).await, Ok(Ok(()))) {
                         break;
                     }
                     copied.to_upstream += n as u64;
@@ -65,7 +68,7 @@ where
                     let _ = a.shutdown().await;
                 }
                 Ok(n) => {
-                    if a.write_all(&buf_b[..n]).await.is_err() {
+                    if !matches!(tokio::time::timeout(idle, a.write_all(&buf_b[..n])).await, Ok(Ok(()))) {
                         break;
                     }
                     copied.to_client += n as u64;
@@ -82,6 +85,22 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Regression: a write to a peer that stops reading was unbounded (the
+    /// idle timer only raced the reads), so the tunnel never closed.
+    #[tokio::test(start_paused = true)]
+    async fn a_peer_that_stops_reading_closes_the_tunnel_after_the_idle_time() {
+        let (client, mut client_peer) = tokio::io::duplex(64);
+        // The upstream's peer never reads: its pipe fills after 64 bytes.
+        let (upstream, _upstream_peer) = tokio::io::duplex(64);
+        let tunnel = tokio::spawn(pump(client, upstream, Duration::from_secs(5), |_, _| {}));
+        // Blocks once both pipes are full; fails when the tunnel lets go.
+        tokio::spawn(async move { client_peer.write_all(&[7u8; 4096]).await });
+        tokio::time::timeout(Duration::from_secs(60), tunnel)
+            .await
+            .expect("the tunnel closes")
+            .unwrap();
+    }
 
     #[tokio::test]
     async fn bytes_go_both_ways_and_a_close_is_passed_on() {
