@@ -27,7 +27,7 @@ pub mod waiters;
 use crate::body::budget::BodyBudget;
 use crate::body::{self, boxed, ProxyBody};
 use crate::clock::Clock;
-use crate::config::{Config, Secret};
+use crate::config::{Config, Secret, StoreConfig};
 use crate::error::{KeyFate, Origin, ProxyError};
 use crate::lease::Leases;
 use crate::metrics::{GaugeGuard, Metrics, Outcome};
@@ -45,6 +45,7 @@ use request_id::{RequestId, X_REQUEST_ID};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::sync::Semaphore;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
 
@@ -73,6 +74,9 @@ pub struct Proxy {
     latencies: latency::Latencies,
     /// Wakes waiters on other replicas (PostgreSQL with a waiting route).
     notifier: Option<Arc<crate::store::notify::KeyNotifier>>,
+    /// Kept for reloads (see [`Shared`]).
+    store_config: Arc<StoreConfig>,
+    tunnels: Arc<Semaphore>,
     /// Detached work: protected requests from their claim on, and store
     /// writes that outlive them. Shutdown waits for it.
     tasks: TaskTracker,
@@ -90,6 +94,12 @@ struct Shared {
     /// config generation wakes the duplicates waiting on another.
     waiters: Arc<waiters::Waiters>,
     notifier: Option<Arc<crate::store::notify::KeyNotifier>>,
+    /// The store the process runs on (restart-only): what a notifier
+    /// started on a later reload must listen to.
+    store_config: Arc<StoreConfig>,
+    /// Open tunnels, process-wide (at most the starting
+    /// `server.max_connections`), so a reload does not add another limit.
+    tunnels: Arc<Semaphore>,
     tasks: TaskTracker,
 }
 
@@ -110,7 +120,8 @@ impl Proxy {
             waiters::Waiters::new(waiters::MAX_WAITERS_PER_KEY, waiters::MAX_WAITERS_TOTAL)
                 .with_gauge(metrics.waiters().clone()),
         );
-        let notifier = waiters::spawn_notifier(config, &waiters).map(Arc::new);
+        let notifier =
+            waiters::spawn_notifier(&config.store, &config.routes, &waiters).map(Arc::new);
         let shared = Shared {
             leases: Leases::new(
                 store,
@@ -127,6 +138,8 @@ impl Proxy {
             scope_secret: config.scope_secret.clone(),
             waiters,
             notifier,
+            store_config: Arc::new(config.store.clone()),
+            tunnels: Arc::new(Semaphore::new(config.server.max_connections)),
             metrics,
             tracer: trace::Tracer::new(config.tracing.as_ref()),
             tasks,
@@ -150,10 +163,12 @@ impl Proxy {
                 tracer: self.tracer.clone(),
                 waiters: self.waiters.clone(),
                 // Started on the first config with a waiting route.
-                notifier: self
-                    .notifier
-                    .clone()
-                    .or_else(|| waiters::spawn_notifier(config, &self.waiters).map(Arc::new)),
+                notifier: self.notifier.clone().or_else(|| {
+                    waiters::spawn_notifier(&self.store_config, &config.routes, &self.waiters)
+                        .map(Arc::new)
+                }),
+                store_config: self.store_config.clone(),
+                tunnels: self.tunnels.clone(),
                 tasks: self.tasks.clone(),
             },
         )
@@ -170,11 +185,13 @@ impl Proxy {
             tracer,
             waiters,
             notifier,
+            store_config,
+            tunnels,
             tasks,
         } = shared;
         Ok(Self {
             routes: config.routes.clone(),
-            forwarder: Forwarder::new(config, metrics.clone())?,
+            forwarder: Forwarder::new(config, metrics.clone(), tunnels.clone())?,
             request_body_timeout: config.server.request_body_timeout,
             leases,
             body_budget,
@@ -183,6 +200,8 @@ impl Proxy {
             tracer,
             waiters,
             notifier,
+            store_config,
+            tunnels,
             latencies: latency::Latencies::new(config.routes.iter().map(|r| &r.label)),
             tasks,
         })

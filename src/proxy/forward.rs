@@ -69,12 +69,17 @@ pub struct Forwarder {
 impl Forwarder {
     /// The upstreams' clients ([`Upstreams::from_config`]) and the header
     /// policy, from one configuration.
-    pub fn new(config: &Config, metrics: Arc<Metrics>) -> Result<Self, UpstreamSetupError> {
+    /// `tunnels` is the process's tunnel limit, shared across reloads.
+    pub fn new(
+        config: &Config,
+        metrics: Arc<Metrics>,
+        tunnels: Arc<Semaphore>,
+    ) -> Result<Self, UpstreamSetupError> {
         Ok(Self {
             upstreams: Upstreams::from_config(config)?,
             preserve_host: config.server.preserve_host,
             trust_forwarded: config.server.trust_forwarded_headers,
-            tunnels: Arc::new(Semaphore::new(config.server.max_connections)),
+            tunnels,
             metrics,
         })
     }

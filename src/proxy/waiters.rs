@@ -12,9 +12,10 @@
 //! key and in all; past either the request is refused (503). An entry
 //! leaves the registry with its last waiter.
 
-use crate::config::{Backend, Config};
+use crate::config::{Backend, StoreConfig};
 use crate::idempotency::{Record, RecordKey};
 use crate::route::InFlight;
+use crate::route::RouteTable;
 use crate::store::notify::KeyNotifier;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -163,16 +164,19 @@ impl Waiters {
 /// The cross-replica notifier, where it can help: a PostgreSQL store
 /// (shared by replicas) and a route whose duplicates wait. Elsewhere the
 /// process's own notifications reach every waiter there is.
-pub fn spawn_notifier(config: &Config, waiters: &Arc<Waiters>) -> Option<KeyNotifier> {
-    let waits = config
-        .routes
+pub fn spawn_notifier(
+    store: &StoreConfig,
+    routes: &RouteTable,
+    waiters: &Arc<Waiters>,
+) -> Option<KeyNotifier> {
+    let waits = routes
         .iter()
         .any(|r| matches!(r.in_flight, InFlight::Wait(_)));
-    if config.store.backend != Backend::Postgres || !waits {
+    if store.backend != Backend::Postgres || !waits {
         return None;
     }
     let waiters = waiters.clone();
-    match KeyNotifier::spawn(&config.store, Arc::new(move |id| waiters.notify_id(id))) {
+    match KeyNotifier::spawn(store, Arc::new(move |id| waiters.notify_id(id))) {
         Ok(notifier) => Some(notifier),
         Err(e) => {
             warn!(error = %e, "key notifications off; waiters poll the store");
