@@ -65,7 +65,11 @@ pub fn refuse_protected_upgrade<B>(
     route: &RouteConfig,
     req: &Request<B>,
 ) -> Result<(), ProxyError> {
-    let protected = route.require_key || req.headers().contains_key(&route.key_header);
+    // A body key (`key = { json }`) is only known once the body is read:
+    // such a route never tunnels.
+    let protected = route.require_key
+        || route.key_json.is_some()
+        || req.headers().contains_key(&route.key_header);
     if protected && upgrade_protocol(req).is_some() {
         return Err(ProxyError::UpgradeOnProtectedRoute);
     }
@@ -229,6 +233,28 @@ mod tests {
                 assert_eq!(coding.len(), MAX_ECHOED_CODING)
             }
             other => panic!("{other:?}"),
+        }
+    }
+
+    /// Regression: a route keyed by its body (`key = { json }`) with
+    /// `require_key = false` let an upgrade through, which became protected
+    /// once the body key resolved (a stored 101, or a tunnel refusal taken
+    /// for an ambiguous outcome).
+    #[test]
+    fn upgrades_are_refused_where_a_key_may_protect_the_request() {
+        let upgrade = Request::get("/hook")
+            .header("upgrade", "websocket")
+            .header("connection", "upgrade")
+            .body(())
+            .unwrap();
+        for (extra, refused) in [
+            ("require_key = true\n", true),
+            ("require_key = false\n", false),
+            ("require_key = false\nkey = { json = \"/id\" }\n", true),
+        ] {
+            let route = crate::config::test_route(extra);
+            let got = refuse_protected_upgrade(&route, &upgrade).is_err();
+            assert_eq!(got, refused, "{extra}");
         }
     }
 }

@@ -506,9 +506,8 @@ impl Proxy {
             Err(e) => {
                 let fate = match (&e, route.on_ambiguous) {
                     // Nothing was sent: always safe to run again.
-                    (ForwardError::Connect(_), _) | (_, OnAmbiguous::Release) => {
-                        lease.release().await
-                    }
+                    (ForwardError::Connect(_) | ForwardError::TunnelsExhausted, _)
+                    | (_, OnAmbiguous::Release) => lease.release().await,
                     // Sent, never answered: it may have executed.
                     (_, OnAmbiguous::Keep) => match lease.complete(Completion::Unknown).await {
                         KeyFate::Kept => KeyFate::Unknown,
