@@ -216,12 +216,15 @@ fn store_key(s: &StoreConfig) -> impl PartialEq + '_ {
     (
         (s.backend, &s.path, s.synchronous, &s.url, &s.schema),
         (s.pool_size, s.connect_timeout, s.statement_timeout),
-        (s.timeout, s.sweep_interval, s.sweep_batch),
+        (s.timeout, s.sweep_interval, s.sweep_batch, s.migration_lock),
     )
 }
 
 fn redis_key(r: &RedisConfig) -> impl PartialEq + '_ {
-    (&r.url, r.timeout, &r.prefix)
+    (
+        (&r.url, r.timeout, &r.prefix, r.cluster),
+        (&r.ca_file, &r.cert_file, &r.key_file),
+    )
 }
 
 #[cfg(test)]
@@ -258,6 +261,27 @@ mod tests {
                 restart_only_changes(&base, &config(extra)),
                 *want,
                 "{extra}"
+            );
+        }
+    }
+
+    /// Regression: `store.migration_lock` and the Redis TLS and cluster
+    /// settings were accepted on reload and silently kept.
+    #[test]
+    fn names_the_postgres_and_redis_settings_only_a_restart_changes() {
+        let pg = "[store]\nbackend = \"postgres\"\nurl = \"postgres://u@h/db\"\n";
+        let redis = "[redis]\nurl = \"rediss://r:6379\"\n";
+        let base = config(&format!("{pg}{redis}"));
+        for (store_extra, redis_extra, want) in [
+            ("migration_lock = \"none\"\n", "", "store"),
+            ("", "cluster = true\n", "redis"),
+            ("", "ca_file = \"/etc/ca.pem\"\n", "redis"),
+        ] {
+            let changed = config(&format!("{pg}{store_extra}{redis}{redis_extra}"));
+            assert_eq!(
+                restart_only_changes(&base, &changed),
+                [want],
+                "{store_extra}{redis_extra}"
             );
         }
     }
