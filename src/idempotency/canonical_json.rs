@@ -6,7 +6,11 @@
 //! - object members sorted by their names as UTF-16 code units (§3.2.3);
 //! - numbers parsed as IEEE 754 doubles and written as ECMAScript's
 //!   `Number.prototype.toString` writes them (§3.2.2.3): `1e+21`, `1e-7`,
-//!   `0.000001`, `-0` as `0`;
+//!   `0.000001`, `-0` as `0`; one exception: an integer written without
+//!   fraction or exponent that a double cannot hold (a 64-bit id such as
+//!   `9007199254740993`) keeps its digits as written, so two
+//!   bodies that differ only in such an id never share a fingerprint (JCS
+//!   would round both alike). Fractions round as JCS says;
 //! - strings with only `\"`, `\\`, `\b`, `\f`, `\n`, `\r`, `\t` and
 //!   `\u00xx` (lower-case hex, other controls) escaped; everything else as
 //!   UTF-8 (§3.2.2.2).
@@ -91,7 +95,7 @@ pub fn write(value: &Json, out: &mut Vec<u8>) {
         Json::Null => out.extend_from_slice(b"null"),
         Json::Bool(true) => out.extend_from_slice(b"true"),
         Json::Bool(false) => out.extend_from_slice(b"false"),
-        Json::Number { value, .. } => out.extend_from_slice(es_number(*value).as_bytes()),
+        Json::Number { value, text } => out.extend_from_slice(number_form(*value, text).as_bytes()),
         Json::String(s) => write_string(s, out),
         Json::Array(items) => {
             out.push(b'[');
@@ -148,6 +152,40 @@ fn write_string(s: &str, out: &mut Vec<u8>) {
         }
     }
     out.push(b'"');
+}
+
+/// The canonical text of a parsed number: ECMAScript's form, except for an
+/// integer written as digits alone that the double does not hold exactly,
+/// which keeps its digits.
+fn number_form(value: f64, text: &str) -> String {
+    let plain_integer = !text.contains(['.', 'e', 'E']);
+    if plain_integer {
+        let written = decimal(text);
+        if written != decimal(&format!("{:e}", value.abs())) {
+            // JSON's grammar already makes these digits unique (no leading
+            // zeros), and re-canonicalizing them gives them back.
+            return text.to_string();
+        }
+    }
+    es_number(value)
+}
+
+/// A decimal's significant digits (no leading or trailing zeros) and the
+/// power of ten of its last digit; zero is `("", 0)`. Sign ignored.
+fn decimal(text: &str) -> (String, i64) {
+    let text = text.trim_start_matches('-');
+    let (mantissa, exp) = match text.find(['e', 'E']) {
+        Some(i) => (&text[..i], text[i + 1..].parse::<i64>().unwrap_or(0)),
+        None => (text, 0),
+    };
+    let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    let all = format!("{int}{frac}");
+    let digits = all.trim_start_matches('0').trim_end_matches('0');
+    if digits.is_empty() {
+        return (String::new(), 0);
+    }
+    let trailing = (all.len() - all.trim_end_matches('0').len()) as i64;
+    (digits.to_string(), exp - frac.len() as i64 + trailing)
 }
 
 /// ECMAScript's Number::toString(10) for a finite double (ECMA-262
@@ -541,6 +579,37 @@ mod tests {
     }
 
     /// RFC 8785 §3.2.2.3 and Appendix B: ECMAScript number serialization.
+    /// Regression: integers a double rounds were written as the rounded
+    /// double, so bodies differing only in a 64-bit id shared a
+    /// fingerprint and a reused key replayed instead of a 422.
+    #[test]
+    fn numbers_a_double_cannot_hold_keep_their_exact_value() {
+        let canon = |t: &str| String::from_utf8(canonicalize(t.as_bytes()).unwrap()).unwrap();
+        assert_ne!(canon("[9007199254740993]"), canon("[9007199254740992]"));
+        for text in [
+            "[9007199254740993]",
+            "[-18446744073709551615]",
+            "[12345678901234567890001]",
+        ] {
+            assert_eq!(canon(text), text);
+            assert_eq!(canon(&canon(text)), text, "stable");
+        }
+        // Fractions and exponents round as RFC 8785 says.
+        assert_eq!(canon("[333333333.33333329]"), "[333333333.3333333]");
+        // Exact ones keep JCS's form, however they were written.
+        for (text, want) in [
+            ("[100]", "[100]"),
+            ("[1e2]", "[100]"),
+            ("[1.0]", "[1]"),
+            ("[0.1]", "[0.1]"),
+            ("[-0]", "[0]"),
+            ("[1e21]", "[1e+21]"),
+            ("[9007199254740992]", "[9007199254740992]"),
+        ] {
+            assert_eq!(canon(text), want, "{text}");
+        }
+    }
+
     #[test]
     // The RFC's own spellings, more digits than a double keeps.
     #[allow(clippy::excessive_precision)]
