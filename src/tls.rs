@@ -317,18 +317,22 @@ pub fn tls_server_end_point(der: &[u8]) -> Option<Vec<u8>> {
     const ECDSA_SHA1: &[u8] = &[0x2a, 0x86, 0x48, 0xce, 0x3d, 0x04, 0x01];
     const ECDSA_SHA2: &[u8] = &[0x2a, 0x86, 0x48, 0xce, 0x3d, 0x04, 0x03];
     let bits = match oid {
-        // md5WithRSA (4), sha1WithRSA (5), sha256WithRSA (11), sha224WithRSA (14)
-        [rsa @ .., 4 | 5 | 11 | 14] if rsa == RSA => 256,
+        // md5WithRSA (4), sha1WithRSA (5), sha256WithRSA (11): SHA-256
+        // (RFC 5929 §4.1: MD5 and SHA-1 become SHA-256; others keep theirs).
+        [rsa @ .., 4 | 5 | 11] if rsa == RSA => 256,
+        [rsa @ .., 14] if rsa == RSA => 224,
         [rsa @ .., 12] if rsa == RSA => 384,
         [rsa @ .., 13] if rsa == RSA => 512,
         oid if oid == ECDSA_SHA1 => 256,
-        [ecdsa @ .., 1 | 2] if ecdsa == ECDSA_SHA2 => 256,
+        [ecdsa @ .., 1] if ecdsa == ECDSA_SHA2 => 224,
+        [ecdsa @ .., 2] if ecdsa == ECDSA_SHA2 => 256,
         [ecdsa @ .., 3] if ecdsa == ECDSA_SHA2 => 384,
         [ecdsa @ .., 4] if ecdsa == ECDSA_SHA2 => 512,
         _ => return None,
     };
     // The hash covers the whole certificate as sent.
     Some(match bits {
+        224 => sha2::Sha224::digest(der).to_vec(),
         256 => sha2::Sha256::digest(der).to_vec(),
         384 => sha2::Sha384::digest(der).to_vec(),
         _ => sha2::Sha512::digest(der).to_vec(),
@@ -486,6 +490,9 @@ mod tests {
             (&ecdsa(2)[..], 32),
             (&ecdsa(3)[..], 48),
             (&ecdsa(4)[..], 64),
+            // Regression: SHA-224 signatures keep SHA-224 (were SHA-256).
+            (&rsa(14)[..], 28),
+            (&ecdsa(1)[..], 28),
         ] {
             let der = cert(oid);
             let bound = tls_server_end_point(&der).unwrap_or_else(|| panic!("{oid:x?}"));
