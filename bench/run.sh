@@ -183,6 +183,13 @@ start_idemgate sqlite sqlite "path = \"$work/bench.db\"
 synchronous = \"full\""
 sqlite="http://127.0.0.1:$IG_PORT"; sqlite_pid=$IG_PID
 PATH_=/plain run "idemgate pass-through (unprotected)" "$sqlite" none "$CONNS" "$sqlite_pid"
+# One runtime worker, like the single nginx worker it is compared with:
+# tokio reads TOKIO_WORKER_THREADS (default: one per core).
+if [ -z "${ONLY:-}" ] || [[ "idemgate pass-through, 1 worker thread" =~ $ONLY ]]; then
+  TOKIO_WORKER_THREADS=1 start_idemgate one_worker memory ""
+  PATH_=/plain run "idemgate pass-through, 1 worker thread" "http://127.0.0.1:$IG_PORT" none "$CONNS" "$IG_PID"
+  kill "$IG_PID" 2>/dev/null || true
+fi
 run "fresh keys, sqlite (synchronous = full)" "$sqlite" fresh "$CONNS" "$sqlite_pid"
 run "one key replayed, sqlite" "$sqlite" one "$CONNS" "$sqlite_pid"
 run "100 keys, sqlite" "$sqlite" 100 "$CONNS" "$sqlite_pid"
