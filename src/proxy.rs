@@ -46,6 +46,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
 
@@ -77,6 +78,8 @@ pub struct Proxy {
     /// Kept for reloads (see [`Shared`]).
     store_config: Arc<StoreConfig>,
     tunnels: Arc<Semaphore>,
+    /// Cancelled when the server drains: waiting duplicates answer then.
+    draining: CancellationToken,
     /// Detached work: protected requests from their claim on, and store
     /// writes that outlive them. Shutdown waits for it.
     tasks: TaskTracker,
@@ -100,6 +103,8 @@ struct Shared {
     /// Open tunnels, process-wide (at most the starting
     /// `server.max_connections`), so a reload does not add another limit.
     tunnels: Arc<Semaphore>,
+    /// Cancelled when the server starts draining ([`Proxy::drain`]).
+    draining: CancellationToken,
     tasks: TaskTracker,
 }
 
@@ -140,6 +145,7 @@ impl Proxy {
             notifier,
             store_config: Arc::new(config.store.clone()),
             tunnels: Arc::new(Semaphore::new(config.server.max_connections)),
+            draining: CancellationToken::new(),
             metrics,
             tracer: trace::Tracer::new(config.tracing.as_ref()),
             tasks,
@@ -169,6 +175,7 @@ impl Proxy {
                 }),
                 store_config: self.store_config.clone(),
                 tunnels: self.tunnels.clone(),
+                draining: self.draining.clone(),
                 tasks: self.tasks.clone(),
             },
         )
@@ -187,6 +194,7 @@ impl Proxy {
             notifier,
             store_config,
             tunnels,
+            draining,
             tasks,
         } = shared;
         Ok(Self {
@@ -202,9 +210,16 @@ impl Proxy {
             notifier,
             store_config,
             tunnels,
+            draining,
             latencies: latency::Latencies::new(config.routes.iter().map(|r| &r.label)),
             tasks,
         })
+    }
+
+    /// The server is draining (every generation shares this): duplicates
+    /// still waiting answer 409 now instead of holding their connections.
+    pub fn drain(&self) {
+        self.draining.cancel();
     }
 
     pub fn tasks(&self) -> &TaskTracker {

@@ -270,6 +270,7 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
     info!(grace = ?config.server.shutdown_grace, "shutting down: no new connections, draining");
     let deadline = tokio::time::Instant::now() + config.server.shutdown_grace;
     drain.cancel();
+    current.load().drain();
     open.close();
     if tokio::time::timeout_at(deadline, open.wait())
         .await

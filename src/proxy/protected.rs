@@ -393,8 +393,17 @@ impl Proxy {
                     false
                 }
                 () = tokio::time::sleep_until(deadline) => return self.answer(last, &req),
+                // Shutting down: a 409 now (retry on another replica), not
+                // a connection cut at the end of the grace period.
+                () = self.draining.cancelled() => return self.answer(last, &req),
             };
-            if let Some(record) = guard.published() {
+            // Only an answer of the execution this waiter is waiting for (or
+            // a later one): one published before an operator's delete and a
+            // new execution of the key is not.
+            if let Some(record) = guard
+                .published()
+                .filter(|r| r.created_at >= last.created_at)
+            {
                 return self.answer(record, &req);
             }
             let Some(check) = guard.try_check(notified) else {

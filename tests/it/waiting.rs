@@ -353,3 +353,34 @@ async fn key_notifications_reach_every_listener_on_the_schema() {
         "another schema's channel"
     );
 }
+
+/// Regression: duplicates still waiting when the server drained held their
+/// connections until their own wait ran out (up to 5 minutes), past the
+/// grace period. Now they answer 409 when draining starts (a client retries
+/// on another replica); the first request still finishes and is stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_duplicates_answer_409_when_the_server_drains() {
+    let up = Upstream::start().await;
+    let mut proxy = Proxy::builder(Backend::Sqlite, up.addr)
+        .routes(vec![wait_route(ORDERS, "60s")])
+        .set("server.shutdown_delay", "0s")
+        .set("server.shutdown_grace", "10s")
+        .admin()
+        .start()
+        .await;
+    up.push(Action::Delay(Duration::from_millis(1500)));
+    let first = tokio::spawn(proxy.post(ORDERS).key("k").body(BODY).send());
+    up.wait_hits(ORDERS, 1).await;
+    let dup = tokio::spawn(proxy.post(ORDERS).key("k").body(BODY).send());
+    wait_for("the duplicate to wait", || async {
+        let text = proxy.admin_get("/metrics").send().await.text();
+        (metric_value(&text, "idemgate_waiters") == 1).then_some(())
+    })
+    .await;
+    proxy.signal_shutdown();
+    // Before the fix: the replay, once the first finished (1.5 s).
+    dup.await.expect("duplicate").assert_problem(409);
+    assert_eq!(first.await.expect("first").status(), 201);
+    proxy.stopped().await;
+    assert_eq!(up.hits(ORDERS), 1);
+}
