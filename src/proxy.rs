@@ -56,46 +56,33 @@ use tracing::{debug, warn};
 pub struct Proxy {
     /// The protected routes, tried in file order.
     routes: RouteTable,
-    /// Claims and the leases they win (renew, complete, release).
-    leases: Arc<Leases>,
     /// How long a client may take to send a protected request's body.
     request_body_timeout: Duration,
+    /// The upstreams' pooled clients and the forwarding rules.
+    forwarder: Forwarder,
+    /// Each route's typical upstream latency, for `Retry-After`.
+    latencies: latency::Latencies,
+    /// What every generation shares (the store's leases, budgets, tasks).
+    shared: Shared,
+}
+
+/// What every generation of the proxy (one per config reload) shares.
+#[derive(Clone)]
+struct Shared {
+    /// Claims and the leases they win (renew, complete, release).
+    leases: Arc<Leases>,
     /// Bounds the protected bodies buffered at once, process-wide.
     body_budget: Arc<BodyBudget>,
     /// Keys the scope digests when set (`IDEMGATE_SCOPE_SECRET`).
     scope_secret: Option<Secret>,
-    /// The upstreams' pooled clients and the forwarding rules.
-    forwarder: Forwarder,
-    metrics: Arc<Metrics>,
-    /// Starts each request's span (a no-op without `[tracing]`).
-    tracer: trace::Tracer,
-    /// Duplicates waiting for a request in flight (`in_flight = { wait }`).
-    waiters: Arc<waiters::Waiters>,
-    /// Each route's typical upstream latency, for `Retry-After`.
-    latencies: latency::Latencies,
-    /// Wakes waiters on other replicas (PostgreSQL with a waiting route).
-    notifier: Option<Arc<crate::store::notify::KeyNotifier>>,
-    /// Kept for reloads (see [`Shared`]).
-    store_config: Arc<StoreConfig>,
-    tunnels: Arc<Semaphore>,
-    /// Cancelled when the server drains: waiting duplicates answer then.
-    draining: CancellationToken,
-    /// Detached work: protected requests from their claim on, and store
-    /// writes that outlive them. Shutdown waits for it.
-    tasks: TaskTracker,
-}
-
-/// What every generation of the proxy (one per config reload) shares.
-struct Shared {
-    leases: Arc<Leases>,
-    body_budget: Arc<BodyBudget>,
-    scope_secret: Option<Secret>,
     metrics: Arc<Metrics>,
     /// One exporter per process: `[tracing]` changes need a restart.
     tracer: trace::Tracer,
-    /// One registry of waiters per process, so a request finishing on one
-    /// config generation wakes the duplicates waiting on another.
+    /// Duplicates waiting for a request in flight (`in_flight = { wait }`):
+    /// one registry per process, so a request finishing on one config
+    /// generation wakes the duplicates waiting on another.
     waiters: Arc<waiters::Waiters>,
+    /// Wakes waiters on other replicas (PostgreSQL with a waiting route).
     notifier: Option<Arc<crate::store::notify::KeyNotifier>>,
     /// The store the process runs on (restart-only): what a notifier
     /// started on a later reload must listen to.
@@ -105,6 +92,8 @@ struct Shared {
     tunnels: Arc<Semaphore>,
     /// Cancelled when the server starts draining ([`Proxy::drain`]).
     draining: CancellationToken,
+    /// Detached work: protected requests from their claim on, and store
+    /// writes that outlive them. Shutdown waits for it.
     tasks: TaskTracker,
 }
 
@@ -159,76 +148,41 @@ impl Proxy {
     /// on either proxy share them.
     /// Fails when an upstream's client cannot be built (its TLS files).
     pub fn reconfigured(&self, config: &Config) -> Result<Self, UpstreamSetupError> {
-        Self::assemble(
-            config,
-            Shared {
-                leases: self.leases.clone(),
-                body_budget: self.body_budget.clone(),
-                scope_secret: self.scope_secret.clone(),
-                metrics: self.metrics.clone(),
-                tracer: self.tracer.clone(),
-                waiters: self.waiters.clone(),
-                // Started on the first config with a waiting route.
-                notifier: self.notifier.clone().or_else(|| {
-                    waiters::spawn_notifier(&self.store_config, &config.routes, &self.waiters)
-                        .map(Arc::new)
-                }),
-                store_config: self.store_config.clone(),
-                tunnels: self.tunnels.clone(),
-                draining: self.draining.clone(),
-                tasks: self.tasks.clone(),
-            },
-        )
+        let mut shared = self.shared.clone();
+        // Started on the first config with a waiting route.
+        if shared.notifier.is_none() {
+            shared.notifier =
+                waiters::spawn_notifier(&shared.store_config, &config.routes, &shared.waiters)
+                    .map(Arc::new);
+        }
+        Self::assemble(config, shared)
     }
 
     /// The per-config part built from `config`, around the process-wide
     /// `shared` part: what a reload replaces, in one place.
     fn assemble(config: &Config, shared: Shared) -> Result<Self, UpstreamSetupError> {
-        let Shared {
-            leases,
-            body_budget,
-            scope_secret,
-            metrics,
-            tracer,
-            waiters,
-            notifier,
-            store_config,
-            tunnels,
-            draining,
-            tasks,
-        } = shared;
         Ok(Self {
             routes: config.routes.clone(),
-            forwarder: Forwarder::new(config, metrics.clone(), tunnels.clone())?,
+            forwarder: Forwarder::new(config, shared.metrics.clone(), shared.tunnels.clone())?,
             request_body_timeout: config.server.request_body_timeout,
-            leases,
-            body_budget,
-            scope_secret,
-            metrics,
-            tracer,
-            waiters,
-            notifier,
-            store_config,
-            tunnels,
-            draining,
             latencies: latency::Latencies::new(config.routes.iter().map(|r| &r.label)),
-            tasks,
+            shared,
         })
     }
 
     /// The server is draining (every generation shares this): duplicates
     /// still waiting answer 409 now instead of holding their connections.
     pub fn drain(&self) {
-        self.draining.cancel();
+        self.shared.draining.cancel();
     }
 
     pub fn tasks(&self) -> &TaskTracker {
-        &self.tasks
+        &self.shared.tasks
     }
 
     /// The key ids of completions still waiting for the store.
     pub fn pending_completions(&self) -> Vec<String> {
-        self.leases.backlog().key_ids()
+        self.shared.leases.backlog().key_ids()
     }
 
     /// Serves one request; never fails. The request id goes upstream (in
@@ -254,7 +208,7 @@ impl Proxy {
         peer: SocketAddr,
         id: RequestId,
     ) -> Response<ProxyBody> {
-        let span = self.tracer.start(&req);
+        let span = self.shared.tracer.start(&req);
         trace::within(span, self.serve_traced(req, peer, id)).await
     }
 
@@ -271,7 +225,7 @@ impl Proxy {
         let path = normalize_path(req.uri().path());
         let Some(route) = self.routes.find(req.method(), &path).cloned() else {
             let (outcome, resp) = self.passthrough(None, req.map(boxed), peer).await;
-            log.finish(&self.metrics, outcome, &resp, false);
+            log.finish(&self.shared.metrics, outcome, &resp, false);
             return resp;
         };
         log.set_route(&route.label);
@@ -280,12 +234,12 @@ impl Proxy {
             return self.conclude(Err(e), log);
         }
         let upstream = route.upstream.clone();
-        let plan = match plan_key(&route, req.headers(), self.scope_secret.as_ref()) {
+        let plan = match plan_key(&route, req.headers(), self.shared.scope_secret.as_ref()) {
             Ok(KeyPlan::Absent) => {
                 let (outcome, resp) = self
                     .passthrough(upstream.as_deref(), req.map(boxed), peer)
                     .await;
-                log.finish(&self.metrics, outcome, &resp, false);
+                log.finish(&self.shared.metrics, outcome, &resp, false);
                 return resp;
             }
             Ok(plan) => plan,
@@ -295,7 +249,7 @@ impl Proxy {
         let path = path.into_owned();
         let (parts, mut body) = req.into_parts();
         let timeout = self.request_body_timeout;
-        let budget = &self.body_budget;
+        let budget = &self.shared.body_budget;
         let body = match read_body(&route, &parts.headers, &mut body, timeout, budget).await {
             Ok(body) => body,
             Err(e) => return self.conclude(Err(e), log),
@@ -307,7 +261,7 @@ impl Proxy {
             Ok(None) => {
                 let forwarded = Request::from_parts(parts, body::full(body));
                 let (outcome, resp) = self.passthrough(upstream.as_deref(), forwarded, peer).await;
-                log.finish(&self.metrics, outcome, &resp, false);
+                log.finish(&self.shared.metrics, outcome, &resp, false);
                 return resp;
             }
             Err(e) => return self.conclude(Err(e), log),
@@ -330,7 +284,7 @@ impl Proxy {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let this = Arc::clone(self);
         let task_log = log.clone();
-        self.tasks.spawn(trace::in_current(async move {
+        self.shared.tasks.spawn(trace::in_current(async move {
             let (outcome, resp) = respond(
                 this.claim_and_execute(req).await,
                 Some(task_log.request_id()),
@@ -338,7 +292,7 @@ impl Proxy {
             // Counted and logged before the client can see the answer, so a
             // client that reads its response also sees it in the metrics.
             let client_left = tx.is_closed();
-            task_log.finish(&this.metrics, outcome, &resp, client_left);
+            task_log.finish(&this.shared.metrics, outcome, &resp, client_left);
             let _ = tx.send(resp);
         }));
         match rx.await {
@@ -355,7 +309,7 @@ impl Proxy {
     /// [`respond`], then the log line.
     fn conclude(&self, result: Result<Served, ProxyError>, log: RequestLog) -> Response<ProxyBody> {
         let (outcome, resp) = respond(result, Some(log.request_id()));
-        log.finish(&self.metrics, outcome, &resp, false);
+        log.finish(&self.shared.metrics, outcome, &resp, false);
         resp
     }
 
@@ -386,7 +340,8 @@ impl Proxy {
     /// Counts a request on the upstream (`idemgate_upstream_in_flight`)
     /// while the guard lives.
     fn upstream_request(&self, upstream: Option<&str>) -> GaugeGuard {
-        self.metrics
+        self.shared
+            .metrics
             .upstream_request(self.forwarder.label(upstream))
     }
 }

@@ -325,7 +325,7 @@ impl Proxy {
         req: ProtectedRequest,
     ) -> Result<Served, ProxyError> {
         let claim = self.claim_of(&req);
-        match self.leases.acquire(claim).await {
+        match self.shared.leases.acquire(claim).await {
             Ok(Acquired::Held(lease)) => self.execute_and_notify(req, lease).await,
             Ok(Acquired::Existing(record)) => match (req.route.in_flight, &record.state) {
                 (InFlight::Wait(wait), RecordState::InFlight { .. })
@@ -340,7 +340,7 @@ impl Proxy {
     }
 
     fn answer(&self, record: Record, req: &ProtectedRequest) -> Result<Served, ProxyError> {
-        let now = self.leases.clock().now_millis();
+        let now = self.shared.leases.clock().now_millis();
         let typical = self.latencies.typical(&req.route.label);
         answer_existing(record, &req.fingerprint, now, typical)
     }
@@ -355,8 +355,8 @@ impl Proxy {
         let key = req.record_key;
         let waits = matches!(req.route.in_flight, InFlight::Wait(_));
         let result = self.execute(req, lease).await;
-        self.waiters.notify(&key);
-        if let (true, Some(notifier)) = (waits, &self.notifier) {
+        self.shared.waiters.notify(&key);
+        if let (true, Some(notifier)) = (waits, &self.shared.notifier) {
             notifier.publish(key.log_id());
         }
         result
@@ -377,7 +377,7 @@ impl Proxy {
     ) -> Result<Served, ProxyError> {
         let deadline = Instant::now() + wait;
         let mut last = first;
-        let Ok(mut guard) = self.waiters.enter(req.record_key) else {
+        let Ok(mut guard) = self.shared.waiters.enter(req.record_key) else {
             let retry_after_secs = match self.answer(last, &req) {
                 Err(ProxyError::InFlight { retry_after_secs }) => retry_after_secs,
                 _ => 1,
@@ -395,7 +395,7 @@ impl Proxy {
                 () = tokio::time::sleep_until(deadline) => return self.answer(last, &req),
                 // Shutting down: a 409 now (retry on another replica), not
                 // a connection cut at the end of the grace period.
-                () = self.draining.cancelled() => return self.answer(last, &req),
+                () = self.shared.draining.cancelled() => return self.answer(last, &req),
             };
             // Only an answer of the execution this waiter is waiting for (or
             // a later one): one published before an operator's delete and a
@@ -409,7 +409,7 @@ impl Proxy {
             let Some(check) = guard.try_check(notified) else {
                 continue;
             };
-            match self.leases.acquire(self.claim_of(&req)).await {
+            match self.shared.leases.acquire(self.claim_of(&req)).await {
                 Ok(Acquired::Held(lease)) => {
                     check.done();
                     drop(guard);
@@ -468,7 +468,7 @@ impl Proxy {
 
     /// Forwards while the lease is kept alive, then settles the key.
     async fn execute(&self, req: ProtectedRequest, lease: Lease) -> Result<Served, ProxyError> {
-        self.metrics.in_flight().inc();
+        self.shared.metrics.in_flight().inc();
         let _upstream = self.upstream_request(req.route.upstream.as_deref());
         let started = Instant::now();
         let route = req.route.clone();
@@ -478,9 +478,11 @@ impl Proxy {
             r = self.forward_and_settle(req, lease, started) => r,
             never = &mut keeper => match never {},
         };
-        self.metrics.upstream(&route.label, started.elapsed());
+        self.shared
+            .metrics
+            .upstream(&route.label, started.elapsed());
         self.latencies.record(&route.label, started.elapsed());
-        self.metrics.in_flight().dec();
+        self.shared.metrics.in_flight().dec();
         result
     }
 
