@@ -280,6 +280,17 @@ impl Config {
                 ));
             }
         }
+        // The URI (so HTTP/2's :authority) is always the upstream's; a kept
+        // client Host then disagrees with it, which RFC 9113 §8.3.1 lets an
+        // HTTP/2 server refuse as malformed.
+        let h2 = std::iter::once(self.server.upstream_protocol)
+            .chain(self.upstreams.values().map(|u| u.protocol))
+            .any(|p| p == UpstreamProtocol::H2);
+        if self.server.preserve_host && h2 {
+            out.push(
+                "server.preserve_host = true with an HTTP/2 upstream (protocol = \"h2\"): it gets the client's Host beside an :authority naming the upstream, which some HTTP/2 servers refuse".to_string(),
+            );
+        }
         out
     }
 }

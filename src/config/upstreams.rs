@@ -436,6 +436,33 @@ mod tests {
         assert!(warnings[0].contains("10m + 30s"), "{warnings:?}");
     }
 
+    /// preserve_host beside an h2 upstream is named (its Host and
+    /// :authority would disagree); either alone is not.
+    #[test]
+    fn preserve_host_with_an_h2_upstream_is_warned_about() {
+        let with = |server: &str, rest: &str| {
+            Config::parse(
+                &format!("[server]\nupstream = \"http://127.0.0.1:3000\"\n{server}{rest}"),
+                "t.toml",
+            )
+            .unwrap()
+            .warnings()
+        };
+        let h2 = "[upstreams.grpc]\nurl = \"http://127.0.0.1:3001\"\nprotocol = \"h2\"\n";
+        let warned = with("preserve_host = true\n", h2);
+        assert!(
+            warned.iter().any(|w| w.contains("preserve_host")),
+            "{warned:?}"
+        );
+        let warned = with("preserve_host = true\nupstream_protocol = \"h2\"\n", "");
+        assert!(
+            warned.iter().any(|w| w.contains("preserve_host")),
+            "{warned:?}"
+        );
+        assert!(with("preserve_host = true\n", "").is_empty());
+        assert!(with("", h2).is_empty());
+    }
+
     #[test]
     fn the_default_upstream_takes_tls_files_and_a_protocol() {
         let cfg = Config::parse(
