@@ -392,8 +392,7 @@ impl Drop for TestSchema {
             };
             rt.block_on(async {
                 drop_schema(&database_url(), &schema).await;
-                let _ = tokio::time::timeout(Duration::from_secs(3), delete_redis_prefix(&prefix))
-                    .await;
+                delete_redis_prefix_or_say(&prefix).await;
             });
         });
         let _ = cleanup.join();
@@ -403,16 +402,15 @@ impl Drop for TestSchema {
 /// Deletes every key starting with `prefix` on the shared Redis (test
 /// cleanup; errors ignored). SCAN, not KEYS: the shared Redis may hold many
 /// keys, and KEYS blocks it while it looks.
-async fn delete_redis_prefix(prefix: &str) {
-    let Ok(client) = redis::Client::open(redis_url().as_str()) else {
-        return;
-    };
-    let Ok(mut conn) = client.get_multiplexed_async_connection().await else {
-        return;
-    };
+async fn delete_redis_prefix(prefix: &str) -> Result<(), String> {
+    let client = redis::Client::open(redis_url().as_str()).map_err(|e| e.to_string())?;
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .map_err(|e| e.to_string())?;
     let mut cursor: u64 = 0;
     loop {
-        let Ok((next, keys)): redis::RedisResult<(u64, Vec<String>)> = redis::cmd("SCAN")
+        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
             .arg(cursor)
             .arg("MATCH")
             .arg(format!("{prefix}*"))
@@ -420,17 +418,29 @@ async fn delete_redis_prefix(prefix: &str) {
             .arg(1000)
             .query_async(&mut conn)
             .await
-        else {
-            return;
-        };
+            .map_err(|e| e.to_string())?;
         if !keys.is_empty() {
-            let _: redis::RedisResult<i64> =
-                redis::cmd("DEL").arg(&keys).query_async(&mut conn).await;
+            let _: i64 = redis::cmd("DEL")
+                .arg(&keys)
+                .query_async(&mut conn)
+                .await
+                .map_err(|e| e.to_string())?;
         }
         if next == 0 {
-            return;
+            return Ok(());
         }
         cursor = next;
+    }
+}
+
+/// [`delete_redis_prefix`], bounded, saying on stderr when a key may be
+/// left behind (a test's cleanup must not fail the test, but must not be
+/// silent either).
+async fn delete_redis_prefix_or_say(prefix: &str) {
+    match tokio::time::timeout(Duration::from_secs(15), delete_redis_prefix(prefix)).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => eprintln!("test cleanup: Redis keys {prefix}* not deleted: {e}"),
+        Err(_) => eprintln!("test cleanup: Redis keys {prefix}* not deleted: timed out"),
     }
 }
 
@@ -451,8 +461,7 @@ impl Drop for RedisPrefix {
                 return;
             };
             rt.block_on(async {
-                let _ = tokio::time::timeout(Duration::from_secs(3), delete_redis_prefix(&prefix))
-                    .await;
+                delete_redis_prefix_or_say(&prefix).await;
             });
         });
         let _ = cleanup.join();
