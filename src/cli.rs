@@ -70,7 +70,7 @@ pub struct ScopeArgs {
     /// With --scope-header: the route whose scope headers give their order
     /// (#N as check-config lists it); needed only when routes that list
     /// these headers would derive different scopes from them.
-    #[arg(long, value_name = "N", conflicts_with_all = ["scope_header_value", "scope", "anonymous"])]
+    #[arg(long, value_name = "N", conflicts_with_all = ["scope_header_value", "scope", "scope_value", "anonymous"])]
     pub route: Option<usize>,
 }
 
@@ -92,6 +92,10 @@ pub struct ScopeNamed {
     /// The scope's hash, as printed by `keys show`.
     #[arg(long)]
     pub scope: Option<String>,
+    /// A route's fixed consumer name (`scope = { value = "..." }`, or a
+    /// preset's, e.g. "stripe:/hooks/stripe"; `check-config` shows it).
+    #[arg(long, value_name = "VALUE")]
+    pub scope_value: Option<String>,
     /// Requests that carried none of the scope headers.
     #[arg(long)]
     pub anonymous: bool,
@@ -101,6 +105,9 @@ impl ScopeArgs {
     pub fn to_arg(&self) -> crate::keys::ScopeArg {
         use crate::keys::ScopeArg;
         let named = &self.named;
+        if let Some(v) = &named.scope_value {
+            return ScopeArg::Value(v.clone());
+        }
         match (&named.scope_header_value, &named.scope) {
             (Some(v), _) => ScopeArg::HeaderValue(v.clone()),
             (None, Some(h)) => ScopeArg::Hash(h.clone()),
@@ -150,6 +157,9 @@ mod tests {
 
     #[test]
     fn a_scope_is_named_exactly_one_way() {
+        let consumer = scope_of(&["--scope-value", "stripe:/hooks/stripe"]).unwrap();
+        assert!(matches!(consumer, ScopeArg::Value(v) if v == "stripe:/hooks/stripe"));
+        assert!(scope_of(&["--scope-value", "a", "--anonymous"]).is_err());
         let value = scope_of(&["--scope-header-value", "Bearer a=="]).unwrap();
         assert!(matches!(value, ScopeArg::HeaderValue(v) if v == "Bearer a=="));
         let several = scope_of(&[

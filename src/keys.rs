@@ -25,6 +25,8 @@ pub enum ScopeArg {
         route: Option<usize>,
     },
     Hash(String),
+    /// A route's fixed consumer name (`scope = { value }`).
+    Value(String),
     Anonymous,
 }
 
@@ -37,6 +39,7 @@ impl ScopeArg {
             ScopeArg::HeaderValue(v) => Ok(Scope::derive(Some(v.as_bytes()), secret)),
             ScopeArg::Headers { sent, route } => scope_of_headers(sent, *route, config),
             ScopeArg::Anonymous => Ok(Scope::derive(None, secret)),
+            ScopeArg::Value(v) => Ok(Scope::of_value(v, secret)),
             ScopeArg::Hash(h) => {
                 let bytes = hex::decode(h.trim())
                     .map_err(|_| format!("--scope {h:?}: expected 64 hex characters"))?;
@@ -422,6 +425,21 @@ mod tests {
         assert!(ScopeArg::Hash("zz".into()).resolve(&config).is_err());
         let s = Scope::from_header_value(None);
         assert!(ScopeArg::Hash(s.to_hex()).resolve(&config).unwrap() == s);
+    }
+
+    /// A delivery route's fixed consumer name (`scope = { value }`, as a
+    /// preset sets it) names the scope the proxy gives its deliveries.
+    #[test]
+    fn a_scope_value_names_the_scope_of_a_consumer_route() {
+        let text = "[server]\nupstream = \"http://127.0.0.1:1\"\n[[route]]\npath = \"/hooks/stripe\"\npreset = \"stripe\"\n";
+        let env = [("IDEMGATE_SCOPE_SECRET".to_string(), SECRET.to_string())].into();
+        let config = Config::parse_with_env(text, "t.toml", &env).unwrap();
+        let route = config.routes.iter().next().unwrap();
+        let secret = config.scope_secret.as_ref();
+        let proxy =
+            crate::proxy::protected::scope_of(route, &http::HeaderMap::new(), secret).unwrap();
+        let named = ScopeArg::Value("stripe:/hooks/stripe".into());
+        assert_eq!(named.resolve(&config), Ok(proxy));
     }
 
     #[test]

@@ -19,7 +19,7 @@ pub mod forward;
 pub mod headers;
 mod latency;
 mod log;
-mod protected;
+pub(crate) mod protected;
 mod replay;
 pub mod request_id;
 pub mod waiters;

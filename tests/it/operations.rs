@@ -1040,3 +1040,31 @@ async fn keys_commands_find_keys_of_a_proxy_with_a_scope_secret_only_with_that_s
         without.stdout
     );
 }
+
+/// A delivery route's key (a preset's fixed consumer scope, a key from the
+/// body) is found and deleted with `--scope-value`, and the next delivery
+/// then runs again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_commands_name_a_delivery_routes_consumer_scope() {
+    let up = Upstream::start().await;
+    let setup = Setup::new(up.addr, |c, dir| {
+        sqlite_store(c, dir).route(Route::post("/hooks/stripe").set("preset", "stripe"))
+    });
+    let gate = setup.start().await;
+    let event = r#"{"id":"evt_1","type":"charge.succeeded","pending_webhooks":1}"#;
+    let deliver = || gate.post("/hooks/stripe").body(event).send();
+    assert_eq!(deliver().await.status(), 200);
+    let scope = ["--scope-value", "stripe:/hooks/stripe"];
+    let shown = keys(&setup.config, &[&["show"][..], &scope, &["evt_1"]].concat()).await;
+    assert!(shown.contains("state        completed"), "{shown}");
+    let deleted = keys(
+        &setup.config,
+        &[&["delete"][..], &scope, &["evt_1"]].concat(),
+    )
+    .await;
+    assert!(deleted.starts_with("deleted key id "), "{deleted}");
+    let again = deliver().await;
+    assert_eq!(again.status(), 200, "{}", again.text());
+    assert!(!again.replayed(), "the deleted delivery runs again");
+    assert_eq!(up.hits("/hooks/stripe"), 2);
+}
