@@ -2,86 +2,19 @@
 //! schema (and, where said, one Redis prefix), in front of one upstream.
 
 use crate::support;
-use crate::support::services::{database_url, redis_url, require_postgres, require_redis};
-use crate::support::{
-    free_port, wait_for, Action, Resp, Route, ServeProcess, TestConfig, TestSchema, Upstream,
-    ORDERS,
-};
-use std::sync::Arc;
+use crate::support::cluster::Cluster;
+use crate::support::{wait_for, Action, Resp, Route, ServeProcess, Upstream, ORDERS};
 use std::time::Duration;
 
 const BODY: &str = r#"{"item":"book","qty":1}"#;
 
-/// Replicas sharing one schema and prefix. Field order matters: the
-/// processes are killed before the schema is dropped.
-struct Cluster {
-    replicas: Vec<ServeProcess>,
-    _dir: tempfile::TempDir,
-    _schema: Arc<TestSchema>,
+/// `n` replicas serving `POST /orders` with a 3 s lease.
+async fn cluster(n: usize, up: &Upstream, redis: bool) -> Cluster {
+    Cluster::start(n, up, redis, lease_route("3s"), 8, |_| Vec::new()).await
 }
 
-impl Cluster {
-    /// `n` replicas, started together (migrations race under the advisory
-    /// lock, as in a real rollout), with the fast path when `redis`.
-    async fn start(n: usize, up: &Upstream, redis: bool) -> Self {
-        Self::start_with(n, up, redis, "3s", |_| Vec::new()).await
-    }
-
-    /// [`Cluster::start`] with the route's `lease` and each replica's extra
-    /// environment (`env_of(i)`).
-    async fn start_with(
-        n: usize,
-        up: &Upstream,
-        redis: bool,
-        lease: &str,
-        env_of: impl Fn(usize) -> Vec<(&'static str, String)>,
-    ) -> Self {
-        let db = database_url();
-        require_postgres(&db).await;
-        if redis {
-            require_redis(&redis_url());
-        }
-        let schema = Arc::new(TestSchema::new());
-        let dir = tempfile::TempDir::new().expect("tempdir");
-        let starts = (0..n).map(|i| {
-            let (listen, admin) = (free_port(), free_port());
-            let mut config = TestConfig::new(up.addr)
-                .listen(listen, admin)
-                .set("server.shutdown_grace", "5s")
-                .set("store.backend", "postgres")
-                .set("store.url", db.as_str())
-                .set("store.schema", schema.schema.as_str())
-                .set("store.pool_size", 8)
-                .set("store.connect_timeout", "1s")
-                .route(Route::post(ORDERS).set("lease", lease));
-            if redis {
-                config = config
-                    .set("redis.url", redis_url())
-                    .set("redis.prefix", schema.prefix.as_str())
-                    .set("redis.timeout", "250ms");
-            }
-            let path = dir.path().join(format!("replica-{i}.toml"));
-            config.write(&path);
-            let env = env_of(i);
-            async move {
-                let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-                ServeProcess::start(&path, listen, admin, &env).await
-            }
-        });
-        let replicas = futures_util::future::join_all(starts).await;
-        Self {
-            replicas,
-            _dir: dir,
-            _schema: schema,
-        }
-    }
-
-    fn order(&self, replica: usize, key: &str, body: &str) -> support::Req {
-        self.replicas[replica % self.replicas.len()]
-            .post(ORDERS)
-            .key(key)
-            .body(body.to_string())
-    }
+fn lease_route(lease: &str) -> Route {
+    Route::post(ORDERS).set("lease", lease)
 }
 
 async fn metrics_of(p: &ServeProcess) -> String {
@@ -92,7 +25,7 @@ async fn metrics_of(p: &ServeProcess) -> String {
 
 async fn concurrent_duplicates_over_replicas_execute_once(redis: bool) {
     let up = Upstream::start().await;
-    let cluster = Cluster::start(3, &up, redis).await;
+    let cluster = cluster(3, &up, redis).await;
     // The first request to arrive is slow, so the others overlap it.
     up.push(Action::Delay(Duration::from_millis(500)));
     let sends = (0..45).map(|i| tokio::spawn(cluster.order(i, "k-storm", BODY).send()));
@@ -137,7 +70,7 @@ async fn concurrent_identical_requests_over_three_replicas_with_redis_reach_the_
 
 async fn stored_on_one_replica_replays_on_another(redis: bool) {
     let up = Upstream::start().await;
-    let cluster = Cluster::start(2, &up, redis).await;
+    let cluster = cluster(2, &up, redis).await;
     let first = cluster.order(0, "k-cross", BODY).send().await;
     assert_eq!(first.status(), 201, "{}", first.text());
     assert!(!first.replayed());
@@ -174,7 +107,7 @@ async fn a_key_stored_through_one_replica_replays_byte_identical_on_another_with
 
 async fn killed_replica_claim_is_taken_over_elsewhere_after_the_lease(redis: bool) {
     let up = Upstream::start().await;
-    let mut cluster = Cluster::start(2, &up, redis).await;
+    let mut cluster = cluster(2, &up, redis).await;
     up.push(Action::Delay(Duration::from_secs(30)));
     let doomed = tokio::spawn(cluster.order(0, "k-killed", BODY).try_send());
     up.wait_hits(ORDERS, 1).await;
@@ -225,7 +158,7 @@ async fn a_killed_replicas_key_gets_409_on_another_until_its_lease_runs_out_then
 
 async fn different_request_on_another_replica_is_422(redis: bool) {
     let up = Upstream::start().await;
-    let cluster = Cluster::start(2, &up, redis).await;
+    let cluster = cluster(2, &up, redis).await;
     let first = cluster.order(0, "k-fp", BODY).send().await;
     assert_eq!(first.status(), 201);
     for _ in 0..2 {
@@ -267,7 +200,7 @@ async fn the_same_key_with_a_different_body_through_another_replica_with_redis_i
 /// replica 0 was taken over by replica 1 and the upstream ran twice.
 async fn replicas_whose_clocks_disagree_never_run_a_live_key_twice(redis: bool) {
     let up = Upstream::start().await;
-    let cluster = Cluster::start_with(2, &up, redis, "1s", |i| {
+    let cluster = Cluster::start(2, &up, redis, lease_route("1s"), 8, |i| {
         let offset = if i == 1 { "3000" } else { "0" };
         vec![("IDEMGATE_TEST_CLOCK_OFFSET_MS", offset.to_string())]
     })

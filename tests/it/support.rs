@@ -24,6 +24,7 @@
 
 pub mod checker;
 pub mod client;
+pub mod cluster;
 pub mod config;
 pub mod h2_upstream;
 #[cfg(feature = "otel")]

@@ -4,10 +4,11 @@
 //! them; a wait that runs out is a 409; and a 409's `Retry-After` follows
 //! the route's observed latency.
 
-use crate::support::services::{database_url, redis_url, require_postgres, require_redis};
+use crate::support::cluster::Cluster;
+use crate::support::services::{database_url, require_postgres};
 use crate::support::{
-    backend_tests, free_port, metric_value, wait_for, Action, Backend, Proxy, Req, Resp, Route,
-    ServeProcess, TestConfig, TestSchema, Upstream, ORDERS,
+    backend_tests, metric_value, wait_for, Action, Backend, Proxy, Resp, Route, TestConfig,
+    TestSchema, Upstream, ORDERS,
 };
 use std::sync::Arc;
 use std::time::Duration;
@@ -170,60 +171,12 @@ async fn retry_after_follows_the_routes_observed_latency(backend: Backend) {
 
 // ===== across replicas =====
 
-/// Two `idemgate serve` processes on one PostgreSQL schema (and Redis
-/// prefix). Field order: the processes die before the schema is dropped.
-struct Pair {
-    replicas: Vec<ServeProcess>,
-    _dir: tempfile::TempDir,
-    _schema: Arc<TestSchema>,
-}
-
-impl Pair {
-    async fn start(up: &Upstream, redis: bool) -> Self {
-        let db = database_url();
-        require_postgres(&db).await;
-        if redis {
-            require_redis(&redis_url());
-        }
-        let schema = Arc::new(TestSchema::new());
-        let dir = tempfile::TempDir::new().expect("tempdir");
-        let starts = (0..2).map(|i| {
-            let (listen, admin) = (free_port(), free_port());
-            let mut config = TestConfig::new(up.addr)
-                .listen(listen, admin)
-                .set("server.shutdown_grace", "5s")
-                .set("store.backend", "postgres")
-                .set("store.url", db.as_str())
-                .set("store.schema", schema.schema.as_str())
-                .set("store.pool_size", 4)
-                .set("store.connect_timeout", "1s")
-                .route(wait_route(ORDERS, "10s"));
-            if redis {
-                config = config
-                    .set("redis.url", redis_url())
-                    .set("redis.prefix", schema.prefix.as_str())
-                    .set("redis.timeout", "250ms");
-            }
-            let path = dir.path().join(format!("replica-{i}.toml"));
-            config.write(&path);
-            // Info, to see the notification listener start; not the access log.
-            let env = [("RUST_LOG", "info,idemgate::access=warn")];
-            async move { ServeProcess::start(&path, listen, admin, &env).await }
-        });
-        let replicas = futures_util::future::join_all(starts).await;
-        Self {
-            replicas,
-            _dir: dir,
-            _schema: schema,
-        }
-    }
-
-    fn order(&self, replica: usize, key: &str) -> Req {
-        self.replicas[replica % 2]
-            .post(ORDERS)
-            .key(key)
-            .body(BODY.to_string())
-    }
+/// Two replicas on one PostgreSQL schema (and Redis prefix), a small
+/// store pool each, duplicates waiting up to 10 s.
+async fn pair(up: &Upstream, redis: bool) -> Cluster {
+    // Info, to see the notification listener start; not the access log.
+    let env = || vec![("RUST_LOG", "info,idemgate::access=warn".to_string())];
+    Cluster::start(2, up, redis, wait_route(ORDERS, "10s"), 4, |_| env()).await
 }
 
 /// 200 duplicates split over two replicas (a small store pool each) all
@@ -231,12 +184,12 @@ impl Pair {
 /// other replica learn of the answer through the store.
 async fn waiters_on_two_replicas_get_the_replay(redis: bool) {
     let up = Upstream::start().await;
-    let pair = Pair::start(&up, redis).await;
+    let pair = pair(&up, redis).await;
     up.push(Action::Delay(Duration::from_millis(1000)));
-    let first = tokio::spawn(pair.order(0, "k").send());
+    let first = tokio::spawn(pair.order(0, "k", BODY).send());
     up.wait_hits(ORDERS, 1).await;
     let dups = (0..200)
-        .map(|i| tokio::spawn(pair.order(i, "k").send()))
+        .map(|i| tokio::spawn(pair.order(i, "k", BODY).send()))
         .collect();
     let dups = join(dups).await;
     let first = first.await.expect("first");
@@ -265,7 +218,7 @@ async fn two_hundred_waiters_on_two_postgres_replicas_with_redis_get_the_replay(
 /// exactly one waiter (the store decides which).
 async fn a_release_on_one_replica_is_taken_over_by_one_waiter_on_either(redis: bool) {
     let up = Upstream::start().await;
-    let pair = Pair::start(&up, redis).await;
+    let pair = pair(&up, redis).await;
     up.push(Action::Status(503));
     let order = |i: usize| {
         pair.replicas[i % 2]
