@@ -120,9 +120,17 @@ pub fn free_port() -> SocketAddr {
         .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
         .unwrap_or(32768);
     let range = low.saturating_sub(12_000).max(1024)..low;
-    for _ in 0..100 {
-        let addr = SocketAddr::from(([127, 0, 0, 1], rand::random_range(range.clone())));
-        if std::net::TcpListener::bind(addr).is_ok() {
+    // A port handed out is not bound until its process starts: never hand
+    // it out again in this run (two tests drawing the same port made one
+    // replica exit before listening).
+    static HANDED_OUT: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    for _ in 0..1000 {
+        let port = rand::random_range(range.clone());
+        let addr = SocketAddr::from(([127, 0, 0, 1], port));
+        let mut handed_out = HANDED_OUT.lock().unwrap_or_else(|p| p.into_inner());
+        if !handed_out.contains(&port) && std::net::TcpListener::bind(addr).is_ok() {
+            handed_out.insert(port);
             return addr;
         }
     }
