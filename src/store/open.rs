@@ -175,8 +175,9 @@ mod tests {
         let postgres = "backend = \"postgres\"\nurl = \"postgres://idemgate@127.0.0.1:1/idemgate\"";
         assert_eq!(bound_of(postgres, "").await, ms(550));
         let redis = "[redis]\nurl = \"redis://127.0.0.1:1\"\ntimeout = \"100ms\"";
-        // Three Redis calls can surround the claim (the proxy's old bound
-        // allowed two, so a slow Redis could cut a claim off mid-statement).
+        // Two Redis calls can surround the claim, and one to spare (the
+        // proxy's old bound allowed two while a claim could make three, so
+        // a slow Redis could cut a claim off mid-statement).
         assert_eq!(bound_of(postgres, redis).await, ms(850));
     }
 }

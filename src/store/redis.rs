@@ -857,8 +857,9 @@ impl Store for RedisFastPath {
     }
 
     /// The inner store's bound plus the Redis round trips a claim can make
-    /// around it (`SET NX`, `GET`+`PTTL`, then caching or unlocking), each
-    /// within `redis.timeout`.
+    /// around it (the lock-or-read script, then caching, overwriting or
+    /// unlocking), each within `redis.timeout`, and one to spare: a slow
+    /// Redis must never cut a claim off mid-statement.
     fn call_bound(&self) -> Duration {
         self.inner.call_bound() + self.timeout * 3
     }
