@@ -214,12 +214,12 @@ impl Proxy {
 
     async fn serve_traced(
         self: Arc<Self>,
-        req: Request<Incoming>,
+        mut req: Request<Incoming>,
         peer: SocketAddr,
         id: RequestId,
     ) -> Response<ProxyBody> {
         let mut log = RequestLog::start(&req, peer, id);
-        if let Err(e) = admission::admit(&req) {
+        if let Err(e) = admission::admit(&mut req) {
             return self.conclude(Err(e), log);
         }
         let path = normalize_path(req.uri().path());

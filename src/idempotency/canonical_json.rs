@@ -6,11 +6,15 @@
 //! - object members sorted by their names as UTF-16 code units (§3.2.3);
 //! - numbers parsed as IEEE 754 doubles and written as ECMAScript's
 //!   `Number.prototype.toString` writes them (§3.2.2.3): `1e+21`, `1e-7`,
-//!   `0.000001`, `-0` as `0`; one exception: an integer written without
-//!   fraction or exponent that a double cannot hold (a 64-bit id such as
-//!   `9007199254740993`) keeps its digits as written, so two
-//!   bodies that differ only in such an id never share a fingerprint (JCS
-//!   would round both alike). Fractions round as JCS says;
+//!   `0.000001`, `-0` as `0`; one exception: a number whose decimal value
+//!   is not the double's (shortest round-trip digits) keeps its value's
+//!   digits, laid out as ECMAScript would lay them out: a 64-bit id such as
+//!   `9007199254740993`, an amount such as `10.000000000000001`
+//!   (payment code parses amounts as decimals). JCS would round both to
+//!   the nearest double, so two bodies differing only there would share a
+//!   fingerprint and the second be served the first's response. Numbers a
+//!   double does hold keep JCS's form however they are written (`1.0`,
+//!   `1e0` and `1` are `1`);
 //! - strings with only `\"`, `\\`, `\b`, `\f`, `\n`, `\r`, `\t` and
 //!   `\u00xx` (lower-case hex, other controls) escaped; everything else as
 //!   UTF-8 (§3.2.2.2).
@@ -154,28 +158,29 @@ fn write_string(s: &str, out: &mut Vec<u8>) {
     out.push(b'"');
 }
 
-/// The canonical text of a parsed number: ECMAScript's form, except for an
-/// integer written as digits alone that the double does not hold exactly,
-/// which keeps its digits.
+/// The canonical text of a parsed number: ECMAScript's form of the double,
+/// unless the decimal value written is not the double's, which keeps its
+/// own digits (see the module docs).
 fn number_form(value: f64, text: &str) -> String {
-    let plain_integer = !text.contains(['.', 'e', 'E']);
-    if plain_integer {
-        let written = decimal(text);
-        if written != decimal(&format!("{:e}", value.abs())) {
-            // JSON's grammar already makes these digits unique (no leading
-            // zeros), and re-canonicalizing them gives them back.
-            return text.to_string();
-        }
+    let written = decimal(text);
+    if written == decimal(&format!("{:e}", value.abs())) {
+        return es_number(value);
     }
-    es_number(value)
+    let (digits, last) = written;
+    // Not zero: zero is every double's `("", 0)` and every zero's too.
+    let sign = if text.starts_with('-') { "-" } else { "" };
+    let n = last.saturating_add(digits.len() as i64);
+    format!("{sign}{}", es_layout(&digits, n))
 }
 
 /// A decimal's significant digits (no leading or trailing zeros) and the
-/// power of ten of its last digit; zero is `("", 0)`. Sign ignored.
+/// power of ten of its last digit; zero is `("", 0)`. Sign ignored. An
+/// exponent past `i64` saturates (such a number is zero or infinite as a
+/// double, and only another as absurd one could share its form).
 fn decimal(text: &str) -> (String, i64) {
     let text = text.trim_start_matches('-');
     let (mantissa, exp) = match text.find(['e', 'E']) {
-        Some(i) => (&text[..i], text[i + 1..].parse::<i64>().unwrap_or(0)),
+        Some(i) => (&text[..i], exponent(&text[i + 1..])),
         None => (text, 0),
     };
     let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
@@ -185,7 +190,19 @@ fn decimal(text: &str) -> (String, i64) {
         return (String::new(), 0);
     }
     let trailing = (all.len() - all.trim_end_matches('0').len()) as i64;
-    (digits.to_string(), exp - frac.len() as i64 + trailing)
+    let last = exp
+        .saturating_sub(frac.len() as i64)
+        .saturating_add(trailing);
+    (digits.to_string(), last)
+}
+
+/// An exponent's digits (sign allowed), saturating at `i64`'s range.
+fn exponent(text: &str) -> i64 {
+    text.parse::<i64>().unwrap_or(if text.starts_with('-') {
+        i64::MIN
+    } else {
+        i64::MAX
+    })
 }
 
 /// ECMAScript's Number::toString(10) for a finite double (ECMA-262
@@ -200,8 +217,15 @@ pub fn es_number(v: f64) -> String {
     let sci = format!("{v:e}");
     let (mantissa, exp) = sci.split_once('e').expect("{:e} always has an exponent");
     let digits: String = mantissa.chars().filter(|c| *c != '.').collect();
-    let k = digits.len() as i32;
-    let n = exp.parse::<i32>().expect("{:e} writes an integer exponent") + 1;
+    let n = exp.parse::<i64>().expect("{:e} writes an integer exponent") + 1;
+    es_layout(&digits, n)
+}
+
+/// ECMAScript's layout of the positive number `0.digits × 10^n` (`digits`
+/// without leading or trailing zeros): plain up to 21 integer digits, then
+/// `d.ddde+N`; plain down to `0.000001`, then `d.ddde-N`.
+fn es_layout(digits: &str, n: i64) -> String {
+    let k = digits.len() as i64;
     if k <= n && n <= 21 {
         format!("{digits}{}", "0".repeat((n - k) as usize))
     } else if 0 < n && n <= 21 {
@@ -210,11 +234,11 @@ pub fn es_number(v: f64) -> String {
     } else if -6 < n && n <= 0 {
         format!("0.{}{digits}", "0".repeat((-n) as usize))
     } else {
-        let sign = if n - 1 < 0 { '-' } else { '+' };
-        let e = (n - 1).abs();
+        let e = n.saturating_sub(1);
+        let sign = if e < 0 { '-' } else { '+' };
         match digits.split_at(1) {
-            (first, "") => format!("{first}e{sign}{e}"),
-            (first, rest) => format!("{first}.{rest}e{sign}{e}"),
+            (first, "") => format!("{first}e{sign}{}", e.unsigned_abs()),
+            (first, rest) => format!("{first}.{rest}e{sign}{}", e.unsigned_abs()),
         }
     }
 }
@@ -579,32 +603,58 @@ mod tests {
     }
 
     /// RFC 8785 §3.2.2.3 and Appendix B: ECMAScript number serialization.
-    /// Regression: integers a double rounds were written as the rounded
-    /// double, so bodies differing only in a 64-bit id shared a
-    /// fingerprint and a reused key replayed instead of a 422.
+    /// Regressions: numbers a double rounds were written as the rounded
+    /// double, so bodies differing only in a 64-bit id, or in an amount's
+    /// 17th digit, shared a fingerprint and a reused key replayed the other
+    /// body's response instead of a 422.
     #[test]
     fn numbers_a_double_cannot_hold_keep_their_exact_value() {
         let canon = |t: &str| String::from_utf8(canonicalize(t.as_bytes()).unwrap()).unwrap();
-        assert_ne!(canon("[9007199254740993]"), canon("[9007199254740992]"));
-        for text in [
-            "[9007199254740993]",
-            "[-18446744073709551615]",
-            "[12345678901234567890001]",
+        for (a, b) in [
+            ("[9007199254740993]", "[9007199254740992]"),
+            ("[10.000000000000001]", "[10.000000000000002]"),
+            ("[10.000000000000001]", "[10]"),
+            ("[0.30000000000000001]", "[0.3]"),
+            ("[1e-400]", "[0]"),
+            ("[1e-400]", "[2e-400]"),
         ] {
-            assert_eq!(canon(text), text);
-            assert_eq!(canon(&canon(text)), text, "stable");
+            assert_ne!(canon(a), canon(b), "{a} vs {b}");
         }
-        // Fractions and exponents round as RFC 8785 says.
-        assert_eq!(canon("[333333333.33333329]"), "[333333333.3333333]");
-        // Exact ones keep JCS's form, however they were written.
+        for (text, want) in [
+            ("[9007199254740993]", "[9007199254740993]"),
+            ("[-18446744073709551615]", "[-18446744073709551615]"),
+            (
+                "[12345678901234567890001]",
+                "[1.2345678901234567890001e+22]",
+            ),
+            ("[10.000000000000001]", "[10.000000000000001]"),
+            ("[-10.0000000000000010]", "[-10.000000000000001]"),
+            ("[1000000000000000.1e-1]", "[100000000000000.01]"),
+            ("[333333333.33333329]", "[333333333.33333329]"),
+            (
+                "[0.0000000000000000000000000010000000000000001]",
+                "[1.0000000000000001e-27]",
+            ),
+            ("[1e-400]", "[1e-400]"),
+            ("[1e-99999999999999999999999]", "[1e-9223372036854775808]"),
+        ] {
+            assert_eq!(canon(text), want, "{text}");
+            assert_eq!(canon(want), want, "{want} is stable");
+        }
+        // Numbers a double holds keep JCS's form, however they were written.
         for (text, want) in [
             ("[100]", "[100]"),
             ("[1e2]", "[100]"),
             ("[1.0]", "[1]"),
+            ("[10.00]", "[10]"),
             ("[0.1]", "[0.1]"),
+            ("[0.10]", "[0.1]"),
             ("[-0]", "[0]"),
+            ("[-0.0e5]", "[0]"),
             ("[1e21]", "[1e+21]"),
+            ("[1E30]", "[1e+30]"),
             ("[9007199254740992]", "[9007199254740992]"),
+            ("[4.50]", "[4.5]"),
         ] {
             assert_eq!(canon(text), want, "{text}");
         }
@@ -642,7 +692,9 @@ mod tests {
         }
     }
 
-    /// RFC 8785 §3.2.2 example, input and output as printed there.
+    /// RFC 8785 §3.2.2 example, input and output as printed there but for
+    /// `333333333.33333329`, a value no double holds, which keeps its
+    /// digits (the module docs' one exception).
     #[test]
     fn the_rfc_8785_example() {
         let input = r#"{
@@ -650,7 +702,7 @@ mod tests {
   "string": "\u20ac$\u000F\u000aA'\u0042\u0022\u005c\\\"\/",
   "literals": [null, true, false]
 }"#;
-        let want = "{\"literals\":[null,true,false],\"numbers\":[333333333.3333333,1e+30,4.5,0.002,1e-27],\"string\":\"€$\\u000f\\nA'B\\\"\\\\\\\\\\\"/\"}";
+        let want = "{\"literals\":[null,true,false],\"numbers\":[333333333.33333329,1e+30,4.5,0.002,1e-27],\"string\":\"€$\\u000f\\nA'B\\\"\\\\\\\\\\\"/\"}";
         assert_eq!(canon(input), want);
     }
 

@@ -11,9 +11,13 @@
 //!   itself, except `*`.)
 //! - The host (RFC 9112 §3.2, RFC 9113 §8.3.1): at most one `Host` field,
 //!   and on HTTP/2 a `host` that names the same host as `:authority`
-//!   (compared case-insensitively); 400 otherwise. On an HTTP/1.1
-//!   absolute-form request the target's authority wins over `Host`
-//!   (RFC 9112 §3.2.2), which `forward.rs` applies.
+//!   (compared case-insensitively); 400 otherwise. Then the one host the
+//!   request names becomes its `Host` field: the target's authority (an
+//!   HTTP/1.1 absolute-form target wins over `Host`, RFC 9112 §3.2.2; an
+//!   HTTP/2 `:authority`, which hyper puts in the URI, often comes without
+//!   any `host`). Everything after admission (scope, fingerprint,
+//!   forwarding with `preserve_host`) reads that one field, so a tenant
+//!   named by the host is the tenant the request is forwarded to.
 //! - Transfer-codings (RFC 9112 §6.1): hyper decodes a final `chunked` and
 //!   passes any coding before it through, so `gzip, chunked` would reach
 //!   the upstream as a plain chunked body of gzip bytes. Only `chunked` is
@@ -49,12 +53,29 @@ pub enum RequestError {
     HostMismatch,
 }
 
-/// Checks `req` against the rules above.
-pub fn admit<B>(req: &Request<B>) -> Result<(), ProxyError> {
+/// Checks `req` against the rules above and makes its `Host` the host it
+/// is forwarded for.
+pub fn admit<B>(req: &mut Request<B>) -> Result<(), ProxyError> {
     target_form(req.uri())
         .and_then(|()| host(req))
         .map_err(ProxyError::InvalidRequest)?;
-    transfer_codings(req.headers())
+    transfer_codings(req.headers())?;
+    authority_as_host(req);
+    Ok(())
+}
+
+/// The target's authority, when it has one, replaces `Host` (see the
+/// module docs). Regression: scope and fingerprint read `Host` while
+/// forwarding used the authority, so `:authority: globex.example` without
+/// a `host` shared acme's scope and was served its stored response.
+fn authority_as_host<B>(req: &mut Request<B>) {
+    let Some(authority) = req.uri().authority() else {
+        return;
+    };
+    // Always a valid field value: hyper parsed it out of the target.
+    if let Ok(value) = http::HeaderValue::from_str(authority.as_str()) {
+        req.headers_mut().insert(header::HOST, value);
+    }
 }
 
 /// An upgrade request on a route that protects it (it requires a key, or
@@ -142,7 +163,7 @@ mod tests {
         for (name, value) in fields {
             req = req.header(*name, *value);
         }
-        admit(&req.body(()).unwrap())
+        admit(&mut req.body(()).unwrap())
     }
 
     #[test]
@@ -192,6 +213,67 @@ mod tests {
                 r,
                 Err(ProxyError::InvalidRequest(RequestError::RepeatedHost))
             ));
+        }
+    }
+
+    /// Pins: the host a request is forwarded for is its `Host` after
+    /// admission, so the scope and fingerprint see it (an h2 `:authority`
+    /// without `host`, an absolute-form target beside another `Host`).
+    #[test]
+    fn the_forwarded_authority_becomes_the_host() {
+        let cases: &[(Version, &str, &[&str], Option<&str>)] = &[
+            (
+                Version::HTTP_2,
+                "http://acme.example/o",
+                &[],
+                Some("acme.example"),
+            ),
+            (
+                Version::HTTP_2,
+                "http://acme.example/o",
+                &["ACME.example"],
+                Some("acme.example"),
+            ),
+            (
+                Version::HTTP_2,
+                "/o",
+                &["acme.example"],
+                Some("acme.example"),
+            ),
+            (
+                Version::HTTP_11,
+                "http://acme.example/o",
+                &["globex.example"],
+                Some("acme.example"),
+            ),
+            (
+                Version::HTTP_11,
+                "http://acme.example:8080/o",
+                &[],
+                Some("acme.example:8080"),
+            ),
+            (
+                Version::HTTP_11,
+                "/o",
+                &["globex.example"],
+                Some("globex.example"),
+            ),
+            (Version::HTTP_11, "/o", &[], None),
+        ];
+        for (version, target, hosts, want) in cases {
+            let mut req = Request::post(*target).version(*version);
+            for host in *hosts {
+                req = req.header("host", *host);
+            }
+            let mut req = req.body(()).unwrap();
+            admit(&mut req).unwrap_or_else(|e| panic!("{target} {hosts:?}: {e}"));
+            let got: Vec<_> = req.headers().get_all(header::HOST).iter().collect();
+            let want: Vec<_> = want.iter().map(|h| h.as_bytes()).collect();
+            assert_eq!(
+                got.iter().map(|v| v.as_bytes()).collect::<Vec<_>>(),
+                want,
+                "{version:?} {target} {hosts:?}"
+            );
         }
     }
 

@@ -160,13 +160,9 @@ impl Forwarder {
     ) -> Result<(), ForwardError> {
         let h2 = upstream.protocol() == UpstreamProtocol::H2;
         let wants_trailers = accepts_trailers(req.headers());
-        // An absolute-form target's authority wins over `Host` (RFC 9112
-        // §3.2.2); on HTTP/2 it is `:authority`, which `Host` must match.
-        let original_host = req
-            .uri()
-            .authority()
-            .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
-            .or_else(|| req.headers().get(header::HOST).cloned());
+        // Admission made `Host` the target's authority where it has one
+        // (RFC 9112 §3.2.2, `:authority`): the host the scope saw.
+        let original_host = req.headers().get(header::HOST).cloned();
         *req.uri_mut() = upstream_uri(upstream.url(), req.uri())?;
         // The client's version says nothing about the upstream's; the pooled
         // connection decides (hyper refuses an HTTP/2 request on an HTTP/1

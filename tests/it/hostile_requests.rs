@@ -687,3 +687,70 @@ async fn answer_each_request(mut conn: TcpStream, answer: &str, hits: Arc<Atomic
         }
     }
 }
+
+/// Pins: with `Host` among the scope headers, the scope read the `Host`
+/// field while forwarding used the target's authority. Over h2c,
+/// `:authority: globex.example` (no `host` field) after
+/// `:authority: acme.example` with the same key and body was served acme's
+/// stored invoice; over HTTP/1.1, `POST http://acme.example/invoices` with
+/// `Host: globex.example` ran on acme and was recorded under globex. The
+/// host a request is forwarded for is the one its scope names now.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_scope_follows_the_authority_the_request_is_forwarded_to() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::builder(Backend::Postgres, up.addr)
+        .set("server.preserve_host", true)
+        .routes(vec![
+            Route::post("/invoices").set("scope_headers", vec!["Authorization", "Host"])
+        ])
+        .start()
+        .await;
+    let hosts_seen = || {
+        up.seen()
+            .iter()
+            .map(|s| s.headers["host"].to_str().unwrap().to_string())
+            .collect::<Vec<_>>()
+    };
+
+    let mut h2 = H2Conn::open(proxy.addr).await;
+    let invoice = |authority: &str| {
+        Req::new(Method::POST, format!("http://{authority}/invoices"))
+            .header("authorization", "Bearer platform")
+            .key("k-tenant-h2")
+            .body(r#"{"amount":100}"#)
+    };
+    let acme = h2.send(invoice("acme.example")).await;
+    assert_eq!(acme.status(), 200, "{}", acme.text());
+    let globex = h2.send(invoice("globex.example")).await;
+    assert!(!globex.replayed(), "globex was served acme's response");
+    assert_eq!(hosts_seen(), ["acme.example", "globex.example"]);
+    assert!(h2.send(invoice("acme.example")).await.replayed());
+    assert!(h2.send(invoice("globex.example")).await.replayed());
+    assert_eq!(up.total_hits(), 2);
+
+    // HTTP/1.1 absolute-form: the target's authority is the host.
+    let absolute = "POST http://acme.example/invoices HTTP/1.1\r\nhost: globex.example\r\n\
+                    authorization: Bearer platform\r\nidempotency-key: k-tenant-h1\r\n\
+                    content-length: 2\r\nconnection: close\r\n\r\n{}";
+    assert_eq!(raw(proxy.addr, absolute).await.status, 200);
+    assert_eq!(hosts_seen()[2], "acme.example");
+    let origin = |host: &str| {
+        proxy
+            .post("/invoices")
+            .header("host", host)
+            .header("authorization", "Bearer platform")
+            .key("k-tenant-h1")
+            .body("{}")
+            .send()
+    };
+    assert!(
+        origin("acme.example").await.replayed(),
+        "recorded under acme"
+    );
+    assert!(
+        !origin("globex.example").await.replayed(),
+        "globex never ran it"
+    );
+    assert_eq!(hosts_seen()[3], "globex.example");
+    assert_eq!(up.total_hits(), 4);
+}

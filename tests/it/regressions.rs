@@ -273,3 +273,40 @@ async fn a_postgres_call_cut_off_mid_statement_does_not_block_the_next_one() {
         "the next call queued behind the abandoned statement: {next:?}"
     );
 }
+
+/// Pins: `fingerprint = "json"` read numbers as doubles, so two amounts a
+/// double cannot tell apart (`10.000000000000001`, `10.000000000000002`)
+/// shared a fingerprint and the second transfer was served the first's
+/// response. Payment code parses amounts as decimals: they are a 422 now,
+/// and only spellings of one value (`10.50`, `1.05e1`) are the same body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_fingerprints_tell_apart_amounts_a_double_cannot() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::builder(Backend::Postgres, up.addr)
+        .routes(vec![
+            support::Route::post("/transfers").set("fingerprint", "json")
+        ])
+        .start()
+        .await;
+    let transfer = |key: &str, amount: &str| {
+        proxy
+            .post("/transfers")
+            .key(key)
+            .body(format!(r#"{{"to":"acct_1","amount":{amount}}}"#))
+            .send()
+    };
+    assert_eq!(
+        transfer("k-amount", "10.000000000000001").await.status(),
+        200
+    );
+    transfer("k-amount", "10.000000000000002")
+        .await
+        .assert_problem(422);
+    transfer("k-amount", "10").await.assert_problem(422);
+    assert!(transfer("k-amount", "10.0000000000000010").await.replayed());
+    assert_eq!(up.total_hits(), 1);
+
+    assert_eq!(transfer("k-same", "10.50").await.status(), 200);
+    assert!(transfer("k-same", "1.05e1").await.replayed());
+    assert_eq!(up.total_hits(), 2);
+}
