@@ -40,7 +40,9 @@ pub async fn migrate(cfg: &Config) -> Result<u32, StoreError> {
 
 /// `check-config --connect`: connects to the configured store and runs one
 /// trivial call; returns one line per store reached, or the first failure
-/// with its cause. PostgreSQL: `SELECT 1`, no migration. SQLite: the file
+/// with its cause. PostgreSQL: no migration; whether the connection is TLS
+/// or plaintext, and the server's `synchronous_commit` and what idemgate's
+/// sessions run with. SQLite: the file
 /// is opened as `serve` would (created when missing).
 pub async fn check_connect(cfg: &Config) -> Result<Vec<String>, String> {
     let unavailable = |err: StoreError| match err {
@@ -64,13 +66,17 @@ pub async fn check_connect(cfg: &Config) -> Result<Vec<String>, String> {
                 .await
                 .map_err(unavailable)?;
             let target = pg.describe_target();
-            pg.probe().await.map_err(|err| {
+            let probe = pg.probe().await.map_err(|err| {
                 let cause = unavailable(err);
                 // The target names the endpoint already.
                 let at = format!("postgres at {}: ", pg.endpoint());
                 format!("{target}: {}", cause.strip_prefix(&at).unwrap_or(&cause))
             })?;
-            let mut reached = vec![format!("{target}: ok")];
+            let commit = probe.commit.describe()?;
+            let mut reached = vec![
+                format!("{target}: ok, {}", probe.transport),
+                format!("postgres {commit}"),
+            ];
             // Redis is a hint (serve runs on PostgreSQL alone without it),
             // but an operator testing connections wants its cause too.
             if let Some(redis) = &cfg.redis {

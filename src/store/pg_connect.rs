@@ -26,7 +26,7 @@ use std::io;
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::str::FromStr;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio_postgres::config::Host;
@@ -254,7 +254,10 @@ impl PgTarget {
         Ok(Self {
             url,
             config,
-            tls: MakeRustls(Arc::new(tls_config)),
+            tls: MakeRustls {
+                config: Arc::new(tls_config),
+                seen: None,
+            },
             endpoint,
         })
     }
@@ -365,7 +368,47 @@ fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
 /// tokio-postgres's TLS hook over rustls; one [`ClientConfig`] for every
 /// connection of a pool.
 #[derive(Clone)]
-pub struct MakeRustls(Arc<ClientConfig>);
+pub struct MakeRustls {
+    config: Arc<ClientConfig>,
+    /// Where [`MakeRustls::recording`]'s copy writes the TLS version its
+    /// handshake agreed on; nothing written means the connection is plain.
+    seen: Option<Arc<OnceLock<&'static str>>>,
+}
+
+impl MakeRustls {
+    /// A copy for one connection that records whether it got TLS (and
+    /// which version): tokio-postgres falls back to plaintext on its own
+    /// under `sslmode=prefer`, and nothing else tells which it was, even
+    /// behind a pooler (the server's `pg_stat_ssl` would describe the
+    /// pooler's own connection instead).
+    pub fn recording(&self) -> (Self, Arc<OnceLock<&'static str>>) {
+        let seen = Arc::new(OnceLock::new());
+        let copy = Self {
+            config: self.config.clone(),
+            seen: Some(seen.clone()),
+        };
+        (copy, seen)
+    }
+}
+
+/// How one connection is carried, for `check-config --connect`: the TLS
+/// version, or plaintext and why (`sslmode=disable`, or a server that
+/// offered no TLS under `prefer`/`allow`).
+pub fn describe_transport(tls: Option<&str>, sslmode: SslMode) -> String {
+    match (tls, sslmode) {
+        (Some(version), _) => format!("over TLS ({version})"),
+        (None, SslMode::Disable) => "in plaintext (sslmode=disable)".into(),
+        (None, _) => "in plaintext (the server offered no TLS)".into(),
+    }
+}
+
+fn tls_version(version: Option<rustls::ProtocolVersion>) -> &'static str {
+    match version {
+        Some(rustls::ProtocolVersion::TLSv1_3) => "TLS 1.3",
+        Some(rustls::ProtocolVersion::TLSv1_2) => "TLS 1.2",
+        _ => "TLS",
+    }
+}
 
 impl<S> MakeTlsConnect<S> for MakeRustls
 where
@@ -377,8 +420,9 @@ where
 
     fn make_tls_connect(&mut self, host: &str) -> Result<RustlsConnect, Self::Error> {
         Ok(RustlsConnect {
-            config: self.0.clone(),
+            config: self.config.clone(),
             name: ServerName::try_from(host.to_string())?,
+            seen: self.seen.clone(),
         })
     }
 }
@@ -387,6 +431,7 @@ where
 pub struct RustlsConnect {
     config: Arc<ClientConfig>,
     name: ServerName<'static>,
+    seen: Option<Arc<OnceLock<&'static str>>>,
 }
 
 impl<S> TlsConnect<S> for RustlsConnect
@@ -402,6 +447,9 @@ where
             let tls = tokio_rustls::TlsConnector::from(self.config)
                 .connect(self.name, stream)
                 .await?;
+            if let Some(seen) = &self.seen {
+                let _ = seen.set(tls_version(tls.get_ref().1.protocol_version()));
+            }
             Ok(RustlsStream(Box::new(tls)))
         })
     }
@@ -545,6 +593,27 @@ mod tests {
             .to_string();
         assert!(err.contains("store.url: sslmode=\"verify_full\""), "{err}");
         assert!(!err.contains("hunter2"), "{err}");
+    }
+
+    #[test]
+    fn the_transport_is_named_tls_or_plaintext_with_the_reason() {
+        for (tls, mode, says) in [
+            (Some("TLS 1.3"), SslMode::Prefer, "over TLS (TLS 1.3)"),
+            (Some("TLS 1.2"), SslMode::VerifyFull, "over TLS (TLS 1.2)"),
+            (None, SslMode::Disable, "in plaintext (sslmode=disable)"),
+            (
+                None,
+                SslMode::Prefer,
+                "in plaintext (the server offered no TLS)",
+            ),
+            (
+                None,
+                SslMode::Allow,
+                "in plaintext (the server offered no TLS)",
+            ),
+        ] {
+            assert_eq!(describe_transport(tls, mode), says, "{tls:?} {mode:?}");
+        }
     }
 
     #[test]

@@ -9,8 +9,15 @@
 //! This module owns the schema (embedded, versioned migrations run under an
 //! advisory lock), the pool (lazy: a proxy may start before the database and
 //! heals by itself), and the mapping of every failure to [`StoreError`].
-//! Claims commit with the server's `synchronous_commit` (durable): the
-//! upstream is only called after the claim is remembered.
+//! Claims commit durably: the upstream is only called after the claim is
+//! on disk. Every session runs with `synchronous_commit` at least `on`: a
+//! server, database, role or URL default of `off` (acknowledged before
+//! the WAL is flushed: a server crash loses it) or `local` (a failover to
+//! a synchronous standby loses it) is raised to `on` for idemgate's own
+//! sessions, and anything stronger is kept ([`raised_commit`]). Each new
+//! connection is raised once ([`Connector`]); behind PgBouncer each call's
+//! transaction is. Start-up logs it once, and `check-config --connect`
+//! says it ([`PostgresStore::probe`]).
 //!
 //! Connections are opened by [`super::pg_connect`] (TLS as libpq's
 //! `sslmode` says). With `pgbouncer=true` in the URL a transaction-pooling
@@ -19,8 +26,8 @@
 //! prepared by name (each is sent unnamed with its parameter types,
 //! `query_typed`), and no session state is set at connect (PgBouncer
 //! refuses the `options` startup parameter): every call runs in a
-//! transaction that sets `statement_timeout` and the planner settings with
-//! `SET LOCAL`. That costs one more round trip per call (`BEGIN` is
+//! transaction that sets `statement_timeout`, the planner settings and
+//! (where weaker) `synchronous_commit` with `SET LOCAL`. That costs one more round trip per call (`BEGIN` is
 //! pipelined with the first statement; `COMMIT` is not).
 //!
 //! A call that PostgreSQL aborts for a serialization failure or a deadlock
@@ -32,7 +39,7 @@
 use super::batch::Batcher;
 use super::codec::array_from;
 use super::codec::RecordRow;
-use super::pg_connect::PgTarget;
+use super::pg_connect::{describe_transport, MakeRustls, PgTarget};
 use super::sql::{Dialect, KeyParams, OwnerParams, Statements};
 use super::{
     is_claimable, Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, RecordState, Span,
@@ -46,9 +53,13 @@ use deadpool_postgres::{
     ClientWrapper, Manager, ManagerConfig, Object, Pool, PoolError, RecyclingMethod, Runtime,
     TimeoutType,
 };
-use std::sync::{Arc, OnceLock};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 use tokio::sync::OnceCell;
+use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
@@ -88,6 +99,85 @@ const TCP_USER_TIMEOUT: Duration = Duration::from_secs(10);
 /// what is stuck beyond it.
 const CALL_BOUND_MARGIN: Duration = Duration::from_millis(250);
 const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
+
+/// `synchronous_commit` values that acknowledge a commit before it is
+/// durable: `off` before the WAL is flushed (a server crash loses it),
+/// `local` before a synchronous standby has it (a failover loses it).
+const WEAK_COMMIT: [&str; 2] = ["off", "local"];
+/// What idemgate raises them to.
+const DURABLE_COMMIT: &str = "on";
+
+/// The `synchronous_commit` a session whose value is `effective` must run
+/// with: `on` for a weak value ([`WEAK_COMMIT`]); `None` keeps it (`on`,
+/// `remote_write`, `remote_apply`, and a value this version does not know:
+/// never lowered). The statements that apply it ([`raise_commit_sql`])
+/// test the same list on the server.
+pub fn raised_commit(effective: &str) -> Option<&'static str> {
+    WEAK_COMMIT.contains(&effective).then_some(DURABLE_COMMIT)
+}
+
+/// Raises the current session's (`transaction`: the current
+/// transaction's) `synchronous_commit` to [`DURABLE_COMMIT`] when it is
+/// weak, and does nothing otherwise: one statement, no round trip of its
+/// own behind a pooler (it goes in the `BEGIN` batch).
+fn raise_commit_sql(transaction: bool) -> String {
+    let weak = WEAK_COMMIT
+        .iter()
+        .map(|v| format!("'{v}'"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    format!(
+        "SELECT set_config('synchronous_commit', '{DURABLE_COMMIT}', {transaction}) \
+         WHERE current_setting('synchronous_commit') IN ({weak})"
+    )
+}
+
+/// The value the session started with (the server's, database's, role's
+/// or the URL's `options`) and the one it runs with now.
+const COMMIT_REPORT: &str = "SELECT reset_val, current_setting('synchronous_commit') \
+     FROM pg_settings WHERE name = 'synchronous_commit'";
+
+/// `synchronous_commit` as a session of this store saw it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CommitReport {
+    /// What the session started with.
+    pub server: String,
+    /// What idemgate's statements commit with.
+    pub session: String,
+}
+
+impl CommitReport {
+    /// Whether idemgate raised it.
+    pub fn raised(&self) -> bool {
+        self.server != self.session
+    }
+
+    /// One sentence for `check-config --connect`; `Err` when the session
+    /// still runs weaker than `on` (it could not be raised).
+    pub fn describe(&self) -> Result<String, String> {
+        let Self { server, session } = self;
+        if raised_commit(session).is_some() {
+            return Err(format!(
+                "postgres: synchronous_commit is {session} in idemgate's sessions and could not be raised to {DURABLE_COMMIT}: claims would not survive a server crash"
+            ));
+        }
+        Ok(if self.raised() {
+            format!(
+                "synchronous_commit is {server} (the server's, database's, role's or store.url's); raised to {session} for idemgate's sessions, so a claim is on disk before the upstream is called"
+            )
+        } else {
+            format!("synchronous_commit is {server}: kept")
+        })
+    }
+}
+
+/// What `check-config --connect` learned from one connection.
+#[derive(Clone, Debug)]
+pub struct Probe {
+    /// TLS (which version) or plaintext (why).
+    pub transport: String,
+    pub commit: CommitReport,
+}
 
 /// The PostgreSQL store: the connection pool and statements ([`Core`]),
 /// with claims and completions coalesced into multi-row statements when
@@ -133,6 +223,49 @@ struct Core {
     /// and sets the session options in it (see the module docs).
     pooled: Option<String>,
     migration_lock: MigrationLock,
+    /// The TLS version of the newest connection (`None`: plaintext).
+    last_tls: Arc<Mutex<Option<&'static str>>>,
+    /// The operator has been told what `synchronous_commit` runs with.
+    commit_told: AtomicBool,
+}
+
+/// Opens the pool's connections: TLS as the URL says, recording which the
+/// connection got; connected directly (no pooler), the session's
+/// `synchronous_commit` is raised where weak before the pool hands it out.
+struct Connector {
+    tls: MakeRustls,
+    /// [`raise_commit_sql`] for a session, or `None` behind a pooler.
+    session: Option<String>,
+    last_tls: Arc<Mutex<Option<&'static str>>>,
+}
+
+type Connected = Result<(tokio_postgres::Client, JoinHandle<()>), tokio_postgres::Error>;
+
+impl deadpool_postgres::Connect for Connector {
+    fn connect(
+        &self,
+        pg: &tokio_postgres::Config,
+    ) -> Pin<Box<dyn Future<Output = Connected> + Send + '_>> {
+        let (tls, seen) = self.tls.recording();
+        let pg = pg.clone();
+        Box::pin(async move {
+            let (client, connection) = pg.connect(tls).await?;
+            // As deadpool's own connector does.
+            let task = tokio::spawn(async move {
+                if let Err(e) = connection.await {
+                    tracing::warn!(target: "deadpool.postgres", "Connection error: {}", e);
+                }
+            });
+            if let Some(sql) = &self.session {
+                if let Err(err) = client.batch_execute(sql).await {
+                    task.abort();
+                    return Err(err);
+                }
+            }
+            *self.last_tls.lock().unwrap_or_else(PoisonError::into_inner) = seen.get().copied();
+            Ok((client, task))
+        })
+    }
 }
 
 /// One statement parameter with its type: the type is what an unnamed
@@ -166,14 +299,20 @@ impl PostgresStore {
         &self.core.schema
     }
 
-    /// Connects and runs one trivial statement, without migrating
-    /// (`check-config --connect`); the error names the cause.
-    pub async fn probe(&self) -> Result<(), StoreError> {
+    /// Connects and reads `synchronous_commit` as a call sees it, without
+    /// migrating (`check-config --connect`); the error names the cause.
+    /// The transport is the newest connection's: on this fresh store, the
+    /// one the probe used.
+    pub async fn probe(&self) -> Result<Probe, StoreError> {
         let core = &self.core;
         let deadline = core.deadline();
         let client = core.connection(deadline).await?;
-        let res = tokio::time::timeout_at(deadline, client.simple_query("SELECT 1")).await;
-        core.settle(client, res).map(|_| ())
+        let commit = core.settle_commit_report(client, deadline).await?;
+        let tls = *core.last_tls.lock().unwrap_or_else(PoisonError::into_inner);
+        Ok(Probe {
+            transport: describe_transport(tls, core.target.url.sslmode),
+            commit,
+        })
     }
 
     /// `host:port` of the database (every host the URL names).
@@ -270,6 +409,8 @@ impl Core {
             for (name, value) in &settings {
                 begin.push_str(&format!("; SET LOCAL {name} = {value}"));
             }
+            begin.push_str("; ");
+            begin.push_str(&raise_commit_sql(true));
             Some(begin)
         } else {
             let session = settings
@@ -291,9 +432,17 @@ impl Core {
         if pg.get_application_name().is_none() {
             pg.application_name("idemgate");
         }
-        let manager = Manager::from_config(
+        let last_tls = Arc::new(Mutex::new(None));
+        let connector = Connector {
+            tls: target.tls.clone(),
+            // A URL's own `options=-c synchronous_commit=off` is applied at
+            // startup, so this sees (and raises) it too.
+            session: pooled.is_none().then(|| raise_commit_sql(false)),
+            last_tls: last_tls.clone(),
+        };
+        let manager = Manager::from_connect(
             pg,
-            target.tls.clone(),
+            connector,
             // Fast: only `is_closed()` on checkout, so a claim stays one round
             // trip; a connection that dies mid-call is discarded by `settle`.
             ManagerConfig {
@@ -321,6 +470,8 @@ impl Core {
             target,
             pooled,
             migration_lock: cfg.migration_lock,
+            last_tls,
+            commit_told: AtomicBool::new(false),
         })
     }
 
@@ -341,7 +492,62 @@ impl Core {
         if applied > 0 {
             tracing::info!(schema = %self.schema, applied, "postgres migrations applied");
         }
+        self.tell_commit().await;
         Ok(applied)
+    }
+
+    /// [`COMMIT_REPORT`] on `client` as one call, and the connection settled.
+    async fn settle_commit_report(
+        &self,
+        client: InUse,
+        deadline: Instant,
+    ) -> Result<CommitReport, StoreError> {
+        let on: &ClientWrapper = &client;
+        let res = tokio::time::timeout_at(
+            deadline,
+            self.unit(on, false, || async move {
+                let rows = self.query(on, COMMIT_REPORT, &[]).await?;
+                Ok(rows.first().map(|row| CommitReport {
+                    server: row.get(0),
+                    session: row.get(1),
+                }))
+            }),
+        )
+        .await;
+        self.settle(client, res)?
+            .ok_or_else(|| StoreError::Corrupt("pg_settings has no synchronous_commit".into()))
+    }
+
+    /// Once per store (a process has one), when the database first answers:
+    /// a warning naming the server's `synchronous_commit` where idemgate
+    /// raised it, an error where it could not.
+    async fn tell_commit(&self) {
+        if self.commit_told.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        let deadline = self.deadline();
+        let report = match self.connection(deadline).await {
+            Ok(client) => self.settle_commit_report(client, deadline).await,
+            Err(err) => Err(err),
+        };
+        match report {
+            Ok(report) => match report.describe() {
+                Err(problem) => tracing::error!("{problem}"),
+                Ok(_) if report.raised() => tracing::warn!(
+                    server = %report.server,
+                    session = %report.session,
+                    "postgres synchronous_commit is {} (the server's, database's, role's or store.url's): idemgate raised it to {} for its own sessions, so claims and stored responses survive a server crash",
+                    report.server,
+                    report.session
+                ),
+                Ok(_) => {}
+            },
+            Err(err) => {
+                // Asked again at the next migration.
+                self.commit_told.store(false, Ordering::Relaxed);
+                tracing::debug!(error = %err, "could not read synchronous_commit");
+            }
+        }
     }
 
     /// The migrations, inside [`Core::unit`]'s transaction when `locked`
@@ -1138,6 +1344,47 @@ mod tests {
         for (code, rerun) in cases {
             assert_eq!(is_conflict_code(code.as_ref()), rerun, "{code:?}");
         }
+    }
+
+    #[test]
+    fn synchronous_commit_is_raised_to_on_where_weaker_and_never_lowered() {
+        for (effective, runs_with) in [
+            ("off", Some("on")),
+            ("local", Some("on")),
+            ("remote_write", None),
+            ("on", None),
+            ("remote_apply", None),
+            // A value a newer server may add: kept rather than guessed at.
+            ("remote_flush", None),
+        ] {
+            assert_eq!(raised_commit(effective), runs_with, "{effective}");
+        }
+        // The server applies the same list.
+        for sql in [raise_commit_sql(false), raise_commit_sql(true)] {
+            assert!(sql.ends_with("IN ('off', 'local')"), "{sql}");
+        }
+        assert!(raise_commit_sql(true).contains("'on', true)"));
+        assert!(raise_commit_sql(false).contains("'on', false)"));
+    }
+
+    #[test]
+    fn the_commit_report_says_what_the_server_has_and_what_idemgate_runs_with() {
+        let report = |server: &str, session: &str| CommitReport {
+            server: server.into(),
+            session: session.into(),
+        };
+        let raised = report("off", "on").describe().unwrap();
+        assert!(
+            raised.starts_with("synchronous_commit is off (the server's")
+                && raised.contains("raised to on"),
+            "{raised}"
+        );
+        assert_eq!(
+            report("remote_apply", "remote_apply").describe().unwrap(),
+            "synchronous_commit is remote_apply: kept"
+        );
+        let stuck = report("local", "local").describe().unwrap_err();
+        assert!(stuck.contains("could not be raised"), "{stuck}");
     }
 
     #[test]

@@ -12,6 +12,7 @@
 //! repeatedly, and prints the report for all of them.
 
 use crate::support::checker::{check, Event, EventKind, Report, Trace};
+use crate::support::pg_cluster::PgCluster;
 use crate::support::recording_upstream::{Kind, Mix, RecordingUpstream};
 use crate::support::services::{
     database_url, postgres_addr, require_postgres, PrivateRedis, TcpRelay,
@@ -24,6 +25,7 @@ use bytes::Bytes;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const REPLICAS: usize = 3;
@@ -193,7 +195,19 @@ impl Cluster {
             _ => None,
         };
         let store_url = relay.as_ref().map_or(db, |r| database_url_via(r.addr()));
-        let redis = fault.uses_redis().then(PrivateRedis::start);
+        Self::start_on(fault, upstream, store_url, relay, fault.uses_redis()).await
+    }
+
+    /// [`Cluster::start`] on the PostgreSQL at `store_url` (through
+    /// `relay`, if any), with or without Redis.
+    async fn start_on(
+        fault: Fault,
+        upstream: SocketAddr,
+        store_url: String,
+        relay: Option<TcpRelay>,
+        with_redis: bool,
+    ) -> Self {
+        let redis = with_redis.then(PrivateRedis::start);
         let schema = TestSchema::new();
         let mut config = TestConfig::new(upstream)
             .set(
@@ -378,6 +392,35 @@ async fn run(fault: Fault, load: Duration, schedule: Schedule) -> Report {
             }
         }
     }
+    judge(
+        fault,
+        fault.name(),
+        t0,
+        &up,
+        &cluster,
+        &traffic,
+        load_task,
+        events,
+        load,
+    )
+    .await
+}
+
+/// The end of a run: waits for `load_task`, sweeps every key once more,
+/// and checks the invariants over everything recorded since `t0`. Prints
+/// the report (and replica logs on a violation) under `name`.
+#[allow(clippy::too_many_arguments)]
+async fn judge(
+    fault: Fault,
+    name: &'static str,
+    t0: Instant,
+    up: &RecordingUpstream,
+    cluster: &Cluster,
+    traffic: &Arc<Traffic>,
+    load_task: tokio::task::JoinHandle<()>,
+    events: Vec<Event>,
+    load: Duration,
+) -> Report {
     tokio::time::timeout(load + DEADLINE, load_task)
         .await
         .expect("the load ends")
@@ -387,7 +430,7 @@ async fn run(fault: Fault, load: Duration, schedule: Schedule) -> Report {
     // Every key once more, as its latest execution's request: it replays,
     // is 410, or (if released) runs again. A key the load left unsettled
     // first gets a different request under it (422, or a run if released).
-    let groups = sweep_groups(&traffic, &up);
+    let groups = sweep_groups(traffic, up);
     let patience = fault.lease() * 2 + Duration::from_secs(3);
     traffic
         .clone()
@@ -396,7 +439,7 @@ async fn run(fault: Fault, load: Duration, schedule: Schedule) -> Report {
     up.settle(Duration::from_millis(300), DEADLINE).await;
 
     let report = check(&Trace {
-        fault: fault.name(),
+        fault: name,
         t0,
         executions: up.executions(),
         observations: traffic.observations(),
@@ -484,6 +527,64 @@ fault_tests! {
     invariants_hold_when_the_upstream_resets_mid_response => UpstreamResets,
     invariants_hold_when_clients_disconnect_mid_request => ClientsDisconnect,
     invariants_hold_when_the_upstream_answers_408_425_429 => UpstreamNotExecuted,
+}
+
+// ===== a PostgreSQL crash with lazy commits =====
+
+/// A server whose default acknowledges commits before their WAL is flushed,
+/// and whose WAL writer waits 10 s before writing them out: a crash loses
+/// every commit of the last seconds that was not made durable.
+const LAZY_COMMITS: &str = "synchronous_commit = off\nwal_writer_delay = 10s\n";
+
+/// The replicas on a private PostgreSQL with [`LAZY_COMMITS`] (no Redis:
+/// PostgreSQL alone is the guard), which crashes (`pg_ctl stop -m
+/// immediate`) under load and is started again at once (crash recovery):
+/// no key may run twice, i.e. nothing idemgate acted on may have been only
+/// in the WAL buffers. The outage stays shorter than a lease, so this
+/// checks durability, not what an outage longer than a lease does to a
+/// completion still waiting for the store (the lease runs out; see
+/// `Fault::PostgresCut` for an outage).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invariants_hold_when_a_synchronous_commit_off_postgres_crashes_under_load() {
+    let fault = Fault::None;
+    let t0 = Instant::now();
+    let up = RecordingUpstream::start(fault.mix(), fault.upstream_timeout()).await;
+    let mut pg = PgCluster::private(LAZY_COMMITS);
+    let url = pg.url("postgres", "127.0.0.1", "sslmode=disable");
+    let cluster = Cluster::start_on(fault, up.addr, url, None, false).await;
+    // The schema is on disk before the load (replicas created it): what
+    // the crash can lose is the claims and completions.
+    pg.psql("CHECKPOINT");
+    let traffic = Traffic::new(cluster.addrs(), false);
+    let started = Instant::now();
+    let load_task = tokio::spawn(traffic.clone().run(WORKERS, CI_LOAD));
+
+    tokio::time::sleep_until((started + INJECT_AT).into()).await;
+    let crashed = Instant::now();
+    pg.stop_immediate();
+    pg.restart();
+    // The checker has no kind of its own for a crash: to it, as to the
+    // replicas, the database was unreachable from one stamp to the other.
+    let events = vec![
+        Event {
+            at: crashed,
+            kind: EventKind::PostgresCut,
+        },
+        Event {
+            at: Instant::now(),
+            kind: EventKind::PostgresRestored,
+        },
+    ];
+    let name = "postgres crash (sync off)";
+    let report = judge(
+        fault, name, t0, &up, &cluster, &traffic, load_task, events, CI_LOAD,
+    )
+    .await;
+    assert!(
+        report.violations.is_empty(),
+        "{} invariant violation(s) under a PostgreSQL crash with synchronous_commit = off; see the report above",
+        report.violations.len()
+    );
 }
 
 // ===== the soak =====

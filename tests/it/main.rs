@@ -19,6 +19,7 @@ mod lifecycle;
 mod operations;
 mod ops_metrics;
 mod pgbouncer;
+mod postgres_durability;
 mod postgres_retries;
 mod postgres_tls;
 mod properties;

@@ -11,6 +11,12 @@
 //! the last one to finish drops it, which stops the server and removes
 //! the directory.
 //!
+//! [`PgCluster::private`] starts one of a test's own, with settings of its
+//! own appended (e.g. `synchronous_commit = off`, `ssl = off`), that the
+//! test may crash ([`PgCluster::stop_immediate`], as `pg_ctl stop -m
+//! immediate`) and start again on the same port and data
+//! ([`PgCluster::restart`]).
+//!
 //! `pg_hba.conf`: `certuser` must present a client certificate
 //! (`hostssl ... clientcert=verify-full`), `scramuser` a password
 //! (SCRAM-SHA-256, TLS only); everyone else is trusted over TLS or plain
@@ -39,6 +45,7 @@ pub struct PgCluster {
     pub client_cert: PathBuf,
     pub client_key: PathBuf,
     dir: tempfile::TempDir,
+    data: PathBuf,
     postmaster: Option<Child>,
 }
 
@@ -66,7 +73,18 @@ impl PgCluster {
         )
     }
 
+    /// A cluster of the caller's own (not shared), with `settings`
+    /// (`postgresql.conf` lines) appended after the defaults, which they
+    /// override.
+    pub fn private(settings: &str) -> Self {
+        Self::start_with(settings)
+    }
+
     fn start() -> Self {
+        Self::start_with("")
+    }
+
+    fn start_with(settings: &str) -> Self {
         let bin = postgres_bin_dir();
         let (uid, gid) = postgres_ids();
         let dir = tempfile::Builder::new()
@@ -76,20 +94,17 @@ impl PgCluster {
         std::os::unix::fs::chown(dir.path(), Some(uid), Some(gid)).expect("chown the cluster dir");
         let data = dir.path().join("data");
         let certs = Certs::write(dir.path(), uid, gid);
-        let status = Command::new(bin.join("initdb"))
-            .args(["-D", &data.display().to_string()])
-            .args(["-U", "postgres", "-A", "trust", "--no-sync", "-E", "UTF8"])
-            .uid(uid)
-            .gid(gid)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .output()
-            .expect("run initdb (install postgresql)");
-        assert!(
-            status.status.success(),
-            "initdb failed: {}",
-            String::from_utf8_lossy(&status.stderr)
-        );
+        let mut initdb = Command::new(bin.join("initdb"));
+        initdb.args(["-D", &data.display().to_string()]).args([
+            "-U",
+            "postgres",
+            "-A",
+            "trust",
+            "--no-sync",
+            "-E",
+            "UTF8",
+        ]);
+        run_as_postgres(initdb, "initdb (install postgresql)");
         let port = super::free_port().port();
         let conf = format!(
             "\nport = {port}\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '{dir}'\n\
@@ -101,7 +116,10 @@ impl PgCluster {
             key = certs.server_key.display(),
             ca = certs.ca.display(),
         );
-        append(&data.join("postgresql.conf"), &conf);
+        append(
+            &data.join("postgresql.conf"),
+            &format!("{conf}{settings}\n"),
+        );
         let hba = format!(
             "local all all trust\n\
              hostssl all {CERT_USER} 127.0.0.1/32 trust clientcert=verify-full\n\
@@ -110,15 +128,6 @@ impl PgCluster {
              host all all 127.0.0.1/32 trust\n"
         );
         std::fs::write(data.join("pg_hba.conf"), hba).expect("write pg_hba.conf");
-        let log = std::fs::File::create(dir.path().join("postgres.log")).expect("log file");
-        let postmaster = Command::new(bin.join("postgres"))
-            .args(["-D", &data.display().to_string()])
-            .uid(uid)
-            .gid(gid)
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("start postgres");
         let mut cluster = Self {
             port,
             ca: certs.ca,
@@ -126,9 +135,10 @@ impl PgCluster {
             client_cert: certs.client_cert,
             client_key: certs.client_key,
             dir,
-            postmaster: Some(postmaster),
+            data,
+            postmaster: None,
         };
-        cluster.wait_ready(&bin);
+        cluster.spawn_postmaster(&bin);
         let psql = Command::new(bin.join("psql"))
             .args(["-h", "127.0.0.1", "-p", &port.to_string(), "-U", "postgres"])
             .args(["-d", "postgres", "-v", "ON_ERROR_STOP=1", "-qc"])
@@ -146,6 +156,48 @@ impl PgCluster {
             String::from_utf8_lossy(&psql.stderr)
         );
         cluster
+    }
+
+    /// Starts the postmaster on the data directory and waits until it
+    /// accepts connections.
+    fn spawn_postmaster(&mut self, bin: &Path) {
+        let (uid, gid) = postgres_ids();
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.path().join("postgres.log"))
+            .expect("log file");
+        let postmaster = Command::new(bin.join("postgres"))
+            .args(["-D", &self.data.display().to_string()])
+            .uid(uid)
+            .gid(gid)
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start postgres");
+        self.postmaster = Some(postmaster);
+        self.wait_ready(bin);
+    }
+
+    /// `pg_ctl stop -m immediate`: the postmaster and every backend quit
+    /// at once, without a checkpoint and without writing out the WAL
+    /// buffers (as after a crash or a power cut of the server process).
+    pub fn stop_immediate(&mut self) {
+        let mut pg_ctl = Command::new(postgres_bin_dir().join("pg_ctl"));
+        pg_ctl
+            .args(["stop", "-m", "immediate", "-w", "-D"])
+            .arg(&self.data);
+        run_as_postgres(pg_ctl, "pg_ctl stop -m immediate");
+        if let Some(mut child) = self.postmaster.take() {
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts it again on the same port and data (crash recovery replays
+    /// the WAL that reached the files).
+    pub fn restart(&mut self) {
+        assert!(self.postmaster.is_none(), "stop it first");
+        self.spawn_postmaster(&postgres_bin_dir());
     }
 
     fn wait_ready(&mut self, bin: &Path) {
@@ -168,6 +220,15 @@ impl PgCluster {
             );
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// Runs `sql` as the superuser (over the socket directory: no TLS).
+    pub fn psql(&self, sql: &str) {
+        let mut psql = Command::new(postgres_bin_dir().join("psql"));
+        psql.args(["-h", &self.dir.path().display().to_string()])
+            .args(["-p", &self.port.to_string(), "-U", "postgres"])
+            .args(["-d", "postgres", "-v", "ON_ERROR_STOP=1", "-qc", sql]);
+        run_as_postgres(psql, &format!("psql {sql:?}"));
     }
 
     /// The server's log so far.
@@ -213,6 +274,23 @@ fn postgres_bin_dir() -> PathBuf {
         .pop()
         .map(|(_, bin)| bin)
         .expect("no /usr/lib/postgresql/*/bin/initdb: install postgresql")
+}
+
+/// Runs a PostgreSQL tool as the `postgres` OS user to completion; panics
+/// with its stderr, naming `what`, unless it succeeds.
+fn run_as_postgres(mut cmd: Command, what: &str) {
+    let (uid, gid) = postgres_ids();
+    let out = cmd
+        .uid(uid)
+        .gid(gid)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("run {what}: {e}"));
+    assert!(
+        out.status.success(),
+        "{what} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// The `postgres` OS user's uid and gid (PostgreSQL refuses to run as root).

@@ -1,6 +1,7 @@
 //! A private PgBouncer in transaction pooling mode, in front of the shared
-//! PostgreSQL (`IDEMGATE_TEST_DATABASE_URL`), on a free port; killed and
-//! its directory removed on drop.
+//! PostgreSQL (`IDEMGATE_TEST_DATABASE_URL`) or another server
+//! ([`PrivatePgBouncer::in_front_of`]), on a free port; killed and its
+//! directory removed on drop.
 //!
 //! It runs as the `postgres` OS user (PgBouncer refuses root), trusts every
 //! client (`auth_type = trust`) and logs into PostgreSQL with the shared
@@ -20,6 +21,9 @@ pub const SERVER_POOL: usize = 3;
 
 pub struct PrivatePgBouncer {
     pub port: u16,
+    /// `user@.../db` of the URL clients use.
+    user: String,
+    database: String,
     child: Option<Child>,
     dir: tempfile::TempDir,
 }
@@ -37,16 +41,25 @@ impl PrivatePgBouncer {
     }
 
     fn start_with(extra: &str) -> Self {
+        Self::start_for(&database_url(), extra)
+    }
+
+    /// One in front of the server `url` names (e.g. a private cluster),
+    /// with `extra` lines in its `[pgbouncer]` section.
+    pub fn in_front_of(url: &str, extra: &str) -> Self {
+        Self::start_for(url, extra)
+    }
+
+    fn start_for(url: &str, extra: &str) -> Self {
         let (uid, gid) = postgres_ids();
-        let shared: tokio_postgres::Config = database_url()
-            .parse()
-            .expect("IDEMGATE_TEST_DATABASE_URL parses");
+        let shared: tokio_postgres::Config = url.parse().expect("the server's URL parses");
         let host = match shared.get_hosts().first() {
             Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
             _ => "127.0.0.1".into(),
         };
         let port = shared.get_ports().first().copied().unwrap_or(5432);
         let user = shared.get_user().unwrap_or("postgres").to_string();
+        let database = shared.get_dbname().unwrap_or("test").to_string();
         let password = shared
             .get_password()
             .map(|p| format!(" password={}", String::from_utf8_lossy(p)))
@@ -86,6 +99,8 @@ impl PrivatePgBouncer {
             .expect("start pgbouncer (apt-get install pgbouncer; scripts/test.sh installs it)");
         let mut bouncer = Self {
             port: listen,
+            user,
+            database,
             child: Some(child),
             dir,
         };
@@ -109,13 +124,13 @@ impl PrivatePgBouncer {
         }
     }
 
-    /// The shared database through this PgBouncer, `query` appended.
+    /// The database behind this PgBouncer, through it, `query` appended.
     pub fn url(&self, query: &str) -> String {
-        let shared: tokio_postgres::Config = database_url().parse().expect("url parses");
-        let user = shared.get_user().unwrap_or("postgres");
-        let db = shared.get_dbname().unwrap_or("test");
         let sep = if query.is_empty() { "" } else { "?" };
-        format!("postgres://{user}@127.0.0.1:{}/{db}{sep}{query}", self.port)
+        format!(
+            "postgres://{}@127.0.0.1:{}/{}{sep}{query}",
+            self.user, self.port, self.database
+        )
     }
 
     pub fn log(&self) -> String {
