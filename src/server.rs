@@ -49,6 +49,16 @@ const H2_MAX_PENDING_ACCEPT_RESETS: usize = 20;
 /// (hyper's default).
 const H2_MAX_LOCAL_ERROR_RESETS: usize = 1024;
 
+/// The most a client connection's HTTP/1 read buffer may hold (hyper's
+/// default grows to ~400 KiB and keeps it for the connection's life, outside
+/// every budget). A request head must fit in it: a longer one gets 431 and
+/// the connection closes. 64 KiB leaves room for large cookies and JWTs
+/// (Envoy allows ~60 KiB, nginx 32 KiB by default); README "Limits".
+const H1_MAX_BUF_SIZE: usize = 64 << 10;
+/// HTTP/2's header list limit (SETTINGS_MAX_HEADER_LIST_SIZE), pinned at
+/// hyper's default: HPACK-decoded heads per stream are bounded by it.
+const H2_MAX_HEADER_LIST_SIZE: u32 = 16 << 10;
+
 /// Accept errors (EMFILE and friends) back off instead of spinning.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 
@@ -195,6 +205,7 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
         .http1()
         .timer(TokioTimer::new())
         .header_read_timeout(config.server.header_read_timeout)
+        .max_buf_size(H1_MAX_BUF_SIZE)
         .keep_alive(true);
     // Pings find dead h2 peers; idle connections of either protocol end
     // with the deadlines in connection.rs.
@@ -204,6 +215,7 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
         .keep_alive_interval(Some(H2_KEEPALIVE_INTERVAL))
         .keep_alive_timeout(H2_KEEPALIVE_TIMEOUT)
         .max_concurrent_streams(config.server.h2_max_concurrent_streams)
+        .max_header_list_size(H2_MAX_HEADER_LIST_SIZE)
         .initial_stream_window_size(H2_STREAM_WINDOW)
         .initial_connection_window_size(H2_CONNECTION_WINDOW)
         .max_pending_accept_reset_streams(H2_MAX_PENDING_ACCEPT_RESETS)

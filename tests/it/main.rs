@@ -22,6 +22,7 @@ mod pgbouncer;
 mod postgres_retries;
 mod postgres_tls;
 mod properties;
+mod read_buffers;
 mod readiness;
 mod redis_cluster;
 mod redis_tls;
