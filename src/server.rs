@@ -100,6 +100,9 @@ pub struct Server {
     clock: Clock,
     /// Where config reloads come from; none: the config never changes.
     reload: Option<ReloadSource>,
+    /// Connections (and tunnels) at most, below `server.max_connections`
+    /// when the file-descriptor limit cannot hold that (`fd_limit`).
+    connection_limit: Option<usize>,
 }
 
 impl Server {
@@ -121,6 +124,7 @@ impl Server {
             listeners,
             clock,
             reload: None,
+            connection_limit: None,
         })
     }
 
@@ -128,6 +132,13 @@ impl Server {
     /// (see [`reload`]).
     pub fn reload_on(mut self, source: ReloadSource) -> Self {
         self.reload = Some(source);
+        self
+    }
+
+    /// Serves at most `limit` connections (and tunnels) at once, when that
+    /// is below `server.max_connections`.
+    pub fn limit_connections(mut self, limit: usize) -> Self {
+        self.connection_limit = Some(limit);
         self
     }
 
@@ -145,7 +156,15 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
         listeners,
         clock,
         reload,
+        connection_limit,
     } = server;
+    // Reloads compare against the file's settings; connections and the
+    // tunnel limit run with the lowered one.
+    let file_config = config.clone();
+    let mut config = config;
+    if let Some(limit) = connection_limit {
+        config.server.max_connections = config.server.max_connections.min(limit);
+    }
     for w in config.warnings() {
         warn!("{w}");
     }
@@ -175,7 +194,7 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
     let reloader = reload.map(|source| {
         tokio::spawn(reload::reload_loop(
             source,
-            config.clone(),
+            file_config,
             current.clone(),
             metrics.clone(),
             stop.clone(),

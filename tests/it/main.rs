@@ -10,6 +10,7 @@ mod support;
 
 mod demo_docs;
 mod faults;
+mod fd_limit;
 mod forwarding;
 mod gateway;
 mod hostile_connections;
