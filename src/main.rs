@@ -17,6 +17,12 @@ fn main() -> ExitCode {
                 for w in cfg.warnings() {
                     println!("warning: {w}");
                 }
+                // What `serve` would do with this process's limits.
+                match idemgate::fd_limit::preview(&cfg) {
+                    Ok(plan) if plan.lowered() => println!("warning: {plan}"),
+                    Ok(plan) => println!("{plan}"),
+                    Err(e) => println!("warning: cannot read the file-descriptor limit: {e}"),
+                }
                 if connect {
                     return exit(runtime().and_then(|rt| rt.block_on(check_connect(&cfg))));
                 }

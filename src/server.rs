@@ -49,6 +49,16 @@ const H2_MAX_PENDING_ACCEPT_RESETS: usize = 20;
 /// (hyper's default).
 const H2_MAX_LOCAL_ERROR_RESETS: usize = 1024;
 
+/// The most a client connection's HTTP/1 read buffer may hold (hyper's
+/// default grows to ~400 KiB and keeps it for the connection's life, outside
+/// every budget). A request head must fit in it: a longer one gets 431 and
+/// the connection closes. 64 KiB leaves room for large cookies and JWTs
+/// (Envoy allows ~60 KiB, nginx 32 KiB by default); README "Limits".
+const H1_MAX_BUF_SIZE: usize = 64 << 10;
+/// HTTP/2's header list limit (SETTINGS_MAX_HEADER_LIST_SIZE), pinned at
+/// hyper's default: HPACK-decoded heads per stream are bounded by it.
+const H2_MAX_HEADER_LIST_SIZE: u32 = 16 << 10;
+
 /// Accept errors (EMFILE and friends) back off instead of spinning.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 
@@ -90,6 +100,9 @@ pub struct Server {
     clock: Clock,
     /// Where config reloads come from; none: the config never changes.
     reload: Option<ReloadSource>,
+    /// Connections (and tunnels) at most, below `server.max_connections`
+    /// when the file-descriptor limit cannot hold that (`fd_limit`).
+    connection_limit: Option<usize>,
 }
 
 impl Server {
@@ -111,6 +124,7 @@ impl Server {
             listeners,
             clock,
             reload: None,
+            connection_limit: None,
         })
     }
 
@@ -118,6 +132,13 @@ impl Server {
     /// (see [`reload`]).
     pub fn reload_on(mut self, source: ReloadSource) -> Self {
         self.reload = Some(source);
+        self
+    }
+
+    /// Serves at most `limit` connections (and tunnels) at once, when that
+    /// is below `server.max_connections`.
+    pub fn limit_connections(mut self, limit: usize) -> Self {
+        self.connection_limit = Some(limit);
         self
     }
 
@@ -135,7 +156,15 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
         listeners,
         clock,
         reload,
+        connection_limit,
     } = server;
+    // Reloads compare against the file's settings; connections and the
+    // tunnel limit run with the lowered one.
+    let file_config = config.clone();
+    let mut config = config;
+    if let Some(limit) = connection_limit {
+        config.server.max_connections = config.server.max_connections.min(limit);
+    }
     for w in config.warnings() {
         warn!("{w}");
     }
@@ -165,7 +194,7 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
     let reloader = reload.map(|source| {
         tokio::spawn(reload::reload_loop(
             source,
-            config.clone(),
+            file_config,
             current.clone(),
             metrics.clone(),
             stop.clone(),
@@ -195,6 +224,7 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
         .http1()
         .timer(TokioTimer::new())
         .header_read_timeout(config.server.header_read_timeout)
+        .max_buf_size(H1_MAX_BUF_SIZE)
         .keep_alive(true);
     // Pings find dead h2 peers; idle connections of either protocol end
     // with the deadlines in connection.rs.
@@ -204,6 +234,7 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
         .keep_alive_interval(Some(H2_KEEPALIVE_INTERVAL))
         .keep_alive_timeout(H2_KEEPALIVE_TIMEOUT)
         .max_concurrent_streams(config.server.h2_max_concurrent_streams)
+        .max_header_list_size(H2_MAX_HEADER_LIST_SIZE)
         .initial_stream_window_size(H2_STREAM_WINDOW)
         .initial_connection_window_size(H2_CONNECTION_WINDOW)
         .max_pending_accept_reset_streams(H2_MAX_PENDING_ACCEPT_RESETS)

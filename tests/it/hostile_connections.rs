@@ -298,7 +298,7 @@ async fn read_head(s: &mut TcpStream) -> String {
 /// A protected POST that declares `declared` bytes, sends `sent` of them
 /// and stalls; resolves to the response head's first line, or `None` when
 /// no answer came within `wait`.
-async fn stalled_post(
+pub(crate) async fn stalled_post(
     addr: SocketAddr,
     key: String,
     declared: usize,
@@ -446,7 +446,7 @@ async fn stalled_h2_streams_past_the_budget_are_refused() {
 // ===== bounded memory =====
 
 /// Resident memory of `pid` in KiB (`VmRSS` in /proc/<pid>/status).
-fn rss_kib(pid: u32) -> u64 {
+pub(crate) fn rss_kib(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("read /proc status");
     status
         .lines()

@@ -10,6 +10,7 @@ mod support;
 
 mod demo_docs;
 mod faults;
+mod fd_limit;
 mod forwarding;
 mod gateway;
 mod hostile_connections;
@@ -23,6 +24,7 @@ mod postgres_durability;
 mod postgres_retries;
 mod postgres_tls;
 mod properties;
+mod read_buffers;
 mod readiness;
 mod redis_cluster;
 mod redis_tls;

@@ -15,7 +15,21 @@ use tokio::net::TcpStream;
 
 /// `idemgate` with a clean `IDEMGATE_*` environment.
 fn idemgate() -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_idemgate"));
+    idemgate_via(&[])
+}
+
+/// `idemgate` run by the command `via` (e.g. `prlimit --nofile=1024:20000`),
+/// with a clean `IDEMGATE_*` environment.
+fn idemgate_via(via: &[&str]) -> Command {
+    let bin = env!("CARGO_BIN_EXE_idemgate");
+    let mut cmd = match via.split_first() {
+        Some((program, args)) => {
+            let mut cmd = Command::new(program);
+            cmd.args(args).arg(bin);
+            cmd
+        }
+        None => Command::new(bin),
+    };
     for (k, _) in std::env::vars() {
         if k.starts_with("IDEMGATE_") {
             cmd.env_remove(k);
@@ -44,7 +58,13 @@ pub struct Run {
 /// Runs `idemgate <args>` with `env` added to a clean `IDEMGATE_*`
 /// environment; bounded by [`DEADLINE`].
 pub async fn run_to_completion(args: &[&str], env: &[(&str, &str)]) -> Run {
-    let mut cmd = idemgate();
+    run_via(&[], args, env).await
+}
+
+/// Like [`run_to_completion`], run by the command `via` (see
+/// [`ServeProcess::start_via`]).
+pub async fn run_via(via: &[&str], args: &[&str], env: &[(&str, &str)]) -> Run {
+    let mut cmd = idemgate_via(via);
     cmd.args(args)
         .envs(env.iter().copied())
         .stdin(Stdio::null());
@@ -105,9 +125,31 @@ impl ServeProcess {
         env: &[(&str, &str)],
         tweak: impl FnOnce(&mut Command),
     ) -> Self {
+        Self::spawn(idemgate(), config, listen, admin, env, tweak).await
+    }
+
+    /// Like [`ServeProcess::start`], run by the command `via`, e.g.
+    /// `["prlimit", "--nofile=1024:20000"]` (util-linux).
+    pub async fn start_via(
+        via: &[&str],
+        config: &Path,
+        listen: SocketAddr,
+        admin: SocketAddr,
+        env: &[(&str, &str)],
+    ) -> Self {
+        Self::spawn(idemgate_via(via), config, listen, admin, env, |_| {}).await
+    }
+
+    async fn spawn(
+        mut cmd: Command,
+        config: &Path,
+        listen: SocketAddr,
+        admin: SocketAddr,
+        env: &[(&str, &str)],
+        tweak: impl FnOnce(&mut Command),
+    ) -> Self {
         let stderr = config.with_extension(format!("{}.stderr", listen.port()));
         let file = std::fs::File::create(&stderr).expect("create the stderr file");
-        let mut cmd = idemgate();
         cmd.arg("serve")
             .arg("--config")
             .arg(config)
