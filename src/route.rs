@@ -207,6 +207,19 @@ impl Preset {
     }
 }
 
+/// The upstream answers a delivery route (a preset, or `key = { .. }`)
+/// releases besides its `release_statuses`, unless the route lists its
+/// own: refusals that executed nothing. Such a route's key is the sender's
+/// id, which anyone can name, and its scope is the route's, not the
+/// caller's: an unsigned request naming a delivery id, or the genuine one
+/// refused during a secret rotation, would otherwise have its refusal
+/// replayed to every redelivery for the sender's whole retry horizon. 400
+/// is what Stripe's and Standard Webhooks' example handlers answer to a
+/// bad signature; 401 and 403 a refused credential; 404 a handler not
+/// deployed yet. 410 stays stored: a receiver's deliberate "stop sending"
+/// (Standard Webhooks disables the endpoint), the same on every attempt.
+pub const DELIVERY_REFUSALS: [u16; 4] = [400, 401, 403, 404];
+
 /// What a protected route does when the store cannot answer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]

@@ -11,6 +11,7 @@ use super::{
 use crate::idempotency::canonical_json::Pointer;
 use crate::route::{
     FingerprintMode, InFlight, PathPattern, Preset, PresetKey, PresetSettings, RouteTable,
+    DELIVERY_REFUSALS,
 };
 use http::{HeaderName, Method};
 use std::fmt;
@@ -193,7 +194,14 @@ impl Defaults {
             fingerprint_ignore: d.fingerprint_ignore,
             in_flight: d.in_flight,
             preset,
-            require_key: r.require_key.or(defaults.require_key).unwrap_or(true),
+            // A preset's sender always names its delivery: `[defaults]`
+            // (written for the Idempotency-Key routes) never turns it off,
+            // as it never changes a preset's ttl or scope.
+            require_key: r
+                .require_key
+                .or(settings.map(|_| true))
+                .or(defaults.require_key)
+                .unwrap_or(true),
             ttl,
             lease,
             scope_headers: d.scope_headers,
@@ -212,11 +220,21 @@ impl Defaults {
                 .on_store_error
                 .or(defaults.on_store_error)
                 .unwrap_or(OnStoreError::Reject),
-            release_statuses: r
-                .release_statuses
-                .or_else(|| defaults.release_statuses.clone())
-                .map(|v| v.0)
-                .unwrap_or_default(),
+            release_statuses: match r.release_statuses {
+                Some(own) => own.0,
+                None => {
+                    let inherited = defaults
+                        .release_statuses
+                        .clone()
+                        .map(|v| v.0)
+                        .unwrap_or_default();
+                    if d.delivery {
+                        inherited.adding(&DELIVERY_REFUSALS)
+                    } else {
+                        inherited
+                    }
+                }
+            },
             on_ambiguous: r.on_ambiguous.or(defaults.on_ambiguous).unwrap_or_default(),
             // Checked against [upstreams.NAME] by `Config::from_raw`.
             upstream: r
@@ -317,7 +335,14 @@ impl Defaults {
                 ));
             }
         }
+        // A sender's own id is a key anyone may name: the route's key is a
+        // `key = { .. }` (its own, or `[defaults]`' where it sets none) or
+        // its preset's.
+        let delivery = settings.is_some()
+            || r.key.is_some()
+            || (r.key_header.is_none() && defaults.key.is_some());
         Ok(Deliveries {
+            delivery,
             key_header,
             key_json,
             scope_headers,
@@ -331,6 +356,9 @@ impl Defaults {
 
 /// What [`Defaults::deliveries`] resolves.
 struct Deliveries {
+    /// A delivery route (a preset, or a natural key): it releases
+    /// [`DELIVERY_REFUSALS`] too.
+    delivery: bool,
     key_header: HeaderName,
     key_json: Option<Pointer>,
     scope_headers: Vec<HeaderName>,

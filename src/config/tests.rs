@@ -941,3 +941,103 @@ fn bad_delivery_settings_name_the_line_and_the_fix() {
     ));
     assert!(msg.contains("`key` or `key_header`"), "{msg}");
 }
+
+/// Regression: `[defaults] require_key = false` turned a preset's required
+/// key off, so deliveries without their id were forwarded unprotected.
+/// Presets beat `[defaults]`; a route's own setting beats the preset.
+#[test]
+fn a_preset_requires_its_key_whatever_defaults_say() {
+    let cases: &[(&str, &str, bool)] = &[
+        ("", "preset = \"github\"\n", true),
+        ("require_key = false\n", "preset = \"github\"\n", true),
+        ("require_key = false\n", "preset = \"stripe\"\n", true),
+        (
+            "require_key = true\n",
+            "preset = \"sns\"\nrequire_key = false\n",
+            false,
+        ),
+        (
+            "require_key = false\n",
+            "preset = \"shopify\"\nrequire_key = true\n",
+            true,
+        ),
+        // No preset: `[defaults]` still decides.
+        ("require_key = false\n", "", false),
+        ("", "", true),
+    ];
+    for (defaults, route, want) in cases {
+        let (r, shown) = hook_route(defaults, route);
+        assert_eq!(r.require_key, *want, "{defaults:?} {route:?}");
+        assert!(shown.contains(&format!(" required={want} ")), "{shown}");
+    }
+}
+
+/// The one route `/hook` under `[defaults]` `defaults`, and what
+/// `check-config` shows.
+fn hook_route(defaults: &str, route: &str) -> (std::sync::Arc<RouteConfig>, String) {
+    let text = format!(
+        "{MINIMAL}[defaults]\n{defaults}[[route]]\nmethods = [\"POST\"]\npath = \"/hook\"\n{route}"
+    );
+    let cfg = parse(&text).unwrap_or_else(|e| panic!("{text}: {e}"));
+    let r = cfg.routes.iter().next().unwrap().clone();
+    (r, cfg.to_string())
+}
+
+/// Regression: a webhook preset stored the upstream's 401 under the
+/// delivery id, so the genuine delivery got 422 (or the 401 again) for
+/// days. Delivery routes (a preset, or `key = { .. }`) release refusals
+/// that executed nothing besides the inherited list; `key_header` routes
+/// keep it as it is; a route's own `release_statuses` still wins.
+#[test]
+fn delivery_routes_release_refusals_that_executed_nothing() {
+    const WITH_REFUSALS: &str = "400,401,403,404,408,425,429,5xx";
+    let cases: &[(&str, &str, &str)] = &[
+        ("", "preset = \"github\"\n", WITH_REFUSALS),
+        ("", "preset = \"stripe\"\n", WITH_REFUSALS),
+        ("", "preset = \"pub-sub\"\n", WITH_REFUSALS),
+        ("", "key = { json = \"/id\" }\n", WITH_REFUSALS),
+        ("", "key = { header = \"X-Delivery\" }\n", WITH_REFUSALS),
+        ("key = { header = \"X-Delivery\" }\n", "", WITH_REFUSALS),
+        // A preset whose key the route moved to a header is still one.
+        (
+            "",
+            "preset = \"sns\"\nkey_header = \"X-Id\"\n",
+            WITH_REFUSALS,
+        ),
+        // Idempotency-Key routes: unchanged.
+        ("", "", "408,425,429,5xx"),
+        ("", "key_header = \"X-Request-Key\"\n", "408,425,429,5xx"),
+        (
+            "key = { header = \"X-Delivery\" }\n",
+            "key_header = \"X-Request-Key\"\n",
+            "408,425,429,5xx",
+        ),
+        // `[defaults]`' list is the base the refusals join.
+        (
+            "release_statuses = [\"5xx\"]\n",
+            "preset = \"github\"\n",
+            "400,401,403,404,5xx",
+        ),
+        ("release_statuses = [\"5xx\"]\n", "", "5xx"),
+        // The route's own list wins.
+        (
+            "",
+            "preset = \"github\"\nrelease_statuses = [\"5xx\"]\n",
+            "5xx",
+        ),
+        (
+            "",
+            "key = { json = \"/id\" }\nrelease_statuses = []\n",
+            "none",
+        ),
+    ];
+    for (defaults, route, want) in cases {
+        let (r, shown) = hook_route(defaults, route);
+        assert_eq!(
+            r.release_statuses.to_string(),
+            *want,
+            "{defaults:?} {route:?}"
+        );
+        assert!(shown.contains(&format!(" release={want} ")), "{shown}");
+    }
+}

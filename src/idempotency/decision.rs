@@ -113,6 +113,20 @@ impl ReleaseStatuses {
     pub fn contains(&self, status: u16) -> bool {
         self.0.iter().any(|e| e.contains(status))
     }
+
+    /// This list and those of `statuses` it does not cover yet, in order.
+    pub fn adding(mut self, statuses: &[u16]) -> Self {
+        for &status in statuses {
+            if !self.contains(status) {
+                self.0.push(StatusEntry::Status(status));
+            }
+        }
+        self.0.sort_by_key(|e| match *e {
+            StatusEntry::Status(s) => s,
+            StatusEntry::Class(c) => c * 100,
+        });
+        self
+    }
 }
 
 /// 408 (the server gave up waiting for the request), 425 (too early to
@@ -414,5 +428,29 @@ mod tests {
         );
         assert_eq!(ReleaseStatuses::default().to_string(), "408,425,429,5xx");
         assert_eq!(list(&[]).unwrap().to_string(), "none");
+    }
+
+    /// A delivery route's refusals join its list, in order, without
+    /// repeating what a class already covers.
+    #[test]
+    fn adding_statuses_keeps_the_list_ordered_and_without_overlaps() {
+        for (base, want) in [
+            (
+                &["408", "425", "429", "5xx"][..],
+                "400,401,403,404,408,425,429,5xx",
+            ),
+            (&["5xx"][..], "400,401,403,404,5xx"),
+            (&[][..], "400,401,403,404"),
+            (&["4xx", "5xx"][..], "4xx,5xx"),
+            (&["401", "429"][..], "400,401,403,404,429"),
+        ] {
+            let added = statuses(base).adding(&[400, 401, 403, 404]);
+            assert_eq!(added.to_string(), want, "{base:?}");
+            assert_eq!(
+                ReleaseStatuses::new(added.0.clone()),
+                Ok(added.clone()),
+                "{base:?}: still a valid list"
+            );
+        }
     }
 }

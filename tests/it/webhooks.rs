@@ -3,7 +3,12 @@
 //! GitHub, Standard Webhooks, Stripe, SNS, Pub/Sub and Shopify, and
 //! canonical JSON fingerprints, through the proxy on every backend.
 
-use crate::support::{backend_tests, Backend, Proxy, Req, Resp, Route, Upstream};
+use crate::support::services::{database_url, require_postgres};
+use crate::support::{
+    backend_tests, free_port, run_to_completion, Action, Backend, Proxy, Req, Resp, Route,
+    ServeProcess, TestConfig, TestSchema, Upstream, ORDERS,
+};
+use http::Method;
 
 backend_tests!(
     each_preset_runs_a_delivery_once_and_replays_three_redeliveries,
@@ -386,4 +391,182 @@ fn toml_table(pairs: &[(&str, &str)]) -> toml::Value {
             .map(|(k, v)| (k.to_string(), toml::Value::String(v.to_string())))
             .collect(),
     )
+}
+
+// ===== through the real binary, on PostgreSQL =====
+
+/// `idemgate serve` on PostgreSQL (a schema of its own) in front of `up`,
+/// with `config` adding the routes; the directory and schema go with it.
+struct Served {
+    gate: ServeProcess,
+    config: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+    _schema: TestSchema,
+}
+
+async fn serve(up: &Upstream, config: impl FnOnce(TestConfig) -> TestConfig) -> Served {
+    let db = database_url();
+    require_postgres(&db).await;
+    let schema = TestSchema::new();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("idemgate.toml");
+    let (listen, admin) = (free_port(), free_port());
+    config(
+        TestConfig::new(up.addr)
+            .listen(listen, admin)
+            .set("store.backend", "postgres")
+            .set("store.url", db)
+            .set("store.schema", schema.schema.as_str())
+            .set("store.pool_size", 2),
+    )
+    .write(&path);
+    let gate = ServeProcess::start(&path, listen, admin, &[]).await;
+    Served {
+        gate,
+        config: path,
+        _dir: dir,
+        _schema: schema,
+    }
+}
+
+fn github_delivery(gate: &ServeProcess, id: &str, signature: &str) -> Req {
+    Req::new(Method::POST, gate.url("/hooks/github"))
+        .header("x-github-delivery", id)
+        .header("x-github-event", "push")
+        .header("x-hub-signature-256", &format!("sha256={signature}"))
+        .header("content-type", "application/json")
+        .body(r#"{"ref":"refs/heads/main","after":"59b20b8d"}"#)
+}
+
+/// Regression: `[defaults] require_key = false` (meant for the
+/// Idempotency-Key routes) turned the preset's required key off, and a
+/// delivery without its id was forwarded unprotected. It is a 400 now,
+/// and `check-config` shows the preset's route as `required=true`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_preset_requires_its_delivery_id_despite_defaults_require_key_false() {
+    let up = Upstream::start().await;
+    let s = serve(&up, |c| {
+        c.set("defaults.require_key", false)
+            .route(Route::post(ORDERS))
+            .route(Route::post("/hooks/github").set("preset", "github"))
+    })
+    .await;
+    let no_id = Req::new(Method::POST, s.gate.url("/hooks/github"))
+        .header("x-github-event", "push")
+        .body("{}")
+        .send()
+        .await;
+    assert_eq!(problem_slug(&no_id, 400), "key-missing");
+    assert_eq!(up.hits("/hooks/github"), 0, "nothing was forwarded");
+    // `[defaults]` still applies to the route without a preset.
+    let open = s.gate.post(ORDERS).body("{}").send().await;
+    assert_eq!(open.status(), 201, "{}", open.text());
+    let checked = run_to_completion(
+        &["check-config", "--config", s.config.to_str().unwrap()],
+        &[],
+    )
+    .await;
+    assert_eq!(checked.code, 0, "{}", checked.stderr);
+    let line = |path: &str| {
+        checked
+            .stdout
+            .lines()
+            .find(|l| l.contains(&format!(" {path} ")))
+            .unwrap_or_else(|| panic!("no route {path}:\n{}", checked.stdout))
+            .to_string()
+    };
+    assert!(
+        line("/hooks/github").contains(" required=true "),
+        "{}",
+        checked.stdout
+    );
+    assert!(
+        line(ORDERS).contains(" required=false "),
+        "{}",
+        checked.stdout
+    );
+}
+
+/// Regression (key squatting): an unsigned request naming a Stripe event
+/// id got the upstream's 401, stored under the id; the genuine signed
+/// delivery then got 422 for the sender's whole retry horizon. The 401 is
+/// released now: the genuine delivery reaches the upstream and runs, and
+/// its redelivery replays it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unsigned_request_naming_a_delivery_id_does_not_block_the_genuine_delivery() {
+    let up = Upstream::start().await;
+    let s = serve(&up, |c| {
+        c.route(Route::post("/hooks/stripe").set("preset", "stripe"))
+    })
+    .await;
+    let event = |signature: Option<&str>, amount: u32| {
+        let req = Req::new(Method::POST, s.gate.url("/hooks/stripe"))
+            .header("content-type", "application/json");
+        let req = match signature {
+            Some(sig) => req.header("stripe-signature", &format!("t=1764580000,v1={sig}")),
+            None => req,
+        };
+        req.body(format!(
+            r#"{{"id":"evt_1QsQuat","object":"event","type":"payment_intent.succeeded","pending_webhooks":1,"data":{{"object":{{"id":"pi_1","amount":{amount}}}}}}}"#
+        ))
+    };
+    // The upstream verifies the signature and refuses the forgery.
+    up.push(Action::Status(401));
+    let forged = event(None, 1).send().await;
+    assert_eq!(forged.status(), 401, "{}", forged.text());
+    let genuine = event(Some("5257a869"), 2000).send().await;
+    assert_eq!(genuine.status(), 200, "{}", genuine.text());
+    assert!(!genuine.replayed());
+    assert_eq!(up.hits("/hooks/stripe"), 2, "the genuine delivery ran");
+    assert!(String::from_utf8_lossy(&up.last().body).contains("2000"));
+    let redelivered = event(Some("0c1d2e3f"), 2000).send().await;
+    assert!(redelivered.replayed(), "{}", redelivered.text());
+    assert_eq!(up.hits("/hooks/stripe"), 2);
+}
+
+/// Regression: a delivery the upstream refused with 401 while its secret
+/// was being rotated had that 401 replayed to every redelivery (the
+/// upstream processed 0 of 2). The redelivery runs now. A route's own
+/// `release_statuses` still wins: listing only 5xx stores the 401.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_refused_during_a_secret_rotation_runs_on_its_redelivery() {
+    let up = Upstream::start().await;
+    let s = serve(&up, |c| {
+        c.route(Route::post("/hooks/github").set("preset", "github"))
+            .route(
+                Route::post("/hooks/strict")
+                    .set("preset", "github")
+                    .set("release_statuses", vec!["5xx"]),
+            )
+    })
+    .await;
+    for status in [401, 403, 404] {
+        let id = format!("72d3162e-{status}");
+        up.push(Action::Status(status));
+        let refused = github_delivery(&s.gate, &id, "old-secret").send().await;
+        assert_eq!(refused.status(), status, "{}", refused.text());
+        let redelivery = github_delivery(&s.gate, &id, "new-secret").send().await;
+        assert_eq!(redelivery.status(), 200, "{status}: {}", redelivery.text());
+        assert!(!redelivery.replayed(), "{status}: the redelivery ran");
+        let again = github_delivery(&s.gate, &id, "new-secret").send().await;
+        assert!(again.replayed(), "{status}: {}", again.text());
+    }
+    assert_eq!(
+        up.hits("/hooks/github"),
+        6,
+        "each delivery ran twice: refused, then processed"
+    );
+
+    up.push(Action::Status(401));
+    let strict = |sig| {
+        Req::new(Method::POST, s.gate.url("/hooks/strict"))
+            .header("x-github-delivery", "d-strict")
+            .header("x-hub-signature-256", sig)
+            .body("{}")
+    };
+    assert_eq!(strict("sha256=old").send().await.status(), 401);
+    let replayed = strict("sha256=new").send().await;
+    assert_eq!(replayed.status(), 401);
+    assert!(replayed.replayed(), "the route's own list stores the 401");
+    assert_eq!(up.hits("/hooks/strict"), 1);
 }
