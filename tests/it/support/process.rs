@@ -44,10 +44,19 @@ pub struct Run {
 /// Runs `idemgate <args>` with `env` added to a clean `IDEMGATE_*`
 /// environment; bounded by [`DEADLINE`].
 pub async fn run_to_completion(args: &[&str], env: &[(&str, &str)]) -> Run {
+    run_in(None, args, env).await
+}
+
+/// [`run_to_completion`] in the working directory `dir` (the test's own
+/// when `None`).
+pub async fn run_in(dir: Option<&Path>, args: &[&str], env: &[(&str, &str)]) -> Run {
     let mut cmd = idemgate();
     cmd.args(args)
         .envs(env.iter().copied())
         .stdin(Stdio::null());
+    if let Some(dir) = dir {
+        cmd.current_dir(dir);
+    }
     let mut cmd = tokio::process::Command::from(cmd);
     cmd.kill_on_drop(true);
     let out = bounded(&format!("idemgate {args:?}"), cmd.output())
