@@ -30,7 +30,7 @@ use routes::{Defaults, RoutesDisplay};
 use std::collections::BTreeMap;
 use std::fmt;
 use std::ops::Range;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 use units::HumanDuration;
 
@@ -153,7 +153,46 @@ impl Config {
         let env: BTreeMap<String, String> = std::env::vars()
             .filter(|(k, _)| k.starts_with("IDEMGATE_"))
             .collect();
-        Self::parse_with_env(&text, &file, &env)
+        Self::parse_file(&text, path, &env)
+    }
+
+    /// [`Config::parse_with_env`] for the text of the file at `path`, with
+    /// a relative `store.path` read from that file's directory
+    /// ([`store_path_for`]): `serve`, `keys`, `check-config` and `migrate`
+    /// open the same store from any working directory. The one place
+    /// paths are resolved.
+    pub fn parse_file(
+        text: &str,
+        path: &Path,
+        env: &BTreeMap<String, String>,
+    ) -> Result<Self, ConfigError> {
+        let file = path.display().to_string();
+        let mut config = Self::parse_with_env(text, &file, env)?;
+        let given = std::mem::take(&mut config.store.path);
+        config.store.path = store_path_for(&given, path);
+        // Earlier versions read a relative path from the working directory:
+        // a store left there must not be silently replaced by a new, empty
+        // one (every key it holds would run again).
+        let resolved = &config.store.path;
+        if config.store.backend == Backend::Sqlite
+            && *resolved != given
+            && !resolved.exists()
+            && given.exists()
+        {
+            return Err(ConfigError {
+                file,
+                message: Invalid::field(
+                    "store.path",
+                    format!(
+                        "store.path {given:?} is read from the config file's directory: {} does not exist, but {} (from the working directory, where earlier versions looked) does: move that store there, or set store.path to its absolute path",
+                        resolved.display(),
+                        given.display()
+                    ),
+                )
+                .located(text),
+            });
+        }
+        Ok(config)
     }
 
     /// Parses config text; `file` names it in errors.
@@ -335,6 +374,15 @@ fn read_raw(text: &str, env: &BTreeMap<String, String>) -> Result<RawConfig, Str
     let settings = env::settings(env, &env::named_upstreams(document.get_ref()))?;
     env::overlay(document.get_mut(), &settings);
     RawConfig::from_document(document, text).map_err(toml_fail)
+}
+
+/// Where a `store.path` of the config file `config_file` is: a relative
+/// one in the file's directory, an absolute one as it is.
+pub fn store_path_for(path: &Path, config_file: &Path) -> PathBuf {
+    match config_file.parent() {
+        Some(dir) if path.is_relative() => dir.join(path),
+        _ => path.to_path_buf(),
+    }
 }
 
 // ===== shared by the sections =====

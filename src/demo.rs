@@ -156,7 +156,9 @@ fn json(
     resp
 }
 
-/// The demo proxy's config, in front of the demo API at `upstream`.
+/// The demo proxy's config, in front of the demo API at `upstream`, its
+/// store at `db` (as the file names it: a relative path is read from the
+/// config file's directory).
 pub fn demo_config(
     listen: std::net::SocketAddr,
     upstream: std::net::SocketAddr,
@@ -249,11 +251,13 @@ pub async fn run(listen: std::net::SocketAddr, db: std::path::PathBuf) -> anyhow
     let api = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let api_addr = api.local_addr()?;
     tokio::spawn(serve_orders_api(api));
-    let text = demo_config(listen, api_addr, &db);
-    let config = Config::parse(&text, "<demo>")?;
     // Written beside the store so `idemgate keys --config` (and a SIGHUP
-    // reload) read the demo's own settings, not config/idemgate.toml.
+    // reload) read the demo's own settings, not config/idemgate.toml; it
+    // names the store by its file name, read from the config's directory.
     let config_path = db.with_extension("toml");
+    let file_name = std::path::Path::new(db.file_name().unwrap_or_default());
+    let text = demo_config(listen, api_addr, file_name);
+    let config = Config::parse_file(&text, &config_path, &Default::default())?;
     if let Some(dir) = config_path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     }

@@ -295,6 +295,16 @@ pub async fn run(config: Config, action: KeysAction) -> anyhow::Result<KeysOutco
             "the memory store lives inside the proxy process; nothing outside it can inspect its keys"
         );
     }
+    // Opening creates a missing SQLite file: from `keys` that would be a
+    // new, empty store (every key "absent", a delete that "worked"), never
+    // the proxy's.
+    let path = &config.store.path;
+    if config.store.backend == crate::config::Backend::Sqlite && !path.exists() {
+        anyhow::bail!(
+            "no SQLite store at {} (store.path; a relative one is read from the config file's directory): keys never creates one; give --config the proxy's own config",
+            path.display()
+        );
+    }
     let store = crate::store::open(&config)
         .await
         .context("cannot open the store")?;

@@ -1041,3 +1041,55 @@ fn delivery_routes_release_refusals_that_executed_nothing() {
         assert!(shown.contains(&format!(" release={want} ")), "{shown}");
     }
 }
+
+#[test]
+fn a_relative_store_path_is_read_from_the_config_files_directory() {
+    for (path, config_file, opened) in [
+        (
+            "data/idemgate.db",
+            "config/idemgate.toml",
+            "config/data/idemgate.db",
+        ),
+        (
+            "data/idemgate.db",
+            "/etc/idemgate/idemgate.toml",
+            "/etc/idemgate/data/idemgate.db",
+        ),
+        // A file named without a directory: the working directory is its own.
+        ("data/idemgate.db", "idemgate.toml", "data/idemgate.db"),
+        (
+            "../data/idemgate.db",
+            "config/idemgate.toml",
+            "config/../data/idemgate.db",
+        ),
+        (
+            "/var/lib/idemgate/idemgate.db",
+            "config/idemgate.toml",
+            "/var/lib/idemgate/idemgate.db",
+        ),
+    ] {
+        assert_eq!(
+            crate::config::store_path_for(
+                std::path::Path::new(path),
+                std::path::Path::new(config_file)
+            ),
+            PathBuf::from(opened),
+            "{path} in {config_file}"
+        );
+    }
+    // Loading applies it (the default path and an env override alike);
+    // parsing text that belongs to no file leaves it as written.
+    let file = std::path::Path::new("/nonexistent/dir/idemgate.toml");
+    let cfg = Config::parse_file(MINIMAL, file, &Default::default()).unwrap();
+    assert_eq!(
+        cfg.store.path,
+        PathBuf::from("/nonexistent/dir/data/idemgate.db")
+    );
+    let env = [("IDEMGATE_STORE_PATH".to_string(), "x.db".to_string())].into();
+    let cfg = Config::parse_file(MINIMAL, file, &env).unwrap();
+    assert_eq!(cfg.store.path, PathBuf::from("/nonexistent/dir/x.db"));
+    assert_eq!(
+        parse(MINIMAL).unwrap().store.path,
+        PathBuf::from(DEFAULT_SQLITE_PATH)
+    );
+}

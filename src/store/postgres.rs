@@ -27,8 +27,9 @@
 //! `query_typed`), and no session state is set at connect (PgBouncer
 //! refuses the `options` startup parameter): every call runs in a
 //! transaction that sets `statement_timeout`, the planner settings and
-//! (where weaker) `synchronous_commit` with `SET LOCAL`. That costs one more round trip per call (`BEGIN` is
-//! pipelined with the first statement; `COMMIT` is not).
+//! (where weaker) `synchronous_commit` with `SET LOCAL`. That costs one
+//! more round trip per call (`BEGIN` is pipelined with the first
+//! statement; `COMMIT` is not).
 //!
 //! A call that PostgreSQL aborts for a serialization failure or a deadlock
 //! (SQLSTATE 40001, 40P01: a `SERIALIZABLE` default isolation, or a
@@ -543,7 +544,8 @@ impl Core {
                 Ok(_) => {}
             },
             Err(err) => {
-                // Asked again at the next migration.
+                // Untold: a later migration run tries again. The raise
+                // itself does not depend on this.
                 self.commit_told.store(false, Ordering::Relaxed);
                 tracing::debug!(error = %err, "could not read synchronous_commit");
             }

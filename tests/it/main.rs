@@ -36,6 +36,7 @@ mod rough_edges;
 mod route_features;
 mod semantics;
 mod store_contract;
+mod store_paths;
 #[cfg(feature = "otel")]
 mod tracing;
 mod upstream_tls;

@@ -58,16 +58,29 @@ pub struct Run {
 /// Runs `idemgate <args>` with `env` added to a clean `IDEMGATE_*`
 /// environment; bounded by [`DEADLINE`].
 pub async fn run_to_completion(args: &[&str], env: &[(&str, &str)]) -> Run {
-    run_via(&[], args, env).await
+    run_with(&[], None, args, env).await
 }
 
 /// Like [`run_to_completion`], run by the command `via` (see
 /// [`ServeProcess::start_via`]).
 pub async fn run_via(via: &[&str], args: &[&str], env: &[(&str, &str)]) -> Run {
+    run_with(via, None, args, env).await
+}
+
+/// [`run_to_completion`] in the working directory `dir`.
+pub async fn run_in(dir: Option<&Path>, args: &[&str], env: &[(&str, &str)]) -> Run {
+    run_with(&[], dir, args, env).await
+}
+
+/// `idemgate <args>` run by `via`, in `dir` (the test's own when `None`).
+async fn run_with(via: &[&str], dir: Option<&Path>, args: &[&str], env: &[(&str, &str)]) -> Run {
     let mut cmd = idemgate_via(via);
     cmd.args(args)
         .envs(env.iter().copied())
         .stdin(Stdio::null());
+    if let Some(dir) = dir {
+        cmd.current_dir(dir);
+    }
     let mut cmd = tokio::process::Command::from(cmd);
     cmd.kill_on_drop(true);
     let out = bounded(&format!("idemgate {args:?}"), cmd.output())
