@@ -186,6 +186,15 @@ struct Cluster {
 
 impl Cluster {
     async fn start(fault: Fault, upstream: SocketAddr) -> Self {
+        Self::start_with(fault, upstream, |c| c).await
+    }
+
+    /// [`Cluster::start`] with `tweak` applied to the replicas' config.
+    async fn start_with(
+        fault: Fault,
+        upstream: SocketAddr,
+        tweak: impl FnOnce(TestConfig) -> TestConfig,
+    ) -> Self {
         let db = database_url();
         require_postgres(&db).await;
         let relay = match fault {
@@ -214,6 +223,7 @@ impl Cluster {
                 .set("redis.prefix", schema.prefix.as_str())
                 .set("redis.timeout", "250ms");
         }
+        let config = tweak(config);
         let dir = tempfile::TempDir::new().expect("tempdir");
         let mut replicas: Vec<Replica> = (0..REPLICAS)
             .map(|index| Replica {
@@ -384,16 +394,7 @@ async fn run(fault: Fault, load: Duration, schedule: Schedule) -> Report {
         .expect("traffic task");
     up.settle(Duration::from_millis(300), DEADLINE).await;
 
-    // Every key once more, as its latest execution's request: it replays,
-    // is 410, or (if released) runs again. A key the load left unsettled
-    // first gets a different request under it (422, or a run if released).
-    let groups = sweep_groups(&traffic, &up);
-    let patience = fault.lease() * 2 + Duration::from_secs(3);
-    traffic
-        .clone()
-        .sweep(groups, (0..REPLICAS).collect(), patience)
-        .await;
-    up.settle(Duration::from_millis(300), DEADLINE).await;
+    sweep_every_key(&traffic, &up, fault.lease()).await;
 
     let report = check(&Trace {
         fault: fault.name(),
@@ -408,6 +409,23 @@ async fn run(fault: Fault, load: Duration, schedule: Schedule) -> Report {
         println!("replica logs (tails):\n{}", cluster.log_tails());
     }
     report
+}
+
+/// Every key once more, as its latest execution's request: it replays,
+/// is 410, or (if released) runs again. A key the load left unsettled
+/// first gets a different request under it (422, or a run if released).
+async fn sweep_every_key(
+    traffic: &std::sync::Arc<Traffic>,
+    up: &RecordingUpstream,
+    lease: Duration,
+) {
+    let groups = sweep_groups(traffic, up);
+    let patience = lease * 2 + Duration::from_secs(3);
+    traffic
+        .clone()
+        .sweep(groups, (0..REPLICAS).collect(), patience)
+        .await;
+    up.settle(Duration::from_millis(300), DEADLINE).await;
 }
 
 /// Per key used under load: the request of its latest execution (or,
@@ -484,6 +502,61 @@ fault_tests! {
     invariants_hold_when_the_upstream_resets_mid_response => UpstreamResets,
     invariants_hold_when_clients_disconnect_mid_request => ClientsDisconnect,
     invariants_hold_when_the_upstream_answers_408_425_429 => UpstreamNotExecuted,
+}
+
+// ===== h2 upstreams that refuse streams =====
+
+/// Issue 17 defect 7 in the harness: the replicas reach the recording
+/// upstream over h2c through a relay that refuses a fifth of the streams
+/// (`RST_STREAM` `REFUSED_STREAM`, RFC 9113 §8.7), on an
+/// `on_ambiguous = "keep"` route. The invariants hold (no key executed
+/// twice without a release), and no client ever gets 424: a refused
+/// stream ran nothing, so its key is retried or released, never kept as
+/// outcome unknown (nothing else in this mix is ambiguous).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invariants_hold_when_an_h2_upstream_refuses_streams() {
+    use crate::support::h2_refusing::RefusingH2Relay;
+    let t0 = Instant::now();
+    let up = RecordingUpstream::start(Mix::base(), UPSTREAM_TIMEOUT).await;
+    let relay = RefusingH2Relay::start(up.addr, 20).await;
+    let cluster = Cluster::start_with(Fault::None, relay.addr, |c| {
+        c.set("server.upstream_protocol", "h2")
+            .each_route("on_ambiguous", "keep")
+    })
+    .await;
+    let traffic = Traffic::new(cluster.addrs(), false);
+    tokio::time::timeout(CI_LOAD + DEADLINE, traffic.clone().run(WORKERS, CI_LOAD))
+        .await
+        .expect("the load ends");
+    up.settle(Duration::from_millis(300), DEADLINE).await;
+    sweep_every_key(&traffic, &up, LEASE).await;
+    let report = check(&Trace {
+        fault: "h2 upstream refuses streams",
+        t0,
+        executions: up.executions(),
+        observations: traffic.observations(),
+        events: Vec::new(),
+        upstream_timeout: UPSTREAM_TIMEOUT,
+    });
+    println!("{report}\n{} streams refused", relay.refused());
+    let unknown = traffic
+        .observations()
+        .into_iter()
+        .filter(|o| matches!(&o.seen, Seen::Response(r) if r.status() == 424))
+        .count();
+    if !report.violations.is_empty() || unknown > 0 {
+        println!("replica logs (tails):\n{}", cluster.log_tails());
+    }
+    assert!(relay.refused() > 0, "the relay refused streams");
+    assert!(
+        report.violations.is_empty(),
+        "{} violation(s)",
+        report.violations.len()
+    );
+    assert_eq!(
+        unknown, 0,
+        "a refused stream's key was kept as outcome unknown"
+    );
 }
 
 // ===== the soak =====
