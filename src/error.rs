@@ -54,7 +54,8 @@ pub enum ProxyError {
     OutcomeUnknown,
     #[error("the idempotency store is unavailable: {0}")]
     Store(#[from] StoreError),
-    /// Nothing reached the upstream (refused, connect timeout).
+    /// Nothing reached the upstream (refused, connect timeout), or it
+    /// refused the request unprocessed (HTTP/2 REFUSED_STREAM, GOAWAY).
     #[error("the upstream could not be reached: {reason}")]
     UpstreamUnreachable { reason: String, key: KeyFate },
     #[error("the upstream did not answer in time")]

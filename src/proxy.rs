@@ -414,6 +414,7 @@ fn forward_error(e: ForwardError, key: KeyFate) -> ProxyError {
             key,
         },
         ForwardError::Timeout => ProxyError::UpstreamTimeout { key },
+        ForwardError::Refused(reason) => ProxyError::UpstreamUnreachable { reason, key },
         ForwardError::Failed(reason) => ProxyError::UpstreamFailed { reason, key },
         ForwardError::TunnelsExhausted => ProxyError::TooManyTunnels,
     }

@@ -33,6 +33,12 @@ pub enum ForwardError {
     /// No response head within the upstream timeout.
     #[error("upstream timed out")]
     Timeout,
+    /// The upstream refused the request before processing any of it: an
+    /// HTTP/2 `RST_STREAM` with `REFUSED_STREAM`, or a `GOAWAY` whose
+    /// last-stream-id is below the request's stream (RFC 9113 §8.7, §6.8).
+    /// Like a refused connection, nothing ran.
+    #[error("upstream refused the request unprocessed: {0}")]
+    Refused(String),
     /// Sent (maybe), then the connection failed: reset, closed, protocol error.
     #[error("upstream request failed: {0}")]
     Failed(String),
@@ -95,6 +101,32 @@ impl Forwarder {
         self.upstreams.get(name).timeout()
     }
 
+    /// Sends a request whose body is in memory (a protected one), as
+    /// [`Forwarder::send`]; when the upstream refused it unprocessed
+    /// ([`ForwardError::Refused`]) it is sent once more, on a new stream,
+    /// within the same upstream timeout. RFC 9113 §8.7 says such a request
+    /// can be retried safely: nothing of it ran, the key is still held, and
+    /// the body is the same bytes.
+    pub async fn send_buffered(
+        &self,
+        name: Option<&str>,
+        parts: http::request::Parts,
+        body: bytes::Bytes,
+        peer: SocketAddr,
+    ) -> Result<Response<Incoming>, ForwardError> {
+        let deadline = tokio::time::Instant::now() + self.timeout(name);
+        let again = Request::from_parts(parts.clone(), crate::body::full(body.clone()));
+        let first = Request::from_parts(parts, crate::body::full(body));
+        match self.send_by(name, first, peer, deadline).await {
+            Err(ForwardError::Refused(reason)) => {
+                warn!(upstream = %self.upstreams.get(name).name(), %reason,
+                    "the upstream refused the request before processing it; sending it once more on a new stream");
+                self.send_by(name, again, peer, deadline).await
+            }
+            other => other,
+        }
+    }
+
     /// Sends `req` to the upstream called `name` (`None`: the default) and
     /// waits (bounded) for the response head. An HTTP/1.1 upgrade request
     /// (checked by the caller to be allowed) keeps its `Upgrade`; when the
@@ -102,8 +134,20 @@ impl Forwarder {
     pub async fn send(
         &self,
         name: Option<&str>,
+        req: Request<ProxyBody>,
+        peer: SocketAddr,
+    ) -> Result<Response<Incoming>, ForwardError> {
+        let deadline = tokio::time::Instant::now() + self.timeout(name);
+        self.send_by(name, req, peer, deadline).await
+    }
+
+    /// [`Forwarder::send`], the response head due by `deadline`.
+    async fn send_by(
+        &self,
+        name: Option<&str>,
         mut req: Request<ProxyBody>,
         peer: SocketAddr,
+        deadline: tokio::time::Instant,
     ) -> Result<Response<Incoming>, ForwardError> {
         let upstream = self.upstreams.get(name);
         // Upgrades are HTTP/1.1's; an h2 upstream gets a plain request.
@@ -123,7 +167,7 @@ impl Forwarder {
         self.rewrite(upstream, &mut req, peer, upgrade.as_ref())?;
         let span = trace::upstream(&mut req, upstream.url());
         let started = tokio::time::Instant::now();
-        let result = match tokio::time::timeout(upstream.timeout(), upstream.request(req)).await {
+        let result = match tokio::time::timeout_at(deadline, upstream.request(req)).await {
             Err(_) => Err(ForwardError::Timeout),
             Ok(Ok(resp)) => Ok(resp),
             Ok(Err(e)) => Err(classify(upstream, &e)),
@@ -249,9 +293,36 @@ fn classify(upstream: &Upstream, e: &hyper_util::client::legacy::Error) -> Forwa
     }
     if e.is_connect() {
         ForwardError::Connect(ConnectError::Transport(error_chain(e)))
+    } else if refused_unprocessed(e) {
+        ForwardError::Refused(error_chain(e))
     } else {
         ForwardError::Failed(error_chain(e))
     }
+}
+
+/// Whether `e`'s source chain holds an HTTP/2 error that says the upstream
+/// processed none of the request (hyper-util wraps hyper's error, which
+/// wraps h2's; hyper-util's own retry covers only requests never handed to
+/// a connection, not these).
+fn refused_unprocessed(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        if let Some(h2) = err.downcast_ref::<h2::Error>() {
+            return unprocessed(h2.is_remote(), h2.is_go_away(), h2.reason());
+        }
+        cur = err.source();
+    }
+    false
+}
+
+/// RFC 9113: the peer's `RST_STREAM` with `REFUSED_STREAM` (§8.7), or its
+/// `GOAWAY` (§6.8). h2 gives a stream the peer's GOAWAY error only when the
+/// stream is above the frame's last-stream-id (or opened after it): a
+/// stream at or below it that then fails sees the connection's end (an
+/// I/O error), which stays ambiguous. Our own resets and GOAWAYs say
+/// nothing about the upstream.
+fn unprocessed(remote: bool, go_away: bool, reason: Option<h2::Reason>) -> bool {
+    remote && (go_away || reason == Some(h2::Reason::REFUSED_STREAM))
 }
 
 /// Whether the client's `TE` lists `trailers` (read before hop-by-hop
@@ -296,4 +367,35 @@ pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
         cur = s.source();
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::unprocessed;
+    use h2::Reason;
+
+    #[test]
+    fn refused_or_goaway_from_the_upstream_is_unprocessed_and_nothing_else() {
+        // (remote, go_away, reason) -> unprocessed
+        let cases = [
+            (true, false, Some(Reason::REFUSED_STREAM), true),
+            (true, true, Some(Reason::NO_ERROR), true),
+            (true, true, Some(Reason::INTERNAL_ERROR), true),
+            // A reset for another reason: the stream may have run.
+            (true, false, Some(Reason::CANCEL), false),
+            (true, false, Some(Reason::INTERNAL_ERROR), false),
+            // Ours (h2 reset or closed it): says nothing about the upstream.
+            (false, false, Some(Reason::REFUSED_STREAM), false),
+            (false, true, Some(Reason::PROTOCOL_ERROR), false),
+            // No HTTP/2 reason (an I/O error).
+            (false, false, None, false),
+        ];
+        for (remote, go_away, reason, want) in cases {
+            assert_eq!(
+                unprocessed(remote, go_away, reason),
+                want,
+                "remote {remote}, go_away {go_away}, {reason:?}"
+            );
+        }
+    }
 }

@@ -506,18 +506,19 @@ impl Proxy {
             .insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
         let resp = match self
             .forwarder
-            .send(
-                route.upstream.as_deref(),
-                Request::from_parts(parts, full(body)),
-                peer,
-            )
+            .send_buffered(route.upstream.as_deref(), parts, body, peer)
             .await
         {
             Ok(resp) => resp,
             Err(e) => {
                 let fate = match (&e, route.on_ambiguous) {
-                    // Nothing was sent: always safe to run again.
-                    (ForwardError::Connect(_) | ForwardError::TunnelsExhausted, _)
+                    // Nothing was sent, or nothing ran: always safe to run again.
+                    (
+                        ForwardError::Connect(_)
+                        | ForwardError::Refused(_)
+                        | ForwardError::TunnelsExhausted,
+                        _,
+                    )
                     | (_, OnAmbiguous::Release) => lease.release().await,
                     // Sent, never answered: it may have executed.
                     (_, OnAmbiguous::Keep) => match lease.complete(Completion::Unknown).await {

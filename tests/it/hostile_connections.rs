@@ -543,7 +543,7 @@ async fn body_flood_memory_stays_within_the_budget() {
 
 /// HTTP/2 frames written and read by hand (RFC 9113 §4, HPACK RFC 7541
 /// literals only), for clients that break the rules on purpose.
-mod h2raw {
+pub(crate) mod h2raw {
     use super::{bounded, H2_PREFACE};
     use std::net::SocketAddr;
     use std::time::Duration;

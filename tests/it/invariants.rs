@@ -188,6 +188,15 @@ struct Cluster {
 
 impl Cluster {
     async fn start(fault: Fault, upstream: SocketAddr) -> Self {
+        Self::start_with(fault, upstream, |c| c).await
+    }
+
+    /// [`Cluster::start`] with `tweak` applied to the replicas' config.
+    async fn start_with(
+        fault: Fault,
+        upstream: SocketAddr,
+        tweak: impl FnOnce(TestConfig) -> TestConfig,
+    ) -> Self {
         let db = database_url();
         require_postgres(&db).await;
         let relay = match fault {
@@ -195,10 +204,10 @@ impl Cluster {
             _ => None,
         };
         let store_url = relay.as_ref().map_or(db, |r| database_url_via(r.addr()));
-        Self::start_on(fault, upstream, store_url, relay, fault.uses_redis()).await
+        Self::start_on(fault, upstream, store_url, relay, fault.uses_redis(), tweak).await
     }
 
-    /// [`Cluster::start`] on the PostgreSQL at `store_url` (through
+    /// [`Cluster::start_with`] on the PostgreSQL at `store_url` (through
     /// `relay`, if any), with or without Redis.
     async fn start_on(
         fault: Fault,
@@ -206,6 +215,7 @@ impl Cluster {
         store_url: String,
         relay: Option<TcpRelay>,
         with_redis: bool,
+        tweak: impl FnOnce(TestConfig) -> TestConfig,
     ) -> Self {
         let redis = with_redis.then(PrivateRedis::start);
         let schema = TestSchema::new();
@@ -228,6 +238,7 @@ impl Cluster {
                 .set("redis.prefix", schema.prefix.as_str())
                 .set("redis.timeout", "250ms");
         }
+        let config = tweak(config);
         let dir = tempfile::TempDir::new().expect("tempdir");
         let mut replicas: Vec<Replica> = (0..REPLICAS)
             .map(|index| Replica {
@@ -427,16 +438,7 @@ async fn judge(
         .expect("traffic task");
     up.settle(Duration::from_millis(300), DEADLINE).await;
 
-    // Every key once more, as its latest execution's request: it replays,
-    // is 410, or (if released) runs again. A key the load left unsettled
-    // first gets a different request under it (422, or a run if released).
-    let groups = sweep_groups(traffic, up);
-    let patience = fault.lease() * 2 + Duration::from_secs(3);
-    traffic
-        .clone()
-        .sweep(groups, (0..REPLICAS).collect(), patience)
-        .await;
-    up.settle(Duration::from_millis(300), DEADLINE).await;
+    sweep_every_key(traffic, up, fault.lease()).await;
 
     let report = check(&Trace {
         fault: name,
@@ -451,6 +453,23 @@ async fn judge(
         println!("replica logs (tails):\n{}", cluster.log_tails());
     }
     report
+}
+
+/// Every key once more, as its latest execution's request: it replays,
+/// is 410, or (if released) runs again. A key the load left unsettled
+/// first gets a different request under it (422, or a run if released).
+async fn sweep_every_key(
+    traffic: &std::sync::Arc<Traffic>,
+    up: &RecordingUpstream,
+    lease: Duration,
+) {
+    let groups = sweep_groups(traffic, up);
+    let patience = lease * 2 + Duration::from_secs(3);
+    traffic
+        .clone()
+        .sweep(groups, (0..REPLICAS).collect(), patience)
+        .await;
+    up.settle(Duration::from_millis(300), DEADLINE).await;
 }
 
 /// Per key used under load: the request of its latest execution (or,
@@ -551,7 +570,7 @@ async fn invariants_hold_when_a_synchronous_commit_off_postgres_crashes_under_lo
     let up = RecordingUpstream::start(fault.mix(), fault.upstream_timeout()).await;
     let mut pg = PgCluster::private(LAZY_COMMITS);
     let url = pg.url("postgres", "127.0.0.1", "sslmode=disable");
-    let cluster = Cluster::start_on(fault, up.addr, url, None, false).await;
+    let cluster = Cluster::start_on(fault, up.addr, url, None, false, |c| c).await;
     // The schema is on disk before the load (replicas created it): what
     // the crash can lose is the claims and completions.
     pg.psql("CHECKPOINT");
@@ -584,6 +603,61 @@ async fn invariants_hold_when_a_synchronous_commit_off_postgres_crashes_under_lo
         report.violations.is_empty(),
         "{} invariant violation(s) under a PostgreSQL crash with synchronous_commit = off; see the report above",
         report.violations.len()
+    );
+}
+
+// ===== h2 upstreams that refuse streams =====
+
+/// Issue 17 defect 7 in the harness: the replicas reach the recording
+/// upstream over h2c through a relay that refuses a fifth of the streams
+/// (`RST_STREAM` `REFUSED_STREAM`, RFC 9113 §8.7), on an
+/// `on_ambiguous = "keep"` route. The invariants hold (no key executed
+/// twice without a release), and no client ever gets 424: a refused
+/// stream ran nothing, so its key is retried or released, never kept as
+/// outcome unknown (nothing else in this mix is ambiguous).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invariants_hold_when_an_h2_upstream_refuses_streams() {
+    use crate::support::h2_refusing::RefusingH2Relay;
+    let t0 = Instant::now();
+    let up = RecordingUpstream::start(Mix::base(), UPSTREAM_TIMEOUT).await;
+    let relay = RefusingH2Relay::start(up.addr, 20).await;
+    let cluster = Cluster::start_with(Fault::None, relay.addr, |c| {
+        c.set("server.upstream_protocol", "h2")
+            .each_route("on_ambiguous", "keep")
+    })
+    .await;
+    let traffic = Traffic::new(cluster.addrs(), false);
+    tokio::time::timeout(CI_LOAD + DEADLINE, traffic.clone().run(WORKERS, CI_LOAD))
+        .await
+        .expect("the load ends");
+    up.settle(Duration::from_millis(300), DEADLINE).await;
+    sweep_every_key(&traffic, &up, LEASE).await;
+    let report = check(&Trace {
+        fault: "h2 upstream refuses streams",
+        t0,
+        executions: up.executions(),
+        observations: traffic.observations(),
+        events: Vec::new(),
+        upstream_timeout: UPSTREAM_TIMEOUT,
+    });
+    println!("{report}\n{} streams refused", relay.refused());
+    let unknown = traffic
+        .observations()
+        .into_iter()
+        .filter(|o| matches!(&o.seen, Seen::Response(r) if r.status() == 424))
+        .count();
+    if !report.violations.is_empty() || unknown > 0 {
+        println!("replica logs (tails):\n{}", cluster.log_tails());
+    }
+    assert!(relay.refused() > 0, "the relay refused streams");
+    assert!(
+        report.violations.is_empty(),
+        "{} violation(s)",
+        report.violations.len()
+    );
+    assert_eq!(
+        unknown, 0,
+        "a refused stream's key was kept as outcome unknown"
     );
 }
 

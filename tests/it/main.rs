@@ -13,6 +13,7 @@ mod faults;
 mod fd_limit;
 mod forwarding;
 mod gateway;
+mod h2_refused;
 mod hostile_connections;
 mod hostile_requests;
 mod invariants;

@@ -10,6 +10,7 @@
 //! - [`pgbouncer`]: a private PgBouncer in transaction pooling mode;
 //! - [`tls_upstream`]: a test CA and an HTTPS upstream (TLS, ALPN, mTLS);
 //! - [`h2_upstream`]: a gRPC-shaped h2c upstream that answers with trailers;
+//! - [`h2_refusing`]: h2c upstreams that refuse streams (REFUSED_STREAM, GOAWAY);
 //! - [`ws_upstream`]: a WebSocket echo upstream and frame helpers;
 //! - [`services`]: PostgreSQL and Redis (URLs, schemas, a private
 //!   `redis-server`, a TCP relay that can cut PostgreSQL off);
@@ -26,6 +27,7 @@ pub mod checker;
 pub mod client;
 pub mod cluster;
 pub mod config;
+pub mod h2_refusing;
 pub mod h2_upstream;
 #[cfg(feature = "otel")]
 pub mod otlp_receiver;
