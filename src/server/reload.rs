@@ -111,7 +111,9 @@ pub fn judge(applied: &Snapshot, pending: Option<&Snapshot>, now: &Snapshot) -> 
     if now.content == applied.content {
         return Verdict::Unchanged;
     }
-    let replaced = now.identity.is_some() && now.identity != applied.identity;
+    // Known on both sides: a file whose first read failed proves nothing.
+    let replaced =
+        now.identity.is_some() && applied.identity.is_some() && now.identity != applied.identity;
     let stable = pending.is_some_and(|p| p.content == now.content);
     if replaced || stable {
         Verdict::Apply
@@ -254,8 +256,9 @@ pub(super) fn reload(
     let config = as_reloaded(running, file_config);
     let text = String::from_utf8_lossy(&text);
     if let Err(e) = config.check_composed(&text, &path.display().to_string()) {
+        // The file alone passed the same checks: a kept setting made it fail.
         return refuse(format!(
-            "invalid configuration: {e} (checked against the running values of the settings only a restart changes: {})",
+            "invalid configuration: {e} (with the running values of the settings only a restart changes: {})",
             kept.join(", ")
         ));
     }
@@ -511,6 +514,14 @@ mod tests {
                 "pending {pending:?}, now {now:?}"
             );
         }
+        // The watcher's first read failed: no identity to compare with.
+        let unknown = Snapshot {
+            identity: None,
+            content: Vec::new(),
+        };
+        assert_eq!(judge(&unknown, None, &snap(8, "new")), Wait);
+        let seen = snap(8, "new");
+        assert_eq!(judge(&unknown, Some(&seen), &seen), Apply);
     }
 
     /// The watcher on tokio's paused clock, over a file in memory: an
