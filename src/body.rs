@@ -35,16 +35,22 @@ where
 #[derive(Debug)]
 pub enum ReadError {
     TooLarge,
+    /// `room` refused the next chunk (the body budget is spent).
+    NoRoom,
     Failed(BoxError),
 }
 
 /// Reads `body` whole, failing as soon as it passes `limit` bytes (the rest
 /// stays unread in `body`, for [`drain`]). `expected` sizes the buffer
 /// once when the length is known, so it never holds more than that.
+/// `room(buf, more)` is asked before each chunk is appended: it makes room
+/// for `more` bytes past `buf`'s length (growing its capacity itself, so
+/// whoever accounts for the memory sees every allocation), or refuses.
 pub async fn read_limited<B>(
     body: &mut B,
     limit: u64,
     expected: Option<u64>,
+    mut room: impl FnMut(&mut Vec<u8>, usize) -> bool,
 ) -> Result<Vec<u8>, ReadError>
 where
     B: Body<Data = Bytes> + Unpin,
@@ -57,6 +63,9 @@ where
         if let Ok(data) = frame.into_data() {
             if (buf.len() + data.len()) as u64 > limit {
                 return Err(ReadError::TooLarge);
+            }
+            if !room(&mut buf, data.len()) {
+                return Err(ReadError::NoRoom);
             }
             buf.extend_from_slice(&data);
         }
@@ -147,9 +156,16 @@ mod tests {
 
     #[tokio::test]
     async fn read_limited_accepts_the_limit_and_rejects_one_more_byte() {
-        let ok = read_limited(&mut Full::new(Bytes::from_static(b"12345")), 5, None).await;
+        let any = |_: &mut Vec<u8>, _: usize| true;
+        let ok = read_limited(&mut Full::new(Bytes::from_static(b"12345")), 5, None, any).await;
         assert_eq!(ok.unwrap(), b"12345");
-        let over = read_limited(&mut Full::new(Bytes::from_static(b"123456")), 5, Some(6)).await;
+        let over = read_limited(
+            &mut Full::new(Bytes::from_static(b"123456")),
+            5,
+            Some(6),
+            any,
+        )
+        .await;
         assert!(matches!(over, Err(ReadError::TooLarge)));
     }
 

@@ -145,15 +145,22 @@ impl fmt::Debug for Secret {
 impl Config {
     /// Reads, parses and validates `path`, then applies environment overrides.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let file = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
-            file: file.clone(),
+        let bytes = std::fs::read(path).map_err(|e| ConfigError {
+            file: path.display().to_string(),
             message: format!("cannot read config: {e}"),
         })?;
-        let env: BTreeMap<String, String> = std::env::vars()
-            .filter(|(k, _)| k.starts_with("IDEMGATE_"))
-            .collect();
-        Self::parse_file(&text, path, &env)
+        Self::load_bytes(path, bytes)
+    }
+
+    /// As [`Config::load`], for the file's bytes already read (a reload
+    /// applies exactly what its watcher judged complete).
+    pub fn load_bytes(path: &Path, bytes: Vec<u8>) -> Result<Self, ConfigError> {
+        let file = path.display().to_string();
+        let text = String::from_utf8(bytes).map_err(|_| ConfigError {
+            file: file.clone(),
+            message: "cannot read config: stream did not contain valid UTF-8".to_string(),
+        })?;
+        Self::parse_file(&text, path, &env_overrides())
     }
 
     /// [`Config::parse_with_env`] for the text of the file at `path`, with
@@ -233,13 +240,6 @@ impl Config {
             .map(RedisConfig::try_from)
             .transpose()
             .map_err(located)?;
-        if redis.is_some() && store.backend != Backend::Postgres {
-            return Err(Invalid::field(
-                "redis",
-                "[redis] is a fast path in front of PostgreSQL: it needs store.backend = \"postgres\"",
-            )
-            .located(text));
-        }
         let log = LogConfig::try_from(raw.log).map_err(located)?;
         let tracing = match raw.tracing {
             Some(section) if !cfg!(feature = "otel") => {
@@ -268,24 +268,8 @@ impl Config {
         let routes = Defaults::try_from(raw.defaults)
             .and_then(|defaults| defaults.routes(raw.route))
             .map_err(located)?;
-        if let Some(r) = routes
-            .iter()
-            .find(|r| r.max_request_body > server.max_buffered_body_bytes)
-        {
-            return Err(Invalid::field(
-                format!("route.{}.max_request_body", r.index - 1),
-                format!(
-                    "route #{} {}: max_request_body ({}) is larger than server.max_buffered_body_bytes ({}): such a body could never be buffered",
-                    r.index,
-                    r.path,
-                    units::format_size(r.max_request_body),
-                    units::format_size(server.max_buffered_body_bytes)
-                ),
-            )
-            .located(text));
-        }
         let scope_secret = env::scope_secret(env)?;
-        Ok(Config {
+        let config = Config {
             scope_secret,
             server,
             admin,
@@ -295,6 +279,44 @@ impl Config {
             tracing,
             upstreams,
             routes,
+        };
+        config.check_across().map_err(located)?;
+        Ok(config)
+    }
+
+    /// The checks over settings of more than one section. A reload runs
+    /// them again on the config as it will run ([`Config::check_composed`]).
+    fn check_across(&self) -> Result<(), Invalid> {
+        if self.redis.is_some() && self.store.backend != Backend::Postgres {
+            return Err(Invalid::field(
+                "redis",
+                "[redis] is a fast path in front of PostgreSQL: it needs store.backend = \"postgres\"",
+            ));
+        }
+        let budget = self.server.max_buffered_body_bytes;
+        if let Some(r) = self.routes.iter().find(|r| r.max_request_body > budget) {
+            return Err(Invalid::field(
+                format!("route.{}.max_request_body", r.index - 1),
+                format!(
+                    "route #{} {}: max_request_body ({}) is larger than server.max_buffered_body_bytes ({}): such a body could never be buffered",
+                    r.index,
+                    r.path,
+                    units::format_size(r.max_request_body),
+                    units::format_size(budget)
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The cross-section checks on a config composed from more than one
+    /// file's settings (a reload keeps the running values of those only a
+    /// restart changes), with the message naming the line of `text` (the
+    /// new file, `file`) as [`Config::load`] does.
+    pub fn check_composed(&self, text: &str, file: &str) -> Result<(), ConfigError> {
+        self.check_across().map_err(|e| ConfigError {
+            file: file.to_string(),
+            message: e.located(text),
         })
     }
 
@@ -483,6 +505,13 @@ impl From<&str> for Invalid {
     fn from(message: &str) -> Self {
         message.to_string().into()
     }
+}
+
+/// The `IDEMGATE_*` variables of this process.
+fn env_overrides() -> BTreeMap<String, String> {
+    std::env::vars()
+        .filter(|(k, _)| k.starts_with("IDEMGATE_"))
+        .collect()
 }
 
 /// The value from the file, or the default.

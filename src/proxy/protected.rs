@@ -264,9 +264,9 @@ fn answer_existing(
 
 /// Reads a protected request's body whole, within the route's size limit,
 /// the server's `request_body_timeout` and the global body budget (see
-/// [`crate::body::budget`]): its length, or the route's limit when it has
-/// none, is reserved before a byte is read, and the bytes returned hold
-/// that reservation until they are dropped.
+/// [`crate::body::budget`]): its length is reserved before a byte is read,
+/// or, when it has none, its buffer as the chunks arrive; the bytes
+/// returned hold that reservation until they are dropped.
 pub async fn read_body(
     route: &RouteConfig,
     headers: &http::HeaderMap,
@@ -283,11 +283,14 @@ pub async fn read_body(
         return Err(too_large);
     }
     let expected = http_body::Body::size_hint(body).exact();
-    let Some(reservation) = budget.try_reserve(expected.unwrap_or(route.max_request_body)) else {
+    let Some(mut reservation) = budget.try_reserve(expected.unwrap_or(0)) else {
         drain_if_small(body, expected).await;
         return Err(ProxyError::Overloaded);
     };
-    let read = read_limited(body, route.max_request_body, expected);
+    let limit = route.max_request_body;
+    let read = read_limited(body, limit, expected, |buf, more| {
+        reservation.make_room(buf, more, limit)
+    });
     let Ok(read) = tokio::time::timeout(timeout, read).await else {
         return Err(ProxyError::BodyTimeout);
     };
@@ -297,6 +300,7 @@ pub async fn read_body(
             drain(body, DRAIN_MAX_BYTES, DRAIN_MAX_TIME).await;
             Err(too_large)
         }
+        Err(ReadError::NoRoom) => Err(ProxyError::Overloaded),
         Err(ReadError::Failed(e)) => Err(ProxyError::BodyRead(e.to_string())),
     }
 }

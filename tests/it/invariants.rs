@@ -66,9 +66,10 @@ enum Fault {
     UpstreamResets,
     ClientsDisconnect,
     UpstreamNotExecuted,
+    ConfigRewritten,
 }
 
-const ALL_FAULTS: [Fault; 11] = [
+const ALL_FAULTS: [Fault; 12] = [
     Fault::None,
     Fault::ReplicaKilled,
     Fault::ReplicaTerminated,
@@ -80,6 +81,7 @@ const ALL_FAULTS: [Fault; 11] = [
     Fault::UpstreamResets,
     Fault::ClientsDisconnect,
     Fault::UpstreamNotExecuted,
+    Fault::ConfigRewritten,
 ];
 
 impl Fault {
@@ -96,6 +98,7 @@ impl Fault {
             Fault::UpstreamResets => "upstream resets",
             Fault::ClientsDisconnect => "clients disconnect",
             Fault::UpstreamNotExecuted => "upstream 408/425/429",
+            Fault::ConfigRewritten => "config rewritten under watch_config",
         }
     }
 
@@ -143,6 +146,7 @@ impl Fault {
                 | Fault::RedisRestarted
                 | Fault::RedisFrozen
                 | Fault::PostgresCut
+                | Fault::ConfigRewritten
         )
     }
 }
@@ -232,6 +236,9 @@ impl Cluster {
             .set("store.connect_timeout", "1s")
             .set("store.timeout", "1s")
             .route(Route::post(ORDERS).set("lease", format!("{}ms", fault.lease().as_millis())));
+        if fault == Fault::ConfigRewritten {
+            config = config.set("server.watch_config", true);
+        }
         if let Some(redis) = &redis {
             config = config
                 .set("redis.url", redis.url())
@@ -299,6 +306,11 @@ impl Cluster {
                 self.relay.as_ref().expect("relay").cut();
                 EventKind::PostgresCut
             }
+            // Nothing a rewrite does excuses a violation: no event.
+            Fault::ConfigRewritten => {
+                self.rewrite_configs(round).await;
+                return None;
+            }
             _ => return None,
         };
         Some(kind)
@@ -330,9 +342,94 @@ impl Cluster {
                 self.relay.as_ref().expect("relay").restore();
                 EventKind::PostgresRestored
             }
+            Fault::ConfigRewritten => {
+                self.rename_configs(round).await;
+                return None;
+            }
             _ => return None,
         };
         Some(kind)
+    }
+
+    /// The file replica `i` watches: the one its last start wrote.
+    fn config_path(&self, i: usize) -> std::path::PathBuf {
+        let r = &self.replicas[i];
+        self.dir
+            .path()
+            .join(format!("replica-{}-{}.toml", r.index, r.starts - 1))
+    }
+
+    /// Replica `i`'s config as version `v` (a reloadable setting differs
+    /// per version), with the route last, split where a writer's first
+    /// write would leave a valid config without the protected route.
+    fn config_version(&self, i: usize, v: usize) -> (String, String) {
+        let r = &self.replicas[i];
+        let text = self
+            .config
+            .clone()
+            .listen(r.listen, r.admin)
+            .set("server.request_body_timeout", format!("{}s", 30 + v))
+            .render();
+        let mut table: toml::Table = text.parse().expect("the config parses");
+        let route = table.remove("route").expect("a route");
+        let mut routes = toml::Table::new();
+        routes.insert("route".into(), route);
+        (
+            toml::to_string(&table).expect("renders"),
+            format!("\n{}", toml::to_string(&routes).expect("renders")),
+        )
+    }
+
+    /// Config rewrites under `watch_config`, the `round`-th time, all at
+    /// once: replica 0's file in place in two writes 1.9 s apart (the
+    /// first a valid config without the route), replica 1's in place in
+    /// small writes 0.45 s apart (one of them ending where the route
+    /// starts), replica 2's by renaming a complete file over it.
+    async fn rewrite_configs(&self, round: usize) {
+        use std::io::Write;
+        let version = 2 * round + 1;
+        let in_place = |i: usize, pieces: Vec<String>, gap: Duration| {
+            let path = self.config_path(i);
+            async move {
+                let mut file = std::fs::OpenOptions::new()
+                    .write(true)
+                    .truncate(true)
+                    .open(&path)
+                    .expect("open the config in place");
+                for (n, piece) in pieces.iter().enumerate() {
+                    if n > 0 {
+                        tokio::time::sleep(gap).await;
+                    }
+                    file.write_all(piece.as_bytes()).expect("write");
+                    file.flush().expect("flush");
+                }
+            }
+        };
+        let (head, route) = self.config_version(0, version);
+        let halves = in_place(0, vec![head, route], Duration::from_millis(1900));
+        let (head, route) = self.config_version(1, version);
+        let (a, b) = head.split_at(head.len() / 3);
+        let (r1, r2) = route.split_at(route.len() / 2);
+        let pieces = [a, b, r1, r2].map(str::to_string).to_vec();
+        let small = in_place(1, pieces, Duration::from_millis(450));
+        let renamed = async { self.rename_config(2, version) };
+        futures_util::future::join3(halves, small, renamed).await;
+    }
+
+    /// Every file renamed over by a complete version (the fault undone).
+    async fn rename_configs(&self, round: usize) {
+        for i in 0..REPLICAS {
+            self.rename_config(i, 2 * round + 2);
+        }
+    }
+
+    /// `mv tmp <config>`: a complete file takes the name at once.
+    fn rename_config(&self, i: usize, version: usize) {
+        let path = self.config_path(i);
+        let tmp = path.with_extension("toml.tmp");
+        let (head, route) = self.config_version(i, version);
+        std::fs::write(&tmp, head + &route).expect("write the new config");
+        std::fs::rename(&tmp, &path).expect("rename it over the config");
     }
 
     /// The last lines of every replica's log, for a failed run.
@@ -546,6 +643,7 @@ fault_tests! {
     invariants_hold_when_the_upstream_resets_mid_response => UpstreamResets,
     invariants_hold_when_clients_disconnect_mid_request => ClientsDisconnect,
     invariants_hold_when_the_upstream_answers_408_425_429 => UpstreamNotExecuted,
+    invariants_hold_when_the_watched_config_is_rewritten_in_place_and_renamed => ConfigRewritten,
 }
 
 // ===== a PostgreSQL crash with lazy commits =====

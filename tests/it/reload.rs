@@ -230,3 +230,226 @@ async fn a_watched_config_file_reloads_when_it_changes() {
         gate.log()
     );
 }
+
+/// The protected route, last in the file: a writer's first write cut
+/// before it leaves a valid config without it.
+const PAYMENTS_ROUTE: &str = "\n[[route]]\nmethods = [\"POST\"]\npath = \"/payments\"\n";
+
+/// Rewrites `path` in place (same inode) in two writes `gap` apart, as
+/// an editor or `cat > file` on a slow volume can: first `first`, then
+/// `rest`.
+async fn rewrite_in_place(path: &std::path::Path, first: &str, rest: &str, gap: Duration) {
+    use std::io::Write;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .truncate(true)
+        .open(path)
+        .unwrap();
+    file.write_all(first.as_bytes()).unwrap();
+    file.flush().unwrap();
+    tokio::time::sleep(gap).await;
+    file.write_all(rest.as_bytes()).unwrap();
+    file.flush().unwrap();
+}
+
+/// Regression (issue 17, item 3): with `watch_config`, a file rewritten in
+/// place in two writes 1.9 s apart had its first half (a valid prefix
+/// without the protected route) applied, and duplicates ran twice. Now
+/// only content that stayed the same across a whole read interval is
+/// applied: while three such rewrites run, `/payments` keeps refusing a
+/// request without a key and replaying a repeated one, and each complete
+/// file is applied once. An atomic rename (`mv tmp idemgate.toml`) is
+/// applied at the next read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watched_file_rewritten_in_place_never_applies_its_first_half() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("idemgate.toml");
+    let (listen, admin) = (crate::support::free_port(), crate::support::free_port());
+    // Without /payments: the valid prefix of each version.
+    let version = |timeout_s: u64| {
+        config(&up, listen, admin)
+            .set("server.watch_config", true)
+            .set("server.upstream_timeout", format!("{timeout_s}s"))
+            .render()
+    };
+    std::fs::write(&path, version(30) + PAYMENTS_ROUTE).unwrap();
+    let gate = ServeProcess::start(&path, listen, admin, &[]).await;
+    gate.post("/payments")
+        .body(BODY)
+        .send()
+        .await
+        .assert_problem(400);
+
+    // Probes /payments until `stop`: a keyless request must be refused,
+    // and each key run once (its repeat replayed).
+    let stop = Arc::new(AtomicBool::new(false));
+    let probe = {
+        let (stop, base) = (stop.clone(), gate.url("/payments"));
+        tokio::spawn(async move {
+            let mut problems = Vec::new();
+            let mut keys = 0;
+            while !stop.load(Ordering::Relaxed) {
+                let req = || Req::new(Method::POST, base.clone()).body(BODY);
+                let keyless = req().send().await;
+                if keyless.status() != 400 {
+                    problems.push(format!("keyless: {}", keyless.status()));
+                }
+                let key = format!("probe-{keys}");
+                keys += 1;
+                let first = req().key(&key).send().await;
+                let again = req().key(&key).send().await;
+                if first.status() != 200 || !again.replayed() {
+                    problems.push(format!(
+                        "{key}: {} then {} (replayed: {})",
+                        first.status(),
+                        again.status(),
+                        again.replayed()
+                    ));
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            (keys, problems)
+        })
+    };
+    for (round, timeout_s) in [(1, 7), (2, 8), (3, 9)] {
+        // Not in step with the watcher's reads (every 2 s): the first
+        // half is on disk when one comes.
+        tokio::time::sleep(Duration::from_millis(700 * round)).await;
+        let gap = Duration::from_millis(1900);
+        rewrite_in_place(&path, &version(timeout_s), PAYMENTS_ROUTE, gap).await;
+        reloads(&gate, "ok", round).await;
+    }
+    // Past any read that could still see a half.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    stop.store(true, Ordering::Relaxed);
+    let (keys, problems) = probe.await.unwrap();
+    assert!(problems.is_empty(), "the prefix was applied: {problems:?}");
+    assert_eq!(
+        up.hits("/payments"),
+        keys,
+        "every probe key ran exactly once"
+    );
+    let text = gate.admin_get("/metrics").send().await.text();
+    assert_eq!(
+        metric_value(&text, "idemgate_config_reloads_total{result=\"ok\"}"),
+        3,
+        "each complete file applied once, no half"
+    );
+
+    // An atomic rename: applied at the next read, not an interval later.
+    let tmp = dir.path().join("idemgate.toml.tmp");
+    let refunds = "\n[[route]]\nmethods = [\"POST\"]\npath = \"/refunds\"\n";
+    std::fs::write(&tmp, version(10) + PAYMENTS_ROUTE + refunds).unwrap();
+    let renamed = std::time::Instant::now();
+    std::fs::rename(&tmp, &path).unwrap();
+    reloads(&gate, "ok", 4).await;
+    let took = renamed.elapsed();
+    assert!(
+        took < Duration::from_millis(3000),
+        "a rename applies at the next read (every 2 s), took {took:?}"
+    );
+    gate.post("/refunds")
+        .body(BODY)
+        .send()
+        .await
+        .assert_problem(400);
+}
+
+/// A config on the memory store with the body budget `budget` and
+/// `POST /orders` limited to `limit`.
+fn sized(
+    up: &Upstream,
+    listen: std::net::SocketAddr,
+    admin: std::net::SocketAddr,
+    budget: &str,
+    limit: &str,
+) -> TestConfig {
+    TestConfig::new(up.addr)
+        .listen(listen, admin)
+        .set("store.backend", "memory")
+        .set("server.max_buffered_body_bytes", budget)
+        .route(Route::post(ORDERS).set("max_request_body", limit))
+}
+
+/// `serve` on [`sized`]; the file's path and directory go with it.
+async fn start_sized(
+    up: &Upstream,
+    budget: &str,
+    limit: &str,
+) -> (ServeProcess, std::path::PathBuf, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("idemgate.toml");
+    let (listen, admin) = (crate::support::free_port(), crate::support::free_port());
+    sized(up, listen, admin, budget, limit).write(&path);
+    let gate = ServeProcess::start(&path, listen, admin, &[]).await;
+    (gate, path, dir)
+}
+
+/// Regression (issue 17, item 9): started with an 8 MiB body budget and a
+/// route limit of 1 MiB, a SIGHUP raising both (64 MiB / 16 MiB) was
+/// accepted with a restart-only warning, and every chunked POST to the
+/// route then got 503 (its 16 MiB reservation never fit the 8 MiB that
+/// runs). The reload is refused now, naming the field and the running
+/// value, and the route keeps serving chunked bodies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_past_the_running_body_budget_is_refused_and_chunked_bodies_still_pass() {
+    let up = Upstream::start().await;
+    let (gate, path, _dir) = start_sized(&up, "8MiB", "1MiB").await;
+    let chunked = |key: &str| {
+        gate.post(ORDERS)
+            .key(key)
+            .chunked(vec![bytes::Bytes::from_static(b"{\"item\":\"a\"}\n")])
+    };
+    assert_eq!(chunked("before").send().await.status(), 201);
+
+    sized(&up, gate.listen, gate.admin, "64MiB", "16MiB").write(&path);
+    gate.hangup();
+    reloads(&gate, "error", 1).await;
+    let log = gate.log();
+    for needle in [
+        "config reload refused",
+        "max_request_body (16MiB)",
+        "server.max_buffered_body_bytes (8MiB)",
+        "line ",
+    ] {
+        assert!(log.contains(needle), "{needle:?} not in\n{log}");
+    }
+    let after = chunked("after").send().await;
+    assert_eq!(after.status(), 201, "{}", after.text());
+    assert_eq!(up.hits(ORDERS), 2);
+}
+
+/// Regression (issue 17, item 9b): a body without a length reserved its
+/// route's whole `max_request_body` from the body budget before a byte
+/// was read. With the limit equal to the budget (8 MiB), one stalled
+/// chunked upload made every other chunked POST a 503. It reserves what
+/// it has sent now: a 13-byte chunked POST passes beside it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_chunked_upload_reserves_only_what_it_sent() {
+    use tokio::io::AsyncWriteExt;
+    let up = Upstream::start().await;
+    let (gate, _path, _dir) = start_sized(&up, "8MiB", "8MiB").await;
+    let listen = gate.listen;
+    let mut stalled = tokio::net::TcpStream::connect(listen).await.unwrap();
+    stalled
+        .write_all(
+            b"POST /orders HTTP/1.1\r\nhost: x\r\nidempotency-key: stalled\r\n\
+              transfer-encoding: chunked\r\n\r\n5\r\nhello\r\n",
+        )
+        .await
+        .unwrap();
+    wait_for("the stalled body to be reserved", || async {
+        let text = gate.admin_get("/metrics").send().await.text();
+        (metric_value(&text, "idemgate_buffered_body_bytes") > 0).then_some(())
+    })
+    .await;
+    let small = gate
+        .post(ORDERS)
+        .key("small")
+        .chunked(vec![bytes::Bytes::from_static(b"{\"item\":\"a\"}\n")])
+        .send()
+        .await;
+    assert_eq!(small.status(), 201, "{}", small.text());
+    drop(stalled);
+}
