@@ -1,0 +1,492 @@
+//! The pool and one call on it: how a connection is opened (TLS, and
+//! `synchronous_commit` raised where weak, [`super::durability`]), checked
+//! out within the call's deadline, run as one unit (behind a pooler in a
+//! transaction that sets the session options; rerun when PostgreSQL
+//! aborted it for a serialization failure or deadlock) and settled back,
+//! and how every failure maps to [`StoreError`].
+
+use super::durability::raise_commit_sql;
+use crate::config::{MigrationLock, StoreConfig};
+use crate::store::pg_connect::{MakeRustls, PgTarget};
+use crate::store::sql::{Dialect, Statements};
+use crate::store::StoreError;
+use deadpool_postgres::{
+    ClientWrapper, Manager, ManagerConfig, Object, Pool, PoolError, RecyclingMethod, Runtime,
+    TimeoutType,
+};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+use tokio::sync::OnceCell;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tokio_postgres::error::SqlState;
+use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::Row;
+
+/// Runs of one call that PostgreSQL aborted for a serialization failure or
+/// deadlock ([`is_conflict`]): each run changed nothing, so running it
+/// again is safe; more than a few in a row means heavy contention, which a
+/// 503 reports better than a longer wait.
+const CONFLICT_ATTEMPTS: u32 = 4;
+
+/// The pause before the first rerun of a conflicted call; doubled each
+/// time, and a random part added so that the calls that collided do not
+/// collide again.
+const CONFLICT_PAUSE: Duration = Duration::from_millis(5);
+
+/// Detects a half-open connection (peer vanished without FIN) well before
+/// the kernel's default of ~15 minutes of retransmissions.
+const TCP_USER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Added to `store.timeout` for the call bound: this store enforces the
+/// timeout itself (and takes a stuck connection out of the pool when it
+/// fires), so its own deadline must fire first; the outer bound only catches
+/// what is stuck beyond it.
+pub(super) const CALL_BOUND_MARGIN: Duration = Duration::from_millis(250);
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
+
+/// Everything one call needs; shared with the batching tasks.
+pub(super) struct Core {
+    pub(super) pool: Pool,
+    /// Set once migrations are known to be current; until then every
+    /// operation tries them first, so a proxy started while PostgreSQL was
+    /// down creates its tables when the database comes back.
+    pub(super) migrated: OnceCell<()>,
+    pub(super) schema: String,
+    /// Whole-call deadline: pool wait, connect and the statements together.
+    pub(super) timeout: Duration,
+    /// Statement texts, schema-qualified once at connect.
+    pub(super) sql: Statements,
+    /// Added to the server's clock in every statement: zero, except in
+    /// tests that play time forward ([`PostgresStore::with_clock_offset`]).
+    pub(super) clock_offset_ms: i64,
+    /// Where the database is, for messages.
+    pub(super) target: PgTarget,
+    /// `pgbouncer=true`: the statement that opens every call's transaction
+    /// and sets the session options in it (see the module docs).
+    pub(super) pooled: Option<String>,
+    pub(super) migration_lock: MigrationLock,
+    /// The TLS version of the newest connection (`None`: plaintext).
+    pub(super) last_tls: Arc<Mutex<Option<&'static str>>>,
+    /// The operator has been told what `synchronous_commit` runs with.
+    pub(super) commit_told: AtomicBool,
+}
+
+/// Opens the pool's connections: TLS as the URL says, recording which the
+/// connection got; connected directly (no pooler), the session's
+/// `synchronous_commit` is raised where weak before the pool hands it out.
+struct Connector {
+    tls: MakeRustls,
+    /// [`raise_commit_sql`] for a session, or `None` behind a pooler.
+    session: Option<String>,
+    last_tls: Arc<Mutex<Option<&'static str>>>,
+}
+
+type Connected = Result<(tokio_postgres::Client, JoinHandle<()>), tokio_postgres::Error>;
+
+impl deadpool_postgres::Connect for Connector {
+    fn connect(
+        &self,
+        pg: &tokio_postgres::Config,
+    ) -> Pin<Box<dyn Future<Output = Connected> + Send + '_>> {
+        let (tls, seen) = self.tls.recording();
+        let pg = pg.clone();
+        Box::pin(async move {
+            let (client, connection) = pg.connect(tls).await?;
+            // As deadpool's own connector does.
+            let task = tokio::spawn(async move {
+                if let Err(e) = connection.await {
+                    tracing::warn!(target: "deadpool.postgres", "Connection error: {}", e);
+                }
+            });
+            if let Some(sql) = &self.session {
+                if let Err(err) = client.batch_execute(sql).await {
+                    task.abort();
+                    return Err(err);
+                }
+            }
+            *self.last_tls.lock().unwrap_or_else(PoisonError::into_inner) = seen.get().copied();
+            Ok((client, task))
+        })
+    }
+}
+
+/// One statement parameter with its type: the type is what an unnamed
+/// statement (behind a pooler) is parsed with.
+pub(super) type Param<'a> = (&'a (dyn ToSql + Sync), Type);
+
+/// `"name"` with embedded quotes doubled (config already restricts the
+/// charset; this keeps the SQL correct regardless).
+pub(super) fn quote_ident(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+impl Core {
+    /// Builds the pool without connecting: PostgreSQL being down at start is
+    /// not an error, operations fail with [`StoreError`] until it answers.
+    /// Only a missing or malformed `store.url`, or a certificate file it
+    /// names that cannot be read, fails here.
+    pub(super) async fn connect(cfg: &StoreConfig) -> Result<Self, StoreError> {
+        let url = cfg
+            .url
+            .as_deref()
+            .ok_or_else(|| StoreError::Unavailable("store.url is not set".into()))?;
+        let target = PgTarget::new(url)
+            .map_err(|err| StoreError::Unavailable(format!("store.url: {err}")))?;
+        let mut pg = target.config.clone();
+        // Every statement here looks records up by primary key. A table that
+        // grew since it was last analyzed (a new deployment's first minutes,
+        // autoanalyze runs once a minute) made the planner scan it for the
+        // batched claims, each batch slower than the last; these make it
+        // keep to the index.
+        let settings = [
+            (
+                "statement_timeout",
+                cfg.statement_timeout.as_millis().max(1).to_string(),
+            ),
+            ("enable_seqscan", "off".to_string()),
+            ("enable_hashjoin", "off".to_string()),
+            ("enable_mergejoin", "off".to_string()),
+        ];
+        let pooled = if target.url.pgbouncer {
+            // PgBouncer refuses the `options` startup parameter: set them
+            // per transaction instead.
+            let mut begin = String::from("BEGIN");
+            for (name, value) in &settings {
+                begin.push_str(&format!("; SET LOCAL {name} = {value}"));
+            }
+            begin.push_str("; ");
+            begin.push_str(&raise_commit_sql(true));
+            Some(begin)
+        } else {
+            let session = settings
+                .iter()
+                .map(|(name, value)| format!("-c {name}={value}"))
+                .collect::<Vec<_>>()
+                .join(" ");
+            let options = match pg.get_options() {
+                Some(o) if !o.trim().is_empty() => format!("{o} {session}"),
+                _ => session,
+            };
+            pg.options(options);
+            None
+        };
+        pg.connect_timeout(cfg.connect_timeout)
+            .keepalives(true)
+            .keepalives_idle(KEEPALIVE_IDLE)
+            .tcp_user_timeout(TCP_USER_TIMEOUT);
+        if pg.get_application_name().is_none() {
+            pg.application_name("idemgate");
+        }
+        let last_tls = Arc::new(Mutex::new(None));
+        let connector = Connector {
+            tls: target.tls.clone(),
+            // A URL's own `options=-c synchronous_commit=off` is applied at
+            // startup, so this sees (and raises) it too.
+            session: pooled.is_none().then(|| raise_commit_sql(false)),
+            last_tls: last_tls.clone(),
+        };
+        let manager = Manager::from_connect(
+            pg,
+            connector,
+            // Fast: only `is_closed()` on checkout, so a claim stays one round
+            // trip; a connection that dies mid-call is discarded by `settle`.
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(manager)
+            .max_size(cfg.pool_size)
+            .runtime(Runtime::Tokio1)
+            // Bounded so a dead database answers within seconds, not after
+            // TCP's own timeouts.
+            .wait_timeout(Some(cfg.timeout))
+            .create_timeout(Some(cfg.connect_timeout))
+            .recycle_timeout(Some(cfg.connect_timeout))
+            .build()
+            .map_err(|err| StoreError::Unavailable(format!("cannot build postgres pool: {err}")))?;
+        let table = format!("{}.idempotency_records", quote_ident(&cfg.schema));
+        Ok(Self {
+            pool,
+            migrated: OnceCell::new(),
+            schema: cfg.schema.clone(),
+            timeout: cfg.timeout,
+            sql: Statements::new(Dialect::Postgres, &table),
+            clock_offset_ms: 0,
+            target,
+            pooled,
+            migration_lock: cfg.migration_lock,
+            last_tls,
+            commit_told: AtomicBool::new(false),
+        })
+    }
+
+    /// Migrates (once per process) and checks a connection out, all before
+    /// `deadline`.
+    pub(super) async fn checkout(&self, deadline: Instant) -> Result<InUse, StoreError> {
+        let ready = async {
+            self.migrated
+                .get_or_try_init(|| async { self.run_migrations().await.map(|_| ()) })
+                .await
+        };
+        tokio::time::timeout_at(deadline, ready)
+            .await
+            .map_err(|_| StoreError::Timeout)??;
+        self.connection(deadline).await
+    }
+
+    /// A pooled connection, before `deadline`.
+    pub(super) async fn connection(&self, deadline: Instant) -> Result<InUse, StoreError> {
+        let object = tokio::time::timeout_at(deadline, self.pool.get())
+            .await
+            .map_err(|_| StoreError::Timeout)?
+            .map_err(|e| self.pool_err(e))?;
+        Ok(InUse(Some(object)))
+    }
+
+    pub(super) fn deadline(&self) -> Instant {
+        Instant::now() + self.timeout
+    }
+
+    /// One statement that returns a row count, as one call.
+    pub(super) async fn write(&self, sql: &str, params: &[Param<'_>]) -> Result<u64, StoreError> {
+        let deadline = self.deadline();
+        let client = self.checkout(deadline).await?;
+        let res = tokio::time::timeout_at(
+            deadline,
+            self.unit(&client, false, || self.execute(&client, sql, params)),
+        )
+        .await;
+        self.settle(client, res)
+    }
+
+    /// One statement that returns rows, as one call.
+    pub(super) async fn read(
+        &self,
+        sql: &str,
+        params: &[Param<'_>],
+    ) -> Result<Vec<Row>, StoreError> {
+        let deadline = self.deadline();
+        let client = self.checkout(deadline).await?;
+        let res = tokio::time::timeout_at(
+            deadline,
+            self.unit(&client, false, || self.query(&client, sql, params)),
+        )
+        .await;
+        self.settle(client, res)
+    }
+
+    /// One statement, for its rows: prepared once per connection and
+    /// cached, or behind a pooler sent unnamed with its parameter types.
+    pub(super) async fn query(
+        &self,
+        client: &ClientWrapper,
+        sql: &str,
+        params: &[Param<'_>],
+    ) -> Result<Vec<Row>, tokio_postgres::Error> {
+        if self.pooled.is_some() {
+            return client.query_typed(sql, params).await;
+        }
+        let stmt = client.prepare_cached(sql).await?;
+        let values: Vec<&(dyn ToSql + Sync)> = params.iter().map(|(v, _)| *v).collect();
+        client.query(&stmt, &values).await
+    }
+
+    /// [`Core::query`] for a row count.
+    pub(super) async fn execute(
+        &self,
+        client: &ClientWrapper,
+        sql: &str,
+        params: &[Param<'_>],
+    ) -> Result<u64, tokio_postgres::Error> {
+        if self.pooled.is_some() {
+            return client.execute_typed(sql, params).await;
+        }
+        let stmt = client.prepare_cached(sql).await?;
+        let values: Vec<&(dyn ToSql + Sync)> = params.iter().map(|(v, _)| *v).collect();
+        client.execute(&stmt, &values).await
+    }
+
+    /// Runs `body` on `client` as one unit: behind a pooler (or when
+    /// `transaction`) inside a transaction (behind a pooler one that sets
+    /// the session options first); run again when PostgreSQL aborted it
+    /// for a serialization failure or deadlock, which changed nothing.
+    pub(super) async fn unit<T, F>(
+        &self,
+        client: &ClientWrapper,
+        transaction: bool,
+        body: impl Fn() -> F,
+    ) -> Result<T, tokio_postgres::Error>
+    where
+        F: std::future::Future<Output = Result<T, tokio_postgres::Error>>,
+    {
+        let begin = match &self.pooled {
+            Some(begin) => Some(begin.as_str()),
+            None if transaction => Some("BEGIN"),
+            None => None,
+        };
+        let mut attempt = 1;
+        loop {
+            let res = match begin {
+                None => body().await,
+                Some(begin) => {
+                    // `BEGIN` goes out back to back with the body's first
+                    // statement (tokio-postgres sends requests in the order
+                    // they are first polled, without waiting for answers):
+                    // one round trip for both. Should `BEGIN` fail, the
+                    // statement fails too (an aborted transaction or a dead
+                    // connection), and the connection is never handed back
+                    // inside a transaction.
+                    let (began, res) = tokio::join!(biased; client.batch_execute(begin), body());
+                    let end = if began.is_ok() && res.is_ok() {
+                        "COMMIT"
+                    } else {
+                        "ROLLBACK"
+                    };
+                    let ended = client.batch_execute(end).await;
+                    match (began, res, ended) {
+                        (Err(e), _, _) | (Ok(()), Err(e), _) | (Ok(()), Ok(_), Err(e)) => Err(e),
+                        (Ok(()), Ok(v), Ok(())) => Ok(v),
+                    }
+                }
+            };
+            match res {
+                Err(err) if attempt < CONFLICT_ATTEMPTS && is_conflict(&err) => {
+                    tracing::debug!(error = %self.pg_err(err), attempt, "postgres aborted a call; running it again");
+                    tokio::time::sleep(conflict_pause(attempt, rand::random())).await;
+                    attempt += 1;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// Ends a call: an answered call's connection goes back to the pool; a
+    /// timed-out one may be wedged mid-statement, so it is dropped (see
+    /// [`InUse`]).
+    pub(super) fn settle<T>(
+        &self,
+        mut client: InUse,
+        res: Result<Result<T, tokio_postgres::Error>, tokio::time::error::Elapsed>,
+    ) -> Result<T, StoreError> {
+        let answered = res.is_ok();
+        if answered {
+            drop(client.0.take());
+        }
+        match res {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(err)) => Err(self.pg_err(err)),
+            Err(_) => Err(StoreError::Timeout),
+        }
+    }
+
+    pub(super) fn pg_err(&self, err: tokio_postgres::Error) -> StoreError {
+        if err.code() == Some(&SqlState::QUERY_CANCELED) {
+            // statement_timeout fired.
+            return StoreError::Timeout;
+        }
+        StoreError::Unavailable(self.target.describe(&err))
+    }
+
+    pub(super) fn pool_err(&self, err: PoolError) -> StoreError {
+        match err {
+            // Nothing was sent: the call certainly did nothing.
+            PoolError::Timeout(TimeoutType::Create) => StoreError::Unavailable(format!(
+                "postgres at {}: connecting timed out",
+                self.target.endpoint
+            )),
+            PoolError::Timeout(_) => StoreError::Timeout,
+            PoolError::Backend(err) => self.pg_err(err),
+            other => StoreError::Unavailable(format!("postgres pool: {other}")),
+        }
+    }
+}
+
+/// A serialization failure or a deadlock: PostgreSQL aborted the statement
+/// (or transaction), so it changed nothing and may run again.
+fn is_conflict(err: &tokio_postgres::Error) -> bool {
+    is_conflict_code(err.code())
+}
+
+fn is_conflict_code(code: Option<&SqlState>) -> bool {
+    code == Some(&SqlState::T_R_SERIALIZATION_FAILURE)
+        || code == Some(&SqlState::T_R_DEADLOCK_DETECTED)
+}
+
+/// The pause before rerun `attempt` (1-based) of a conflicted call:
+/// [`CONFLICT_PAUSE`] doubled per attempt, plus up to as much again picked
+/// by `random`.
+fn conflict_pause(attempt: u32, random: u32) -> Duration {
+    let base = CONFLICT_PAUSE * 2u32.saturating_pow(attempt.saturating_sub(1)).min(64);
+    let jitter_ms = u64::from(random) % (base.as_millis() as u64).max(1);
+    base + Duration::from_millis(jitter_ms)
+}
+
+/// A pooled connection in the middle of one call. Only [`settle`] puts it
+/// back in the pool; dropped any other way (the call timed out, or the
+/// caller's own deadline dropped the call's future) its connection may still
+/// be running a statement, so it leaves the pool instead: the next call must
+/// not queue behind a statement nobody waits for.
+pub(super) struct InUse(pub(super) Option<Object>);
+
+impl std::ops::Deref for InUse {
+    type Target = Object;
+    fn deref(&self) -> &Object {
+        self.0.as_ref().expect("present until dropped")
+    }
+}
+
+impl std::ops::DerefMut for InUse {
+    fn deref_mut(&mut self) -> &mut Object {
+        self.0.as_mut().expect("present until dropped")
+    }
+}
+
+impl Drop for InUse {
+    fn drop(&mut self) {
+        if let Some(object) = self.0.take() {
+            drop(Object::take(object));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_serialization_failures_and_deadlocks_are_run_again() {
+        let cases = [
+            (Some(SqlState::T_R_SERIALIZATION_FAILURE), true),
+            (Some(SqlState::T_R_DEADLOCK_DETECTED), true),
+            // A statement_timeout may have hit a write that then committed
+            // nothing, but the caller treats it as a timeout (ambiguous).
+            (Some(SqlState::QUERY_CANCELED), false),
+            (Some(SqlState::UNIQUE_VIOLATION), false),
+            (Some(SqlState::LOCK_NOT_AVAILABLE), false),
+            (Some(SqlState::ADMIN_SHUTDOWN), false),
+            (None, false),
+        ];
+        for (code, rerun) in cases {
+            assert_eq!(is_conflict_code(code.as_ref()), rerun, "{code:?}");
+        }
+    }
+
+    #[test]
+    fn conflict_pauses_double_with_bounded_jitter() {
+        let ms = |attempt, random| conflict_pause(attempt, random).as_millis();
+        assert_eq!(ms(1, 0), 5);
+        assert_eq!(ms(2, 0), 10);
+        assert_eq!(ms(3, 0), 20);
+        // The random part stays below the base.
+        assert_eq!(ms(1, 4), 9);
+        assert_eq!(ms(1, 5), 5);
+        assert!(ms(3, u32::MAX) < 40);
+        // Every rerun of one call fits well inside a store timeout.
+        let total: u128 = (1..CONFLICT_ATTEMPTS).map(|a| ms(a, u32::MAX)).sum();
+        assert!(total < 100, "{total} ms");
+    }
+}
