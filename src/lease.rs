@@ -7,9 +7,9 @@
 //!
 //! Every write here is fenced by the token, and every one follows one rule:
 //! **a write whose answer was lost may still have landed; only the token
-//! decides.** [`interpret`] is that rule, and [`Policy`] the one retry
-//! schedule (doubling, with jitter so replicas recovering from the same
-//! outage do not retry in lock-step). Both are pure and table-tested; the
+//! decides.** [`interpret`] is that rule, pure and table-tested, and
+//! [`Backoff`] the one retry schedule (doubling, with jitter so replicas
+//! recovering from the same outage do not retry in lock-step); the
 //! I/O around them is tested against a scripted store below.
 //!
 //! | write | until | then |
@@ -23,6 +23,7 @@ use crate::clock::{millis, Clock};
 use crate::error::KeyFate;
 use crate::idempotency::{Fingerprint, RecordKey};
 use crate::metrics::Metrics;
+use crate::net::backoff::Backoff;
 use crate::store::{
     Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, Span, Store, StoreError,
 };
@@ -30,7 +31,6 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, error, info, warn};
 
@@ -43,11 +43,8 @@ pub const MAX_PENDING_COMPLETIONS: usize = 256;
 
 /// Completion and release before the client gets its answer: a few quick
 /// tries (about 0.7 s in all), so a store blip costs the client little.
-pub const QUICK: Policy = Policy {
-    backoff: Backoff::new(Duration::from_millis(100), Duration::from_millis(400)),
-    max_attempts: Some(4),
-    budget: None,
-};
+pub const QUICK: Backoff =
+    Backoff::new(Duration::from_millis(100), Duration::from_millis(400)).attempts(4);
 /// A completion still unrecorded after [`QUICK`], in the background.
 const PERSIST_BACKOFF: Backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
 /// Giving back a claim whose answer was lost.
@@ -94,67 +91,6 @@ pub fn interpret(write: Write, answer: &Result<Fence, StoreError>, unanswered: b
             Step::Done(Fence::Lost)
         }
     }
-}
-
-/// Doubling waits from `first` up to `cap`, with "equal jitter": each wait
-/// is between half and all of its step, so retries spread out but still
-/// back off.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Backoff {
-    first: Duration,
-    cap: Duration,
-}
-
-impl Backoff {
-    pub const fn new(first: Duration, cap: Duration) -> Self {
-        Self { first, cap }
-    }
-
-    /// The wait after the `failures`-th failure in a row (1-based), for a
-    /// jitter sample in `[0, 1]`.
-    pub fn delay(&self, failures: u32, jitter: f64) -> Duration {
-        let doublings = failures.saturating_sub(1).min(20);
-        let step = self.first.saturating_mul(1 << doublings).min(self.cap);
-        let half = step / 2;
-        half + half.mul_f64(jitter.clamp(0.0, 1.0))
-    }
-}
-
-/// When to stop retrying: after `max_attempts`, or when the next wait
-/// would end past `budget` (counted from the first attempt).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Policy {
-    backoff: Backoff,
-    max_attempts: Option<u32>,
-    budget: Option<Duration>,
-}
-
-impl Policy {
-    /// Retries with `backoff` for as long as `budget`.
-    pub const fn until(backoff: Backoff, budget: Duration) -> Self {
-        Self {
-            backoff,
-            max_attempts: None,
-            budget: Some(budget),
-        }
-    }
-
-    /// The wait before the next attempt after `done` failed attempts that
-    /// took `elapsed` so far, or `None`: give up.
-    pub fn next(&self, done: u32, elapsed: Duration, jitter: f64) -> Option<Duration> {
-        if self.max_attempts.is_some_and(|max| done >= max) {
-            return None;
-        }
-        let wait = self.backoff.delay(done, jitter);
-        if self.budget.is_some_and(|budget| elapsed + wait >= budget) {
-            return None;
-        }
-        Some(wait)
-    }
-}
-
-fn jitter() -> f64 {
-    rand::random()
 }
 
 // ===== holding keys =====
@@ -423,7 +359,7 @@ impl Drop for Lease {
 /// `policy` gives up (`None`). `unanswered` is set once an attempt fails.
 async fn drive<F, Fut>(
     write: Write,
-    policy: Policy,
+    policy: Backoff,
     unanswered: &mut bool,
     mut attempt: F,
 ) -> Option<Fence>
@@ -431,22 +367,19 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<Fence, StoreError>>,
 {
-    let started = Instant::now();
-    let mut done = 0;
+    let mut retries = policy.start();
     loop {
         let answer = attempt().await;
-        done += 1;
-        match interpret(write, &answer, *unanswered) {
-            Step::Done(fence) => return Some(fence),
-            Step::Retry => {
-                if let Err(e) = &answer {
-                    *unanswered = true;
-                    warn!(write = ?write, attempt = done, error = %e, "store write failed; retrying");
-                }
-            }
+        if let Step::Done(fence) = interpret(write, &answer, *unanswered) {
+            return Some(fence);
         }
-        let wait = policy.next(done, started.elapsed(), jitter())?;
-        tokio::time::sleep(wait).await;
+        let wait = retries.retry();
+        if let Err(e) = &answer {
+            *unanswered = true;
+            let attempt = retries.failures();
+            warn!(write = ?write, attempt, error = %e, "store write failed; retrying");
+        }
+        tokio::time::sleep(wait?).await;
     }
 }
 
@@ -498,8 +431,8 @@ impl Fenced {
 
     async fn keep_alive(self) -> Infallible {
         let every = (self.length / 3).max(MIN_RENEW_INTERVAL);
-        let backoff = Backoff::new(MIN_RENEW_INTERVAL, (every / 2).max(MIN_RENEW_INTERVAL));
-        let mut failures = 0;
+        let mut retries =
+            Backoff::new(MIN_RENEW_INTERVAL, (every / 2).max(MIN_RENEW_INTERVAL)).start();
         let mut wait = every;
         loop {
             tokio::time::sleep(wait).await;
@@ -511,7 +444,7 @@ impl Fenced {
                 .unwrap_or(Err(StoreError::Timeout));
             match interpret(Write::Renew, &answer, false) {
                 Step::Done(Fence::Held) => {
-                    failures = 0;
+                    retries.reset();
                     wait = every;
                 }
                 Step::Done(Fence::Lost) => {
@@ -520,11 +453,10 @@ impl Fenced {
                     return std::future::pending().await;
                 }
                 Step::Retry => {
-                    failures += 1;
                     if let Err(e) = &answer {
                         warn!(key.id = %self.key.log_id(), error = %e, "lease renewal failed; retrying");
                     }
-                    wait = backoff.delay(failures, jitter());
+                    wait = retries.wait();
                 }
             }
         }
@@ -537,9 +469,9 @@ impl Fenced {
     async fn persist(self, completion: Completion, _waiting: Waiting) {
         // The quick attempts went unanswered: any of them may have landed.
         let unanswered = true;
-        let mut failures = 1;
+        let mut retries = PERSIST_BACKOFF.start();
         loop {
-            tokio::time::sleep(PERSIST_BACKOFF.delay(failures, jitter())).await;
+            tokio::time::sleep(retries.wait()).await;
             let renewed = self.renew_once().await;
             let answer = self.complete_once(&completion).await;
             match (renewed, interpret(Write::Complete, &answer, unanswered)) {
@@ -557,7 +489,7 @@ impl Fenced {
                         "the lease was lost while its completion waited for the store; a retry may run the request again");
                     return;
                 }
-                (_, Step::Retry) => failures = failures.saturating_add(1),
+                (_, Step::Retry) => {}
             }
         }
     }
@@ -565,7 +497,7 @@ impl Fenced {
     /// A fenced release of a claim whose answer was lost, retried until the
     /// claim's lease would have run out anyway.
     async fn give_back(self) {
-        let policy = Policy::until(GIVE_BACK_BACKOFF, self.length);
+        let policy = GIVE_BACK_BACKOFF.within(self.length);
         let given = drive(Write::GiveBack, policy, &mut false, || self.release_once()).await;
         if given.is_some() {
             debug!(key.id = %self.key.log_id(), "gave back a claim whose answer was lost");

@@ -16,6 +16,7 @@
 //! - `upstream`: the upstreams' pooled clients (named, HTTPS, HTTP/2) and
 //!   the byte tunnel of upgraded connections.
 //! - [`clock`]: the wall clock, injected so tests can pause it.
+//! - `net`: plumbing written once (backoff, ...); imports nothing above it.
 //! - `problem`: RFC 9457 responses, the one error-to-response mapping.
 //! - [`server`]: listeners, connection limits, sweeper, graceful shutdown.
 //! - `admin`, [`metrics`], [`telemetry`]: health, Prometheus, logs and
@@ -41,6 +42,7 @@ pub mod idempotency;
 pub mod keys;
 pub(crate) mod lease;
 pub mod metrics;
+pub mod net;
 pub(crate) mod problem;
 pub(crate) mod proxy;
 pub(crate) mod route;

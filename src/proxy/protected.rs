@@ -30,9 +30,9 @@ use crate::idempotency::{
     decide, settle, Decision, Fingerprint, IdempotencyKey, RecordKey, RecordState, Scope,
     Settlement,
 };
-use crate::lease::Backoff;
 use crate::lease::{Acquired, ClaimRequest, Lease};
 use crate::metrics::Outcome;
+use crate::net::backoff::Backoff;
 use crate::route::{FingerprintMode, InFlight, OnAmbiguous, OnStoreError, RouteConfig};
 use crate::store::{Completion, Record, StoreError};
 use bytes::Bytes;

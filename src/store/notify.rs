@@ -17,7 +17,7 @@
 
 use super::pg_connect::{MakeRustls, PgTarget};
 use crate::config::StoreConfig;
-use crate::lease::Backoff;
+use crate::net::backoff::Backoff;
 use sha2::{Digest, Sha256};
 use std::sync::Arc;
 use std::time::Duration;
@@ -97,20 +97,24 @@ struct Session {
 }
 
 async fn run(pg: Session, channel: String, mut rx: mpsc::Receiver<String>, on_notify: OnNotify) {
-    let mut failures = 0;
+    let mut retries = RECONNECT.start();
     loop {
         let mut listening = false;
         match session(&pg, &channel, &mut rx, &on_notify, &mut listening).await {
             Ok(()) => return,
             Err(e) => {
                 // A session that got as far as listening starts the count again.
-                failures = if listening { 1 } else { failures + 1 };
-                if failures == 1 {
+                if listening {
+                    retries.reset();
+                }
+                let wait = retries.wait();
+                let attempt = retries.failures();
+                if attempt == 1 {
                     warn!(error = %e, "key notifications unavailable; waiters poll the store meanwhile");
                 } else {
-                    debug!(error = %e, attempt = failures, "key notifications still unavailable");
+                    debug!(error = %e, attempt, "key notifications still unavailable");
                 }
-                tokio::time::sleep(RECONNECT.delay(failures, rand::random())).await;
+                tokio::time::sleep(wait).await;
             }
         }
     }

@@ -10,10 +10,18 @@
 //! load, and prints its invariant report. [`soak`] (ignored by default;
 //! `scripts/soak.sh [SECONDS]`) runs every fault for longer, injecting it
 //! repeatedly, and prints the report for all of them.
+//!
+//! Every random choice (the traffic's operations, the upstream's
+//! behaviours, the relay's refusals) comes from one seed
+//! (`support::seed`): `IDEMGATE_TEST_SEED=<n>` sets it, else it is drawn at
+//! random; each run prints it first and with its report, and a failure's
+//! message says how to replay it, e.g.
+//! `IDEMGATE_TEST_SEED=<n> cargo test --test it invariants_hold_without_faults`.
 
 use crate::support::checker::{check, Event, EventKind, Report, Trace};
 use crate::support::pg_cluster::PgCluster;
 use crate::support::recording_upstream::{Kind, Mix, RecordingUpstream};
+use crate::support::seed::Seed;
 use crate::support::services::{
     database_url, postgres_addr, require_postgres, PrivateRedis, TcpRelay,
 };
@@ -470,9 +478,11 @@ enum Schedule {
 /// violation).
 async fn run(fault: Fault, load: Duration, schedule: Schedule) -> Report {
     let t0 = Instant::now();
-    let up = RecordingUpstream::start(fault.mix(), fault.upstream_timeout()).await;
+    let seed = seed_for(fault.name());
+    let up = RecordingUpstream::start(fault.mix(), fault.upstream_timeout(), seed).await;
     let mut cluster = Cluster::start(fault, up.addr).await;
-    let traffic = Traffic::new(cluster.addrs(), fault == Fault::ClientsDisconnect);
+    let drops = fault == Fault::ClientsDisconnect;
+    let traffic = Traffic::new(cluster.addrs(), drops, seed);
     let started = Instant::now();
     let load_task = tokio::spawn(traffic.clone().run(WORKERS, load));
 
@@ -545,11 +555,24 @@ async fn judge(
         events,
         upstream_timeout: fault.upstream_timeout(),
     });
-    println!("{report}");
+    println!("{report}{}", replay());
     if !report.violations.is_empty() {
         println!("replica logs (tails):\n{}", cluster.log_tails());
     }
     report
+}
+
+/// The generators' seed for the run `name`, printed first: a run that
+/// fails in any way shows how to replay it.
+fn seed_for(name: &str) -> Seed {
+    println!("{name}: {}", replay());
+    Seed::get().derive(name)
+}
+
+/// How to replay this process's runs.
+fn replay() -> String {
+    let seed = Seed::get();
+    format!("random choices from {seed}; replay with `{seed} cargo test --test it <test name>`")
 }
 
 /// Every key once more, as its latest execution's request: it replays,
@@ -611,9 +634,10 @@ async fn holds(fault: Fault) {
     let report = run(fault, CI_LOAD, Schedule::Once).await;
     assert!(
         report.violations.is_empty(),
-        "{} invariant violation(s) under {:?}; see the report above",
+        "{} invariant violation(s) under {:?}; see the report above; {}",
         report.violations.len(),
-        fault
+        fault,
+        replay()
     );
 }
 
@@ -665,14 +689,16 @@ const LAZY_COMMITS: &str = "synchronous_commit = off\nwal_writer_delay = 10s\n";
 async fn invariants_hold_when_a_synchronous_commit_off_postgres_crashes_under_load() {
     let fault = Fault::None;
     let t0 = Instant::now();
-    let up = RecordingUpstream::start(fault.mix(), fault.upstream_timeout()).await;
+    let name = "postgres crash (sync off)";
+    let seed = seed_for(name);
+    let up = RecordingUpstream::start(fault.mix(), fault.upstream_timeout(), seed).await;
     let mut pg = PgCluster::private(LAZY_COMMITS);
     let url = pg.url("postgres", "127.0.0.1", "sslmode=disable");
     let cluster = Cluster::start_on(fault, up.addr, url, None, false, |c| c).await;
     // The schema is on disk before the load (replicas created it): what
     // the crash can lose is the claims and completions.
     pg.psql("CHECKPOINT");
-    let traffic = Traffic::new(cluster.addrs(), false);
+    let traffic = Traffic::new(cluster.addrs(), false, seed);
     let started = Instant::now();
     let load_task = tokio::spawn(traffic.clone().run(WORKERS, CI_LOAD));
 
@@ -692,15 +718,15 @@ async fn invariants_hold_when_a_synchronous_commit_off_postgres_crashes_under_lo
             kind: EventKind::PostgresRestored,
         },
     ];
-    let name = "postgres crash (sync off)";
     let report = judge(
         fault, name, t0, &up, &cluster, &traffic, load_task, events, CI_LOAD,
     )
     .await;
     assert!(
         report.violations.is_empty(),
-        "{} invariant violation(s) under a PostgreSQL crash with synchronous_commit = off; see the report above",
-        report.violations.len()
+        "{} invariant violation(s) under a PostgreSQL crash with synchronous_commit = off; see the report above; {}",
+        report.violations.len(),
+        replay()
     );
 }
 
@@ -717,28 +743,30 @@ async fn invariants_hold_when_a_synchronous_commit_off_postgres_crashes_under_lo
 async fn invariants_hold_when_an_h2_upstream_refuses_streams() {
     use crate::support::h2_refusing::RefusingH2Relay;
     let t0 = Instant::now();
-    let up = RecordingUpstream::start(Mix::base(), UPSTREAM_TIMEOUT).await;
-    let relay = RefusingH2Relay::start(up.addr, 20).await;
+    let name = "h2 upstream refuses streams";
+    let seed = seed_for(name);
+    let up = RecordingUpstream::start(Mix::base(), UPSTREAM_TIMEOUT, seed).await;
+    let relay = RefusingH2Relay::start(up.addr, 20, seed).await;
     let cluster = Cluster::start_with(Fault::None, relay.addr, |c| {
         c.set("server.upstream_protocol", "h2")
             .each_route("on_ambiguous", "keep")
     })
     .await;
-    let traffic = Traffic::new(cluster.addrs(), false);
+    let traffic = Traffic::new(cluster.addrs(), false, seed);
     tokio::time::timeout(CI_LOAD + DEADLINE, traffic.clone().run(WORKERS, CI_LOAD))
         .await
         .expect("the load ends");
     up.settle(Duration::from_millis(300), DEADLINE).await;
     sweep_every_key(&traffic, &up, LEASE).await;
     let report = check(&Trace {
-        fault: "h2 upstream refuses streams",
+        fault: name,
         t0,
         executions: up.executions(),
         observations: traffic.observations(),
         events: Vec::new(),
         upstream_timeout: UPSTREAM_TIMEOUT,
     });
-    println!("{report}\n{} streams refused", relay.refused());
+    println!("{report}{}\n{} streams refused", replay(), relay.refused());
     let unknown = traffic
         .observations()
         .into_iter()
@@ -750,12 +778,15 @@ async fn invariants_hold_when_an_h2_upstream_refuses_streams() {
     assert!(relay.refused() > 0, "the relay refused streams");
     assert!(
         report.violations.is_empty(),
-        "{} violation(s)",
-        report.violations.len()
+        "{} violation(s); {}",
+        report.violations.len(),
+        replay()
     );
     assert_eq!(
-        unknown, 0,
-        "a refused stream's key was kept as outcome unknown"
+        unknown,
+        0,
+        "a refused stream's key was kept as outcome unknown; {}",
+        replay()
     );
 }
 
@@ -794,7 +825,11 @@ async fn soak() {
         .filter(|r| !r.violations.is_empty())
         .map(|r| r.fault)
         .collect();
-    assert!(failed.is_empty(), "invariants violated under: {failed:?}");
+    assert!(
+        failed.is_empty(),
+        "invariants violated under: {failed:?}; {}",
+        replay()
+    );
 }
 
 // ===== the checker itself =====
@@ -982,4 +1017,21 @@ fn the_checker_reports_each_broken_invariant_and_nothing_else() {
         vec![killed(20)],
     );
     assert!(v.is_empty(), "{v:?}");
+}
+
+/// A replay draws what the failed run drew: a derived generator depends on
+/// the seed and its label only, and different labels draw apart.
+#[test]
+fn the_harness_seed_derives_the_same_generators_for_the_same_labels() {
+    use rand::Rng;
+    let draws = |seed: u64, label: &str| -> Vec<u32> {
+        let mut rng = Seed(seed).rng(label);
+        (0..8).map(|_| rng.random()).collect()
+    };
+    assert_eq!(draws(42, "worker 0"), draws(42, "worker 0"));
+    assert_ne!(draws(42, "worker 0"), draws(42, "worker 1"));
+    assert_ne!(draws(42, "worker 0"), draws(43, "worker 0"));
+    // Pinned, so a change of the derivation (which would break replaying
+    // a seed from an older report) is noticed.
+    assert_eq!(Seed(42).derive("worker 0"), Seed(7_808_677_657_598_959_783));
 }

@@ -7,6 +7,7 @@
 
 use super::durability::raise_commit_sql;
 use crate::config::{MigrationLock, StoreConfig};
+use crate::net::backoff::Backoff;
 use crate::store::pg_connect::{MakeRustls, PgTarget};
 use crate::store::sql::{Dialect, Statements};
 use crate::store::StoreError;
@@ -32,10 +33,9 @@ use tokio_postgres::Row;
 /// 503 reports better than a longer wait.
 const CONFLICT_ATTEMPTS: u32 = 4;
 
-/// The pause before the first rerun of a conflicted call; doubled each
-/// time, and a random part added so that the calls that collided do not
-/// collide again.
-const CONFLICT_PAUSE: Duration = Duration::from_millis(5);
+/// The pauses before the reruns of a conflicted call: 5-10 ms, doubled each
+/// time, jittered so that the calls that collided do not collide again.
+const CONFLICT_PAUSE: Backoff = Backoff::new(Duration::from_millis(10), Duration::from_millis(640));
 
 /// Detects a half-open connection (peer vanished without FIN) well before
 /// the kernel's default of ~15 minutes of retransmissions.
@@ -356,7 +356,7 @@ impl Core {
             match res {
                 Err(err) if attempt < CONFLICT_ATTEMPTS && is_conflict(&err) => {
                     tracing::debug!(error = %self.pg_err(err), attempt, "postgres aborted a call; running it again");
-                    tokio::time::sleep(conflict_pause(attempt, rand::random())).await;
+                    tokio::time::sleep(CONFLICT_PAUSE.delay(attempt, rand::random())).await;
                     attempt += 1;
                 }
                 other => return other,
@@ -416,15 +416,6 @@ fn is_conflict_code(code: Option<&SqlState>) -> bool {
         || code == Some(&SqlState::T_R_DEADLOCK_DETECTED)
 }
 
-/// The pause before rerun `attempt` (1-based) of a conflicted call:
-/// [`CONFLICT_PAUSE`] doubled per attempt, plus up to as much again picked
-/// by `random`.
-fn conflict_pause(attempt: u32, random: u32) -> Duration {
-    let base = CONFLICT_PAUSE * 2u32.saturating_pow(attempt.saturating_sub(1)).min(64);
-    let jitter_ms = u64::from(random) % (base.as_millis() as u64).max(1);
-    base + Duration::from_millis(jitter_ms)
-}
-
 /// A pooled connection in the middle of one call. Only [`settle`] puts it
 /// back in the pool; dropped any other way (the call timed out, or the
 /// caller's own deadline dropped the call's future) its connection may still
@@ -476,17 +467,10 @@ mod tests {
     }
 
     #[test]
-    fn conflict_pauses_double_with_bounded_jitter() {
-        let ms = |attempt, random| conflict_pause(attempt, random).as_millis();
-        assert_eq!(ms(1, 0), 5);
-        assert_eq!(ms(2, 0), 10);
-        assert_eq!(ms(3, 0), 20);
-        // The random part stays below the base.
-        assert_eq!(ms(1, 4), 9);
-        assert_eq!(ms(1, 5), 5);
-        assert!(ms(3, u32::MAX) < 40);
-        // Every rerun of one call fits well inside a store timeout.
-        let total: u128 = (1..CONFLICT_ATTEMPTS).map(|a| ms(a, u32::MAX)).sum();
-        assert!(total < 100, "{total} ms");
+    fn conflict_reruns_fit_well_inside_a_store_timeout() {
+        let most = |a| CONFLICT_PAUSE.delay(a, 1.0);
+        let total: Duration = (1..CONFLICT_ATTEMPTS).map(most).sum();
+        assert_eq!(CONFLICT_PAUSE.delay(1, 0.0), Duration::from_millis(5));
+        assert!(total < Duration::from_millis(100), "{total:?}");
     }
 }

@@ -10,7 +10,10 @@
 //!   HPACK table to the client, so dropping a refused stream's header
 //!   block leaves the server's decoder in step.
 
+use super::seed::Seed;
 use crate::hostile_connections::h2raw::frame;
+use rand::rngs::StdRng;
+use rand::Rng;
 use std::collections::{HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -202,7 +205,8 @@ async fn serve_scripted(mut s: TcpStream, script: Arc<Mutex<VecDeque<Act>>>, cou
 /// The relay on 127.0.0.1:0 in front of `backend`: refuses
 /// `refuse_percent` of the request streams (never a connection's first,
 /// whose header block may fill the HPACK table before the client has read
-/// the relay's settings) and relays the rest.
+/// the relay's settings) and relays the rest. The n-th connection's
+/// refusals are drawn from `seed` and n.
 pub struct RefusingH2Relay {
     pub addr: SocketAddr,
     refused: Arc<AtomicUsize>,
@@ -210,17 +214,21 @@ pub struct RefusingH2Relay {
 }
 
 impl RefusingH2Relay {
-    pub async fn start(backend: SocketAddr, refuse_percent: u32) -> Self {
+    pub async fn start(backend: SocketAddr, refuse_percent: u32, seed: Seed) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
         let refused = Arc::new(AtomicUsize::new(0));
         let r = refused.clone();
         let task = tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
+            for n in 0.. {
+                let Ok((client, _)) = listener.accept().await else {
+                    break;
+                };
                 let Ok(server) = TcpStream::connect(backend).await else {
                     continue;
                 };
-                tokio::spawn(relay(client, server, refuse_percent, r.clone()));
+                let rng = seed.rng(format_args!("relay connection {n}"));
+                tokio::spawn(relay(client, server, refuse_percent, rng, r.clone()));
             }
         });
         Self {
@@ -246,6 +254,7 @@ async fn relay(
     client: TcpStream,
     server: TcpStream,
     refuse_percent: u32,
+    mut rng: StdRng,
     refused: Arc<AtomicUsize>,
 ) {
     let (mut client_r, client_w) = client.into_split();
@@ -272,7 +281,7 @@ async fn relay(
         let mut first = true;
         while let Some(f) = read_frame(&mut client_r).await {
             let opens = f.kind == HEADERS && !dropped.contains(&f.stream);
-            if opens && !std::mem::take(&mut first) && rand::random_range(0..100) < refuse_percent {
+            if opens && !std::mem::take(&mut first) && rng.random_range(0..100) < refuse_percent {
                 dropped.insert(f.stream);
                 refused.fetch_add(1, Ordering::SeqCst);
                 let _ = client_w

@@ -10,6 +10,7 @@
 //! the proxy's `upstream_timeout`), 5xx, "not executed" statuses
 //! (408/425/429), resets before the head and resets mid-body.
 
+use super::seed::Seed;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode};
 use http_body_util::{BodyExt, StreamBody};
@@ -17,6 +18,7 @@ use hyper::body::{Frame, Incoming};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use idemgate::body::{boxed, full, BoxError, ProxyBody};
+use rand::rngs::StdRng;
 use rand::Rng;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -83,8 +85,7 @@ impl Mix {
         self
     }
 
-    fn draw(&self, timeout: Duration) -> Behaviour {
-        let mut rng = rand::rng();
+    fn draw(&self, timeout: Duration, rng: &mut StdRng) -> Behaviour {
         let total: u32 = self.weights.iter().map(|(_, w)| w).sum();
         let mut pick = rng.random_range(0..total.max(1));
         let kind = self
@@ -96,9 +97,10 @@ impl Mix {
                 hit
             })
             .map_or(Kind::Quick, |(k, _)| *k);
-        let share = |lo: f64, hi: f64| timeout.mul_f64(rand::rng().random_range(lo..hi));
-        let ms = |lo: u64, hi: u64| Duration::from_millis(rand::rng().random_range(lo..hi));
-        let stored_status = || match rand::rng().random_range(0..20) {
+        let share = |rng: &mut StdRng, lo: f64, hi: f64| timeout.mul_f64(rng.random_range(lo..hi));
+        let ms =
+            |rng: &mut StdRng, lo: u64, hi: u64| Duration::from_millis(rng.random_range(lo..hi));
+        let stored_status = |rng: &mut StdRng| match rng.random_range(0..20) {
             0 => 200,
             1 => 402,
             2 => 404,
@@ -106,26 +108,28 @@ impl Mix {
         };
         match kind {
             Kind::Quick => Behaviour::Answer {
-                status: stored_status(),
-                delay: ms(0, 150),
+                status: stored_status(rng),
+                delay: ms(rng, 0, 150),
             },
             Kind::SlowWithinTimeout => Behaviour::Answer {
-                status: stored_status(),
-                delay: share(0.3, 0.6),
+                status: stored_status(rng),
+                delay: share(rng, 0.3, 0.6),
             },
             Kind::SlowBeyondTimeout => Behaviour::Answer {
                 status: 201,
-                delay: share(1.6, 2.0),
+                delay: share(rng, 1.6, 2.0),
             },
             Kind::ServerError => Behaviour::Answer {
                 status: [500, 502, 503][rng.random_range(0..3)],
-                delay: ms(0, 100),
+                delay: ms(rng, 0, 100),
             },
             Kind::NotExecuted => Behaviour::Answer {
                 status: [408, 425, 429][rng.random_range(0..3)],
-                delay: ms(0, 50),
+                delay: ms(rng, 0, 50),
             },
-            Kind::ResetBeforeHead => Behaviour::ResetBeforeHead { delay: ms(0, 100) },
+            Kind::ResetBeforeHead => Behaviour::ResetBeforeHead {
+                delay: ms(rng, 0, 100),
+            },
             Kind::ResetMidBody => Behaviour::ResetMidBody,
         }
     }
@@ -173,8 +177,9 @@ pub struct RecordingUpstream {
 
 impl RecordingUpstream {
     /// Starts answering per `mix`; `timeout` is the proxy's
-    /// `upstream_timeout`, which the slow kinds are measured against.
-    pub async fn start(mix: Mix, timeout: Duration) -> Self {
+    /// `upstream_timeout`, which the slow kinds are measured against. The
+    /// n-th execution of a scope's key draws from `seed` and (scope, key, n).
+    pub async fn start(mix: Mix, timeout: Duration, seed: Seed) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind the recording upstream");
@@ -191,7 +196,7 @@ impl RecordingUpstream {
                 tokio::spawn(async move {
                     let svc = service_fn(move |req| {
                         let (log, mix) = (log.clone(), mix.clone());
-                        async move { handle(&log, &mix, timeout, req).await }
+                        async move { handle(&log, &mix, timeout, seed, req).await }
                     });
                     let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
                         .serve_connection(TokioIo::new(stream), svc)
@@ -260,6 +265,7 @@ async fn handle(
     log: &Log,
     mix: &Mix,
     timeout: Duration,
+    seed: Seed,
     req: Request<Incoming>,
 ) -> Result<Response<ProxyBody>, std::io::Error> {
     log.active.fetch_add(1, Ordering::SeqCst);
@@ -270,15 +276,20 @@ async fn handle(
         .await
         .map_err(std::io::Error::other)?
         .to_bytes();
-    let behaviour = mix.draw(timeout);
     let scope = header_str(&parts.headers, "authorization");
     let key = header_str(&parts.headers, "idempotency-key");
     let request_id = header_str(&parts.headers, REQUEST_ID).and_then(|v| v.parse().ok());
     // Recorded on arrival, before any delay: an execution the proxy gives
     // up on still counts.
-    let seq = {
+    let (seq, behaviour, mut rng) = {
         let mut all = log.executions.lock().unwrap();
         let seq = all.len() as u64 + 1;
+        let nth = all
+            .iter()
+            .filter(|e| e.scope == scope && e.key == key)
+            .count();
+        let mut rng = seed.rng(format_args!("execution {nth} of {scope:?} {key:?}"));
+        let behaviour = mix.draw(timeout, &mut rng);
         all.push(Execution {
             seq,
             arrived: Instant::now(),
@@ -290,7 +301,7 @@ async fn handle(
             answered: None,
             produced: None,
         });
-        seq
+        (seq, behaviour, rng)
     };
     let answered = |produced: Option<Produced>| {
         let mut all = log.executions.lock().unwrap();
@@ -317,7 +328,7 @@ async fn handle(
         "key": key,
         "request": request_id,
         "received": String::from_utf8_lossy(&body),
-        "pad": "x".repeat(rand::rng().random_range(0..512)),
+        "pad": "x".repeat(rng.random_range(0..512)),
     });
     let text = Bytes::from(json.to_string());
     let mut headers = HeaderMap::new();

@@ -9,12 +9,21 @@
 //! errors, within a patience). Every attempt is one [`Observation`]: its
 //! own request id (the [`REQUEST_ID`] header, which the recording upstream
 //! logs), target replica, times and what came back.
+//!
+//! Every choice comes from the run's [`Seed`]: each worker draws from its
+//! own generator and names its own keys (`w<worker>k<n>`), each concurrent
+//! sender and each sweep of a key from one derived from that key, so a
+//! replay with the same seed makes the same choices (which of them meet
+//! each other in time still depends on the scheduler).
 
 use super::recording_upstream::REQUEST_ID;
+use super::seed::Seed;
 use super::{Req, Resp};
 use bytes::Bytes;
 use futures_util::StreamExt;
 use http::Method;
+use rand::rngs::StdRng;
+use rand::Rng;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -85,29 +94,45 @@ pub struct Traffic {
     replicas: Vec<SocketAddr>,
     /// Some operations abandon requests mid-flight.
     drops: bool,
+    seed: Seed,
     next_id: AtomicU64,
-    next_key: AtomicU64,
     log: Mutex<Vec<Observation>>,
     /// Calls made so far, for operations that reuse a key.
     used: Mutex<Vec<Call>>,
 }
 
-fn pick(n: usize) -> usize {
-    rand::random_range(0..n.max(1))
+fn pick(rng: &mut StdRng, n: usize) -> usize {
+    rng.random_range(0..n.max(1))
 }
 
-fn millis(lo: u64, hi: u64) -> Duration {
-    Duration::from_millis(rand::random_range(lo..hi))
+fn millis(rng: &mut StdRng, lo: u64, hi: u64) -> Duration {
+    Duration::from_millis(rng.random_range(lo..hi))
+}
+
+/// One worker: its generator and the keys it made up so far.
+struct Worker {
+    id: usize,
+    made: u64,
+    rng: StdRng,
+}
+
+impl Worker {
+    /// A name nobody used yet (for a key, or a body).
+    fn next(&mut self) -> String {
+        self.made += 1;
+        format!("w{}k{}", self.id, self.made)
+    }
 }
 
 impl Traffic {
-    /// Traffic to `replicas` (by index; a replica may be down at times).
-    pub fn new(replicas: Vec<SocketAddr>, drops: bool) -> Arc<Self> {
+    /// Traffic to `replicas` (by index; a replica may be down at times),
+    /// choosing from `seed`.
+    pub fn new(replicas: Vec<SocketAddr>, drops: bool, seed: Seed) -> Arc<Self> {
         Arc::new(Self {
             replicas,
             drops,
+            seed,
             next_id: AtomicU64::new(1),
-            next_key: AtomicU64::new(1),
             log: Mutex::new(Vec::new()),
             used: Mutex::new(Vec::new()),
         })
@@ -121,11 +146,13 @@ impl Traffic {
     /// has passed; returns when the last operation ended.
     pub async fn run(self: Arc<Self>, workers: usize, load: Duration) {
         let deadline = Instant::now() + load;
-        let tasks = (0..workers).map(|_| {
+        let tasks = (0..workers).map(|id| {
             let me = self.clone();
+            let rng = me.seed.rng(format_args!("worker {id}"));
+            let mut worker = Worker { id, made: 0, rng };
             tokio::spawn(async move {
                 while Instant::now() < deadline {
-                    me.clone().operation().await;
+                    me.clone().operation(&mut worker).await;
                 }
             })
         });
@@ -148,66 +175,66 @@ impl Traffic {
                 let me = self.clone();
                 let first = alive[i % alive.len()];
                 async move {
+                    let Some(head) = calls.first() else { return };
+                    let mut rng = me
+                        .seed
+                        .rng(format_args!("sweep {:?} {}", head.scope, head.key));
                     for call in &calls {
-                        me.until_answered(Phase::Sweep, call, first, patience).await;
+                        me.until_answered(Phase::Sweep, call, first, patience, &mut rng)
+                            .await;
                     }
                 }
             })
             .await;
     }
 
-    fn fresh(&self, scope: Option<&'static str>) -> Call {
-        let n = self.next_key.fetch_add(1, Ordering::Relaxed);
-        Call {
-            scope,
-            key: format!("k{n}"),
-            body: Bytes::from(format!(r#"{{"order":{n},"v":"a"}}"#)),
-        }
+    fn fresh(&self, scope: Option<&'static str>, worker: &mut Worker) -> Call {
+        let key = worker.next();
+        let body = Bytes::from(format!(r#"{{"order":"{key}","v":"a"}}"#));
+        Call { scope, key, body }
     }
 
     fn remember(&self, call: &Call) {
         self.used.lock().unwrap().push(call.clone());
     }
 
-    fn some_used(&self) -> Option<Call> {
+    fn some_used(&self, rng: &mut StdRng) -> Option<Call> {
         let used = self.used.lock().unwrap();
-        (!used.is_empty()).then(|| used[pick(used.len())].clone())
+        (!used.is_empty()).then(|| used[pick(rng, used.len())].clone())
     }
 
-    async fn operation(self: Arc<Self>) {
-        let scope = SCOPES[pick(SCOPES.len())];
-        let replica = pick(self.replicas.len());
+    async fn operation(self: Arc<Self>, w: &mut Worker) {
+        let scope = SCOPES[pick(&mut w.rng, SCOPES.len())];
+        let replica = pick(&mut w.rng, self.replicas.len());
         let kinds = if self.drops { 12 } else { 9 };
-        match pick(kinds) {
+        match pick(&mut w.rng, kinds) {
             // A fresh key, once.
             0..=2 => {
-                let call = self.fresh(scope);
+                let call = self.fresh(scope, w);
                 self.remember(&call);
-                self.until_answered(Phase::Load, &call, replica, LOAD_PATIENCE)
+                self.until_answered(Phase::Load, &call, replica, LOAD_PATIENCE, &mut w.rng)
                     .await;
             }
             // Sequential duplicates, on any replica.
             3 | 4 => {
-                let call = self.fresh(scope);
+                let call = self.fresh(scope, w);
                 self.remember(&call);
-                for _ in 0..1 + pick(3) {
-                    self.until_answered(
-                        Phase::Load,
-                        &call,
-                        pick(self.replicas.len()),
-                        LOAD_PATIENCE,
-                    )
-                    .await;
+                for _ in 0..1 + pick(&mut w.rng, 3) {
+                    let replica = pick(&mut w.rng, self.replicas.len());
+                    self.until_answered(Phase::Load, &call, replica, LOAD_PATIENCE, &mut w.rng)
+                        .await;
                 }
             }
             // Concurrent duplicates, spread over the replicas.
             5 | 6 => {
-                let call = self.fresh(scope);
+                let call = self.fresh(scope, w);
                 self.remember(&call);
-                let sends = (0..3 + pick(4)).map(|i| {
+                let sends = (0..3 + pick(&mut w.rng, 4)).map(|i| {
                     let (me, call) = (self.clone(), call.clone());
+                    let mut rng = me.seed.rng(format_args!("sender {i} of {}", call.key));
                     tokio::spawn(async move {
-                        me.until_answered(Phase::Load, &call, replica + i, LOAD_PATIENCE)
+                        let first = replica + i;
+                        me.until_answered(Phase::Load, &call, first, LOAD_PATIENCE, &mut rng)
                             .await;
                     })
                 });
@@ -218,35 +245,35 @@ impl Traffic {
             // A used key with a different body (422, or a new execution
             // after a release).
             7 => {
-                if let Some(mut call) = self.some_used() {
-                    let n = self.next_key.fetch_add(1, Ordering::Relaxed);
-                    call.body = Bytes::from(format!(r#"{{"order":{n},"v":"b"}}"#));
+                if let Some(mut call) = self.some_used(&mut w.rng) {
+                    let key = w.next();
+                    call.body = Bytes::from(format!(r#"{{"order":"{key}","v":"b"}}"#));
                     self.remember(&call);
-                    self.until_answered(Phase::Load, &call, replica, LOAD_PATIENCE)
+                    self.until_answered(Phase::Load, &call, replica, LOAD_PATIENCE, &mut w.rng)
                         .await;
                 }
             }
             // A used key and body from another scope: its own execution.
             8 => {
-                if let Some(mut call) = self.some_used() {
+                if let Some(mut call) = self.some_used(&mut w.rng) {
                     let others: Vec<_> = SCOPES.iter().filter(|s| **s != call.scope).collect();
-                    call.scope = *others[pick(others.len())];
+                    call.scope = *others[pick(&mut w.rng, others.len())];
                     self.remember(&call);
-                    self.until_answered(Phase::Load, &call, replica, LOAD_PATIENCE)
+                    self.until_answered(Phase::Load, &call, replica, LOAD_PATIENCE, &mut w.rng)
                         .await;
                 }
             }
             // Hang up mid-request, then retry a little later.
             _ => {
-                let call = self.fresh(scope);
+                let call = self.fresh(scope, w);
                 self.remember(&call);
-                let gone = self
-                    .send(Phase::Load, &call, replica, Some(millis(5, 400)))
-                    .await;
+                let after = millis(&mut w.rng, 5, 400);
+                let gone = self.send(Phase::Load, &call, replica, Some(after)).await;
                 if matches!(gone, Seen::Dropped) {
-                    tokio::time::sleep(millis(0, 300)).await;
+                    tokio::time::sleep(millis(&mut w.rng, 0, 300)).await;
                 }
-                self.until_answered(Phase::Load, &call, pick(self.replicas.len()), LOAD_PATIENCE)
+                let replica = pick(&mut w.rng, self.replicas.len());
+                self.until_answered(Phase::Load, &call, replica, LOAD_PATIENCE, &mut w.rng)
                     .await;
             }
         }
@@ -255,18 +282,25 @@ impl Traffic {
     /// Sends `call` until it gets an answer a client would not retry, or
     /// `patience` or [`MAX_ATTEMPTS`] run out. Transport errors move on to
     /// the next replica.
-    async fn until_answered(&self, phase: Phase, call: &Call, first: usize, patience: Duration) {
+    async fn until_answered(
+        &self,
+        phase: Phase,
+        call: &Call,
+        first: usize,
+        patience: Duration,
+        rng: &mut StdRng,
+    ) {
         let started = Instant::now();
         let mut replica = first % self.replicas.len();
         for _ in 0..MAX_ATTEMPTS {
             let seen = self.send(phase, call, replica, None).await;
-            let Some(wait) = retry_after(&seen) else {
+            let Some(wait) = retry_after(&seen, rng) else {
                 return;
             };
             if matches!(seen, Seen::Transport(_)) {
                 // Half the clients that lost their connection are gone for
                 // good (crashed with it), leaving their key to others.
-                if phase == Phase::Load && pick(2) == 0 {
+                if phase == Phase::Load && pick(rng, 2) == 0 {
                     return;
                 }
                 replica = (replica + 1) % self.replicas.len();
@@ -322,15 +356,15 @@ impl Traffic {
 }
 
 /// How long a client waits before retrying what it saw, or `None`: done.
-fn retry_after(seen: &Seen) -> Option<Duration> {
+fn retry_after(seen: &Seen, rng: &mut StdRng) -> Option<Duration> {
     match seen {
         Seen::Response(r) => match r.status() {
-            409 => Some(millis(150, 300)),
-            503 => Some(millis(200, 400)),
-            408 | 425 | 429 | 500..=599 => Some(millis(20, 80)),
+            409 => Some(millis(rng, 150, 300)),
+            503 => Some(millis(rng, 200, 400)),
+            408 | 425 | 429 | 500..=599 => Some(millis(rng, 20, 80)),
             _ => None,
         },
-        Seen::Transport(_) => Some(millis(50, 150)),
+        Seen::Transport(_) => Some(millis(rng, 50, 150)),
         Seen::Dropped | Seen::Hung => None,
     }
 }
