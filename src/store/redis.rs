@@ -37,25 +37,33 @@
 //!
 //! Redis is reached through [`RedisConn`] (`conn.rs`): one node or a Redis
 //! Cluster (`redis.cluster`), over TLS when the URL says `rediss://` (or
-//! `valkeys://`), with the certificates of `tls.rs`.
+//! `valkeys://`), with the certificates of `tls.rs`. The values it keeps
+//! are laid out in `value.rs`, read by the Lua scripts of `scripts.rs`;
+//! the stale copies and their healer are `stale.rs`.
 
 mod conn;
+mod scripts;
+mod stale;
 mod tls;
+mod value;
 
 pub(crate) use conn::RedisConn;
+pub use value::Cached;
+pub(crate) use value::{decode, encode_lock, encode_record};
 
-use super::codec::{decode_headers, encode_headers};
+use scripts::{Locking, Scripts};
+use stale::{heal, lock, StaleSet, MAX_STALE};
+
 use super::{
     Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, RecordState, Span, Store,
-    StoreError, StoredResponse, UnixMillis,
+    StoreError, UnixMillis,
 };
 use crate::clock::Clock;
 use crate::config::RedisConfig;
 use crate::idempotency::{Fingerprint, RecordKey};
 use crate::metrics::FastPathStats;
 use async_trait::async_trait;
-use bytes::Bytes;
-use redis::{ErrorKind, RedisError, Script, ServerErrorKind, Value};
+use redis::{ErrorKind, RedisError, ServerErrorKind, Value};
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -67,13 +75,6 @@ pub const BACKOFF: Duration = Duration::from_secs(1);
 
 /// How often the healer retries deleting stale copies while Redis is away.
 pub const HEAL_INTERVAL: Duration = Duration::from_millis(500);
-
-/// Stale keys tracked at most (about 150 bytes each); past it a stale copy
-/// is left to expire on its own, with an error logged.
-const MAX_STALE: usize = 100_000;
-
-/// Stale keys deleted per Redis call.
-const HEAL_BATCH: usize = 500;
 
 /// Fast-path counters, for metrics.
 #[derive(Debug, Default)]
@@ -167,215 +168,6 @@ impl Health {
     }
 }
 
-struct Scripts {
-    /// `SET NX PX` our lock, or read what is there and its PTTL: one round
-    /// trip for a fresh key and for a duplicate alike.
-    lock_or_peek: Script,
-    /// Deletes the key only if it holds the caller's lock.
-    unlock: Script,
-    /// Re-arms the caller's lock with a new PX.
-    extend: Script,
-    /// Replaces the caller's lock with the completed value, carrying the
-    /// lock's `created_at` and fingerprint over (a completion carries
-    /// neither). Without our lock there it deletes whatever is there (older
-    /// than this completion): the next claim reads the record from the
-    /// inner store and caches it then.
-    complete: Script,
-}
-
-// ===== value encoding =====
-//
-// Every value starts `tag:u8, created_at:i64, expires_at:i64, fingerprint:[32]`
-// (big-endian), so the Lua scripts can find the fields at fixed offsets:
-//   lock:      + token:[16]
-//   completed: + status:u16, headers_len:u32, headers, body
-//   unstored:  + status:u16
-
-const TAG_LOCK: u8 = 1;
-const TAG_COMPLETED: u8 = 2;
-const TAG_UNSTORED: u8 = 3;
-const HEAD_LEN: usize = 1 + 8 + 8 + 32;
-
-// Lua strings are 1-based: the token is bytes 50..65 of a lock.
-/// `1` when our lock went in; else `{value or "", pttl}` (no encoded value
-/// is empty, so `""` means the key expired in between: impossible inside
-/// one script, kept for clarity).
-const LOCK_OR_PEEK_LUA: &str = r#"
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  return 1
-end
-return {redis.call('GET', KEYS[1]) or '', redis.call('PTTL', KEYS[1])}
-"#;
-
-const UNLOCK_LUA: &str = r#"
-local v = redis.call('GET', KEYS[1])
-if v and string.byte(v, 1) == 1 and string.sub(v, 50, 65) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
-return 0
-"#;
-
-const EXTEND_LUA: &str = r#"
-local v = redis.call('GET', KEYS[1])
-if v and string.byte(v, 1) == 1 and string.sub(v, 50, 65) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return 0
-"#;
-
-// ARGV: token, the completed value (its created_at, expires_at and
-// fingerprint are placeholders), now, keep_ms. The lock's own expires_at
-// (the claim's, in the claiming process's clock, which is this one) gives
-// the expiry: max(claim's expiry, now + keep), written into the value and
-// turned into a relative PX, so no clock but the holder's is consulted.
-const COMPLETE_LUA: &str = r#"
-local v = redis.call('GET', KEYS[1])
-if v and string.byte(v, 1) == 1 and string.sub(v, 50, 65) == ARGV[1] then
-  local exp = 0
-  for i = 10, 17 do exp = exp * 256 + string.byte(v, i) end
-  local now = tonumber(ARGV[3])
-  exp = math.max(exp, now + tonumber(ARGV[4]))
-  local bytes, n = {}, exp
-  for i = 8, 1, -1 do bytes[i] = string.char(n % 256); n = math.floor(n / 256) end
-  local val = string.sub(ARGV[2], 1, 1) .. string.sub(v, 2, 9) .. table.concat(bytes)
-    .. string.sub(v, 18, 49) .. string.sub(ARGV[2], 50)
-  redis.call('SET', KEYS[1], val, 'PX', exp - now)
-  return 1
-end
--- Not our lock: whatever is there is older than this completion.
-redis.call('DEL', KEYS[1])
-return 0
-"#;
-
-/// What [`RedisFastPath::lock_or_peek`] found.
-enum Locking {
-    /// Our lock went in.
-    Locked,
-    /// Something was there: its value (`None` if it expired in between)
-    /// and its PTTL.
-    Held(Option<Vec<u8>>, i64),
-}
-
-/// A decoded Redis value.
-#[derive(Debug, PartialEq, Eq)]
-pub enum Cached {
-    Lock {
-        token: LeaseToken,
-        fingerprint: Fingerprint,
-        created_at: UnixMillis,
-        expires_at: UnixMillis,
-    },
-    Record(Record),
-}
-
-fn head(tag: u8, created_at: i64, expires_at: i64, fp: &Fingerprint, extra: usize) -> Vec<u8> {
-    let mut out = Vec::with_capacity(HEAD_LEN + extra);
-    out.push(tag);
-    out.extend_from_slice(&created_at.to_be_bytes());
-    out.extend_from_slice(&expires_at.to_be_bytes());
-    out.extend_from_slice(&fp.0);
-    out
-}
-
-pub(crate) fn encode_lock(claim: &Claim) -> Vec<u8> {
-    let mut out = head(
-        TAG_LOCK,
-        claim.now,
-        claim.expires_at(),
-        &claim.fingerprint,
-        16,
-    );
-    out.extend_from_slice(&claim.token.0);
-    out
-}
-
-/// Encodes a completed or unstored record; `None` for in-flight (never cached).
-pub(crate) fn encode_record(record: &Record) -> Option<Vec<u8>> {
-    match &record.state {
-        // Outcome-unknown records are rare and answered by the inner store.
-        RecordState::InFlight { .. } | RecordState::Unknown => None,
-        RecordState::Completed(resp) => {
-            let headers = encode_headers(&resp.headers);
-            let mut out = head(
-                TAG_COMPLETED,
-                record.created_at,
-                record.expires_at,
-                &record.fingerprint,
-                6 + headers.len() + resp.body.len(),
-            );
-            out.extend_from_slice(&resp.status.to_be_bytes());
-            out.extend_from_slice(&(headers.len() as u32).to_be_bytes());
-            out.extend_from_slice(&headers);
-            out.extend_from_slice(&resp.body);
-            Some(out)
-        }
-        RecordState::Unstored { status } => {
-            let mut out = head(
-                TAG_UNSTORED,
-                record.created_at,
-                record.expires_at,
-                &record.fingerprint,
-                2,
-            );
-            out.extend_from_slice(&status.to_be_bytes());
-            Some(out)
-        }
-    }
-}
-
-pub(crate) fn decode(buf: &[u8]) -> Result<Cached, StoreError> {
-    let corrupt = |what: &str| StoreError::Corrupt(format!("redis value: {what}"));
-    if buf.len() < HEAD_LEN {
-        return Err(corrupt("truncated"));
-    }
-    let i64_at = |at: usize| i64::from_be_bytes(buf[at..at + 8].try_into().expect("8 bytes"));
-    let created_at = i64_at(1);
-    let expires_at = i64_at(9);
-    let fingerprint = Fingerprint(buf[17..HEAD_LEN].try_into().expect("32 bytes"));
-    let rest = &buf[HEAD_LEN..];
-    let status = || -> Result<u16, StoreError> {
-        rest.get(..2)
-            .map(|s| u16::from_be_bytes([s[0], s[1]]))
-            .ok_or_else(|| corrupt("no status"))
-    };
-    let record = |state| {
-        Cached::Record(Record {
-            fingerprint,
-            state,
-            created_at,
-            expires_at,
-        })
-    };
-    match buf[0] {
-        TAG_LOCK => {
-            let token: [u8; 16] = rest.try_into().map_err(|_| corrupt("bad lock"))?;
-            Ok(Cached::Lock {
-                token: LeaseToken(token),
-                fingerprint,
-                created_at,
-                expires_at,
-            })
-        }
-        TAG_COMPLETED => {
-            let status = status()?;
-            let hlen = rest
-                .get(2..6)
-                .map(|s| u32::from_be_bytes([s[0], s[1], s[2], s[3]]) as usize)
-                .ok_or_else(|| corrupt("no header length"))?;
-            let headers = rest
-                .get(6..6 + hlen)
-                .ok_or_else(|| corrupt("truncated headers"))?;
-            Ok(record(RecordState::Completed(StoredResponse {
-                status,
-                headers: decode_headers(headers)?,
-                body: Bytes::copy_from_slice(&rest[6 + hlen..]),
-            })))
-        }
-        TAG_UNSTORED if rest.len() == 2 => Ok(record(RecordState::Unstored { status: status()? })),
-        _ => Err(corrupt("unknown tag")),
-    }
-}
-
 /// Whether a Redis error means Redis cannot serve the fast path for now
 /// (step aside for [`BACKOFF`], log once) rather than a server-side answer
 /// to one command: the connection is gone, TLS or authentication failed,
@@ -419,12 +211,7 @@ impl RedisFastPath {
             timeout: cfg.timeout,
             counters: Arc::new(FastPathCounters::default()),
             down_until: AtomicI64::new(0),
-            scripts: Scripts {
-                lock_or_peek: Script::new(LOCK_OR_PEEK_LUA),
-                unlock: Script::new(UNLOCK_LUA),
-                extend: Script::new(EXTEND_LUA),
-                complete: Script::new(COMPLETE_LUA),
-            },
+            scripts: Scripts::new(),
             clock: Clock::system(),
             stale: Default::default(),
             health,
@@ -874,43 +661,6 @@ impl Store for RedisFastPath {
     }
 }
 
-/// The Redis key names whose copies may be stale (see the module docs).
-type StaleSet = std::sync::Mutex<std::collections::HashSet<String>>;
-
-/// Locks the stale set. A std mutex: no await happens while it is held.
-fn lock(stale: &StaleSet) -> std::sync::MutexGuard<'_, std::collections::HashSet<String>> {
-    stale.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// Deletes the stale copies in `stale` as soon as Redis answers, in
-/// batches, until none are left. Runs on its own connection handle, so a
-/// proxy in [`BACKOFF`] still heals the moment Redis is back.
-async fn heal(mut conn: RedisConn, stale: Arc<StaleSet>, timeout: Duration) {
-    let names = || lock(&stale);
-    loop {
-        let batch: Vec<String> = names().iter().take(HEAL_BATCH).cloned().collect();
-        if batch.is_empty() {
-            return;
-        }
-        let cmd = redis::cmd("DEL").arg(&batch).to_owned();
-        match tokio::time::timeout(timeout, cmd.query_async::<i64>(&mut conn)).await {
-            Ok(Ok(_)) => {
-                let mut stale = names();
-                for name in &batch {
-                    stale.remove(name);
-                }
-                if stale.is_empty() {
-                    tracing::info!(
-                        "stale redis copies removed; the fast path answers every key again"
-                    );
-                    return;
-                }
-            }
-            _ => tokio::time::sleep(HEAL_INTERVAL).await,
-        }
-    }
-}
-
 /// Connects to the Redis `cfg` names and PINGs it once, for
 /// `check-config --connect`: `Ok` with what answered, or the failure with
 /// its cause first (certificate not trusted, host name mismatch, server
@@ -987,7 +737,6 @@ async fn probe(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::sample_claim as claim;
 
     /// Which failures make the fast path step aside (logged once per
     /// outage) rather than warn per command: redirects and cluster
@@ -1024,61 +773,5 @@ mod tests {
         ] {
             assert_eq!(is_connection_error(&err), conn_level, "{err}");
         }
-    }
-
-    #[test]
-    fn lock_layout_matches_the_lua_offsets() {
-        let c = claim();
-        let v = encode_lock(&c);
-        assert_eq!(v[0], TAG_LOCK);
-        // Lua's string.sub(v, 50, 65) is bytes 49..65 here.
-        assert_eq!(&v[49..65], &c.token.0);
-        // Lua's string.sub(v, 2, 9) and (18, 49): created_at and fingerprint.
-        assert_eq!(&v[1..9], &c.now.to_be_bytes());
-        assert_eq!(&v[17..49], &c.fingerprint.0);
-        assert_eq!(
-            decode(&v).unwrap(),
-            Cached::Lock {
-                token: c.token,
-                fingerprint: c.fingerprint,
-                created_at: c.now,
-                expires_at: c.expires_at(),
-            }
-        );
-    }
-
-    #[test]
-    fn records_round_trip_and_garbage_is_corrupt() {
-        let completed = Record {
-            fingerprint: Fingerprint([9; 32]),
-            state: RecordState::Completed(StoredResponse {
-                status: 201,
-                headers: vec![
-                    ("x-a".into(), Bytes::from_static(b"1")),
-                    ("x-a".into(), Bytes::from_static(b"\xff")),
-                ],
-                body: Bytes::from_static(b"\x00body\xff"),
-            }),
-            created_at: 5,
-            expires_at: 6,
-        };
-        let unstored = Record {
-            state: RecordState::Unstored { status: 200 },
-            ..completed.clone()
-        };
-        for r in [completed, unstored] {
-            let v = encode_record(&r).unwrap();
-            assert_eq!(decode(&v).unwrap(), Cached::Record(r));
-            assert!(decode(&v[..HEAD_LEN + 1]).is_err());
-        }
-        let in_flight = Record {
-            fingerprint: Fingerprint([0; 32]),
-            state: RecordState::InFlight { locked_until: 1 },
-            created_at: 0,
-            expires_at: 1,
-        };
-        assert_eq!(encode_record(&in_flight), None);
-        assert!(decode(b"").is_err());
-        assert!(decode(&[7; HEAD_LEN + 2]).is_err());
     }
 }

@@ -1,0 +1,91 @@
+//! The Lua scripts: each touches one key (so Redis Cluster needs no hash
+//! tags) and reads the value layout of [`super::value`] at fixed offsets.
+
+use redis::Script;
+
+pub(super) struct Scripts {
+    /// `SET NX PX` our lock, or read what is there and its PTTL: one round
+    /// trip for a fresh key and for a duplicate alike.
+    pub(super) lock_or_peek: Script,
+    /// Deletes the key only if it holds the caller's lock.
+    pub(super) unlock: Script,
+    /// Re-arms the caller's lock with a new PX.
+    pub(super) extend: Script,
+    /// Replaces the caller's lock with the completed value, carrying the
+    /// lock's `created_at` and fingerprint over (a completion carries
+    /// neither). Without our lock there it deletes whatever is there (older
+    /// than this completion): the next claim reads the record from the
+    /// inner store and caches it then.
+    pub(super) complete: Script,
+}
+
+impl Scripts {
+    pub(super) fn new() -> Self {
+        Self {
+            lock_or_peek: Script::new(LOCK_OR_PEEK_LUA),
+            unlock: Script::new(UNLOCK_LUA),
+            extend: Script::new(EXTEND_LUA),
+            complete: Script::new(COMPLETE_LUA),
+        }
+    }
+}
+
+// Lua strings are 1-based: the token is bytes 50..65 of a lock.
+/// `1` when our lock went in; else `{value or "", pttl}` (no encoded value
+/// is empty, so `""` means the key expired in between: impossible inside
+/// one script, kept for clarity).
+const LOCK_OR_PEEK_LUA: &str = r#"
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return 1
+end
+return {redis.call('GET', KEYS[1]) or '', redis.call('PTTL', KEYS[1])}
+"#;
+
+const UNLOCK_LUA: &str = r#"
+local v = redis.call('GET', KEYS[1])
+if v and string.byte(v, 1) == 1 and string.sub(v, 50, 65) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"#;
+
+const EXTEND_LUA: &str = r#"
+local v = redis.call('GET', KEYS[1])
+if v and string.byte(v, 1) == 1 and string.sub(v, 50, 65) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"#;
+
+// ARGV: token, the completed value (its created_at, expires_at and
+// fingerprint are placeholders), now, keep_ms. The lock's own expires_at
+// (the claim's, in the claiming process's clock, which is this one) gives
+// the expiry: max(claim's expiry, now + keep), written into the value and
+// turned into a relative PX, so no clock but the holder's is consulted.
+const COMPLETE_LUA: &str = r#"
+local v = redis.call('GET', KEYS[1])
+if v and string.byte(v, 1) == 1 and string.sub(v, 50, 65) == ARGV[1] then
+  local exp = 0
+  for i = 10, 17 do exp = exp * 256 + string.byte(v, i) end
+  local now = tonumber(ARGV[3])
+  exp = math.max(exp, now + tonumber(ARGV[4]))
+  local bytes, n = {}, exp
+  for i = 8, 1, -1 do bytes[i] = string.char(n % 256); n = math.floor(n / 256) end
+  local val = string.sub(ARGV[2], 1, 1) .. string.sub(v, 2, 9) .. table.concat(bytes)
+    .. string.sub(v, 18, 49) .. string.sub(ARGV[2], 50)
+  redis.call('SET', KEYS[1], val, 'PX', exp - now)
+  return 1
+end
+-- Not our lock: whatever is there is older than this completion.
+redis.call('DEL', KEYS[1])
+return 0
+"#;
+
+/// What [`RedisFastPath::lock_or_peek`] found.
+pub(super) enum Locking {
+    /// Our lock went in.
+    Locked,
+    /// Something was there: its value (`None` if it expired in between)
+    /// and its PTTL.
+    Held(Option<Vec<u8>>, i64),
+}

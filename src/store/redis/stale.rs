@@ -1,0 +1,53 @@
+//! Copies that may be stale: the keys whose Redis write failed, which this
+//! process no longer answers from Redis, and the healer that deletes them
+//! once Redis answers again.
+
+use super::{RedisConn, HEAL_INTERVAL};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Stale keys tracked at most (about 150 bytes each); past it a stale copy
+/// is left to expire on its own, with an error logged.
+pub(super) const MAX_STALE: usize = 100_000;
+
+/// Stale keys deleted per Redis call.
+const HEAL_BATCH: usize = 500;
+
+/// The Redis key names whose copies may be stale (see the module docs).
+pub(super) type StaleSet = std::sync::Mutex<std::collections::HashSet<String>>;
+
+/// Locks the stale set. A std mutex: no await happens while it is held.
+pub(super) fn lock(
+    stale: &StaleSet,
+) -> std::sync::MutexGuard<'_, std::collections::HashSet<String>> {
+    stale.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Deletes the stale copies in `stale` as soon as Redis answers, in
+/// batches, until none are left. Runs on its own connection handle, so a
+/// proxy in [`BACKOFF`] still heals the moment Redis is back.
+pub(super) async fn heal(mut conn: RedisConn, stale: Arc<StaleSet>, timeout: Duration) {
+    let names = || lock(&stale);
+    loop {
+        let batch: Vec<String> = names().iter().take(HEAL_BATCH).cloned().collect();
+        if batch.is_empty() {
+            return;
+        }
+        let cmd = redis::cmd("DEL").arg(&batch).to_owned();
+        match tokio::time::timeout(timeout, cmd.query_async::<i64>(&mut conn)).await {
+            Ok(Ok(_)) => {
+                let mut stale = names();
+                for name in &batch {
+                    stale.remove(name);
+                }
+                if stale.is_empty() {
+                    tracing::info!(
+                        "stale redis copies removed; the fast path answers every key again"
+                    );
+                    return;
+                }
+            }
+            _ => tokio::time::sleep(HEAL_INTERVAL).await,
+        }
+    }
+}
