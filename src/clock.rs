@@ -6,7 +6,7 @@
 //! tokio's clock instead ([`Clock::following_tokio`]), so
 //! `tokio::time::pause()` + `advance()` move leases and ttls in step with
 //! sleeps, or shift them ([`Clock::offset_by`]) to play a replica whose clock
-//! is wrong.
+//! is wrong; [`Clock::scope`] hands such a clock to an in-process server.
 
 use crate::idempotency::UnixMillis;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -51,8 +51,12 @@ impl Clock {
         }
     }
 
-    /// The system clock, shifted by [`TEST_OFFSET_ENV`] when that is set.
+    /// The system clock, shifted by [`TEST_OFFSET_ENV`] when that is set
+    /// (inside [`Clock::scope`]: that scope's clock).
     pub fn from_env() -> Self {
+        if let Ok(clock) = SCOPED.try_with(|c| *c) {
+            return clock;
+        }
         let offset = std::env::var(TEST_OFFSET_ENV)
             .ok()
             .and_then(|v| v.trim().parse::<i64>().ok())
@@ -78,6 +82,12 @@ impl Clock {
         }
     }
 
+    /// Test-only: runs `fut` (a server starting in process) with
+    /// [`Clock::from_env`] answering this clock.
+    pub async fn scope<F: std::future::Future>(self, fut: F) -> F::Output {
+        SCOPED.scope(self, fut).await
+    }
+
     /// The same clock, `offset_ms` ahead (negative: behind).
     pub fn offset_by(self, offset_ms: i64) -> Self {
         Self {
@@ -97,6 +107,10 @@ impl Clock {
         };
         base + self.offset_ms
     }
+}
+
+tokio::task_local! {
+    static SCOPED: Clock;
 }
 
 /// A duration in the store's unit, saturating (config caps durations far

@@ -1,6 +1,8 @@
 //! The idempotency semantics, row by row, on every backend.
 
-use crate::support::{backend_tests, Action, Backend, Proxy, Upstream, ORDERS, UPSTREAM_DATE};
+use crate::support::{
+    backend_tests, timed_backend_tests, Action, Backend, Proxy, Upstream, ORDERS, UPSTREAM_DATE,
+};
 use bytes::Bytes;
 use idemgate::metrics::Outcome;
 use std::time::Duration;
@@ -9,7 +11,6 @@ backend_tests!(
     forwards_a_new_key_once_with_the_key_header,
     replays_completed_response_without_calling_upstream,
     quoted_and_bare_key_are_the_same_record,
-    duplicate_while_in_flight_gets_409_with_retry_after,
     same_key_with_a_different_body_is_rejected_with_422,
     same_key_with_a_different_query_is_rejected_with_422,
     same_key_on_another_protected_path_is_rejected_with_422,
@@ -20,17 +21,22 @@ backend_tests!(
     client_error_responses_are_stored_and_replayed,
     server_error_releases_the_key_so_the_retry_executes,
     refused_upstream_gets_502_and_the_retry_executes_once_it_is_up,
-    upstream_timeout_gets_504_and_releases_the_key,
     upstream_reset_gets_502_and_releases_the_key,
     upstream_reset_after_its_answer_keeps_the_key,
     concurrent_identical_requests_execute_upstream_once,
-    lease_is_renewed_so_a_slow_request_is_never_executed_twice,
-    key_older_than_ttl_executes_again,
     oversized_request_body_is_rejected_with_413_and_not_forwarded,
     oversized_response_is_streamed_in_full_and_the_retry_gets_410,
     stored_headers_exclude_set_cookie_and_date_by_default,
     set_cookie_is_stored_when_the_route_includes_it,
     metrics_count_each_outcome,
+);
+
+// About time: on a paused clock where the proxy's clock judges leases.
+timed_backend_tests!(
+    duplicate_while_in_flight_gets_409_with_retry_after,
+    upstream_timeout_gets_504_and_releases_the_key,
+    lease_is_renewed_so_a_slow_request_is_never_executed_twice,
+    key_older_than_ttl_executes_again,
 );
 
 const BODY: &str = r#"{"item":"book","qty":1}"#;

@@ -162,6 +162,44 @@ macro_rules! backend_tests {
 }
 pub(crate) use backend_tests;
 
+/// [`backend_tests!`] for tests about time, in a module `timed`: on the
+/// memory and SQLite stores, whose leases the proxy's own clock judges,
+/// they run on a paused tokio clock that jumps to the next timer whenever
+/// every task waits (the in-process proxy keeps time by it), so a 2 s
+/// upstream delay costs no wall time; on PostgreSQL, whose server clock
+/// judges leases, in real time.
+macro_rules! timed_backend_tests {
+    ($($name:ident),* $(,)?) => {
+        mod timed {
+            $crate::support::timed_backend_tests!(@paused memory, Memory; $($name),*);
+            $crate::support::timed_backend_tests!(@paused sqlite, Sqlite; $($name),*);
+            $crate::support::timed_backend_tests!(@real postgres, Postgres; $($name),*);
+            $crate::support::timed_backend_tests!(@real postgres_redis, PostgresRedis; $($name),*);
+        }
+    };
+    (@paused $module:ident, $variant:ident; $($name:ident),*) => {
+        mod $module {
+            $(
+                #[tokio::test(start_paused = true)]
+                async fn $name() {
+                    super::super::$name($crate::support::Backend::$variant).await;
+                }
+            )*
+        }
+    };
+    (@real $module:ident, $variant:ident; $($name:ident),*) => {
+        mod $module {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::super::$name($crate::support::Backend::$variant).await;
+                }
+            )*
+        }
+    };
+}
+pub(crate) use timed_backend_tests;
+
 // ===== metrics =====
 
 /// The value of an unlabelled sample `name` in Prometheus/OpenMetrics text

@@ -1,9 +1,13 @@
 //! The proxy in-process: [`ProxyBuilder`] renders a [`TestConfig`] for a
-//! [`Backend`] around the test upstream and runs `serve` on 127.0.0.1:0.
+//! [`Backend`] around the test upstream and runs `serve` on 127.0.0.1:0,
+//! keeping time by tokio's clock ([`Clock::following_tokio`]), so that a
+//! test on a paused runtime ([`super::timed_backend_tests!`]) advances the
+//! proxy's leases with its timers.
 
 use super::services::{database_url, redis_url, require_postgres, require_redis, TestSchema};
 use super::{bounded, metric_value, trace_init, Req, Route, TestConfig, ORDERS};
 use http::Method;
+use idemgate::clock::Clock;
 use idemgate::metrics::Metrics;
 use idemgate::server::{Listeners, Server};
 use std::net::SocketAddr;
@@ -179,7 +183,10 @@ impl ProxyBuilder {
             proxy: listener,
             admin,
         };
-        let server = Server::open(config, metrics.clone(), listeners)
+        // Tokio's clock, so a test on a paused runtime moves leases, ttls
+        // and timers together (in real time it reads the same as the system's).
+        let server = Clock::following_tokio()
+            .scope(Server::open(config, metrics.clone(), listeners))
             .await
             .expect("open the store");
         let task = tokio::spawn(server.run(async move {
