@@ -412,20 +412,13 @@ where
     type Error = rustls::pki_types::InvalidDnsNameError;
 
     fn make_tls_connect(&mut self, host: &str) -> Result<RustlsConnect, Self::Error> {
-        Ok(RustlsConnect {
-            config: self.config.clone(),
-            name: ServerName::try_from(host.to_string())?,
-            seen: self.seen.clone(),
-        })
+        let name = ServerName::try_from(host.to_string())?;
+        Ok(RustlsConnect(self.clone(), name))
     }
 }
 
-/// One connection's handshake.
-pub struct RustlsConnect {
-    config: Arc<ClientConfig>,
-    name: ServerName<'static>,
-    seen: Option<Arc<OnceLock<&'static str>>>,
-}
+/// One connection's handshake, with the name its certificate must carry.
+pub struct RustlsConnect(MakeRustls, ServerName<'static>);
 
 impl<S> TlsConnect<S> for RustlsConnect
 where
@@ -437,10 +430,11 @@ where
 
     fn connect(self, stream: S) -> Self::Future {
         Box::pin(async move {
-            let tls = tokio_rustls::TlsConnector::from(self.config)
-                .connect(self.name, stream)
+            let RustlsConnect(make, name) = self;
+            let tls = tokio_rustls::TlsConnector::from(make.config)
+                .connect(name, stream)
                 .await?;
-            if let Some(seen) = &self.seen {
+            if let Some(seen) = &make.seen {
                 let _ = seen.set(tls::version_name(tls.get_ref().1.protocol_version()));
             }
             Ok(RustlsStream(Box::new(tls)))
