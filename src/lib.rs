@@ -21,8 +21,8 @@
 //! - [`server`]: listeners, connection limits, sweeper, graceful shutdown.
 //! - `admin`, [`metrics`], [`telemetry`]: health, Prometheus, logs and
 //!   (feature `otel`) OpenTelemetry traces.
-//! - [`tls`]: rustls client configurations (trust roots, client
-//!   certificates, how much of a server's certificate is checked).
+//! - [`net`]: plumbing written once: TLS clients and handshake diagnosis,
+//!   error chains.
 //! - [`keys`]: the `keys` commands that inspect and repair records.
 //! - [`demo`]: a small orders API to try idemgate against, and its commands.
 //! - `fuzzing`: not a stable API; the crate-private parsers and codecs,
@@ -50,7 +50,6 @@ pub mod server;
 pub(crate) mod shutdown;
 pub mod store;
 pub mod telemetry;
-pub mod tls;
 pub(crate) mod upstream;
 
 use config::Config;

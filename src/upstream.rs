@@ -11,6 +11,7 @@ pub mod tunnel;
 
 use crate::body::ProxyBody;
 use crate::config::{Config, UpstreamConfig, UpstreamProtocol};
+use crate::net::tls::TlsError;
 use http::{Request, Uri};
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -22,7 +23,6 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
-use tls::TlsSetupError;
 
 /// TCP keep-alive on upstream connections: finds dead peers behind NATs.
 const TCP_KEEPALIVE: Duration = Duration::from_secs(60);
@@ -34,7 +34,7 @@ pub struct UpstreamSetupError {
     name: String,
     url: String,
     #[source]
-    source: Box<TlsSetupError>,
+    source: Box<TlsError>,
 }
 
 /// Every upstream of one configuration.

@@ -8,6 +8,7 @@ use super::headers::{add_forwarded, join_cookies, strip_hop_by_hop, upgrade_prot
 use crate::body::ProxyBody;
 use crate::config::{Config, UpstreamProtocol};
 use crate::metrics::Metrics;
+use crate::net::errors::{self, Chain};
 use crate::route::resolve_dot_segments;
 use crate::telemetry::trace;
 use crate::upstream::tls::{self, TlsFailure};
@@ -292,11 +293,11 @@ fn classify(upstream: &Upstream, e: &hyper_util::client::legacy::Error) -> Forwa
         });
     }
     if e.is_connect() {
-        ForwardError::Connect(ConnectError::Transport(error_chain(e)))
+        ForwardError::Connect(ConnectError::Transport(Chain(e).to_string()))
     } else if refused_unprocessed(e) {
-        ForwardError::Refused(error_chain(e))
+        ForwardError::Refused(Chain(e).to_string())
     } else {
-        ForwardError::Failed(error_chain(e))
+        ForwardError::Failed(Chain(e).to_string())
     }
 }
 
@@ -305,14 +306,8 @@ fn classify(upstream: &Upstream, e: &hyper_util::client::legacy::Error) -> Forwa
 /// wraps h2's; hyper-util's own retry covers only requests never handed to
 /// a connection, not these).
 fn refused_unprocessed(e: &(dyn std::error::Error + 'static)) -> bool {
-    let mut cur = Some(e);
-    while let Some(err) = cur {
-        if let Some(h2) = err.downcast_ref::<h2::Error>() {
-            return unprocessed(h2.is_remote(), h2.is_go_away(), h2.reason());
-        }
-        cur = err.source();
-    }
-    false
+    errors::find::<h2::Error>(e)
+        .is_some_and(|h2| unprocessed(h2.is_remote(), h2.is_go_away(), h2.reason()))
 }
 
 /// RFC 9113: the peer's `RST_STREAM` with `REFUSED_STREAM` (§8.7), or its
@@ -355,18 +350,6 @@ pub fn upstream_uri(upstream: &Uri, original: &Uri) -> Result<Uri, ForwardError>
             .map_err(|e| ForwardError::Failed(format!("bad request path: {e}")))?,
     );
     Uri::from_parts(parts).map_err(|e| ForwardError::Failed(format!("bad upstream URI: {e}")))
-}
-
-/// "a: b: c" from an error and its sources: hyper's Display is one level only.
-pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut out = e.to_string();
-    let mut cur = e.source();
-    while let Some(s) = cur {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        cur = s.source();
-    }
-    out
 }
 
 #[cfg(test)]

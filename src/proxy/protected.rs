@@ -17,7 +17,7 @@
 
 use super::forward::ForwardError;
 use super::replay::{capture, replay};
-use super::{forward, forward_error, Proxy, Served};
+use super::{forward_error, Proxy, Served};
 use crate::body::budget::BodyBudget;
 use crate::body::{boxed, drain, full, read_limited, Prefixed, ReadError};
 use crate::config::Secret;
@@ -33,6 +33,7 @@ use crate::idempotency::{
 use crate::lease::{Acquired, ClaimRequest, Lease};
 use crate::metrics::Outcome;
 use crate::net::backoff::Backoff;
+use crate::net::errors::Chain;
 use crate::route::{FingerprintMode, InFlight, OnAmbiguous, OnStoreError, RouteConfig};
 use crate::store::{Completion, Record, StoreError};
 use bytes::Bytes;
@@ -572,7 +573,7 @@ impl Proxy {
                 Ok(Some(Err(e))) => {
                     let key = lease.complete(Completion::Unstored { status }).await;
                     return Err(ProxyError::UpstreamFailed {
-                        reason: forward::error_chain(&e),
+                        reason: Chain(&e).to_string(),
                         key,
                     });
                 }

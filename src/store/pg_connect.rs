@@ -17,8 +17,12 @@
 //! `pgbouncer=true` (Prisma's convention) says a transaction-pooling
 //! PgBouncer is in front: see [`super::postgres`] for what changes. It and
 //! the TLS parameters are taken out before tokio-postgres parses the rest.
+//!
+//! The rustls client config is `net::tls`'s; what is PostgreSQL's stays
+//! here: the tokio-postgres connector and SCRAM's channel binding.
 
-use crate::tls::{self, ClientIdentity, ClientTls, Roots, ServerCheck};
+use crate::net::errors::Chain;
+use crate::net::tls::{self, Cause, ClientIdentity, ClientTls, FileNames, Roots, ServerCheck};
 use rustls::pki_types::ServerName;
 use rustls::ClientConfig;
 use std::future::Future;
@@ -188,18 +192,15 @@ impl PgUrl {
             check,
             roots,
             identity: self.identity.clone(),
+            names: FileNames::new("sslrootcert", "sslcert", "sslkey"),
         }
     }
 
     /// tokio-postgres's config for the rest of the URL, with the TLS mode.
     pub fn pg_config(&self) -> Result<tokio_postgres::Config, String> {
-        let mut pg = tokio_postgres::Config::from_str(&self.rest).map_err(|err| {
-            // The parser's own message names the bad part, never the password.
-            let cause = std::error::Error::source(&err)
-                .map(|s| format!(": {s}"))
-                .unwrap_or_default();
-            format!("{err}{cause}")
-        })?;
+        // The parser's own message names the bad part, never the password.
+        let mut pg =
+            tokio_postgres::Config::from_str(&self.rest).map_err(|err| Chain(&err).to_string())?;
         pg.ssl_mode(match self.sslmode {
             SslMode::Disable => tokio_postgres::config::SslMode::Disable,
             SslMode::Allow | SslMode::Prefer => tokio_postgres::config::SslMode::Prefer,
@@ -278,34 +279,46 @@ impl PgTarget {
         if let Some(db) = err.as_db_error() {
             return describe_db(db.message(), db.code().code());
         }
-        let chain = error_chain(err);
-        if let Some(tls_err) = tls::find_rustls_error(err) {
-            let mut text = tls::describe(tls_err, &self.host(), "sslrootcert");
-            if matches!(
-                tls_err,
-                rustls::Error::InvalidCertificate(rustls::CertificateError::UnknownIssuer)
-            ) {
-                text.push_str(" (sslmode=require)");
-            } else if matches!(
-                tls_err,
-                rustls::Error::InvalidCertificate(
-                    rustls::CertificateError::NotValidForName
-                        | rustls::CertificateError::NotValidForNameContext { .. }
-                )
-            ) {
-                text.push_str(
-                    ": connect by a name the certificate lists, or use sslmode=verify-ca",
-                );
+        let chain = Chain(err).to_string();
+        let text = match tls::diagnose(err) {
+            Some(failure) => describe_tls(failure, &self.host()),
+            // tokio-postgres's own words for a server answering `N` to
+            // SSLRequest; its cause is a private string type.
+            None if chain.contains("server does not support TLS") => {
+                "the server does not support TLS (it refused SSL): turn ssl on in the server, or use sslmode=prefer".into()
             }
-            return format!("postgres at {}: {text}", self.endpoint);
+            None => chain,
+        };
+        format!("postgres at {}: {text}", self.endpoint)
+    }
+}
+
+/// A failed handshake with `host`, and which URL parameter to change.
+fn describe_tls(failure: tls::Failure, host: &str) -> String {
+    match failure.cause {
+        Cause::NotTrusted => format!(
+            "the server's certificate is not trusted ({}): \
+             name the CA that signed it with sslrootcert, or encrypt without verifying (sslmode=require)",
+            failure.name()
+        ),
+        Cause::NameMismatch => format!(
+            "host name mismatch: the server's certificate is not valid for {host:?}{}: connect by a name the certificate lists, or use sslmode=verify-ca",
+            failure
+                .presented_names()
+                .map(|names| format!(" (it names {names})"))
+                .unwrap_or_default()
+        ),
+        Cause::Expired => "the server's certificate has expired".into(),
+        Cause::NotYetValid => "the server's certificate is not valid yet (check the clocks)".into(),
+        Cause::Revoked => "the server's certificate is revoked".into(),
+        Cause::BadCertificate => format!("the server's certificate was refused: {}", failure.name()),
+        Cause::ClientCertificateRefused => format!(
+            "the server refused the client certificate ({}): check the client certificate and key, and that the server trusts their CA",
+            failure.error
+        ),
+        Cause::Alert | Cause::NotTls | Cause::Other => {
+            format!("TLS handshake with {host:?} failed: {}", failure.error)
         }
-        if chain.contains("server does not support TLS") {
-            return format!(
-                "postgres at {}: the server does not support TLS (it refused SSL): turn ssl on in the server, or use sslmode=prefer",
-                self.endpoint
-            );
-        }
-        format!("postgres at {}: {chain}", self.endpoint)
     }
 }
 
@@ -351,18 +364,6 @@ pub fn describe_db(message: &str, code: &str) -> String {
     }
 }
 
-/// `err: cause: cause...` (tokio-postgres's own Display stops at the first).
-fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
-    let mut out = err.to_string();
-    let mut cur = err.source();
-    while let Some(s) = cur {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        cur = s.source();
-    }
-    out
-}
-
 // === the connector ===
 
 /// tokio-postgres's TLS hook over rustls; one [`ClientConfig`] for every
@@ -402,14 +403,6 @@ pub fn describe_transport(tls: Option<&str>, sslmode: SslMode) -> String {
     }
 }
 
-fn tls_version(version: Option<rustls::ProtocolVersion>) -> &'static str {
-    match version {
-        Some(rustls::ProtocolVersion::TLSv1_3) => "TLS 1.3",
-        Some(rustls::ProtocolVersion::TLSv1_2) => "TLS 1.2",
-        _ => "TLS",
-    }
-}
-
 impl<S> MakeTlsConnect<S> for MakeRustls
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
@@ -419,20 +412,13 @@ where
     type Error = rustls::pki_types::InvalidDnsNameError;
 
     fn make_tls_connect(&mut self, host: &str) -> Result<RustlsConnect, Self::Error> {
-        Ok(RustlsConnect {
-            config: self.config.clone(),
-            name: ServerName::try_from(host.to_string())?,
-            seen: self.seen.clone(),
-        })
+        let name = ServerName::try_from(host.to_string())?;
+        Ok(RustlsConnect(self.clone(), name))
     }
 }
 
-/// One connection's handshake.
-pub struct RustlsConnect {
-    config: Arc<ClientConfig>,
-    name: ServerName<'static>,
-    seen: Option<Arc<OnceLock<&'static str>>>,
-}
+/// One connection's handshake, with the name its certificate must carry.
+pub struct RustlsConnect(MakeRustls, ServerName<'static>);
 
 impl<S> TlsConnect<S> for RustlsConnect
 where
@@ -444,11 +430,12 @@ where
 
     fn connect(self, stream: S) -> Self::Future {
         Box::pin(async move {
-            let tls = tokio_rustls::TlsConnector::from(self.config)
-                .connect(self.name, stream)
+            let RustlsConnect(make, name) = self;
+            let tls = tokio_rustls::TlsConnector::from(make.config)
+                .connect(name, stream)
                 .await?;
-            if let Some(seen) = &self.seen {
-                let _ = seen.set(tls_version(tls.get_ref().1.protocol_version()));
+            if let Some(seen) = &make.seen {
+                let _ = seen.set(tls::version_name(tls.get_ref().1.protocol_version()));
             }
             Ok(RustlsStream(Box::new(tls)))
         })
@@ -495,10 +482,76 @@ impl<S: AsyncRead + AsyncWrite + Unpin> tokio_postgres::tls::TlsStream for Rustl
         session
             .peer_certificates()
             .and_then(|certs| certs.first())
-            .and_then(|cert| tls::tls_server_end_point(cert))
+            .and_then(|cert| tls_server_end_point(cert))
             .map(ChannelBinding::tls_server_end_point)
             .unwrap_or_else(ChannelBinding::none)
     }
+}
+
+// === channel binding ===
+
+/// RFC 5929 `tls-server-end-point` channel binding data for a server's
+/// end-entity certificate (DER): its hash with the hash function of its
+/// signature algorithm, SHA-256 for MD5 and SHA-1. `None` where that is
+/// not defined or not known here (Ed25519, RSA-PSS with its parameters):
+/// then no binding is offered, rather than a wrong one that would fail
+/// authentication.
+pub fn tls_server_end_point(der: &[u8]) -> Option<Vec<u8>> {
+    use sha2::Digest;
+    // Certificate ::= SEQUENCE { tbsCertificate, signatureAlgorithm, ... }
+    let (0x30, cert, _) = der_tlv(der)? else {
+        return None;
+    };
+    let (_, _tbs, rest) = der_tlv(cert)?;
+    let (0x30, algorithm, _) = der_tlv(rest)? else {
+        return None;
+    };
+    let (0x06, oid, _) = der_tlv(algorithm)? else {
+        return None;
+    };
+    const RSA: &[u8] = &[0x2a, 0x86, 0x48, 0x86, 0xf7, 0x0d, 0x01, 0x01];
+    const ECDSA_SHA1: &[u8] = &[0x2a, 0x86, 0x48, 0xce, 0x3d, 0x04, 0x01];
+    const ECDSA_SHA2: &[u8] = &[0x2a, 0x86, 0x48, 0xce, 0x3d, 0x04, 0x03];
+    let bits = match oid {
+        // md5WithRSA (4), sha1WithRSA (5), sha256WithRSA (11): SHA-256
+        // (RFC 5929 §4.1: MD5 and SHA-1 become SHA-256; others keep theirs).
+        [rsa @ .., 4 | 5 | 11] if rsa == RSA => 256,
+        [rsa @ .., 14] if rsa == RSA => 224,
+        [rsa @ .., 12] if rsa == RSA => 384,
+        [rsa @ .., 13] if rsa == RSA => 512,
+        oid if oid == ECDSA_SHA1 => 256,
+        [ecdsa @ .., 1] if ecdsa == ECDSA_SHA2 => 224,
+        [ecdsa @ .., 2] if ecdsa == ECDSA_SHA2 => 256,
+        [ecdsa @ .., 3] if ecdsa == ECDSA_SHA2 => 384,
+        [ecdsa @ .., 4] if ecdsa == ECDSA_SHA2 => 512,
+        _ => return None,
+    };
+    // The hash covers the whole certificate as sent.
+    Some(match bits {
+        224 => sha2::Sha224::digest(der).to_vec(),
+        256 => sha2::Sha256::digest(der).to_vec(),
+        384 => sha2::Sha384::digest(der).to_vec(),
+        _ => sha2::Sha512::digest(der).to_vec(),
+    })
+}
+
+/// One DER TLV: (tag, contents, what follows). Definite lengths only.
+fn der_tlv(input: &[u8]) -> Option<(u8, &[u8], &[u8])> {
+    let (&tag, rest) = input.split_first()?;
+    let (&first, rest) = rest.split_first()?;
+    let (len, rest) = if first < 0x80 {
+        (usize::from(first), rest)
+    } else {
+        let n = usize::from(first & 0x7f);
+        if n == 0 || n > 4 || rest.len() < n {
+            return None;
+        }
+        let len = rest[..n]
+            .iter()
+            .fold(0usize, |acc, b| (acc << 8) | usize::from(*b));
+        (len, &rest[n..])
+    };
+    (rest.len() >= len).then(|| (tag, &rest[..len], &rest[len..]))
 }
 
 #[cfg(test)]
@@ -627,5 +680,47 @@ mod tests {
                 .contains("add pgbouncer=true")
         );
         assert!(!describe_db("relation \"x\" does not exist", "42P01").contains("pgbouncer"));
+    }
+
+    #[test]
+    fn channel_binding_hashes_the_certificate_with_its_signature_hash() {
+        use sha2::Digest;
+        // A certificate shaped as DER: SEQUENCE { tbs, AlgorithmIdentifier, sig }.
+        let cert = |oid: &[u8]| {
+            let mut alg = vec![0x06, oid.len() as u8];
+            alg.extend_from_slice(oid);
+            let mut body = vec![0x30, 0x03, 0x02, 0x01, 0x00];
+            body.extend([0x30, alg.len() as u8]);
+            body.extend(&alg);
+            body.extend([0x03, 0x01, 0x00]);
+            let mut der = vec![0x30, body.len() as u8];
+            der.extend(body);
+            der
+        };
+        let rsa = |last| [0x2a, 0x86, 0x48, 0x86, 0xf7, 0x0d, 0x01, 0x01, last];
+        let ecdsa = |last| [0x2a, 0x86, 0x48, 0xce, 0x3d, 0x04, 0x03, last];
+        for (oid, len) in [
+            (&rsa(11)[..], 32),
+            (&rsa(5)[..], 32),
+            (&rsa(12)[..], 48),
+            (&rsa(13)[..], 64),
+            (&ecdsa(2)[..], 32),
+            (&ecdsa(3)[..], 48),
+            (&ecdsa(4)[..], 64),
+            // Regression: SHA-224 signatures keep SHA-224 (were SHA-256).
+            (&rsa(14)[..], 28),
+            (&ecdsa(1)[..], 28),
+        ] {
+            let der = cert(oid);
+            let bound = tls_server_end_point(&der).unwrap_or_else(|| panic!("{oid:x?}"));
+            assert_eq!(bound.len(), len, "{oid:x?}");
+            if len == 32 {
+                assert_eq!(bound, sha2::Sha256::digest(&der).to_vec());
+            }
+        }
+        // Ed25519 (1.3.101.112) and RSA-PSS: no binding rather than a wrong one.
+        assert_eq!(tls_server_end_point(&cert(&[0x2b, 0x65, 0x70])), None);
+        assert_eq!(tls_server_end_point(&cert(&rsa(10))), None);
+        assert_eq!(tls_server_end_point(b"\x30\x05junk"), None);
     }
 }

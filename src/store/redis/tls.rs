@@ -1,14 +1,18 @@
-//! TLS for the Redis fast path: the certificate files `[redis]` names, read
-//! into the client's form, and connection errors named by their cause.
+//! TLS for the Redis fast path: the certificate files `[redis]` names,
+//! checked by `net::tls` and handed to the client as the PEM it takes, and
+//! connection errors named by their cause (`net::tls::diagnose`).
 //!
 //! The client (redis-rs with rustls) verifies the server's certificate
 //! against `redis.ca_file` when set, else the system roots, and checks the
-//! host name in `redis.url`; there is no switch to turn either off.
+//! host name in `redis.url`; there is no switch to turn either off. It
+//! builds its own rustls config from PEM bytes, so it takes no
+//! `ClientConfig` from `net::tls`.
 
 use crate::config::RedisConfig;
+use crate::net::errors::Chain;
+use crate::net::tls::{self, Cause};
 use crate::store::StoreError;
 use redis::{ClientTlsConfig, TlsCertificates};
-use std::path::Path;
 
 /// Makes ring the process's rustls crypto provider unless one is installed
 /// already: redis-rs builds its TLS config from the process default.
@@ -22,15 +26,17 @@ pub(super) fn certificates(cfg: &RedisConfig) -> Result<Option<TlsCertificates>,
     if !cfg.is_tls() || (cfg.ca_file.is_none() && cfg.cert_file.is_none()) {
         return Ok(None);
     }
-    let root_cert = cfg
-        .ca_file
-        .as_deref()
-        .map(|p| read_pem("redis.ca_file", p, "CERTIFICATE"))
-        .transpose()?;
+    let unusable = |e: tls::TlsError| StoreError::Unavailable(e.to_string());
+    let root_cert = match &cfg.ca_file {
+        Some(ca) => Some(tls::load_certs("redis.ca_file", ca).map_err(unusable)?.1),
+        None => None,
+    };
     let client_tls = match (&cfg.cert_file, &cfg.key_file) {
         (Some(cert), Some(key)) => Some(ClientTlsConfig {
-            client_cert: read_pem("redis.cert_file", cert, "CERTIFICATE")?,
-            client_key: read_pem("redis.key_file", key, "PRIVATE KEY")?,
+            client_cert: tls::load_certs("redis.cert_file", cert)
+                .map_err(unusable)?
+                .1,
+            client_key: tls::load_key("redis.key_file", key).map_err(unusable)?.1,
         }),
         // The config refuses one without the other.
         _ => None,
@@ -39,24 +45,6 @@ pub(super) fn certificates(cfg: &RedisConfig) -> Result<Option<TlsCertificates>,
         client_tls,
         root_cert,
     }))
-}
-
-/// Reads a PEM file, failing with the key and path when it is missing or
-/// holds no `-----BEGIN ...{kind}-----` block (a DER file, say).
-fn read_pem(key: &str, path: &Path, kind: &str) -> Result<Vec<u8>, StoreError> {
-    let bytes = std::fs::read(path)
-        .map_err(|e| StoreError::Unavailable(format!("{key} {}: {e}", path.display())))?;
-    let text = String::from_utf8_lossy(&bytes);
-    let has_block = text
-        .lines()
-        .any(|l| l.starts_with("-----BEGIN ") && l.trim_end().ends_with(&format!("{kind}-----")));
-    if !has_block {
-        return Err(StoreError::Unavailable(format!(
-            "{key} {}: no PEM {kind} in it",
-            path.display()
-        )));
-    }
-    Ok(bytes)
 }
 
 /// The cause named when a `rediss://` URL points at a plain server.
@@ -96,66 +84,63 @@ pub(super) async fn answers_plain_ping(
     matches!(tokio::time::timeout(timeout, attempt).await, Ok(Some(true)))
 }
 
-/// What went wrong, in the operator's words, for a TLS failure the error
-/// text shows (rustls' messages, as redis-rs passes them on); `None` for
-/// anything else.
-pub(crate) fn tls_cause(error_text: &str) -> Option<&'static str> {
-    const CAUSES: [(&[&str], &str); 5] = [
-        (
-            &["UnknownIssuer", "BadSignature", "UnknownRevocationStatus"],
-            "certificate not trusted: the server's certificate is not signed by redis.ca_file (or, without it, by a system root)",
-        ),
-        (
-            &["NotValidForName", "not valid for name"],
-            "host name mismatch: the server's certificate does not name the host in redis.url",
-        ),
-        (
-            &["Expired", "certificate expired", "NotValidYet"],
-            "certificate expired or not yet valid: check the server's certificate dates and this machine's clock",
-        ),
-        (
-            &["corrupt message", "InvalidContentType", "InappropriateMessage", "HandshakeNotComplete"],
-            NOT_TLS,
-        ),
-        (
-            &["CertificateRequired", "BadCertificate", "HandshakeFailure", "UnknownCA", "received fatal alert"],
-            "the server refused the TLS handshake: it requires a client certificate (redis.cert_file, redis.key_file) or did not accept the one given",
-        ),
-    ];
-    CAUSES
-        .iter()
-        .find(|(needles, _)| needles.iter().any(|n| error_text.contains(n)))
-        .map(|(_, cause)| *cause)
-}
-
 /// `err` with its cause in front when it is a TLS failure, for logs and
 /// `/readyz`.
-pub(crate) fn describe(err: &dyn std::error::Error) -> String {
-    let mut text = err.to_string();
-    let mut source = err.source();
-    while let Some(s) = source {
-        let more = s.to_string();
-        if !text.contains(&more) {
-            text.push_str(": ");
-            text.push_str(&more);
-        }
-        source = s.source();
-    }
-    match tls_cause(&text) {
-        Some(cause) => format!("{cause} ({text})"),
+pub(crate) fn describe(err: &redis::RedisError) -> String {
+    let text = Chain(err).to_string();
+    let cause = tls::diagnose(err)
+        .map(|failure| failure.cause)
+        .or_else(|| cause_in_text(&text));
+    match cause.and_then(sentence) {
+        Some(sentence) => format!("{sentence} ({text})"),
         None => text,
     }
+}
+
+/// A TLS failure in the operator's words; `None` for causes with none.
+fn sentence(cause: Cause) -> Option<&'static str> {
+    Some(match cause {
+        Cause::NotTrusted => "certificate not trusted: the server's certificate is not signed by redis.ca_file (or, without it, by a system root)",
+        Cause::NameMismatch => "host name mismatch: the server's certificate does not name the host in redis.url",
+        Cause::Expired | Cause::NotYetValid => "certificate expired or not yet valid: check the server's certificate dates and this machine's clock",
+        Cause::NotTls => NOT_TLS,
+        Cause::ClientCertificateRefused | Cause::Alert => "the server refused the TLS handshake: it requires a client certificate (redis.cert_file, redis.key_file) or did not accept the one given",
+        Cause::Revoked | Cause::BadCertificate | Cause::Other => return None,
+    })
+}
+
+/// The cause from rustls' words, where redis-rs hands the error on as text
+/// only: its cluster client flattens a node's connect error into
+/// "Failed to create initial connections - Io: ...". Everywhere else the
+/// typed error is found.
+fn cause_in_text(text: &str) -> Option<Cause> {
+    const WORDS: [(&str, Cause); 9] = [
+        ("UnknownIssuer", Cause::NotTrusted),
+        ("BadSignature", Cause::NotTrusted),
+        ("UnknownRevocationStatus", Cause::NotTrusted),
+        ("not valid for name", Cause::NameMismatch),
+        ("certificate expired", Cause::Expired),
+        ("Expired", Cause::Expired),
+        ("NotValidYet", Cause::NotYetValid),
+        ("received corrupt message", Cause::NotTls),
+        ("received fatal alert", Cause::Alert),
+    ];
+    WORDS
+        .iter()
+        .find(|(words, _)| text.contains(words))
+        .map(|(_, cause)| *cause)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// The rustls messages each cause is recognised by (as redis-rs shows them).
+    /// The rustls words each cause is recognised by where redis-rs flattens
+    /// the error to text (its cluster client).
     #[test]
-    fn tls_failures_are_named_by_their_cause() {
+    fn tls_failures_in_text_are_named_by_their_cause() {
         for (text, want) in [
-            ("invalid peer certificate: UnknownIssuer", Some("certificate not trusted")),
+            ("Failed to create initial connections - Io: invalid peer certificate: UnknownIssuer", Some("certificate not trusted")),
             (
                 "I/O error - invalid peer certificate: certificate not valid for name \"localhost\"; certificate is only valid for redis.test",
                 Some("host name mismatch"),
@@ -167,7 +152,7 @@ mod tests {
             ("Connection refused (os error 111)", None),
             ("key moved", None),
         ] {
-            let got = tls_cause(text);
+            let got = cause_in_text(text).and_then(sentence);
             match want {
                 Some(w) => assert!(got.is_some_and(|g| g.contains(w)), "{text}: {got:?}"),
                 None => assert_eq!(got, None, "{text}"),
@@ -175,32 +160,13 @@ mod tests {
         }
     }
 
+    /// redis-rs keeps an io error behind an `Arc`: the rustls error in it
+    /// is found by type, not by its text.
     #[test]
-    fn certificate_files_must_exist_and_hold_pem() {
-        let dir = tempfile::tempdir().unwrap();
-        let der = dir.path().join("ca.der");
-        std::fs::write(&der, [0x30, 0x82, 1, 2]).unwrap();
-        let e = read_pem("redis.ca_file", &der, "CERTIFICATE")
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("redis.ca_file") && e.contains("no PEM CERTIFICATE"),
-            "{e}"
-        );
-        let missing = dir.path().join("nope.pem");
-        let e = read_pem("redis.key_file", &missing, "PRIVATE KEY")
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("redis.key_file") && e.contains("nope.pem"),
-            "{e}"
-        );
-        let pem = dir.path().join("k.pem");
-        std::fs::write(
-            &pem,
-            "-----BEGIN EC PRIVATE KEY-----\nAA==\n-----END EC PRIVATE KEY-----\n",
-        )
-        .unwrap();
-        assert!(read_pem("redis.key_file", &pem, "PRIVATE KEY").is_ok());
+    fn a_typed_tls_failure_is_named_without_its_text() {
+        let tls = rustls::Error::InvalidCertificate(rustls::CertificateError::NotValidForName);
+        let io = std::io::Error::new(std::io::ErrorKind::InvalidData, tls);
+        let text = describe(&redis::RedisError::from(io));
+        assert!(text.starts_with("host name mismatch: "), "{text}");
     }
 }

@@ -22,6 +22,7 @@ use super::{Req, Resp};
 use bytes::Bytes;
 use futures_util::StreamExt;
 use http::Method;
+use idemgate::net::errors::Chain;
 use rand::rngs::StdRng;
 use rand::Rng;
 use std::net::SocketAddr;
@@ -336,7 +337,7 @@ impl Traffic {
         let bound = drop_after.unwrap_or(CLIENT_BOUND);
         let seen = match tokio::time::timeout(bound, req.try_send()).await {
             Ok(Ok(resp)) => Seen::Response(resp),
-            Ok(Err(e)) => Seen::Transport(error_chain(e.as_ref())),
+            Ok(Err(e)) => Seen::Transport(Chain(e.as_ref()).to_string()),
             Err(_) if drop_after.is_some() => Seen::Dropped,
             Err(_) => Seen::Hung,
         };
@@ -367,12 +368,4 @@ fn retry_after(seen: &Seen, rng: &mut StdRng) -> Option<Duration> {
         Seen::Transport(_) => Some(millis(rng, 50, 150)),
         Seen::Dropped | Seen::Hung => None,
     }
-}
-
-/// "a: b: c" from an error and its sources (hyper's `Display` is one level).
-fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    std::iter::successors(Some(e), |e| e.source())
-        .map(ToString::to_string)
-        .collect::<Vec<_>>()
-        .join(": ")
 }
