@@ -17,7 +17,9 @@
 //!   the byte tunnel of upgraded connections.
 //! - [`clock`]: the wall clock, injected so tests can pause it.
 //! - `problem`: RFC 9457 responses, the one error-to-response mapping.
-//! - [`server`]: listeners, connection limits, sweeper, graceful shutdown.
+//! - [`net`]: plumbing written once: the accept loop, connection
+//!   deadlines, the shutdown phases ([`net::drain::Drain`]).
+//! - [`server`]: wiring: the listeners, sweeper and graceful shutdown.
 //! - `admin`, [`metrics`], [`telemetry`]: health, Prometheus, logs and
 //!   (feature `otel`) OpenTelemetry traces.
 //! - [`tls`]: rustls client configurations (trust roots, client
@@ -41,6 +43,7 @@ pub mod idempotency;
 pub mod keys;
 pub(crate) mod lease;
 pub mod metrics;
+pub mod net;
 pub(crate) mod problem;
 pub(crate) mod proxy;
 pub(crate) mod route;
