@@ -17,7 +17,6 @@ use crate::metrics::Metrics;
 use crate::store::Store;
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
@@ -35,7 +34,7 @@ pub struct Admin {
     pub metrics: Arc<Metrics>,
     /// Set when shutdown starts: readiness fails so load balancers move
     /// traffic away while in-flight requests drain.
-    pub draining: Arc<AtomicBool>,
+    pub draining: CancellationToken,
     pub readiness: Readiness,
     pub health: Arc<StoreHealth>,
 }
@@ -47,7 +46,7 @@ impl Admin {
         }
         match req.uri().path() {
             "/healthz" => text(StatusCode::OK, "ok\n"),
-            "/readyz" if self.draining.load(Ordering::Relaxed) => text(
+            "/readyz" if self.draining.is_cancelled() => text(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "not ready: shutting down\n",
             ),

@@ -12,6 +12,7 @@
 use crate::body::{full, ProxyBody};
 use crate::config::Config;
 use crate::metrics::Metrics;
+use crate::net::listen;
 use crate::{server, shutdown};
 use anyhow::Context;
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
@@ -23,10 +24,13 @@ use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::net::TcpListener;
+use tokio_util::task::TaskTracker;
 
 /// The demo API's request body cap.
 const MAX_DEMO_BODY: usize = 64 * 1024;
 const MAX_DEMO_DELAY_SECS: u64 = 60;
+/// Connections the demo API serves at once: plenty for a walkthrough.
+const DEMO_MAX_CONNECTIONS: usize = 256;
 
 #[derive(Default)]
 struct Orders {
@@ -38,22 +42,30 @@ struct Orders {
 /// Serves the demo orders API on `listener` until the task is dropped.
 pub async fn serve_orders_api(listener: TcpListener) {
     let orders = Arc::new(Orders::default());
-    loop {
-        let Ok((stream, _)) = listener.accept().await else {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            continue;
-        };
-        let orders = orders.clone();
-        tokio::spawn(async move {
+    let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    let open = TaskTracker::new();
+    let never = std::future::pending();
+    listen::serve(
+        "demo",
+        listener,
+        DEMO_MAX_CONNECTIONS,
+        &open,
+        never,
+        |stream, _| {
+            let orders = orders.clone();
             let svc = service_fn(move |req| {
                 let orders = orders.clone();
                 async move { Ok::<_, Infallible>(handle(&orders, req).await) }
             });
-            let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+            let conn = builder
                 .serve_connection(TokioIo::new(stream), svc)
-                .await;
-        });
-    }
+                .into_owned();
+            async move {
+                let _ = conn.await;
+            }
+        },
+    )
+    .await;
 }
 
 async fn handle(orders: &Orders, req: Request<Incoming>) -> Response<ProxyBody> {

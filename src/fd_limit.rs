@@ -20,9 +20,8 @@ pub const PER_CONNECTION: u64 = 4;
 /// Files and runtime descriptors: stdio, epoll, the runtime's wakers and
 /// signal pipes, config reads, the SQLite files, `/proc` reads for metrics.
 const RESERVE_FILES: u64 = 64;
-/// Admin connections (`/metrics`, probes): not limited by the server, so a
-/// reserve for the few a scraper and kubelet keep.
-const ADMIN_CONNECTIONS: u64 = 16;
+/// Admin connections (`/metrics`, probes): the admin listener's limit.
+const ADMIN_CONNECTIONS: u64 = crate::server::ADMIN_MAX_CONNECTIONS as u64;
 /// A PostgreSQL store's connections beyond its pool: the LISTEN connection
 /// of waiting routes and the migration lock's.
 const POSTGRES_EXTRA: u64 = 2;

@@ -18,7 +18,9 @@
 //! - [`clock`]: the wall clock, injected so tests can pause it.
 //! - `net`: plumbing written once (backoff, ...); imports nothing above it.
 //! - `problem`: RFC 9457 responses, the one error-to-response mapping.
-//! - [`server`]: listeners, connection limits, sweeper, graceful shutdown.
+//! - [`net`]: plumbing written once: the accept loop, connection
+//!   deadlines, the shutdown phases ([`net::drain::Drain`]).
+//! - [`server`]: wiring: the listeners, sweeper and graceful shutdown.
 //! - `admin`, [`metrics`], [`telemetry`]: health, Prometheus, logs and
 //!   (feature `otel`) OpenTelemetry traces.
 //! - [`net`]: plumbing written once: TLS clients and handshake diagnosis,

@@ -31,6 +31,8 @@ use crate::config::{Config, Secret, StoreConfig};
 use crate::error::{KeyFate, Origin, ProxyError};
 use crate::lease::Leases;
 use crate::metrics::{GaugeGuard, Metrics, Outcome};
+use crate::net::connection::Guarded;
+use crate::net::drain::Drain;
 use crate::problem::Problem;
 use crate::route::{normalize_path, RouteTable};
 use crate::store::Store;
@@ -90,7 +92,8 @@ struct Shared {
     /// Open tunnels, process-wide (at most the starting
     /// `server.max_connections`), so a reload does not add another limit.
     tunnels: Arc<Semaphore>,
-    /// Cancelled when the server starts draining ([`Proxy::drain`]).
+    /// Cancelled when the server closes its connections (the drain's
+    /// phase 3): duplicates still waiting answer 409 then.
     draining: CancellationToken,
     /// Detached work: protected requests from their claim on, and store
     /// writes that outlive them. Shutdown waits for it.
@@ -108,8 +111,9 @@ impl Proxy {
         store: Arc<dyn Store>,
         metrics: Arc<Metrics>,
         clock: Clock,
+        drain: &Drain,
     ) -> Result<Self, UpstreamSetupError> {
-        let tasks = TaskTracker::new();
+        let tasks = drain.tasks.clone();
         let waiters = Arc::new(
             waiters::Waiters::new(waiters::MAX_WAITERS_PER_KEY, waiters::MAX_WAITERS_TOTAL)
                 .with_gauge(metrics.waiters().clone()),
@@ -134,7 +138,7 @@ impl Proxy {
             notifier,
             store_config: Arc::new(config.store.clone()),
             tunnels: Arc::new(Semaphore::new(config.server.max_connections)),
-            draining: CancellationToken::new(),
+            draining: drain.close_connections.clone(),
             metrics,
             tracer: trace::Tracer::new(config.tracing.as_ref()),
             tasks,
@@ -168,16 +172,6 @@ impl Proxy {
             latencies: latency::Latencies::new(config.routes.iter().map(|r| &r.label)),
             shared,
         })
-    }
-
-    /// The server is draining (every generation shares this): duplicates
-    /// still waiting answer 409 now instead of holding their connections.
-    pub fn drain(&self) {
-        self.shared.draining.cancel();
-    }
-
-    pub fn tasks(&self) -> &TaskTracker {
-        &self.shared.tasks
     }
 
     /// The key ids of completions still waiting for the store.
@@ -343,41 +337,6 @@ impl Proxy {
         self.shared
             .metrics
             .upstream_request(self.forwarder.label(upstream))
-    }
-}
-
-/// A streamed response body holding a guard until it ends or is dropped.
-struct Guarded<B> {
-    body: B,
-    _guard: GaugeGuard,
-}
-
-impl<B> Guarded<B> {
-    fn new(body: B, guard: GaugeGuard) -> Self {
-        Self {
-            body,
-            _guard: guard,
-        }
-    }
-}
-
-impl<B: http_body::Body + Unpin> http_body::Body for Guarded<B> {
-    type Data = B::Data;
-    type Error = B::Error;
-
-    fn poll_frame(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<http_body::Frame<B::Data>, B::Error>>> {
-        std::pin::Pin::new(&mut self.body).poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        self.body.size_hint()
     }
 }
 

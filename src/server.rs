@@ -1,33 +1,31 @@
-//! Listeners and lifecycles: the bounded accept loop (HTTP/1.1 keep-alive
-//! and h2c via hyper-util's auto builder), the admin listener, the sweeper,
-//! and graceful shutdown (stop accepting, drain connections and detached
-//! upstream executions within the grace period).
+//! Wiring: the proxy listener (HTTP/1.1 keep-alive and h2c via hyper-util's
+//! auto builder) and the admin listener, both bounded and under deadlines
+//! ([`crate::net`]), the sweeper, and graceful shutdown through one
+//! [`Drain`] (stop accepting, drain connections and detached upstream
+//! executions within the grace period).
 //!
-//! - `connection.rs`: one client connection, its deadlines and its close.
 //! - `reload.rs`: SIGHUP reloads of the config, swapped in atomically.
 
-mod connection;
 pub mod reload;
 
 use crate::admin::{Admin, StoreHealth};
 use crate::clock::Clock;
 use crate::config::Config;
 use crate::metrics::Metrics;
+use crate::net::connection::{self, Deadlines};
+use crate::net::drain::Drain;
+use crate::net::listen;
 use crate::proxy::Proxy;
 use crate::store::Store;
 use anyhow::Context;
 use arc_swap::ArcSwap;
-use connection::Deadlines;
-use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use reload::ReloadSource;
-use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, error, info, warn};
@@ -59,8 +57,10 @@ const H1_MAX_BUF_SIZE: usize = 64 << 10;
 /// hyper's default: HPACK-decoded heads per stream are bounded by it.
 const H2_MAX_HEADER_LIST_SIZE: u32 = 16 << 10;
 
-/// Accept errors (EMFILE and friends) back off instead of spinning.
-const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+/// Admin connections open at once (probes, a scraper or two, a person):
+/// the rest wait in the backlog. Counted in the descriptor budget
+/// (`fd_limit`).
+pub const ADMIN_MAX_CONNECTIONS: usize = 16;
 
 /// Already-bound sockets, so tests can bind port 0 and read the address.
 pub struct Listeners {
@@ -172,14 +172,15 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
     metrics.config_started(reload::unix_secs());
     // The proxy of the running config; a reload swaps in another, and each
     // request keeps the one it started on.
+    let drain = Drain::default();
     let current = Arc::new(ArcSwap::from_pointee(Proxy::new(
         &config,
         store.clone(),
         metrics.clone(),
         clock,
+        &drain,
     )?));
-    let stop = CancellationToken::new();
-    let draining = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop = drain.stop.clone();
 
     let sweeper = tokio::spawn(sweep_loop(
         store.clone(),
@@ -200,16 +201,20 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
             stop.clone(),
         ))
     });
+    let deadlines = Deadlines {
+        head: config.server.header_read_timeout,
+        idle: config.server.idle_timeout,
+    };
     let admin_task = listeners.admin.map(|listener| {
         let admin = Arc::new(Admin {
             store: store.clone(),
             metrics: metrics.clone(),
-            draining: draining.clone(),
+            draining: drain.requested.clone(),
             readiness: config.server.readiness,
             health: health.clone(),
         });
         info!(addr = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(), "admin listening");
-        tokio::spawn(admin_loop(listener, admin, stop.clone()))
+        tokio::spawn(admin_loop(listener, admin, deadlines, stop.clone()))
     });
 
     info!(
@@ -227,7 +232,7 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
         .max_buf_size(H1_MAX_BUF_SIZE)
         .keep_alive(true);
     // Pings find dead h2 peers; idle connections of either protocol end
-    // with the deadlines in connection.rs.
+    // with the deadlines in net/connection.rs.
     builder
         .http2()
         .timer(TokioTimer::new())
@@ -239,127 +244,104 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
         .initial_connection_window_size(H2_CONNECTION_WINDOW)
         .max_pending_accept_reset_streams(H2_MAX_PENDING_ACCEPT_RESETS)
         .max_local_error_reset_streams(H2_MAX_LOCAL_ERROR_RESETS);
-    let connections = Arc::new(Semaphore::new(config.server.max_connections));
-    let deadlines = Deadlines {
-        head: config.server.header_read_timeout,
-        idle: config.server.idle_timeout,
-    };
-    // Cancelled to start every connection's graceful close; the tracker
-    // tells when they have all ended.
-    let drain = CancellationToken::new();
-    let open = TaskTracker::new();
-    let listener = listeners.proxy;
+    let accepting = listen::serve(
+        "proxy",
+        listeners.proxy,
+        config.server.max_connections,
+        &drain.connections,
+        drain.stop_accepting.cancelled(),
+        |stream, peer| {
+            let _ = stream.set_nodelay(true);
+            let current = current.clone();
+            // The config of the moment, held by the request to its end.
+            let (svc, activity) =
+                connection::track(move |req| current.load_full().handle(req, peer));
+            // Upgrades (WebSocket) pass on unprotected routes: proxy/forward.rs.
+            let conn = builder
+                .serve_connection_with_upgrades(TokioIo::new(stream), svc)
+                .into_owned();
+            let served = connection::serve(
+                conn,
+                activity,
+                deadlines,
+                drain.close_connections.clone(),
+                peer,
+            );
+            let gauge = metrics.open_connections().clone();
+            gauge.inc();
+            async move {
+                served.await;
+                gauge.dec();
+            }
+        },
+    );
     // Readiness fails first; the listener keeps accepting for
     // shutdown_delay so load balancers notice before connections are refused.
-    let shutdown = {
-        let draining = draining.clone();
-        let delay = config.server.shutdown_delay;
-        async move {
-            shutdown.await;
-            draining.store(true, std::sync::atomic::Ordering::Relaxed);
-            if !delay.is_zero() {
-                info!(delay = ?delay, "shutdown requested: readiness fails, still accepting for the delay");
-                tokio::time::sleep(delay).await;
-            }
-        }
-    };
-    tokio::pin!(shutdown);
-    loop {
-        let permit = tokio::select! {
-            p = connections.clone().acquire_owned() => p?,
-            _ = &mut shutdown => break,
-        };
-        let (stream, peer) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(a) => a,
-                Err(e) => {
-                    warn!(error = %e, "accept failed");
-                    tokio::time::sleep(ACCEPT_BACKOFF).await;
-                    continue;
-                }
-            },
-            _ = &mut shutdown => break,
-        };
-        let _ = stream.set_nodelay(true);
-        let conn = connection::serve(
-            &builder,
-            stream,
-            peer,
-            current.clone(),
-            deadlines,
-            drain.clone(),
-        );
-        let gauge = metrics.open_connections().clone();
-        gauge.inc();
-        open.spawn(async move {
-            conn.await;
-            gauge.dec();
-            drop(permit);
-        });
-    }
-    drop(listener);
+    tokio::join!(
+        accepting,
+        drain.request_on(shutdown, config.server.shutdown_delay)
+    );
     info!(grace = ?config.server.shutdown_grace, "shutting down: no new connections, draining");
     let deadline = tokio::time::Instant::now() + config.server.shutdown_grace;
-    drain.cancel();
-    current.load().drain();
-    open.close();
-    if tokio::time::timeout_at(deadline, open.wait())
-        .await
-        .is_err()
-    {
+    if !drain.close_connections(deadline).await {
         warn!("grace period over with connections still open; closing them");
     }
     // Upstream calls already made must still get their results recorded
-    // (every generation of the proxy shares one task tracker).
-    let proxy = current.load_full();
-    proxy.tasks().close();
-    if tokio::time::timeout_at(deadline, proxy.tasks().wait())
-        .await
-        .is_err()
-    {
+    // (every generation of the proxy shares the drain's task tracker).
+    if !drain.wait_tasks(deadline).await {
         warn!("grace period over with upstream requests still running; their keys recover when the lease runs out");
-        for key_id in proxy.pending_completions() {
+        for key_id in current.load().pending_completions() {
             error!(key.id = %key_id,
                 "shutting down with this completion not recorded: the request executed, but a retry after its lease runs out will run it again");
         }
     }
-    stop.cancel();
+    drain.stop.cancel();
     let _ = sweeper.await;
     let _ = prober.await;
     if let Some(t) = reloader {
         let _ = t.await;
     }
+    // Admin connections close now; they may take what is left of the grace.
     if let Some(t) = admin_task {
-        let _ = t.await;
+        let _ = tokio::time::timeout_at(deadline, t).await;
     }
     info!("stopped");
     Ok(())
 }
 
-async fn admin_loop(listener: TcpListener, admin: Arc<Admin>, stop: CancellationToken) {
-    loop {
-        let (stream, _) = tokio::select! {
-            a = listener.accept() => match a {
-                Ok(a) => a,
-                Err(e) => {
-                    warn!(error = %e, "admin accept failed");
-                    tokio::time::sleep(ACCEPT_BACKOFF).await;
-                    continue;
-                }
-            },
-            _ = stop.cancelled() => return,
-        };
-        let admin = admin.clone();
-        tokio::spawn(async move {
-            let svc = service_fn(move |req| {
+/// Serves the admin endpoints until `stop`, then closes its connections
+/// gracefully and waits for them: at most [`ADMIN_MAX_CONNECTIONS`] at once,
+/// each under the proxy's head and idle deadlines (and hyper's HTTP/1
+/// header timeout, which needs the timer).
+async fn admin_loop(
+    listener: TcpListener,
+    admin: Arc<Admin>,
+    deadlines: Deadlines,
+    stop: CancellationToken,
+) {
+    let open = TaskTracker::new();
+    listen::serve(
+        "admin",
+        listener,
+        ADMIN_MAX_CONNECTIONS,
+        &open,
+        stop.cancelled(),
+        |stream, peer| {
+            let admin = admin.clone();
+            let (svc, activity) = connection::track(move |req| {
                 let admin = admin.clone();
-                async move { Ok::<_, Infallible>(admin.handle(req).await) }
+                async move { admin.handle(req).await }
             });
-            let _ = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), svc)
-                .await;
-        });
-    }
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(deadlines.head)
+                .serve_connection(TokioIo::new(stream), svc);
+            connection::serve(conn, activity, deadlines, stop.clone(), peer)
+        },
+    )
+    .await;
+    open.close();
+    open.wait().await;
 }
 
 /// Deletes expired records in small batches every `interval`.

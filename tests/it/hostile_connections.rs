@@ -694,3 +694,83 @@ pub(crate) mod h2raw {
         }
     }
 }
+
+/// Sends a `GET /healthz` on a fresh connection to `addr`; its status
+/// line, or `None` when nothing came back within `wait`.
+async fn healthz_within(addr: SocketAddr, wait: Duration) -> Option<String> {
+    let mut s = TcpStream::connect(addr).await.expect("connect");
+    s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .expect("write");
+    let mut head = [0u8; 12];
+    match tokio::time::timeout(wait, s.read_exact(&mut head)).await {
+        Ok(Ok(_)) => Some(String::from_utf8_lossy(&head).into_owned()),
+        _ => None,
+    }
+}
+
+/// Pins issue 18 (the admin listener): it accepted without a limit, so
+/// silent sockets could take every descriptor. At
+/// `ADMIN_MAX_CONNECTIONS` open ones the next waits in the backlog, and is
+/// served as soon as one of them ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_connections_past_the_admin_limit_wait_for_a_slot() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::builder(Backend::Memory, up.addr)
+        .set("server.header_read_timeout", "30s")
+        .admin()
+        .start()
+        .await;
+    let admin = proxy.admin_addr.expect("admin");
+    let mut silent = Vec::new();
+    for _ in 0..idemgate::server::ADMIN_MAX_CONNECTIONS {
+        silent.push(TcpStream::connect(admin).await.expect("connect"));
+    }
+    let queued = healthz_within(admin, Duration::from_secs(1)).await;
+    assert_eq!(queued, None, "served past the admin limit");
+    let queued = tokio::spawn(healthz_within(admin, Duration::from_secs(5)));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    silent.pop();
+    let answer = queued.await.expect("client");
+    assert_eq!(
+        answer.as_deref(),
+        Some("HTTP/1.1 200"),
+        "served once a slot freed"
+    );
+}
+
+/// Pins issue 18 (the admin listener): its HTTP/1 builder had no timer, so
+/// hyper dropped its header timeout and a silent or trickling socket held
+/// its admin connection forever; now each closes at `header_read_timeout`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_admin_sockets_are_closed_at_the_head_deadline() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::builder(Backend::Memory, up.addr)
+        .set("server.header_read_timeout", "1s")
+        .admin()
+        .start()
+        .await;
+    let admin = proxy.admin_addr.expect("admin");
+    let openings: [(&str, &[u8]); 3] = [
+        ("nothing", b""),
+        ("one byte of a method", b"G"),
+        (
+            "a head without its end",
+            b"GET /metrics HTTP/1.1\r\nHost: x\r\n",
+        ),
+    ];
+    for (what, opening) in openings {
+        let mut s = TcpStream::connect(admin).await.expect("connect");
+        s.write_all(opening).await.expect("write");
+        let lived = time_to_close(&mut s, Duration::from_secs(5)).await;
+        eprintln!("admin, {what}: closed after {lived:?}");
+        let lived = lived.unwrap_or_else(|| panic!("{what}: still open after 5 s"));
+        assert!(lived < Duration::from_secs(3), "{what}: lived {lived:?}");
+    }
+    assert_eq!(
+        healthz_within(admin, Duration::from_secs(2))
+            .await
+            .as_deref(),
+        Some("HTTP/1.1 200")
+    );
+}

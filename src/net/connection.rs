@@ -1,5 +1,6 @@
-//! One client connection: served by hyper-util's auto builder, under the
-//! deadlines no hyper timer covers, and closed gracefully on shutdown.
+//! One served connection (the proxy's, through hyper-util's auto builder,
+//! or the admin's HTTP/1), under the deadlines no hyper timer covers, and
+//! closed gracefully on shutdown.
 //!
 //! hyper's HTTP/1 `header_read_timeout` only starts once the auto builder
 //! has told HTTP/1 from HTTP/2, which waits for up to 24 bytes of the h2
@@ -19,26 +20,24 @@
 //!   previous response ends, so it closes at whichever is shorter.
 //!
 //! A request is in progress from the moment hyper hands its head to the
-//! service until its response body is sent or dropped ([`Tracked`]). At a
+//! service until its response body is sent or dropped ([`Guarded`]). At a
 //! deadline the connection is shut down gracefully (an HTTP/2 peer gets a
-//! GOAWAY) and dropped if it has not closed [`CLOSE_GRACE`] later.
+//! GOAWAY) and dropped if it has not closed [`CLOSE_GRACE`] later. The
+//! durations come from the caller (the server's config).
 
-use crate::body::ProxyBody;
-use crate::proxy::Proxy;
-use arc_swap::ArcSwap;
-use bytes::Bytes;
+use http::{Request, Response};
 use http_body::{Body, Frame, SizeHint};
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use hyper_util::server::conn::auto;
+use hyper::body::Incoming;
+use hyper::service::{service_fn, Service};
+use hyper_util::server::graceful::GracefulConnection;
 use std::convert::Infallible;
+use std::fmt::Display;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
-use tokio::net::TcpStream;
 use tokio::sync::watch;
 use tokio::time::{sleep_until, Instant};
 use tokio_util::sync::CancellationToken;
@@ -58,36 +57,60 @@ pub struct Deadlines {
     pub idle: Duration,
 }
 
-/// Serves one accepted connection until it ends: its deadlines run out,
-/// `drain` is cancelled (graceful shutdown) and it finishes, or the peer
-/// closes it.
-pub fn serve(
-    builder: &auto::Builder<TokioExecutor>,
-    stream: TcpStream,
-    peer: SocketAddr,
-    current: Arc<ArcSwap<Proxy>>,
-    deadlines: Deadlines,
-    drain: CancellationToken,
-) -> impl Future<Output = ()> + Send + 'static {
-    let (in_progress, mut changes) = watch::channel(0usize);
+/// How many requests are in progress on one connection, as [`track`]
+/// counts them: what the idle deadline of [`serve`] watches.
+pub struct Activity(watch::Receiver<usize>);
+
+/// The service of one connection: `handler` answers each request, which is
+/// counted in progress from its head until its response body is sent or
+/// dropped ([`Guarded`]).
+pub fn track<H, F, B>(
+    handler: H,
+) -> (
+    impl Service<
+            Request<Incoming>,
+            Response = Response<Guarded<B, InProgress>>,
+            Error = Infallible,
+            Future: Send + 'static,
+        > + Send
+        + 'static,
+    Activity,
+)
+where
+    H: Fn(Request<Incoming>) -> F + Send + 'static,
+    F: Future<Output = Response<B>> + Send + 'static,
+    B: Body + Unpin + Send + 'static,
+{
+    let (in_progress, changes) = watch::channel(0usize);
     let in_progress = Arc::new(in_progress);
     let svc = service_fn(move |req| {
-        // The config of the moment, held by the request to its end.
-        let proxy = current.load_full();
         let guard = InProgress::begin(&in_progress);
-        async move {
-            let resp = proxy.handle(req, peer).await;
-            Ok::<_, Infallible>(resp.map(|body| Tracked {
-                body,
-                _guard: guard,
-            }))
-        }
+        let resp = handler(req);
+        async move { Ok::<_, Infallible>(resp.await.map(|body| Guarded::new(body, guard))) }
     });
-    let conn = builder
-        // Upgrades (WebSocket) pass on unprotected routes: proxy/forward.rs.
-        .serve_connection_with_upgrades(TokioIo::new(stream), svc)
-        .into_owned();
+    (svc, Activity(changes))
+}
+
+/// Serves `conn` (a hyper connection whose service came from [`track`],
+/// with `activity`) until it ends: its deadlines run out, `close` is
+/// cancelled (graceful shutdown) and it finishes, or the peer closes it.
+// Not an `async fn`: the future's `Send` is proven here, for any `C`,
+// rather than at each caller's spawn (where hyper's higher-ranked bounds
+// defeat the check).
+#[allow(clippy::manual_async_fn)]
+pub fn serve<C>(
+    conn: C,
+    activity: Activity,
+    deadlines: Deadlines,
+    close: CancellationToken,
+    peer: SocketAddr,
+) -> impl Future<Output = ()> + Send + 'static
+where
+    C: GracefulConnection + Send + 'static,
+    C::Error: Display,
+{
     async move {
+        let mut changes = activity.0;
         tokio::pin!(conn);
         let mut deadline = Instant::now() + deadlines.head;
         let mut idle = true;
@@ -125,7 +148,7 @@ pub fn serve(
                     closing = true;
                     deadline = Instant::now() + CLOSE_GRACE;
                 }
-                () = drain.cancelled(), if !closing => {
+                () = close.cancelled(), if !closing => {
                     conn.as_mut().graceful_shutdown();
                     closing = true;
                     if idle {
@@ -138,7 +161,7 @@ pub fn serve(
 }
 
 /// Counts one request as in progress on its connection while it lives.
-struct InProgress(Arc<watch::Sender<usize>>);
+pub struct InProgress(Arc<watch::Sender<usize>>);
 
 impl InProgress {
     fn begin(count: &Arc<watch::Sender<usize>>) -> Self {
@@ -153,21 +176,31 @@ impl Drop for InProgress {
     }
 }
 
-/// A response body that keeps its request in progress until hyper has
-/// sent it (or dropped it): a long streamed response is not idleness.
-struct Tracked {
-    body: ProxyBody,
-    _guard: InProgress,
+/// A body that holds `guard` until hyper has sent it (or dropped it): a
+/// request in progress ([`track`]: a long streamed response is not
+/// idleness), a gauge of requests in flight.
+pub struct Guarded<B, G> {
+    body: B,
+    _guard: G,
 }
 
-impl Body for Tracked {
-    type Data = Bytes;
-    type Error = <ProxyBody as Body>::Error;
+impl<B, G> Guarded<B, G> {
+    pub fn new(body: B, guard: G) -> Self {
+        Self {
+            body,
+            _guard: guard,
+        }
+    }
+}
+
+impl<B: Body + Unpin, G: Unpin> Body for Guarded<B, G> {
+    type Data = B::Data;
+    type Error = B::Error;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+    ) -> Poll<Option<Result<Frame<B::Data>, Self::Error>>> {
         Pin::new(&mut self.body).poll_frame(cx)
     }
 
