@@ -4,6 +4,10 @@
 //! of a second execution.
 //!
 //! # Layout
+//! - [`net`]: plumbing written once, importing nothing above it: backoff,
+//!   the accept loop, connection deadlines, the shutdown phases
+//!   ([`net::drain::Drain`]), TLS clients and handshake diagnosis, error
+//!   chains.
 //! - [`config`]: the TOML file, parsed strictly into typed settings.
 //! - `route`: path patterns and the protected-route table.
 //! - [`idempotency`]: the protocol as pure functions: key parsing, scope,
@@ -16,15 +20,10 @@
 //! - `upstream`: the upstreams' pooled clients (named, HTTPS, HTTP/2) and
 //!   the byte tunnel of upgraded connections.
 //! - [`clock`]: the wall clock, injected so tests can pause it.
-//! - `net`: plumbing written once (backoff, ...); imports nothing above it.
 //! - `problem`: RFC 9457 responses, the one error-to-response mapping.
-//! - [`net`]: plumbing written once: the accept loop, connection
-//!   deadlines, the shutdown phases ([`net::drain::Drain`]).
 //! - [`server`]: wiring: the listeners, sweeper and graceful shutdown.
 //! - `admin`, [`metrics`], [`telemetry`]: health, Prometheus, logs and
 //!   (feature `otel`) OpenTelemetry traces.
-//! - [`net`]: plumbing written once: TLS clients and handshake diagnosis,
-//!   error chains.
 //! - [`keys`]: the `keys` commands that inspect and repair records.
 //! - [`demo`]: a small orders API to try idemgate against, and its commands.
 //! - `fuzzing`: not a stable API; the crate-private parsers and codecs,
