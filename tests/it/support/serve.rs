@@ -115,8 +115,8 @@ impl ServerBuilder {
                 |tcp, _| {
                     let (handler, tls, builder) = (handler.clone(), tls.clone(), builder.clone());
                     async move {
-                        match tls {
-                            None => connection(builder, tcp, Conn::default(), handler).await,
+                        let (io, conn): (Box<dyn Io>, Conn) = match tls {
+                            None => (Box::new(tcp), Conn::default()),
                             Some(acceptor) => {
                                 let Ok(stream) = acceptor.accept(tcp).await else {
                                     return;
@@ -130,9 +130,11 @@ impl ServerBuilder {
                                         .unwrap_or_default(),
                                     client_cert: session.peer_certificates().is_some(),
                                 };
-                                connection(builder, stream, Conn { tls: Some(tls) }, handler).await
+                                (Box::new(stream), Conn { tls: Some(tls) })
                             }
-                        }
+                        };
+                        let svc = service_fn(move |req| handler(req, &conn));
+                        let _ = builder.serve_connection(TokioIo::new(io), svc).await;
                     }
                 },
             )
@@ -142,20 +144,6 @@ impl ServerBuilder {
     }
 }
 
-async fn connection<I, H, F, B, E>(
-    builder: auto::Builder<TokioExecutor>,
-    io: I,
-    conn: Conn,
-    handler: Arc<H>,
-) where
-    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
-    H: Fn(Request<Incoming>, &Conn) -> F + Send + Sync + 'static,
-    F: Future<Output = Result<Response<B>, E>> + Send + 'static,
-    B: Body + Send + 'static,
-    B::Data: Send,
-    B::Error: Into<BoxError>,
-    E: Into<BoxError>,
-{
-    let svc = service_fn(move |req| handler(req, &conn));
-    let _ = builder.serve_connection(TokioIo::new(io), svc).await;
-}
+/// A plain or TLS stream: one type for the connection's server.
+trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
