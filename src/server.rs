@@ -71,19 +71,14 @@ pub struct Listeners {
 impl Listeners {
     /// Binds the addresses the config names.
     pub async fn bind(config: &Config) -> std::io::Result<Self> {
-        let proxy = TcpListener::bind(config.server.listen).await.map_err(|e| {
-            std::io::Error::new(
-                e.kind(),
-                format!("cannot listen on {}: {e}", config.server.listen),
-            )
-        })?;
+        let bind = |addr, what: &'static str| async move {
+            TcpListener::bind(addr).await.map_err(|e| {
+                std::io::Error::new(e.kind(), format!("cannot listen on {addr}{what}: {e}"))
+            })
+        };
+        let proxy = bind(config.server.listen, "").await?;
         let admin = match &config.admin {
-            Some(a) => Some(TcpListener::bind(a.listen).await.map_err(|e| {
-                std::io::Error::new(
-                    e.kind(),
-                    format!("cannot listen on {} (admin): {e}", a.listen),
-                )
-            })?),
+            Some(a) => Some(bind(a.listen, " (admin)").await?),
             None => None,
         };
         Ok(Self { proxy, admin })

@@ -15,7 +15,7 @@
 //! the WAL is flushed: a server crash loses it) or `local` (a failover to
 //! a synchronous standby loses it) is raised to `on` for idemgate's own
 //! sessions, and anything stronger is kept ([`raised_commit`]). Each new
-//! connection is raised once ([`Connector`]); behind PgBouncer each call's
+//! connection is raised once (`pool::Connector`); behind PgBouncer each call's
 //! transaction is. Start-up logs it once, and `check-config --connect`
 //! says it ([`PostgresStore::probe`]).
 //!

@@ -1,6 +1,7 @@
 //! Shared harness for the integration tests. Every suite uses the same
 //! pieces:
 //!
+//! - [`serve`]: the one test server builder (HTTP/1.1, h2c, TLS, a handler);
 //! - [`upstream`]: a counting test upstream on 127.0.0.1:0;
 //! - [`proxy`]: the proxy in-process on a real socket, per [`Backend`];
 //! - [`process`]: the real binary as a child process (`serve`, one-shot commands);
@@ -39,6 +40,7 @@ pub mod recording_upstream;
 pub mod redis_cluster;
 pub mod redis_tls;
 pub mod seed;
+pub mod serve;
 pub mod services;
 pub mod tls_upstream;
 pub mod traffic;

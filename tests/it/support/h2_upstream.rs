@@ -3,18 +3,15 @@
 //! request's, then trailers (`grpc-status: 0`, `grpc-message`). It records
 //! each request's version and headers, so a test sees what arrived.
 
+use super::serve::{server, TestServer};
 use bytes::Bytes;
 use http::{HeaderMap, Response, Version};
 use http_body_util::{BodyExt, StreamBody};
 use hyper::body::{Frame, Incoming};
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
 use idemgate::body::{boxed, BoxError, ProxyBody};
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use tokio::net::TcpListener;
-use tokio::task::JoinHandle;
 
 /// One request as the upstream saw it.
 #[derive(Clone, Debug)]
@@ -28,38 +25,25 @@ pub struct H2Seen {
 pub struct H2Upstream {
     pub addr: SocketAddr,
     seen: Arc<Mutex<Vec<H2Seen>>>,
-    task: JoinHandle<()>,
-}
-
-impl Drop for H2Upstream {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
+    _server: TestServer,
 }
 
 impl H2Upstream {
     pub async fn start() -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind h2 upstream");
-        let addr = listener.local_addr().expect("addr");
         let seen = Arc::new(Mutex::new(Vec::new()));
         let log = seen.clone();
-        let task = tokio::spawn(async move {
-            while let Ok((stream, _)) = listener.accept().await {
+        let server = server()
+            .h2_only()
+            .serve(move |req, _| {
                 let log = log.clone();
-                tokio::spawn(async move {
-                    let svc = service_fn(move |req: http::Request<Incoming>| {
-                        let log = log.clone();
-                        async move { Ok::<_, Infallible>(answer(req, &log).await) }
-                    });
-                    let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
-                        .serve_connection(TokioIo::new(stream), svc)
-                        .await;
-                });
-            }
-        });
-        Self { addr, seen, task }
+                async move { Ok::<_, Infallible>(answer(req, &log).await) }
+            })
+            .await;
+        Self {
+            addr: server.addr,
+            seen,
+            _server: server,
+        }
     }
 
     pub fn seen(&self) -> Vec<H2Seen> {

@@ -3,13 +3,12 @@
 //! (the spans, flattened, and every request body as received, so a test can
 //! search the raw export for what must never be in it).
 
+use super::serve::{server, TestServer};
 use super::wait_until;
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
 use opentelemetry_proto::tonic::collector::trace::v1::{
     ExportTraceServiceRequest, ExportTraceServiceResponse,
 };
@@ -20,8 +19,6 @@ use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use tokio::net::TcpListener;
-use tokio::task::JoinHandle;
 
 /// One exported span, with ids in lower-case hex and attribute values as
 /// strings.
@@ -56,38 +53,23 @@ struct Received {
 pub struct OtlpReceiver {
     pub addr: SocketAddr,
     received: Arc<Mutex<Received>>,
-    task: JoinHandle<()>,
+    _server: TestServer,
 }
 
 impl OtlpReceiver {
     pub async fn start() -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind the OTLP receiver");
-        let addr = listener.local_addr().expect("receiver addr");
         let received = Arc::new(Mutex::new(Received::default()));
         let state = received.clone();
-        let task = tokio::spawn(async move {
-            loop {
-                let Ok((stream, _)) = listener.accept().await else {
-                    continue;
-                };
+        let server = server()
+            .serve(move |req, _| {
                 let state = state.clone();
-                tokio::spawn(async move {
-                    let svc = service_fn(move |req| {
-                        let state = state.clone();
-                        async move { Ok::<_, Infallible>(receive(&state, req).await) }
-                    });
-                    let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                        .serve_connection(TokioIo::new(stream), svc)
-                        .await;
-                });
-            }
-        });
+                async move { Ok::<_, Infallible>(receive(&state, req).await) }
+            })
+            .await;
         Self {
-            addr,
+            addr: server.addr,
             received,
-            task,
+            _server: server,
         }
     }
 
@@ -113,12 +95,6 @@ impl OtlpReceiver {
     ) -> RecordedSpan {
         wait_until(what, || self.spans().iter().any(&pred)).await;
         self.spans().into_iter().find(pred).expect("just seen")
-    }
-}
-
-impl Drop for OtlpReceiver {
-    fn drop(&mut self) {
-        self.task.abort();
     }
 }
 

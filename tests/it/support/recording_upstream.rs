@@ -11,12 +11,11 @@
 //! (408/425/429), resets before the head and resets mid-body.
 
 use super::seed::Seed;
+use super::serve::{server, TestServer};
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode};
 use http_body_util::{BodyExt, StreamBody};
 use hyper::body::{Frame, Incoming};
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
 use idemgate::body::{boxed, full, BoxError, ProxyBody};
 use rand::rngs::StdRng;
 use rand::Rng;
@@ -24,8 +23,6 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use tokio::net::TcpListener;
-use tokio::task::JoinHandle;
 
 /// The request header carrying the harness's request id (forwarded by the
 /// proxy like any end-to-end header, and not part of the fingerprint).
@@ -172,7 +169,7 @@ struct Log {
 pub struct RecordingUpstream {
     pub addr: SocketAddr,
     log: Arc<Log>,
-    task: JoinHandle<()>,
+    _server: TestServer,
 }
 
 impl RecordingUpstream {
@@ -180,31 +177,19 @@ impl RecordingUpstream {
     /// `upstream_timeout`, which the slow kinds are measured against. The
     /// n-th execution of a scope's key draws from `seed` and (scope, key, n).
     pub async fn start(mix: Mix, timeout: Duration, seed: Seed) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind the recording upstream");
-        let addr = listener.local_addr().expect("upstream addr");
         let log = Arc::new(Log::default());
-        let mix = Arc::new(mix);
-        let l = log.clone();
-        let task = tokio::spawn(async move {
-            loop {
-                let Ok((stream, _)) = listener.accept().await else {
-                    continue;
-                };
+        let (l, mix) = (log.clone(), Arc::new(mix));
+        let server = server()
+            .serve(move |req, _| {
                 let (log, mix) = (l.clone(), mix.clone());
-                tokio::spawn(async move {
-                    let svc = service_fn(move |req| {
-                        let (log, mix) = (log.clone(), mix.clone());
-                        async move { handle(&log, &mix, timeout, seed, req).await }
-                    });
-                    let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                        .serve_connection(TokioIo::new(stream), svc)
-                        .await;
-                });
-            }
-        });
-        Self { addr, log, task }
+                async move { handle(&log, &mix, timeout, seed, req).await }
+            })
+            .await;
+        Self {
+            addr: server.addr,
+            log,
+            _server: server,
+        }
     }
 
     /// Everything received so far, in order of arrival.
@@ -235,12 +220,6 @@ impl RecordingUpstream {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         false
-    }
-}
-
-impl Drop for RecordingUpstream {
-    fn drop(&mut self) {
-        self.task.abort();
     }
 }
 

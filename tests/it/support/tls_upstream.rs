@@ -4,9 +4,8 @@
 //! HTTP/1.1 and h2 by ALPN) that answers every request with what it saw of
 //! the TLS session.
 
+use super::serve::{server, TestServer};
 use http::{Response, StatusCode};
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
 use idemgate::body::{full, ProxyBody};
 use rcgen::{
     date_time_ymd, BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair,
@@ -20,8 +19,6 @@ use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use tokio::net::TcpListener;
-use tokio::task::JoinHandle;
 use tokio_rustls::TlsAcceptor;
 
 /// A certificate authority for one test; its files are deleted with it.
@@ -104,13 +101,7 @@ pub struct TlsUpstreamConfig<'a> {
 /// `x-tls-client-cert` (`present`/`absent`), `x-http-version`.
 pub struct TlsUpstream {
     pub addr: SocketAddr,
-    task: JoinHandle<()>,
-}
-
-impl Drop for TlsUpstream {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
+    _server: TestServer,
 }
 
 fn provider() -> Arc<rustls::crypto::CryptoProvider> {
@@ -144,50 +135,28 @@ impl TlsUpstream {
         let mut config = builder.with_single_cert(chain, key).expect("server cert");
         config.alpn_protocols = cfg.alpn;
         let acceptor = TlsAcceptor::from(Arc::new(config));
-        let listener = TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind TLS upstream");
-        let addr = listener.local_addr().expect("addr");
-        let task = tokio::spawn(async move {
-            loop {
-                let Ok((tcp, _)) = listener.accept().await else {
-                    continue;
-                };
-                let acceptor = acceptor.clone();
-                tokio::spawn(async move {
-                    // A refused handshake is what some tests are about.
-                    let Ok(tls) = acceptor.accept(tcp).await else {
-                        return;
-                    };
-                    let (_, session) = tls.get_ref();
-                    let sni = session.server_name().unwrap_or("").to_string();
-                    let alpn = session
-                        .alpn_protocol()
-                        .map(|p| String::from_utf8_lossy(p).into_owned())
-                        .unwrap_or_default();
-                    let client_cert = if session.peer_certificates().is_some() {
-                        "present"
-                    } else {
-                        "absent"
-                    };
-                    let svc = service_fn(move |req: http::Request<hyper::body::Incoming>| {
-                        let resp = Response::builder()
-                            .status(StatusCode::OK)
-                            .header("x-tls-sni", sni.clone())
-                            .header("x-tls-alpn", alpn.clone())
-                            .header("x-tls-client-cert", client_cert)
-                            .header("x-http-version", format!("{:?}", req.version()))
-                            .header("x-path", req.uri().path().to_string())
-                            .body::<ProxyBody>(full("hello over tls"))
-                            .expect("response");
-                        async move { Ok::<_, Infallible>(resp) }
-                    });
-                    let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                        .serve_connection(TokioIo::new(tls), svc)
-                        .await;
-                });
-            }
-        });
-        Self { addr, task }
+        let server = server()
+            .tls(acceptor)
+            .serve(|req: http::Request<hyper::body::Incoming>, conn| {
+                let tls = conn.tls.as_ref().expect("a TLS session");
+                let resp = Response::builder()
+                    .status(StatusCode::OK)
+                    .header("x-tls-sni", tls.sni.clone())
+                    .header("x-tls-alpn", tls.alpn.clone())
+                    .header(
+                        "x-tls-client-cert",
+                        if tls.client_cert { "present" } else { "absent" },
+                    )
+                    .header("x-http-version", format!("{:?}", req.version()))
+                    .header("x-path", req.uri().path().to_string())
+                    .body::<ProxyBody>(full("hello over tls"))
+                    .expect("response");
+                async move { Ok::<_, Infallible>(resp) }
+            })
+            .await;
+        Self {
+            addr: server.addr,
+            _server: server,
+        }
     }
 }

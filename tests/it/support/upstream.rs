@@ -1,20 +1,18 @@
 //! The test upstream: a counting HTTP server (HTTP/1.1 and h2c) whose
 //! answers are shaped by query parameters or queued [`Action`]s.
 
+use super::serve::{server, TestServer};
 use super::{free_port, wait_for, wait_until, ORDERS};
 use bytes::Bytes;
 use http::{HeaderMap, Method, Request, Response, StatusCode, Version};
 use http_body_util::{BodyExt, StreamBody};
 use hyper::body::{Frame, Incoming};
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
 use idemgate::body::{boxed, full, BoxError, ProxyBody};
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::net::TcpListener;
-use tokio::task::JoinHandle;
 
 /// One request as the upstream saw it.
 #[derive(Clone, Debug)]
@@ -58,7 +56,7 @@ struct UpState {
 pub struct Upstream {
     pub addr: SocketAddr,
     state: Arc<UpState>,
-    task: JoinHandle<()>,
+    _server: TestServer,
 }
 
 /// The fixed `Date` the upstream sends with `headers=1`.
@@ -84,27 +82,17 @@ impl Upstream {
     }
 
     pub async fn start_on(listener: TcpListener) -> Self {
-        let addr = listener.local_addr().expect("upstream addr");
         let state = Arc::new(UpState::default());
         let st = state.clone();
-        let task = tokio::spawn(async move {
-            loop {
-                let Ok((stream, _)) = listener.accept().await else {
-                    continue;
-                };
-                let st = st.clone();
-                tokio::spawn(async move {
-                    let svc = service_fn(move |req| {
-                        let st = st.clone();
-                        async move { upstream_handle(st, req).await }
-                    });
-                    let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                        .serve_connection(TokioIo::new(stream), svc)
-                        .await;
-                });
-            }
-        });
-        Self { addr, state, task }
+        let server = server()
+            .on(listener)
+            .serve(move |req, _| upstream_handle(st.clone(), req))
+            .await;
+        Self {
+            addr: server.addr,
+            state,
+            _server: server,
+        }
     }
 
     /// An address nothing listens on: connecting to it is refused.
@@ -156,12 +144,6 @@ impl Upstream {
             self.hits(path) >= n
         })
         .await;
-    }
-}
-
-impl Drop for Upstream {
-    fn drop(&mut self) {
-        self.task.abort();
     }
 }
 

@@ -129,13 +129,17 @@ impl WsUpstream {
         let addr = listener.local_addr().expect("addr");
         let heads = Arc::new(Mutex::new(Vec::new()));
         let seen = heads.clone();
+        // Raw bytes on the socket (no hyper), through the one accept loop.
         let task = tokio::spawn(async move {
-            while let Ok((stream, _)) = listener.accept().await {
+            let open = tokio_util::task::TaskTracker::new();
+            let (never, limit) = (std::future::pending(), tokio::sync::Semaphore::MAX_PERMITS);
+            idemgate::net::listen::serve("ws", listener, limit, &open, never, |stream, _| {
                 let seen = seen.clone();
-                tokio::spawn(async move {
+                async move {
                     let _ = serve(stream, seen).await;
-                });
-            }
+                }
+            })
+            .await;
         });
         Self { addr, heads, task }
     }
