@@ -461,15 +461,20 @@ pub(crate) fn rss_kib(pid: u32) -> u64 {
 /// slack. README "Memory" documents the same number.
 const RSS_SLACK_MIB: u64 = 32;
 
-/// What the allocator may keep for reuse after the flood has gone (freed,
-/// not returned to the system): measured at 11-17 MiB.
-const RSS_RESIDUE_MIB: u64 = 24;
+/// What the allocator may keep for reuse after a flood has gone (freed,
+/// not returned to the system): measured at 11-25 MiB, varying with how
+/// the freed buffers fragment the allocator's arenas.
+const RSS_RESIDUE_MIB: u64 = 40;
 
 /// Pins issue 9 defect 2 (bounded memory): 200 clients each sending most of
 /// a 1 MiB protected body and stalling grew the proxy from 9 MiB to
 /// 319 MiB. Now its RSS stays within `max_buffered_body_bytes` plus
-/// [`RSS_SLACK_MIB`], and falls back to within [`RSS_RESIDUE_MIB`] of
-/// where it started once the clients leave.
+/// [`RSS_SLACK_MIB`], falls back to within [`RSS_RESIDUE_MIB`] of where it
+/// started once the clients leave, and three floods in a row leave no more
+/// than one flood's bound (nothing leaks: measured 37, 69, 75, 76 MiB after
+/// one to four floods, the allocator keeping up to the peak). The residue
+/// alone was a flaky bound (24 MiB, seen at 25 in CI): glibc keeps freed
+/// arenas for reuse.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn body_flood_memory_stays_within_the_budget() {
     let up = Upstream::start().await;
@@ -488,54 +493,70 @@ async fn body_flood_memory_stays_within_the_budget() {
     let pid = child.pid();
     let before = rss_kib(pid);
 
-    let clients: Vec<_> = (0..200)
-        .map(|i| {
-            tokio::spawn(stalled_post(
-                listen,
-                format!("flood-{i}"),
-                1 << 20,
-                900 << 10,
-                Duration::from_secs(4),
-            ))
-        })
-        .collect();
-    let mut streams = Vec::new();
-    let mut refused = 0;
-    for c in clients {
-        let (answer, stream) = c.await.expect("client");
-        refused += usize::from(answer.is_some_and(|a| a.starts_with("HTTP/1.1 503")));
-        streams.push(stream);
-    }
-    let under = rss_kib(pid);
-    drop(streams);
-    crate::support::wait_for("the proxy to let go of every body", || async {
-        let m = child.admin_get("/metrics").send().await.text();
-        (metric_value(&m, "idemgate_buffered_body_bytes") == 0).then_some(())
-    })
-    .await;
-    // Freed buffers go back to the system over a moment, not at once.
-    let mut after = rss_kib(pid);
-    for _ in 0..50 {
-        if after < before + RSS_RESIDUE_MIB * 1024 {
-            break;
+    // One flood: RSS under it, how many were refused, RSS once it is gone
+    // (freed buffers go back to the system over a moment, not at once).
+    let flood = |round: usize, settle_below: u64| {
+        let child = &child;
+        async move {
+            let clients: Vec<_> = (0..200)
+                .map(|i| {
+                    tokio::spawn(stalled_post(
+                        listen,
+                        format!("flood-{round}-{i}"),
+                        1 << 20,
+                        900 << 10,
+                        Duration::from_secs(4),
+                    ))
+                })
+                .collect();
+            let mut streams = Vec::new();
+            let mut refused = 0;
+            for c in clients {
+                let (answer, stream) = c.await.expect("client");
+                refused += usize::from(answer.is_some_and(|a| a.starts_with("HTTP/1.1 503")));
+                streams.push(stream);
+            }
+            let under = rss_kib(pid);
+            drop(streams);
+            crate::support::wait_for("the proxy to let go of every body", || async {
+                let m = child.admin_get("/metrics").send().await.text();
+                (metric_value(&m, "idemgate_buffered_body_bytes") == 0).then_some(())
+            })
+            .await;
+            let mut after = rss_kib(pid);
+            for _ in 0..50 {
+                if after < settle_below {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                after = rss_kib(pid);
+            }
+            (under, refused, after)
         }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        after = rss_kib(pid);
-    }
+    };
+    let (under, refused, after) = flood(0, before + RSS_RESIDUE_MIB * 1024).await;
+    let peak_bound = before + (budget_mib + RSS_SLACK_MIB) * 1024;
+    flood(1, after).await;
+    let (_, _, again) = flood(2, after).await;
     eprintln!(
-        "RSS before {} MiB, under the flood {} MiB, after {} MiB; {refused} of 200 refused",
+        "RSS before {} MiB, under the flood {} MiB, after {} MiB, after three floods {} MiB; {refused} of 200 refused",
         before / 1024,
         under / 1024,
-        after / 1024
+        after / 1024,
+        again / 1024
     );
     assert!(
-        under <= before + (budget_mib + RSS_SLACK_MIB) * 1024,
+        under <= peak_bound,
         "RSS grew from {before} KiB to {under} KiB under the flood"
     );
     assert!(refused >= 200 - budget_mib as usize, "{refused} refused");
     assert!(
         after < before + RSS_RESIDUE_MIB * 1024,
         "memory did not fall back after the clients left: {before} KiB before, {after} KiB after"
+    );
+    assert!(
+        again <= peak_bound,
+        "floods leave more behind each time (a leak): {after} KiB after one, {again} KiB after three"
     );
     let resp = child.post(ORDERS).key("after").body("{}").send().await;
     assert_eq!(resp.status(), 201);
