@@ -116,15 +116,18 @@ impl Forwarder {
         peer: SocketAddr,
     ) -> Result<Response<Incoming>, ForwardError> {
         let deadline = tokio::time::Instant::now() + self.timeout(name);
-        let again = Request::from_parts(parts.clone(), crate::body::full(body.clone()));
+        // Only an HTTP/2 upstream refuses a stream unprocessed: the head is
+        // copied for a second try there alone, not on every request.
+        let h2 = self.upstreams.get(name).protocol() == UpstreamProtocol::H2;
+        let again = h2.then(|| Request::from_parts(parts.clone(), crate::body::full(body.clone())));
         let first = Request::from_parts(parts, crate::body::full(body));
-        match self.send_by(name, first, peer, deadline).await {
-            Err(ForwardError::Refused(reason)) => {
+        match (self.send_by(name, first, peer, deadline).await, again) {
+            (Err(ForwardError::Refused(reason)), Some(again)) => {
                 warn!(upstream = %self.upstreams.get(name).name(), %reason,
                     "the upstream refused the request before processing it; sending it once more on a new stream");
                 self.send_by(name, again, peer, deadline).await
             }
-            other => other,
+            (first, _) => first,
         }
     }
 
