@@ -8,10 +8,12 @@
 //! sleeps, or shift them ([`Clock::offset_by`]) to play a replica whose clock
 //! is wrong; [`Clock::scope`] hands such a clock to an in-process server.
 
-use crate::idempotency::UnixMillis;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 use tokio::time::Instant;
+
+/// Milliseconds since the Unix epoch, as the store keeps them.
+pub type UnixMillis = i64;
 
 /// A source of unix milliseconds. Cheap to copy.
 #[derive(Clone, Copy, Debug)]

@@ -41,14 +41,14 @@ fn main() -> ExitCode {
                     return ExitCode::from(EX_USAGE);
                 }
             };
-            idemgate::telemetry::init(&cfg.log);
+            idemgate::telemetry::init(cfg.log.format, &cfg.log.level);
             exit(runtime().and_then(|rt| rt.block_on(idemgate::run(cfg, config))))
         }
         Command::Migrate { config } => {
             let Some(cfg) = load(&config) else {
                 return ExitCode::from(EX_USAGE);
             };
-            idemgate::telemetry::init(&cfg.log);
+            idemgate::telemetry::init(cfg.log.format, &cfg.log.level);
             exit(runtime().and_then(|rt| rt.block_on(idemgate::store::run_migrate(cfg))))
         }
         Command::Keys { config, command } => {
@@ -82,11 +82,11 @@ fn main() -> ExitCode {
             }
         }
         Command::Demo { listen, db } => {
-            idemgate::telemetry::init(&Default::default());
+            idemgate::telemetry::init(Default::default(), "info");
             exit(runtime().and_then(|rt| rt.block_on(idemgate::demo::run(listen, db))))
         }
         Command::DemoUpstream { listen } => {
-            idemgate::telemetry::init(&Default::default());
+            idemgate::telemetry::init(Default::default(), "info");
             exit(runtime().and_then(|rt| rt.block_on(idemgate::demo::run_upstream(listen))))
         }
     }

@@ -2,15 +2,7 @@
 
 use super::raw::RawLog;
 use super::Invalid;
-use serde::Deserialize;
-
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum LogFormat {
-    #[default]
-    Text,
-    Json,
-}
+pub use crate::telemetry::LogFormat;
 
 #[derive(Clone, Debug)]
 pub struct LogConfig {

@@ -4,6 +4,7 @@
 
 use super::raw::RawTracing;
 use super::{mask_url, Invalid};
+pub use crate::telemetry::trace::TracingConfig;
 use http::Uri;
 use std::fmt;
 
@@ -14,18 +15,6 @@ pub const DEFAULT_SERVICE_NAME: &str = "idemgate";
 /// request's `traceparent` decides for its own trace) until an operator
 /// lowers it.
 pub const DEFAULT_SAMPLING_RATIO: f64 = 1.0;
-
-#[derive(Clone, Debug, PartialEq)]
-pub struct TracingConfig {
-    /// Where spans are POSTed: the collector's base URL with `/v1/traces`
-    /// appended, or the URL as written when it has a path of its own.
-    pub traces_url: Uri,
-    /// `service.name` of every span's resource.
-    pub service_name: String,
-    /// The share of traces started here that are recorded (0 to 1); a
-    /// request carrying a `traceparent` follows its sampled flag.
-    pub sampling_ratio: f64,
-}
 
 impl TryFrom<RawTracing> for TracingConfig {
     type Error = Invalid;

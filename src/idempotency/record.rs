@@ -4,8 +4,7 @@
 use super::Fingerprint;
 use bytes::Bytes;
 
-/// Milliseconds since the unix epoch.
-pub type UnixMillis = i64;
+pub use crate::clock::UnixMillis;
 
 /// A response as stored and replayed: status, headers in order (repeated
 /// names kept as separate entries), body bytes.

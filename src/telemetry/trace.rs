@@ -26,6 +26,19 @@ use std::future::Future;
 #[cfg(feature = "otel")]
 mod otel;
 
+/// `[tracing]` as `config` parsed it (the settings live here, with their user).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TracingConfig {
+    /// Where spans are POSTed: the collector's base URL with `/v1/traces`
+    /// appended, or the URL as written when it has a path of its own.
+    pub traces_url: Uri,
+    /// `service.name` of every span's resource.
+    pub service_name: String,
+    /// The share of traces started here that are recorded (0 to 1); a
+    /// request carrying a `traceparent` follows its sampled flag.
+    pub sampling_ratio: f64,
+}
+
 /// Starts request spans; cheap to clone. [`Tracer::disabled`] when the
 /// config has no `[tracing]`.
 #[derive(Clone, Default)]
@@ -57,7 +70,7 @@ impl Tracer {
     /// The exporter for `config` (its batch thread starts here); spans are
     /// flushed when the last clone is dropped. Without the `otel` feature
     /// there is no `[tracing]` config to pass (the section is refused).
-    pub fn new(config: Option<&crate::config::TracingConfig>) -> Self {
+    pub fn new(config: Option<&TracingConfig>) -> Self {
         #[cfg(feature = "otel")]
         {
             let exporting = config.and_then(|c| match otel::Exporting::launch(c) {
@@ -235,16 +248,14 @@ impl ChildSpan {
 #[cfg(all(test, feature = "otel"))]
 mod tests {
     use super::*;
-    use crate::config::Config;
 
     fn tracer() -> Tracer {
         // Nothing listens on port 9: exports fail, which these tests ignore.
-        let config = Config::parse(
-            "[server]\nupstream = \"http://127.0.0.1:1\"\n[tracing]\notlp_endpoint = \"http://127.0.0.1:9\"\n",
-            "t.toml",
-        )
-        .expect("config");
-        Tracer::new(config.tracing.as_ref())
+        Tracer::new(Some(&TracingConfig {
+            traces_url: "http://127.0.0.1:9/v1/traces".parse().unwrap(),
+            service_name: "idemgate".into(),
+            sampling_ratio: 1.0,
+        }))
     }
 
     #[tokio::test]

@@ -3,12 +3,6 @@
 //! idemgate's own sessions, a stronger one kept), and what the server had
 //! is told once at start-up and by `check-config --connect`.
 
-use super::pool::{Core, InUse};
-use crate::store::StoreError;
-use deadpool_postgres::ClientWrapper;
-use std::sync::atomic::Ordering;
-use tokio::time::Instant;
-
 /// `synchronous_commit` values that acknowledge a commit before it is
 /// durable: `off` before the WAL is flushed (a server crash loses it),
 /// `local` before a synchronous standby has it (a failover loses it).
@@ -86,63 +80,6 @@ pub struct Probe {
     /// TLS (which version) or plaintext (why).
     pub transport: String,
     pub commit: CommitReport,
-}
-
-impl Core {
-    /// [`COMMIT_REPORT`] on `client` as one call, and the connection settled.
-    pub(super) async fn settle_commit_report(
-        &self,
-        client: InUse,
-        deadline: Instant,
-    ) -> Result<CommitReport, StoreError> {
-        let on: &ClientWrapper = &client;
-        let res = tokio::time::timeout_at(
-            deadline,
-            self.unit(on, false, || async move {
-                let rows = self.query(on, COMMIT_REPORT, &[]).await?;
-                Ok(rows.first().map(|row| CommitReport {
-                    server: row.get(0),
-                    session: row.get(1),
-                }))
-            }),
-        )
-        .await;
-        self.settle(client, res)?
-            .ok_or_else(|| StoreError::Corrupt("pg_settings has no synchronous_commit".into()))
-    }
-
-    /// Once per store (a process has one), when the database first answers:
-    /// a warning naming the server's `synchronous_commit` where idemgate
-    /// raised it, an error where it could not.
-    pub(super) async fn tell_commit(&self) {
-        if self.commit_told.swap(true, Ordering::Relaxed) {
-            return;
-        }
-        let deadline = self.deadline();
-        let report = match self.connection(deadline).await {
-            Ok(client) => self.settle_commit_report(client, deadline).await,
-            Err(err) => Err(err),
-        };
-        match report {
-            Ok(report) => match report.describe() {
-                Err(problem) => tracing::error!("{problem}"),
-                Ok(_) if report.raised() => tracing::warn!(
-                    server = %report.server,
-                    session = %report.session,
-                    "postgres synchronous_commit is {} (the server's, database's, role's or store.url's): idemgate raised it to {} for its own sessions, so claims and stored responses survive a server crash",
-                    report.server,
-                    report.session
-                ),
-                Ok(_) => {}
-            },
-            Err(err) => {
-                // Untold: a later migration run tries again. The raise
-                // itself does not depend on this.
-                self.commit_told.store(false, Ordering::Relaxed);
-                tracing::debug!(error = %err, "could not read synchronous_commit");
-            }
-        }
-    }
 }
 
 #[cfg(test)]

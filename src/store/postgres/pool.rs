@@ -5,7 +5,7 @@
 //! aborted it for a serialization failure or deadlock) and settled back,
 //! and how every failure maps to [`StoreError`].
 
-use super::durability::raise_commit_sql;
+use super::durability::{raise_commit_sql, CommitReport, COMMIT_REPORT};
 use crate::config::{MigrationLock, StoreConfig};
 use crate::net::backoff::Backoff;
 use crate::store::pg_connect::{MakeRustls, PgTarget};
@@ -17,7 +17,7 @@ use deadpool_postgres::{
 };
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 use tokio::sync::OnceCell;
@@ -440,6 +440,63 @@ impl Drop for InUse {
     fn drop(&mut self) {
         if let Some(object) = self.0.take() {
             drop(Object::take(object));
+        }
+    }
+}
+
+impl Core {
+    /// [`COMMIT_REPORT`] on `client` as one call, and the connection settled.
+    pub(super) async fn settle_commit_report(
+        &self,
+        client: InUse,
+        deadline: Instant,
+    ) -> Result<CommitReport, StoreError> {
+        let on: &ClientWrapper = &client;
+        let res = tokio::time::timeout_at(
+            deadline,
+            self.unit(on, false, || async move {
+                let rows = self.query(on, COMMIT_REPORT, &[]).await?;
+                Ok(rows.first().map(|row| CommitReport {
+                    server: row.get(0),
+                    session: row.get(1),
+                }))
+            }),
+        )
+        .await;
+        self.settle(client, res)?
+            .ok_or_else(|| StoreError::Corrupt("pg_settings has no synchronous_commit".into()))
+    }
+
+    /// Once per store (a process has one), when the database first answers:
+    /// a warning naming the server's `synchronous_commit` where idemgate
+    /// raised it, an error where it could not.
+    pub(super) async fn tell_commit(&self) {
+        if self.commit_told.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        let deadline = self.deadline();
+        let report = match self.connection(deadline).await {
+            Ok(client) => self.settle_commit_report(client, deadline).await,
+            Err(err) => Err(err),
+        };
+        match report {
+            Ok(report) => match report.describe() {
+                Err(problem) => tracing::error!("{problem}"),
+                Ok(_) if report.raised() => tracing::warn!(
+                    server = %report.server,
+                    session = %report.session,
+                    "postgres synchronous_commit is {} (the server's, database's, role's or store.url's): idemgate raised it to {} for its own sessions, so claims and stored responses survive a server crash",
+                    report.server,
+                    report.session
+                ),
+                Ok(_) => {}
+            },
+            Err(err) => {
+                // Untold: a later migration run tries again. The raise
+                // itself does not depend on this.
+                self.commit_told.store(false, Ordering::Relaxed);
+                tracing::debug!(error = %err, "could not read synchronous_commit");
+            }
         }
     }
 }

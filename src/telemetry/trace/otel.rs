@@ -7,7 +7,7 @@
 //! the request's [`Context`] (as [`ActiveTracer`]), so two servers in one
 //! process (the tests) keep their own exporters.
 
-use crate::config::TracingConfig;
+use super::TracingConfig;
 use crate::metrics::Outcome;
 use async_trait::async_trait;
 use bytes::Bytes;
