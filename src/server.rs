@@ -6,6 +6,7 @@
 //!
 //! - `reload.rs`: SIGHUP reloads of the config, swapped in atomically.
 
+pub mod fd_limit;
 pub mod reload;
 
 use crate::admin::{Admin, StoreHealth};

@@ -34,7 +34,7 @@ pub(crate) mod sql;
 pub mod sqlite;
 
 pub use crate::idempotency::record::{Record, RecordState, StoredResponse, UnixMillis};
-pub use open::{check_connect, migrate, open, open_with_metrics, run_migrate};
+pub use open::{check_connect, migrate, open, open_with_metrics};
 
 use crate::idempotency::{Fingerprint, RecordKey};
 use async_trait::async_trait;

@@ -92,23 +92,6 @@ pub async fn check_connect(cfg: &Config) -> Result<Vec<String>, String> {
     }
 }
 
-/// `idemgate migrate`: applies the PostgreSQL migrations.
-pub async fn run_migrate(config: Config) -> anyhow::Result<()> {
-    if config.store.backend != Backend::Postgres {
-        println!(
-            "store.backend = \"{}\": its schema is created when it is opened; nothing to migrate",
-            config.store.backend.as_str()
-        );
-        return Ok(());
-    }
-    let applied = migrate(&config).await?;
-    println!(
-        "schema {:?} is current ({applied} migration(s) applied now)",
-        config.store.schema
-    );
-    Ok(())
-}
-
 /// The backend alone, not yet instrumented.
 async fn open_backend(
     cfg: &Config,

@@ -88,7 +88,7 @@ pub struct ScopeNamed {
     /// header sent, and for each value of a repeated one; a header left
     /// out was absent. The config's routes give the order.
     #[arg(long, value_name = "NAME=VALUE")]
-    pub scope_header: Vec<crate::keys::ScopeHeader>,
+    pub scope_header: Vec<crate::cmd::keys::ScopeHeader>,
     /// The scope's hash, as printed by `keys show`.
     #[arg(long)]
     pub scope: Option<String>,
@@ -102,8 +102,8 @@ pub struct ScopeNamed {
 }
 
 impl ScopeArgs {
-    pub fn to_arg(&self) -> crate::keys::ScopeArg {
-        use crate::keys::ScopeArg;
+    pub fn to_arg(&self) -> crate::cmd::keys::ScopeArg {
+        use crate::cmd::keys::ScopeArg;
         let named = &self.named;
         if let Some(v) = &named.scope_value {
             return ScopeArg::Value(v.clone());
@@ -142,7 +142,7 @@ pub enum KeysCommand {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::keys::ScopeArg;
+    use crate::cmd::keys::ScopeArg;
 
     fn scope_of(args: &[&str]) -> Result<ScopeArg, clap::Error> {
         let all = [&["idemgate", "keys", "show"], args, &["k"]].concat();

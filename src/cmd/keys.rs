@@ -4,6 +4,7 @@
 //! header's value (hashed here exactly as the proxy hashes it), a scope hash
 //! as printed by `show`, or `--anonymous` for requests without the header.
 
+use super::args::{KeysCommand, ScopeArgs};
 use crate::clock::Clock;
 use crate::config::{Config, RouteConfig, Secret};
 use crate::idempotency::{IdempotencyKey, RecordKey, Scope};
@@ -286,6 +287,29 @@ pub enum KeysOutcome {
     Done,
     /// `show` found no record ([`EXIT_NO_RECORD`]).
     NoRecord,
+}
+
+/// `idemgate keys COMMAND`, its exit code: 0, [`EXIT_NO_RECORD`], 1 for a
+/// failure, 64 for a key or scope the command line got wrong.
+pub fn command(cfg: Config, command: &KeysCommand) -> std::process::ExitCode {
+    use std::process::ExitCode;
+    let named = |scope: &ScopeArgs, key: &str| record_key(key, &scope.to_arg(), &cfg);
+    let action = match command {
+        KeysCommand::Show { scope, key } => named(scope, key).map(KeysAction::Show),
+        KeysCommand::Delete { scope, key } => named(scope, key).map(KeysAction::Delete),
+        KeysCommand::PurgeExpired => Ok(KeysAction::PurgeExpired),
+    };
+    let action = match action {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("idemgate keys: {e}");
+            return ExitCode::from(super::EX_USAGE);
+        }
+    };
+    match super::block_on(run(cfg, action)) {
+        Ok(KeysOutcome::NoRecord) => ExitCode::from(EXIT_NO_RECORD),
+        other => super::exit(other.map(|_| ())),
+    }
 }
 
 /// `idemgate keys ...` against the configured store.

@@ -1,0 +1,30 @@
+//! `idemgate check-config`: the config as it will run, its warnings, the
+//! file-descriptor plan and (`--connect`) one line per store reached.
+
+use crate::config::Config;
+use std::process::ExitCode;
+
+pub fn run(path: &std::path::Path, cfg: &Config, connect: bool) -> ExitCode {
+    println!("{}: ok\n{}", path.display(), cfg);
+    for w in cfg.warnings() {
+        println!("warning: {w}");
+    }
+    // What `serve` would do with this process's limits.
+    match crate::server::fd_limit::preview(cfg) {
+        Ok(plan) if plan.lowered() => println!("warning: {plan}"),
+        Ok(plan) => println!("{plan}"),
+        Err(e) => println!("warning: cannot read the file-descriptor limit: {e}"),
+    }
+    if !connect {
+        return ExitCode::SUCCESS;
+    }
+    super::exit(super::block_on(async {
+        let reached = crate::store::check_connect(cfg)
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot connect: {e}"))?;
+        for line in reached {
+            println!("connect: {line}");
+        }
+        Ok(())
+    }))
+}

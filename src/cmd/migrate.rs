@@ -1,0 +1,20 @@
+//! `idemgate migrate`: the PostgreSQL schema brought up to date.
+
+use crate::config::{Backend, Config};
+
+/// `idemgate migrate`: applies the PostgreSQL migrations.
+pub async fn run(config: Config) -> anyhow::Result<()> {
+    if config.store.backend != Backend::Postgres {
+        println!(
+            "store.backend = \"{}\": its schema is created when it is opened; nothing to migrate",
+            config.store.backend.as_str()
+        );
+        return Ok(());
+    }
+    let applied = crate::store::migrate(&config).await?;
+    println!(
+        "schema {:?} is current ({applied} migration(s) applied now)",
+        config.store.schema
+    );
+    Ok(())
+}
