@@ -1,5 +1,6 @@
 //! Command-line interface (clap derive).
 
+use super::keys::KeysCommand;
 use crate::config::DEFAULT_CONFIG_PATH;
 use clap::{Parser, Subcommand};
 use std::net::SocketAddr;
@@ -60,83 +61,6 @@ pub enum Command {
         #[arg(long, default_value = "127.0.0.1:3000")]
         listen: SocketAddr,
     },
-}
-
-/// Which scope a key belongs to.
-#[derive(Debug, clap::Args)]
-pub struct ScopeArgs {
-    #[command(flatten)]
-    pub named: ScopeNamed,
-    /// With --scope-header: the route whose scope headers give their order
-    /// (#N as check-config lists it); needed only when routes that list
-    /// these headers would derive different scopes from them.
-    #[arg(long, value_name = "N", conflicts_with_all = ["scope_header_value", "scope", "scope_value", "anonymous"])]
-    pub route: Option<usize>,
-}
-
-/// The scope, named one way (exactly one).
-#[derive(Debug, clap::Args)]
-#[group(required = true, multiple = false)]
-pub struct ScopeNamed {
-    /// The scope header's value as the client sent it (e.g. "Bearer abc"),
-    /// for a route with one scope header (or a request that sent only the
-    /// first of several).
-    #[arg(long)]
-    pub scope_header_value: Option<String>,
-    /// For a route with several scope headers: one header the client sent,
-    /// as NAME=VALUE (e.g. Stripe-Account=acct_1). Repeat it for each
-    /// header sent, and for each value of a repeated one; a header left
-    /// out was absent. The config's routes give the order.
-    #[arg(long, value_name = "NAME=VALUE")]
-    pub scope_header: Vec<crate::cmd::keys::ScopeHeader>,
-    /// The scope's hash, as printed by `keys show`.
-    #[arg(long)]
-    pub scope: Option<String>,
-    /// A route's fixed consumer name (`scope = { value = "..." }`, or a
-    /// preset's, e.g. "stripe:/hooks/stripe"; `check-config` shows it).
-    #[arg(long, value_name = "VALUE")]
-    pub scope_value: Option<String>,
-    /// Requests that carried none of the scope headers.
-    #[arg(long)]
-    pub anonymous: bool,
-}
-
-impl ScopeArgs {
-    pub fn to_arg(&self) -> crate::cmd::keys::ScopeArg {
-        use crate::cmd::keys::ScopeArg;
-        let named = &self.named;
-        if let Some(v) = &named.scope_value {
-            return ScopeArg::Value(v.clone());
-        }
-        match (&named.scope_header_value, &named.scope) {
-            (Some(v), _) => ScopeArg::HeaderValue(v.clone()),
-            (None, Some(h)) => ScopeArg::Hash(h.clone()),
-            (None, None) if !named.scope_header.is_empty() => ScopeArg::Headers {
-                sent: named.scope_header.clone(),
-                route: self.route,
-            },
-            (None, None) => ScopeArg::Anonymous,
-        }
-    }
-}
-
-#[derive(Debug, Subcommand)]
-pub enum KeysCommand {
-    /// Show a key's record: state, fingerprint, status, headers, times, lease.
-    Show {
-        #[command(flatten)]
-        scope: ScopeArgs,
-        /// The idempotency key as the client sent it.
-        key: String,
-    },
-    /// Delete a key's record whatever its state (e.g. a key stuck in flight).
-    Delete {
-        #[command(flatten)]
-        scope: ScopeArgs,
-        key: String,
-    },
-    /// Delete every expired record now.
-    PurgeExpired,
 }
 
 #[cfg(test)]
