@@ -183,15 +183,13 @@ pub struct Waiting {
 }
 
 impl Waiting {
+    /// An empty registry, and the notifier where `config` can use one.
     pub fn new(config: &Config, metrics: &Metrics, draining: CancellationToken) -> Self {
         let gauge = metrics.waiters().clone();
-        let waiters = Waiters::new(MAX_WAITERS_PER_KEY, MAX_WAITERS_TOTAL, gauge);
-        let store = Arc::new(config.store.clone());
-        let (waiters, notifier) = (Arc::new(waiters), None);
         Self {
-            waiters,
-            notifier,
-            store,
+            waiters: Arc::new(Waiters::new(MAX_WAITERS_PER_KEY, MAX_WAITERS_TOTAL, gauge)),
+            notifier: None,
+            store: Arc::new(config.store.clone()),
             draining,
         }
         .reconfigured(&config.routes)
