@@ -1,17 +1,20 @@
 //! The request path. [`Proxy::handle`] always produces a response (hyper
-//! would abort the connection on an error): it finds the route, passes
-//! unprotected requests through streaming, and hands protected ones to
-//! `protected.rs`; [`respond`] is where a result becomes a response.
+//! would abort the connection on an error): it admits the request, finds
+//! its route, passes unrouted requests through streaming and hands routed
+//! ones, once, to `protected.rs`.
 //!
 //! - `admission.rs`: rules every request must meet before route lookup.
-//! - `protected.rs`: a protected request from its key to its stored answer.
+//! - `protected.rs`: a protected request from its key to its stored answer;
+//!   `protected/prepare.rs`: its key, scope and fingerprint;
+//!   `protected/wait.rs`: duplicates waiting for a request in flight.
 //! - `replay.rs`: capturing a response for storage, and replaying it.
-//! - `forward.rs`: the upstream client; `headers.rs`: header rules.
-//! - `log.rs`: the access log line and request metric, once per request.
+//! - `forward.rs`: the upstream client and pass-through; `headers.rs`:
+//!   header rules.
+//! - `log.rs`: where a result becomes a response; the access log line and
+//!   request metric, once per request.
 //! - `request_id.rs`: `X-Request-Id`, kept or generated, and the problem
 //!   `instance` it names.
-//! - `waiters.rs`: duplicates waiting for a request in flight;
-//!   `latency.rs`: each route's typical latency, for `Retry-After`.
+//! - `latency.rs`: each route's typical latency, for `Retry-After`.
 //! - [`crate::lease`]: holding the key while the upstream runs.
 
 pub mod admission;
@@ -22,35 +25,29 @@ mod log;
 pub(crate) mod protected;
 mod replay;
 pub mod request_id;
-pub mod waiters;
 
 use crate::body::budget::BodyBudget;
-use crate::body::{self, boxed, ProxyBody};
+use crate::body::{boxed, ProxyBody};
 use crate::clock::Clock;
-use crate::config::{Config, Secret, StoreConfig};
-use crate::error::{KeyFate, Origin, ProxyError};
+use crate::config::{Config, Secret};
 use crate::lease::Leases;
-use crate::metrics::{GaugeGuard, Metrics, Outcome};
-use crate::net::connection::Guarded;
+use crate::metrics::Metrics;
 use crate::net::drain::Drain;
-use crate::problem::Problem;
 use crate::route::{normalize_path, RouteTable};
 use crate::store::Store;
 use crate::telemetry::trace;
 use crate::upstream::UpstreamSetupError;
-use forward::{ConnectError, ForwardError, Forwarder};
+use forward::Forwarder;
 use http::{Request, Response};
 use hyper::body::Incoming;
 use log::RequestLog;
-use protected::{parse_body, plan_key, prepare, read_body, resolve_key, KeyPlan};
+use protected::wait::Waiting;
 use request_id::{RequestId, X_REQUEST_ID};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Semaphore;
-use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{debug, warn};
 
 /// Serves every proxied request; shared by connections. A config reload
 /// replaces it with [`Proxy::reconfigured`]: a request keeps the one it
@@ -64,13 +61,13 @@ pub struct Proxy {
     forwarder: Forwarder,
     /// Each route's typical upstream latency, for `Retry-After`.
     latencies: latency::Latencies,
-    /// What every generation shares (the store's leases, budgets, tasks).
-    shared: Shared,
+    services: Services,
 }
 
-/// What every generation of the proxy (one per config reload) shares.
+/// The process's services, which every generation of the proxy (one per
+/// config reload) shares.
 #[derive(Clone)]
-struct Shared {
+struct Services {
     /// Claims and the leases they win (renew, complete, release).
     leases: Arc<Leases>,
     /// Bounds the protected bodies buffered at once, process-wide.
@@ -80,28 +77,12 @@ struct Shared {
     metrics: Arc<Metrics>,
     /// One exporter per process: `[tracing]` changes need a restart.
     tracer: trace::Tracer,
-    /// Duplicates waiting for a request in flight (`in_flight = { wait }`):
-    /// one registry per process, so a request finishing on one config
-    /// generation wakes the duplicates waiting on another.
-    waiters: Arc<waiters::Waiters>,
-    /// Wakes waiters on other replicas (PostgreSQL with a waiting route).
-    notifier: Option<Arc<crate::store::notify::KeyNotifier>>,
-    /// The store the process runs on (restart-only): what a notifier
-    /// started on a later reload must listen to.
-    store_config: Arc<StoreConfig>,
-    /// Open tunnels, process-wide (at most the starting
-    /// `server.max_connections`), so a reload does not add another limit.
-    tunnels: Arc<Semaphore>,
-    /// Cancelled when the server closes its connections (the drain's
-    /// phase 3): duplicates still waiting answer 409 then.
-    draining: CancellationToken,
+    /// Duplicates waiting for a request in flight (`in_flight = { wait }`).
+    waiting: Waiting,
     /// Detached work: protected requests from their claim on, and store
     /// writes that outlive them. Shutdown waits for it.
     tasks: TaskTracker,
 }
-
-/// How a request ended, and what the client gets.
-type Served = (Outcome, Response<ProxyBody>);
 
 impl Proxy {
     /// The one place the config becomes the request path's settings.
@@ -114,13 +95,8 @@ impl Proxy {
         drain: &Drain,
     ) -> Result<Self, UpstreamSetupError> {
         let tasks = drain.tasks.clone();
-        let waiters = Arc::new(
-            waiters::Waiters::new(waiters::MAX_WAITERS_PER_KEY, waiters::MAX_WAITERS_TOTAL)
-                .with_gauge(metrics.waiters().clone()),
-        );
-        let notifier =
-            waiters::spawn_notifier(&config.store, &config.routes, &waiters).map(Arc::new);
-        let shared = Shared {
+        let waiting = Waiting::new(config, &metrics, drain.close_connections.clone());
+        let services = Services {
             leases: Leases::new(
                 store,
                 metrics.clone(),
@@ -134,16 +110,15 @@ impl Proxy {
                 metrics.body_budget_refusals().clone(),
             ),
             scope_secret: config.scope_secret.clone(),
-            waiters,
-            notifier,
-            store_config: Arc::new(config.store.clone()),
-            tunnels: Arc::new(Semaphore::new(config.server.max_connections)),
-            draining: drain.close_connections.clone(),
+            waiting,
             metrics,
             tracer: trace::Tracer::new(config.tracing.as_ref()),
             tasks,
         };
-        Self::assemble(config, shared)
+        // Process-wide (at most the starting `server.max_connections`), so
+        // a reload does not add another limit.
+        let tunnels = Arc::new(Semaphore::new(config.server.max_connections));
+        Self::assemble(config, services, tunnels)
     }
 
     /// This proxy on a reloaded config: routes, per-route settings and the
@@ -152,31 +127,32 @@ impl Proxy {
     /// on either proxy share them.
     /// Fails when an upstream's client cannot be built (its TLS files).
     pub fn reconfigured(&self, config: &Config) -> Result<Self, UpstreamSetupError> {
-        let mut shared = self.shared.clone();
-        // Started on the first config with a waiting route.
-        if shared.notifier.is_none() {
-            shared.notifier =
-                waiters::spawn_notifier(&shared.store_config, &config.routes, &shared.waiters)
-                    .map(Arc::new);
-        }
-        Self::assemble(config, shared)
+        let services = Services {
+            waiting: self.services.waiting.reconfigured(&config.routes),
+            ..self.services.clone()
+        };
+        Self::assemble(config, services, self.forwarder.tunnels.clone())
     }
 
     /// The per-config part built from `config`, around the process-wide
-    /// `shared` part: what a reload replaces, in one place.
-    fn assemble(config: &Config, shared: Shared) -> Result<Self, UpstreamSetupError> {
+    /// `services` and open-tunnel limit: what a reload replaces, in one place.
+    fn assemble(
+        config: &Config,
+        services: Services,
+        tunnels: Arc<Semaphore>,
+    ) -> Result<Self, UpstreamSetupError> {
         Ok(Self {
             routes: config.routes.clone(),
-            forwarder: Forwarder::new(config, shared.metrics.clone(), shared.tunnels.clone())?,
+            forwarder: Forwarder::new(config, services.metrics.clone(), tunnels)?,
             request_body_timeout: config.server.request_body_timeout,
             latencies: latency::Latencies::new(config.routes.iter().map(|r| &r.label)),
-            shared,
+            services,
         })
     }
 
     /// The key ids of completions still waiting for the store.
     pub fn pending_completions(&self) -> Vec<String> {
-        self.shared.leases.backlog().key_ids()
+        self.services.leases.backlog().key_ids()
     }
 
     /// Serves one request; never fails. The request id goes upstream (in
@@ -191,190 +167,35 @@ impl Proxy {
         let id = RequestId::of_request(req.headers());
         req.headers_mut().insert(X_REQUEST_ID, id.header_value());
         req.extensions_mut().insert(id.clone());
-        let mut resp = self.serve(req, peer, id.clone()).await;
+        let span = self.services.tracer.start(&req);
+        let mut resp = trace::within(span, self.serve(req, peer, id.clone())).await;
         resp.headers_mut().insert(X_REQUEST_ID, id.header_value());
         resp
     }
 
+    /// Admission and the route: an unrouted request passes through, a
+    /// routed one goes to [`Proxy::protect`].
     async fn serve(
-        self: Arc<Self>,
-        req: Request<Incoming>,
-        peer: SocketAddr,
-        id: RequestId,
-    ) -> Response<ProxyBody> {
-        let span = self.shared.tracer.start(&req);
-        trace::within(span, self.serve_traced(req, peer, id)).await
-    }
-
-    async fn serve_traced(
         self: Arc<Self>,
         mut req: Request<Incoming>,
         peer: SocketAddr,
         id: RequestId,
     ) -> Response<ProxyBody> {
         let mut log = RequestLog::start(&req, peer, id);
+        let metrics = &self.services.metrics;
         if let Err(e) = admission::admit(&mut req) {
-            return self.conclude(Err(e), log);
+            return log.conclude(metrics, Err(e));
         }
         let path = normalize_path(req.uri().path());
         let Some(route) = self.routes.find(req.method(), &path).cloned() else {
-            let (outcome, resp) = self.passthrough(None, req.map(boxed), peer).await;
-            log.finish(&self.shared.metrics, outcome, &resp, false);
-            return resp;
+            let served = self.forwarder.passthrough(None, req.map(boxed), peer);
+            return log.conclude(metrics, served.await);
         };
         log.set_route(&route.label);
         trace::set_route(&route.label);
         if let Err(e) = admission::refuse_protected_upgrade(&route, &req) {
-            return self.conclude(Err(e), log);
+            return log.conclude(metrics, Err(e));
         }
-        let upstream = route.upstream.clone();
-        let plan = match plan_key(&route, req.headers(), self.shared.scope_secret.as_ref()) {
-            Ok(KeyPlan::Absent) => {
-                let (outcome, resp) = self
-                    .passthrough(upstream.as_deref(), req.map(boxed), peer)
-                    .await;
-                log.finish(&self.shared.metrics, outcome, &resp, false);
-                return resp;
-            }
-            Ok(plan) => plan,
-            Err(e) => return self.conclude(Err(e), log),
-        };
-        // Owned only here: pass-through requests never copy their path.
-        let path = path.into_owned();
-        let (parts, mut body) = req.into_parts();
-        let timeout = self.request_body_timeout;
-        let budget = &self.shared.body_budget;
-        let body = match read_body(&route, &parts.headers, &mut body, timeout, budget).await {
-            Ok(body) => body,
-            Err(e) => return self.conclude(Err(e), log),
-        };
-        log.set_bytes_in(body.len() as u64);
-        let doc = parse_body(&route, &body);
-        let key = match resolve_key(&route, plan, doc.as_ref()) {
-            Ok(Some(key)) => key,
-            Ok(None) => {
-                let forwarded = Request::from_parts(parts, body::full(body));
-                let (outcome, resp) = self.passthrough(upstream.as_deref(), forwarded, peer).await;
-                log.finish(&self.shared.metrics, outcome, &resp, false);
-                return resp;
-            }
-            Err(e) => return self.conclude(Err(e), log),
-        };
-        let req = prepare(route, parts, body, key, doc, &path, peer);
-        let key_id = req.record_key.log_id();
-        trace::set_key_id(&key_id);
-        log.set_key_id(key_id);
-        self.run_detached(req, log).await
-    }
-
-    /// Runs a protected request from its claim on in a task of its own and
-    /// waits for its response. The task finishes the request's log, so a
-    /// client that left is still counted.
-    async fn run_detached(
-        self: &Arc<Self>,
-        req: protected::ProtectedRequest,
-        log: RequestLog,
-    ) -> Response<ProxyBody> {
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        let this = Arc::clone(self);
-        let task_log = log.clone();
-        self.shared.tasks.spawn(trace::in_current(async move {
-            let (outcome, resp) = respond(
-                this.claim_and_execute(req).await,
-                Some(task_log.request_id()),
-            );
-            // Counted and logged before the client can see the answer, so a
-            // client that reads its response also sees it in the metrics.
-            let client_left = tx.is_closed();
-            task_log.finish(&this.shared.metrics, outcome, &resp, client_left);
-            let _ = tx.send(resp);
-        }));
-        match rx.await {
-            Ok(resp) => resp,
-            Err(_) => self.conclude(
-                Err(ProxyError::Internal(
-                    "the request task ended without an answer".into(),
-                )),
-                log,
-            ),
-        }
-    }
-
-    /// [`respond`], then the log line.
-    fn conclude(&self, result: Result<Served, ProxyError>, log: RequestLog) -> Response<ProxyBody> {
-        let (outcome, resp) = respond(result, Some(log.request_id()));
-        log.finish(&self.shared.metrics, outcome, &resp, false);
-        resp
-    }
-
-    /// Forwards without protection to the upstream called `upstream`
-    /// (`None`: the default), streaming both ways.
-    async fn passthrough(
-        &self,
-        upstream: Option<&str>,
-        req: Request<ProxyBody>,
-        peer: SocketAddr,
-    ) -> Served {
-        let id = req.extensions().get::<RequestId>().cloned();
-        let in_flight = self.upstream_request(upstream);
-        match self.forwarder.send(upstream, req, peer).await {
-            Ok(resp) => {
-                trace::record(Outcome::Passthrough, resp.status());
-                (
-                    Outcome::Passthrough,
-                    resp.map(|body| boxed(Guarded::new(body, in_flight))),
-                )
-            }
-            Err(e) => respond(Err(forward_error(e, KeyFate::Unprotected)), id.as_ref()),
-        }
-    }
-}
-
-impl Proxy {
-    /// Counts a request on the upstream (`idemgate_upstream_in_flight`)
-    /// while the guard lives.
-    fn upstream_request(&self, upstream: Option<&str>) -> GaugeGuard {
-        self.shared
-            .metrics
-            .upstream_request(self.forwarder.label(upstream))
-    }
-}
-
-/// Where a request's result becomes what the client gets: errors through
-/// the one mapping in `problem.rs` (its `instance` naming the request id),
-/// logged by who is at fault, and the outcome recorded on the request's
-/// trace span.
-fn respond(result: Result<Served, ProxyError>, id: Option<&RequestId>) -> Served {
-    let (outcome, resp) = match result {
-        Ok(served) => served,
-        Err(err) => {
-            let request_id = id.map(RequestId::as_str).unwrap_or("-");
-            match err.origin() {
-                Origin::Client => debug!(error = %err, request.id = request_id, "request refused"),
-                _ => warn!(error = %err, request.id = request_id, "request failed"),
-            }
-            let mut problem = Problem::from_error(&err);
-            problem.instance = id.map(RequestId::instance);
-            (problem.outcome, problem.into_response())
-        }
-    };
-    trace::record(outcome, resp.status());
-    (outcome, resp)
-}
-
-fn forward_error(e: ForwardError, key: KeyFate) -> ProxyError {
-    match e {
-        ForwardError::Connect(ConnectError::Transport(reason)) => {
-            ProxyError::UpstreamUnreachable { reason, key }
-        }
-        ForwardError::Connect(ConnectError::Tls { upstream, failure }) => ProxyError::UpstreamTls {
-            upstream,
-            failure,
-            key,
-        },
-        ForwardError::Timeout => ProxyError::UpstreamTimeout { key },
-        ForwardError::Refused(reason) => ProxyError::UpstreamUnreachable { reason, key },
-        ForwardError::Failed(reason) => ProxyError::UpstreamFailed { reason, key },
-        ForwardError::TunnelsExhausted => ProxyError::TooManyTunnels,
+        self.protect(route, req, peer, log).await
     }
 }

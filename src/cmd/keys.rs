@@ -546,7 +546,8 @@ mod tests {
         let route = config.routes.iter().next().unwrap();
         let secret = config.scope_secret.as_ref();
         let proxy =
-            crate::proxy::protected::scope_of(route, &http::HeaderMap::new(), secret).unwrap();
+            crate::proxy::protected::prepare::scope_of(route, &http::HeaderMap::new(), secret)
+                .unwrap();
         let named = ScopeArg::Value("stripe:/hooks/stripe".into());
         assert_eq!(named.resolve(&config), Ok(proxy));
     }

@@ -1,13 +1,17 @@
 //! Forwarding: request rewriting (URI, `Host`, hop-by-hop, `X-Forwarded-*`)
 //! for the upstream a request goes to, the bounded wait for its response
 //! head, connection upgrades (WebSocket) on requests that may pass them,
-//! and what a client error means ([`ForwardError`]). The clients themselves
-//! are `crate::upstream`'s.
+//! and what a client error means ([`ForwardError`], [`forward_error`]);
+//! [`Forwarder::passthrough`], an unprotected request. The clients
+//! themselves are `crate::upstream`'s.
 
 use super::headers::{add_forwarded, join_cookies, strip_hop_by_hop, upgrade_protocol};
-use crate::body::ProxyBody;
+use super::log::Served;
+use crate::body::{boxed, ProxyBody};
 use crate::config::{Config, UpstreamProtocol};
-use crate::metrics::Metrics;
+use crate::error::{KeyFate, ProxyError};
+use crate::metrics::{GaugeGuard, Metrics, Outcome};
+use crate::net::connection::Guarded;
 use crate::net::errors::{self, Chain};
 use crate::route::resolve_dot_segments;
 use crate::telemetry::trace;
@@ -69,7 +73,8 @@ pub struct Forwarder {
     trust_forwarded: bool,
     /// Open tunnels, at most `server.max_connections`: an upgraded
     /// connection leaves the server's connection limit when it upgrades.
-    tunnels: Arc<Semaphore>,
+    /// The process's, handed from one config's forwarder to the next.
+    pub(super) tunnels: Arc<Semaphore>,
     metrics: Arc<Metrics>,
 }
 
@@ -91,15 +96,35 @@ impl Forwarder {
         })
     }
 
-    /// How long the upstream called `name` (a route's `upstream`; `None`:
-    /// the default) may take.
-    /// The upstream called `name` (or the default) as a metric label.
-    pub fn label(&self, name: Option<&str>) -> &Arc<String> {
-        self.upstreams.get(name).label()
+    /// Counts a request on the upstream called `name` (or the default;
+    /// `idemgate_upstream_in_flight`) while the guard lives.
+    pub fn in_flight(&self, name: Option<&str>) -> GaugeGuard {
+        self.metrics
+            .upstream_request(self.upstreams.get(name).label())
     }
 
+    /// How long the upstream called `name` (a route's `upstream`; `None`:
+    /// the default) may take.
     pub fn timeout(&self, name: Option<&str>) -> Duration {
         self.upstreams.get(name).timeout()
+    }
+
+    /// Forwards without protection to the upstream called `name` (`None`:
+    /// the default), streaming both ways.
+    pub async fn passthrough(
+        &self,
+        name: Option<&str>,
+        req: Request<ProxyBody>,
+        peer: SocketAddr,
+    ) -> Result<Served, ProxyError> {
+        let in_flight = self.in_flight(name);
+        let deadline = tokio::time::Instant::now() + self.timeout(name);
+        let resp = self.send(name, req, peer, deadline).await;
+        let resp = resp.map_err(|e| forward_error(e, KeyFate::Unprotected))?;
+        Ok((
+            Outcome::Passthrough,
+            resp.map(|body| boxed(Guarded::new(body, in_flight))),
+        ))
     }
 
     /// Sends a request whose body is in memory (a protected one), as
@@ -121,32 +146,21 @@ impl Forwarder {
         let h2 = self.upstreams.get(name).protocol() == UpstreamProtocol::H2;
         let again = h2.then(|| Request::from_parts(parts.clone(), crate::body::full(body.clone())));
         let first = Request::from_parts(parts, crate::body::full(body));
-        match (self.send_by(name, first, peer, deadline).await, again) {
+        match (self.send(name, first, peer, deadline).await, again) {
             (Err(ForwardError::Refused(reason)), Some(again)) => {
                 warn!(upstream = %self.upstreams.get(name).name(), %reason,
                     "the upstream refused the request before processing it; sending it once more on a new stream");
-                self.send_by(name, again, peer, deadline).await
+                self.send(name, again, peer, deadline).await
             }
             (first, _) => first,
         }
     }
 
-    /// Sends `req` to the upstream called `name` (`None`: the default) and
-    /// waits (bounded) for the response head. An HTTP/1.1 upgrade request
+    /// Sends `req` to the upstream called `name` (`None`: the default), its
+    /// response head due by `deadline`. An HTTP/1.1 upgrade request
     /// (checked by the caller to be allowed) keeps its `Upgrade`; when the
     /// upstream switches protocols, a tunnel joins the two connections.
-    pub async fn send(
-        &self,
-        name: Option<&str>,
-        req: Request<ProxyBody>,
-        peer: SocketAddr,
-    ) -> Result<Response<Incoming>, ForwardError> {
-        let deadline = tokio::time::Instant::now() + self.timeout(name);
-        self.send_by(name, req, peer, deadline).await
-    }
-
-    /// [`Forwarder::send`], the response head due by `deadline`.
-    async fn send_by(
+    async fn send(
         &self,
         name: Option<&str>,
         mut req: Request<ProxyBody>,
@@ -301,6 +315,23 @@ fn classify(upstream: &Upstream, e: &hyper_util::client::legacy::Error) -> Forwa
         ForwardError::Refused(Chain(e).to_string())
     } else {
         ForwardError::Failed(Chain(e).to_string())
+    }
+}
+
+pub fn forward_error(e: ForwardError, key: KeyFate) -> ProxyError {
+    match e {
+        ForwardError::Connect(ConnectError::Transport(reason)) => {
+            ProxyError::UpstreamUnreachable { reason, key }
+        }
+        ForwardError::Connect(ConnectError::Tls { upstream, failure }) => ProxyError::UpstreamTls {
+            upstream,
+            failure,
+            key,
+        },
+        ForwardError::Timeout => ProxyError::UpstreamTimeout { key },
+        ForwardError::Refused(reason) => ProxyError::UpstreamUnreachable { reason, key },
+        ForwardError::Failed(reason) => ProxyError::UpstreamFailed { reason, key },
+        ForwardError::TunnelsExhausted => ProxyError::TooManyTunnels,
     }
 }
 

@@ -1,6 +1,6 @@
 //! Header rules for forwarding: hop-by-hop stripping, `X-Forwarded-*`,
-//! cookie joining, what makes an upgrade request. Which response headers
-//! are stored is `replay.rs`'s.
+//! cookie joining, what makes an upgrade request, a declared body length.
+//! Which response headers are stored is `replay.rs`'s.
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Version};
@@ -114,6 +114,16 @@ pub fn join_cookies(headers: &mut HeaderMap) {
     if let Ok(v) = HeaderValue::from_bytes(&joined.join(&b"; "[..])) {
         headers.insert(header::COOKIE, v);
     }
+}
+
+/// The request's `Content-Length`, when it is a number.
+pub fn content_length(headers: &HeaderMap) -> Option<u64> {
+    headers
+        .get(header::CONTENT_LENGTH)?
+        .to_str()
+        .ok()?
+        .parse()
+        .ok()
 }
 
 #[cfg(test)]

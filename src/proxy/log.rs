@@ -1,16 +1,47 @@
-//! The access log line and the request metric: one of each per request,
-//! written by [`RequestLog::finish`] wherever the request ends (the
+//! How a request ends: [`respond`] turns its result into what the client
+//! gets, and [`RequestLog::finish`] writes the access log line and the
+//! request metric, one of each per request, wherever the request ends (the
 //! connection's handler, or the detached task when the client has left).
 
+use super::headers::content_length;
 use super::request_id::RequestId;
+use crate::body::ProxyBody;
+use crate::error::{Origin, ProxyError};
 use crate::metrics::{Metrics, Outcome};
+use crate::problem::Problem;
+use crate::telemetry::trace;
 use http::{header, Method, Request, Response, Version};
 use http_body::Body;
 use std::net::SocketAddr;
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 use tokio::time::Instant;
-use tracing::info;
+use tracing::{debug, info, warn};
+
+/// How a request ended, and what the client gets.
+pub type Served = (Outcome, Response<ProxyBody>);
+
+/// Where a request's result becomes what the client gets: errors through
+/// the one mapping in `problem.rs` (its `instance` naming the request id),
+/// logged by who is at fault, and the outcome recorded on the request's
+/// trace span.
+pub fn respond(result: Result<Served, ProxyError>, id: Option<&RequestId>) -> Served {
+    let (outcome, resp) = match result {
+        Ok(served) => served,
+        Err(err) => {
+            let request_id = id.map(RequestId::as_str).unwrap_or("-");
+            match err.origin() {
+                Origin::Client => debug!(error = %err, request.id = request_id, "request refused"),
+                _ => warn!(error = %err, request.id = request_id, "request failed"),
+            }
+            let mut problem = Problem::from_error(&err);
+            problem.instance = id.map(RequestId::instance);
+            (problem.outcome, problem.into_response())
+        }
+    };
+    trace::record(outcome, resp.status());
+    (outcome, resp)
+}
 
 /// The route label of requests no route matched.
 static UNROUTED: LazyLock<Arc<String>> = LazyLock::new(|| Arc::new("unrouted".to_string()));
@@ -50,11 +81,7 @@ impl RequestLog {
             .get(header::USER_AGENT)
             .and_then(|v| v.to_str().ok())
             .map(|v| v.chars().take(MAX_USER_AGENT).collect());
-        let bytes_in = req
-            .headers()
-            .get(header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse().ok());
+        let bytes_in = content_length(req.headers());
         Self {
             method: req.method().clone(),
             path: req.uri().path().to_string(),
@@ -83,6 +110,18 @@ impl RequestLog {
 
     pub fn request_id(&self) -> &RequestId {
         &self.request_id
+    }
+
+    /// [`respond`], then [`RequestLog::finish`]: a request answered where
+    /// it was received.
+    pub fn conclude(
+        self,
+        metrics: &Metrics,
+        result: Result<Served, ProxyError>,
+    ) -> Response<ProxyBody> {
+        let (outcome, resp) = respond(result, Some(&self.request_id));
+        self.finish(metrics, outcome, &resp, false);
+        resp
     }
 
     /// Counts the request and writes its access log line. `bytes_out` is

@@ -1,5 +1,6 @@
 //! Duplicates that wait (`in_flight = { wait = ".." }`): a per-key registry
-//! of the requests waiting for the answer of one already in flight.
+//! of the requests waiting for the answer of one already in flight, and
+//! the wait loop ([`Proxy::wait_for_answer`]).
 //!
 //! Waiters hold no store connection while they wait. They wake when this
 //! process finishes the key ([`Waiters::notify`], after the holder's
@@ -12,17 +13,25 @@
 //! key and in all; past either the request is refused (503). An entry
 //! leaves the registry with its last waiter.
 
-use crate::config::{Backend, StoreConfig};
-use crate::idempotency::{Record, RecordKey};
-use crate::route::InFlight;
-use crate::route::RouteTable;
+use super::prepare::ProtectedRequest;
+use crate::config::{Backend, Config, StoreConfig};
+use crate::error::ProxyError;
+use crate::idempotency::{Record, RecordKey, RecordState};
+use crate::lease::Acquired;
+use crate::metrics::Metrics;
+use crate::net::backoff::Backoff;
+use crate::proxy::log::Served;
+use crate::proxy::Proxy;
+use crate::route::{InFlight, RouteTable};
 use crate::store::notify::KeyNotifier;
+use prometheus_client::metrics::gauge::Gauge;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
-use tracing::warn;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
 
 /// Waiters on one key, at most: enough for a burst of redeliveries or
 /// double-clicks; more is a client in a loop.
@@ -39,7 +48,7 @@ pub struct Waiters {
     state: Mutex<State>,
     per_key: usize,
     total: usize,
-    gauge: prometheus_client::metrics::gauge::Gauge,
+    gauge: Gauge,
 }
 
 #[derive(Default)]
@@ -67,19 +76,15 @@ struct Entry {
 pub struct Full;
 
 impl Waiters {
-    pub fn new(per_key: usize, total: usize) -> Self {
+    /// At most `per_key` waiters on a key and `total` in all, their number
+    /// reported on `gauge` (idemgate_waiters).
+    pub fn new(per_key: usize, total: usize, gauge: Gauge) -> Self {
         Self {
             state: Mutex::default(),
             per_key,
             total,
-            gauge: Default::default(),
+            gauge,
         }
-    }
-
-    /// Reports the number waiting on `gauge` (idemgate_waiters).
-    pub fn with_gauge(mut self, gauge: prometheus_client::metrics::gauge::Gauge) -> Self {
-        self.gauge = gauge;
-        self
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -161,26 +166,61 @@ impl Waiters {
     }
 }
 
-/// The cross-replica notifier, where it can help: a PostgreSQL store
-/// (shared by replicas) and a route whose duplicates wait. Elsewhere the
-/// process's own notifications reach every waiter there is.
-pub fn spawn_notifier(
-    store: &StoreConfig,
-    routes: &RouteTable,
-    waiters: &Arc<Waiters>,
-) -> Option<KeyNotifier> {
-    let waits = routes
-        .iter()
-        .any(|r| matches!(r.in_flight, InFlight::Wait(_)));
-    if store.backend != Backend::Postgres || !waits {
-        return None;
+/// What waiting duplicates need, process-wide: the registry (one per
+/// process, so a request finishing on one config generation wakes the
+/// duplicates waiting on another) and what else ends their wait.
+#[derive(Clone)]
+pub struct Waiting {
+    waiters: Arc<Waiters>,
+    /// Wakes waiters on other replicas (PostgreSQL with a waiting route).
+    notifier: Option<Arc<KeyNotifier>>,
+    /// The store the process runs on (restart-only): what a notifier
+    /// started on a later reload must listen to.
+    store: Arc<StoreConfig>,
+    /// Cancelled when the server closes its connections (the drain's
+    /// phase 3): duplicates still waiting answer 409 then.
+    draining: CancellationToken,
+}
+
+impl Waiting {
+    /// An empty registry, and the notifier where `config` can use one.
+    pub fn new(config: &Config, metrics: &Metrics, draining: CancellationToken) -> Self {
+        let gauge = metrics.waiters().clone();
+        Self {
+            waiters: Arc::new(Waiters::new(MAX_WAITERS_PER_KEY, MAX_WAITERS_TOTAL, gauge)),
+            notifier: None,
+            store: Arc::new(config.store.clone()),
+            draining,
+        }
+        .reconfigured(&config.routes)
     }
-    let waiters = waiters.clone();
-    match KeyNotifier::spawn(store, Arc::new(move |id| waiters.notify_id(id))) {
-        Ok(notifier) => Some(notifier),
-        Err(e) => {
-            warn!(error = %e, "key notifications off; waiters poll the store");
-            None
+
+    /// This, on a reloaded config's `routes`: the cross-replica notifier
+    /// starts on the first config where it can help, a PostgreSQL store
+    /// (shared by replicas) and a route whose duplicates wait. Elsewhere
+    /// the process's own notifications reach every waiter there is.
+    pub fn reconfigured(&self, routes: &RouteTable) -> Self {
+        let mut next = self.clone();
+        let waits = routes
+            .iter()
+            .any(|r| matches!(r.in_flight, InFlight::Wait(_)));
+        if next.notifier.is_some() || self.store.backend != Backend::Postgres || !waits {
+            return next;
+        }
+        let waiters = self.waiters.clone();
+        match KeyNotifier::spawn(&self.store, Arc::new(move |id| waiters.notify_id(id))) {
+            Ok(notifier) => next.notifier = Some(Arc::new(notifier)),
+            Err(e) => warn!(error = %e, "key notifications off; waiters poll the store"),
+        }
+        next
+    }
+
+    /// Wakes this process's waiters on `key`, and on a route whose
+    /// duplicates wait (`waits`) other replicas' too: its request finished.
+    pub(super) fn finished(&self, key: &RecordKey, waits: bool) {
+        self.waiters.notify(key);
+        if let (true, Some(notifier)) = (waits, &self.notifier) {
+            notifier.publish(key.log_id());
         }
     }
 }
@@ -257,10 +297,94 @@ impl Check<'_> {
     pub fn done(self) {}
 }
 
+/// A waiting duplicate's timer (the backstop when no notification comes,
+/// e.g. the holder is another replica): doubling from 50 ms to 1 s, with
+/// jitter so a crowd of waiters spreads out.
+const WAIT_POLL: Backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
+
+impl Proxy {
+    /// `in_flight = { wait }`: waits for the first request's answer, up
+    /// to `wait`, then replays it. Woken by this process's notifications
+    /// and by a backoff timer (the holder may be another replica); each
+    /// time, one waiter per key claims again through the store, which
+    /// decides: a final record is shared with the others, a released key
+    /// is won by exactly one claim, which executes (the rest keep waiting
+    /// for it). When the wait runs out: 409.
+    pub(super) async fn wait_for_answer(
+        &self,
+        req: ProtectedRequest,
+        wait: Duration,
+        first: Record,
+    ) -> Result<Served, ProxyError> {
+        let deadline = Instant::now() + wait;
+        let mut last = first;
+        let Ok(mut guard) = self.services.waiting.waiters.enter(req.record_key) else {
+            let retry_after_secs = match self.answer(last, &req) {
+                Err(ProxyError::InFlight { retry_after_secs }) => retry_after_secs,
+                _ => 1,
+            };
+            return Err(ProxyError::TooManyWaiters { retry_after_secs });
+        };
+        let mut polls: u32 = 0;
+        loop {
+            let notified = tokio::select! {
+                () = guard.changed() => true,
+                () = tokio::time::sleep(WAIT_POLL.delay(polls + 1, rand::random())) => {
+                    polls = polls.saturating_add(1);
+                    false
+                }
+                () = tokio::time::sleep_until(deadline) => return self.answer(last, &req),
+                // Shutting down: a 409 now (retry on another replica), not
+                // a connection cut at the end of the grace period.
+                () = self.services.waiting.draining.cancelled() => return self.answer(last, &req),
+            };
+            // Only an answer of the execution this waiter is waiting for (or
+            // a later one): one published before an operator's delete and a
+            // new execution of the key is not.
+            if let Some(record) = guard
+                .published()
+                .filter(|r| r.created_at >= last.created_at)
+            {
+                return self.answer(record, &req);
+            }
+            let Some(check) = guard.try_check(notified) else {
+                continue;
+            };
+            match self.services.leases.acquire(self.claim_of(&req)).await {
+                Ok(Acquired::Held(lease)) => {
+                    check.done();
+                    drop(guard);
+                    return self.execute_and_notify(req, lease).await;
+                }
+                Ok(Acquired::Existing(record)) => {
+                    check.done();
+                    // Still running: wait on. A different request that took a
+                    // released key over is answered now (422), as on arrival.
+                    let running = matches!(record.state, RecordState::InFlight { .. });
+                    if running && record.fingerprint == req.fingerprint {
+                        last = record;
+                        continue;
+                    }
+                    if !running {
+                        guard.publish(record.clone());
+                    }
+                    return self.answer(record, &req);
+                }
+                // The wait is bounded anyway: keep waiting, and answer 409
+                // from the last record seen if the store stays away.
+                Err(e) => {
+                    check.done();
+                    debug!(error = %e, "store check while waiting failed");
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::idempotency::{IdempotencyKey, RecordState, Scope};
+    use crate::idempotency::{IdempotencyKey, Scope};
 
     fn key(k: &str) -> RecordKey {
         RecordKey::new(
@@ -271,7 +395,7 @@ mod tests {
 
     #[test]
     fn limits_per_key_and_in_all_and_entries_leave_with_their_last_waiter() {
-        let w = Arc::new(Waiters::new(2, 3));
+        let w = Arc::new(Waiters::new(2, 3, Gauge::default()));
         let a1 = w.enter(key("a")).unwrap();
         let a2 = w.enter(key("a")).unwrap();
         assert_eq!(w.enter(key("a")).err(), Some(Full));
@@ -290,7 +414,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_notification_before_the_wait_is_not_missed() {
-        let w = Arc::new(Waiters::new(8, 8));
+        let w = Arc::new(Waiters::new(8, 8, Gauge::default()));
         let mut g = w.enter(key("a")).unwrap();
         w.notify(&key("b"));
         w.notify(&key("a"));
@@ -305,7 +429,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_notification_by_log_id_wakes_that_keys_waiters() {
-        let w = Arc::new(Waiters::new(8, 8));
+        let w = Arc::new(Waiters::new(8, 8, Gauge::default()));
         let mut a = w.enter(key("a")).unwrap();
         let mut b = w.enter(key("b")).unwrap();
         w.notify_id(&key("a").log_id());
@@ -320,7 +444,7 @@ mod tests {
 
     #[tokio::test]
     async fn one_waiter_checks_at_a_time_and_publishes_for_the_others() {
-        let w = Arc::new(Waiters::new(8, 8));
+        let w = Arc::new(Waiters::new(8, 8, Gauge::default()));
         let a = w.enter(key("a")).unwrap();
         let mut b = w.enter(key("a")).unwrap();
         let check = a.try_check(true).expect("first");
