@@ -50,7 +50,22 @@ fn request(u: &mut Unstructured<'_>) -> Result<Option<(Fingerprint, Covered)>> {
     };
     let (parts, ()) = req.into_parts();
     let path = normalize_path(parts.uri.path()).into_owned();
-    let fingerprint = Fingerprint::of_request(&parts, &path, &names(), &body);
+    let covered_names = names();
+    let sent: Vec<(&HeaderName, Vec<&[u8]>)> = covered_names
+        .iter()
+        .map(|n| {
+            (
+                n,
+                parts
+                    .headers
+                    .get_all(n)
+                    .iter()
+                    .map(|v| v.as_bytes())
+                    .collect(),
+            )
+        })
+        .collect();
+    let fingerprint = Fingerprint::compute(&parts.method, &path, parts.uri.query(), &sent, &body);
     let covered = Covered {
         method: parts.method.clone(),
         path,

@@ -525,7 +525,8 @@ mod tests {
                 value.parse().unwrap(),
             );
         }
-        Scope::of_request(&h, &route.scope_headers, Some(SECRET.as_bytes())).unwrap()
+        let sent = crate::proxy::headers::fields(&h, &route.scope_headers);
+        Scope::of_fields(&sent, Some(SECRET.as_bytes())).unwrap()
     }
 
     #[test]

@@ -44,31 +44,6 @@ impl Fingerprint {
         Self(h.finalize().into())
     }
 
-    /// The fingerprint of a request: its method, `normalized_path` (the
-    /// spelling that matched the route is the resource), query, the values
-    /// of `header_names` in that order, and `body`.
-    pub fn of_request(
-        parts: &http::request::Parts,
-        normalized_path: &str,
-        header_names: &[http::HeaderName],
-        body: &[u8],
-    ) -> Self {
-        let headers: Vec<(&http::HeaderName, Vec<&[u8]>)> = header_names
-            .iter()
-            .map(|name| {
-                let values = parts.headers.get_all(name).iter();
-                (name, values.map(http::HeaderValue::as_bytes).collect())
-            })
-            .collect();
-        Self::compute(
-            &parts.method,
-            normalized_path,
-            parts.uri.query(),
-            &headers,
-            body,
-        )
-    }
-
     pub fn to_hex(&self) -> String {
         hex::encode(self.0)
     }
@@ -127,24 +102,5 @@ mod tests {
         let empty = Fingerprint::compute(&m, "/o", None, &[(&name, vec![b"".as_slice()])], b"");
         assert_ne!(a, b);
         assert_ne!(absent, empty);
-    }
-
-    #[test]
-    fn of_request_reads_the_query_and_the_named_headers_in_order() {
-        let (parts, ()) = http::Request::post("/o/?a=1")
-            .header("x-tenant", "7")
-            .header("x-other", "ignored")
-            .body(())
-            .unwrap()
-            .into_parts();
-        let name = HeaderName::from_static("x-tenant");
-        let want = Fingerprint::compute(
-            &Method::POST,
-            "/o",
-            Some("a=1"),
-            &[(&name, vec![b"7".as_slice()])],
-            b"{}",
-        );
-        assert_eq!(Fingerprint::of_request(&parts, "/o", &[name], b"{}"), want);
     }
 }

@@ -68,19 +68,14 @@ impl IdempotencyKey {
         Ok(Self(value.to_string()))
     }
 
-    /// Reads the key from `headers`: `Ok(None)` when absent.
-    pub fn from_headers(
-        headers: &http::HeaderMap,
-        name: &http::HeaderName,
-    ) -> Result<Option<Self>, KeyError> {
-        let mut values = headers.get_all(name).iter();
-        let Some(first) = values.next() else {
-            return Ok(None);
-        };
-        if values.next().is_some() {
-            return Err(KeyError::Repeated);
+    /// The key from the values its header was sent with: `Ok(None)` when
+    /// absent; two are ambiguous and refused.
+    pub fn from_fields(values: &[&[u8]]) -> Result<Option<Self>, KeyError> {
+        match values {
+            [] => Ok(None),
+            [one] => Self::parse(one).map(Some),
+            _ => Err(KeyError::Repeated),
         }
-        Self::parse(first.as_bytes()).map(Some)
     }
 
     pub fn as_str(&self) -> &str {
@@ -165,23 +160,17 @@ impl Scope {
         Self::digest(&input, secret)
     }
 
-    /// The scope of a request on a route whose scope headers are `names`,
-    /// in the route's order. Each must be sent at most once: which of two
+    /// The scope of a request from what it sent of each of the route's
+    /// scope headers, in the route's order. Each must be sent at most once: which of two
     /// values selects the client is ambiguous (an upstream may read either),
     /// so a repeat is refused. `Cookie` fields are joined with "; " instead,
     /// as HTTP/2 splits them (RFC 9113 §8.2.3) and the upstream gets them.
-    pub fn of_request(
-        headers: &http::HeaderMap,
-        names: &[http::HeaderName],
+    pub fn of_fields(
+        sent: &[(&http::HeaderName, Vec<&[u8]>)],
         secret: Option<&[u8]>,
     ) -> Result<Self, RepeatedScopeHeader> {
-        let mut values: Vec<Vec<Cow<'_, [u8]>>> = Vec::with_capacity(names.len());
-        for name in names {
-            let sent: Vec<&[u8]> = headers
-                .get_all(name)
-                .iter()
-                .map(http::HeaderValue::as_bytes)
-                .collect();
+        let mut values: Vec<Vec<Cow<'_, [u8]>>> = Vec::with_capacity(sent.len());
+        for &(name, ref sent) in sent {
             values.push(match sent[..] {
                 [] => Vec::new(),
                 [one] => vec![Cow::Borrowed(one)],
@@ -386,15 +375,7 @@ mod tests {
     #[test]
     fn one_header_scopes_are_the_digests_stored_keys_were_made_with() {
         const SECRET: &[u8] = b"a-long-enough-secret";
-        let authorization = [http::header::AUTHORIZATION];
-        let request = |value: Option<&str>| {
-            let mut h = http::HeaderMap::new();
-            if let Some(v) = value {
-                h.insert(http::header::AUTHORIZATION, v.parse().unwrap());
-            }
-            h.insert("stripe-account", "acct_1".parse().unwrap());
-            h
-        };
+        let authorization = http::header::AUTHORIZATION;
         for (value, secret, want) in [
             (
                 Some("Bearer a"),
@@ -422,8 +403,11 @@ mod tests {
                 "d3e4e1501a3a0a535ea2b911adbcb8d8224fc47d01e6057ec033a8691757f510",
             ),
         ] {
-            let headers = request(value);
-            let scope = Scope::of_request(&headers, &authorization, secret).unwrap();
+            let sent = [(
+                &authorization,
+                value.map(str::as_bytes).into_iter().collect(),
+            )];
+            let scope = Scope::of_fields(&sent, secret).unwrap();
             assert_eq!(scope.to_hex(), want, "{value:?}");
             let bytes = value.map(str::as_bytes);
             assert_eq!(Scope::derive(bytes, secret).to_hex(), want, "{value:?}");
@@ -496,54 +480,38 @@ mod tests {
     fn scopes_follow_the_route_order_and_refuse_a_repeated_header() {
         let auth = http::header::AUTHORIZATION;
         let account = http::HeaderName::from_static("stripe-account");
-        let mut h = http::HeaderMap::new();
-        h.append(&auth, "Bearer sk".parse().unwrap());
-        h.append(&account, "acct_1".parse().unwrap());
-        let both = [auth.clone(), account.clone()];
-        let reversed = [account.clone(), auth.clone()];
-        let only_auth = [auth.clone()];
-        let scope =
-            |h: &http::HeaderMap, names: &[http::HeaderName]| Scope::of_request(h, names, None);
-        let a = scope(&h, &both).unwrap();
-        assert_ne!(a, scope(&h, &reversed).unwrap());
-        assert_ne!(a, scope(&h, &only_auth).unwrap());
-        let mut other_account = h.clone();
-        other_account.insert(&account, "acct_2".parse().unwrap());
-        assert_ne!(a, scope(&other_account, &both).unwrap());
+        let scope = |sent: &[(&http::HeaderName, &[&str])]| {
+            let sent: Vec<_> = sent
+                .iter()
+                .map(|&(name, values)| (name, values.iter().map(|v| v.as_bytes()).collect()))
+                .collect();
+            Scope::of_fields(&sent, None)
+        };
+        let a = scope(&[(&auth, &["Bearer sk"]), (&account, &["acct_1"])]).unwrap();
+        let reversed = scope(&[(&account, &["acct_1"]), (&auth, &["Bearer sk"])]);
+        assert_ne!(a, reversed.unwrap());
+        assert_ne!(a, scope(&[(&auth, &["Bearer sk"])]).unwrap());
+        let other_account = scope(&[(&auth, &["Bearer sk"]), (&account, &["acct_2"])]);
+        assert_ne!(a, other_account.unwrap());
         // Pins: a second value was digested too; which one the upstream
         // reads is its choice, so a repeat is refused, never guessed.
-        let mut repeated = h.clone();
-        repeated.append(&auth, "Bearer other".parse().unwrap());
         assert_eq!(
-            scope(&repeated, &only_auth),
+            scope(&[(&auth, &["Bearer sk", "Bearer other"])]),
             Err(RepeatedScopeHeader(auth.clone()))
         );
-        let mut empty_twice = h.clone();
-        empty_twice.append(&account, "".parse().unwrap());
         assert_eq!(
-            scope(&empty_twice, &both),
+            scope(&[(&auth, &["Bearer sk"]), (&account, &["acct_1", ""])]),
             Err(RepeatedScopeHeader(account.clone()))
         );
-        // A header the route does not scope by may repeat.
-        assert!(scope(&repeated, std::slice::from_ref(&account)).is_ok());
     }
 
     #[test]
     fn split_cookie_fields_are_one_scope_with_the_joined_field() {
-        let cookie = [http::header::COOKIE];
-        let mut split = http::HeaderMap::new();
-        split.append(http::header::COOKIE, "a=1".parse().unwrap());
-        split.append(http::header::COOKIE, "b=2".parse().unwrap());
-        let mut joined = http::HeaderMap::new();
-        joined.append(http::header::COOKIE, "a=1; b=2".parse().unwrap());
-        assert_eq!(
-            Scope::of_request(&split, &cookie, None),
-            Scope::of_request(&joined, &cookie, None)
-        );
-        assert_eq!(
-            Scope::of_request(&joined, &cookie, None).unwrap(),
-            Scope::from_header_value(Some(b"a=1; b=2"))
-        );
+        let cookie = http::header::COOKIE;
+        let split = Scope::of_fields(&[(&cookie, vec![&b"a=1"[..], b"b=2"])], None);
+        let joined = Scope::of_fields(&[(&cookie, vec![&b"a=1; b=2"[..]])], None);
+        assert_eq!(split, joined);
+        assert_eq!(joined.unwrap(), Scope::from_header_value(Some(b"a=1; b=2")));
     }
 
     #[test]
@@ -589,16 +557,10 @@ mod tests {
 
     #[test]
     fn repeated_header_is_rejected() {
-        let name = http::HeaderName::from_static("idempotency-key");
-        let mut h = http::HeaderMap::new();
-        assert_eq!(IdempotencyKey::from_headers(&h, &name), Ok(None));
-        h.append(&name, "a".parse().unwrap());
-        assert!(IdempotencyKey::from_headers(&h, &name).unwrap().is_some());
-        h.append(&name, "b".parse().unwrap());
-        assert_eq!(
-            IdempotencyKey::from_headers(&h, &name),
-            Err(KeyError::Repeated)
-        );
+        assert_eq!(IdempotencyKey::from_fields(&[]), Ok(None));
+        assert!(IdempotencyKey::from_fields(&[b"a"]).unwrap().is_some());
+        let twice = IdempotencyKey::from_fields(&[b"a", b"b"]);
+        assert_eq!(twice, Err(KeyError::Repeated));
     }
 
     #[test]

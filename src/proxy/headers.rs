@@ -126,6 +126,16 @@ pub fn content_length(headers: &HeaderMap) -> Option<u64> {
         .ok()
 }
 
+/// What `headers` holds of each of `names`, in that order: the protocol's
+/// view of a route's scope and fingerprint headers.
+pub fn fields<'a>(
+    headers: &'a HeaderMap,
+    names: &'a [HeaderName],
+) -> Vec<(&'a HeaderName, Vec<&'a [u8]>)> {
+    let values = |name| headers.get_all(name).iter().map(HeaderValue::as_bytes);
+    names.iter().map(|n| (n, values(n).collect())).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -195,5 +205,20 @@ mod tests {
         join_cookies(&mut h);
         assert_eq!(h.get_all(header::COOKIE).iter().count(), 1);
         assert_eq!(h[header::COOKIE], "a=1; b=2");
+    }
+
+    #[test]
+    fn fields_are_the_named_headers_in_their_order_each_with_every_value() {
+        let mut h = HeaderMap::new();
+        h.append("x-tenant", HeaderValue::from_static("7"));
+        h.append("x-other", HeaderValue::from_static("ignored"));
+        h.append("x-tenant", HeaderValue::from_static("8"));
+        let names = [
+            HeaderName::from_static("x-absent"),
+            HeaderName::from_static("x-tenant"),
+        ];
+        let want: Vec<(&HeaderName, Vec<&[u8]>)> =
+            vec![(&names[0], vec![]), (&names[1], vec![b"7", b"8"])];
+        assert_eq!(fields(&h, &names), want);
     }
 }

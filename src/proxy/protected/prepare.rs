@@ -10,10 +10,10 @@ use crate::config::Secret;
 use crate::error::{BodyKeyError, ProxyError};
 use crate::idempotency::canonical_json::{self, Json, JsonError};
 use crate::idempotency::{Fingerprint, IdempotencyKey, RecordKey, Scope};
-use crate::proxy::headers::content_length;
+use crate::proxy::headers::{content_length, fields};
 use crate::route::{normalize_path, FingerprintMode, RouteConfig};
 use bytes::Bytes;
-use http::{request, HeaderMap};
+use http::{request, HeaderMap, HeaderValue};
 use hyper::body::Incoming;
 use std::borrow::Cow;
 use std::net::SocketAddr;
@@ -46,7 +46,10 @@ pub fn scope_of(
     let secret = scope_secret.map(Secret::expose);
     match &route.scope_value {
         Some(value) => Ok(Scope::of_value(value, secret)),
-        None => Ok(Scope::of_request(headers, &route.scope_headers, secret)?),
+        None => Ok(Scope::of_fields(
+            &fields(headers, &route.scope_headers),
+            secret,
+        )?),
     }
 }
 
@@ -71,11 +74,14 @@ pub fn plan_key(
     if route.key_json.is_some() {
         return Ok(KeyPlan::InBody(scope_of(route, headers, scope_secret)?));
     }
-    let key = IdempotencyKey::from_headers(headers, &route.key_header).map_err(|reason| {
-        ProxyError::InvalidKey {
-            header: route.key_header.clone(),
-            reason,
-        }
+    let sent: Vec<&[u8]> = headers
+        .get_all(&route.key_header)
+        .iter()
+        .map(HeaderValue::as_bytes)
+        .collect();
+    let key = IdempotencyKey::from_fields(&sent).map_err(|reason| ProxyError::InvalidKey {
+        header: route.key_header.clone(),
+        reason,
     })?;
     match key {
         Some(key) => {
@@ -183,10 +189,11 @@ pub fn prepare(
     peer: SocketAddr,
 ) -> ProtectedRequest {
     let covered = fingerprinted_body(&route, &body, doc);
-    let fingerprint = Fingerprint::of_request(
-        &parts,
+    let fingerprint = Fingerprint::compute(
+        &parts.method,
         &normalize_path(parts.uri.path()),
-        &route.fingerprint_headers,
+        parts.uri.query(),
+        &fields(&parts.headers, &route.fingerprint_headers),
         &covered,
     );
     ProtectedRequest {
