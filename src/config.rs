@@ -16,6 +16,7 @@
 
 mod env;
 mod log;
+pub mod pg_url;
 mod raw;
 mod routes;
 mod server;

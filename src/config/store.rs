@@ -130,7 +130,7 @@ impl TryFrom<RawStore> for StoreConfig {
                 }
                 // libpq's TLS parameters and pgbouncer=true: checked here so
                 // check-config names a bad one; files are read at start.
-                crate::store::pg_connect::PgUrl::parse(&u)
+                super::pg_url::PgUrl::parse(&u)
                     .and_then(|url| url.pg_config().map(|_| ()))
                     .map_err(|e| format!("store.url: {e}"))?;
                 Some(u)
