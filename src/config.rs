@@ -38,7 +38,7 @@ use units::HumanDuration;
 pub use log::{LogConfig, LogFormat};
 // Other modules still name these through `config`; they live in `route`.
 pub use crate::route::{OnAmbiguous, OnStoreError, RouteConfig};
-pub use server::{AdminConfig, Readiness, ServerConfig};
+pub use server::{AdminConfig, Readiness, ServerConfig, ServerRestart};
 pub use store::{Backend, MigrationLock, RedisConfig, SqliteSync, StoreConfig};
 pub use tracing::TracingConfig;
 pub use upstreams::{UpstreamConfig, UpstreamProtocol, UpstreamTls, DEFAULT_UPSTREAM_NAME};
@@ -108,21 +108,102 @@ pub struct ConfigError {
     pub message: String,
 }
 
-/// The whole, validated configuration.
+/// The whole, validated configuration, split by what a reload does with
+/// it: every field is either applied by a reload or part of [`Restart`]
+/// (`server::reload::as_reloaded` names each one, so a new field must be
+/// placed).
 #[derive(Clone, Debug)]
 pub struct Config {
     /// Key for the scope digests (`IDEMGATE_SCOPE_SECRET`); never printed.
     pub scope_secret: Option<Secret>,
     pub server: ServerConfig,
+    /// `[upstreams.NAME]`, by name; the default upstream is in `server`.
+    pub upstreams: BTreeMap<String, UpstreamConfig>,
+    pub routes: RouteTable,
+    pub restart: Restart,
+}
+
+/// What is bound at start and only a restart changes: a reload keeps the
+/// running values ([`Restart::changes`] names those the file changed).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Restart {
+    pub server: ServerRestart,
     pub admin: Option<AdminConfig>,
     pub store: StoreConfig,
     pub redis: Option<RedisConfig>,
     pub log: LogConfig,
     /// `[tracing]`: OpenTelemetry export (feature `otel`); `None` = off.
     pub tracing: Option<TracingConfig>,
-    /// `[upstreams.NAME]`, by name; the default upstream is in `server`.
-    pub upstreams: BTreeMap<String, UpstreamConfig>,
-    pub routes: RouteTable,
+}
+
+impl Restart {
+    /// The settings that differ from `self` in `new`, by their config names:
+    /// `[server]` and `[admin]` field by field (`server.listen`), the other
+    /// sections whole (each is one thing opened at start). Field names come
+    /// from the serialized section, so a new field is named without being
+    /// listed; the store and Redis URLs (passwords) are compared, never shown.
+    pub fn changes(&self, new: &Restart) -> Vec<String> {
+        // Exhaustive: a new section must say how it is named.
+        let Restart {
+            server,
+            admin,
+            store,
+            redis,
+            log,
+            tracing,
+        } = self;
+        let mut out = changed_fields("server", server, &new.server);
+        out.extend(changed_fields("admin", admin, &new.admin));
+        let whole = [
+            ("store", *store != new.store),
+            ("redis", *redis != new.redis),
+            ("log", *log != new.log),
+            ("tracing", *tracing != new.tracing),
+        ];
+        out.extend(whole.iter().filter(|w| w.1).map(|w| w.0.to_string()));
+        out
+    }
+}
+
+/// `section.field` for each field that differs between the serialized
+/// `old` and `new`, in declaration order. Both are one type, so their
+/// fields line up; an absent section (`None`) has none.
+fn changed_fields<T: serde::Serialize>(section: &str, old: &T, new: &T) -> Vec<String> {
+    let fields = |v: &T| {
+        let json = serde_json::to_string(v).expect("settings serialize");
+        let mut json = serde_json::Deserializer::from_str(&json);
+        serde::Deserializer::deserialize_any(&mut json, InOrder).expect("a struct or null")
+    };
+    let (old, new) = (fields(old), fields(new));
+    let named = if old.len() >= new.len() { &old } else { &new };
+    (0..named.len())
+        .filter(|&i| old.get(i) != new.get(i))
+        .map(|i| format!("{section}.{}", named[i].0))
+        .collect()
+}
+
+/// Reads a serialized struct's fields in declaration order (a
+/// `serde_json::Map` sorts them); `null` (an absent section) has none.
+struct InOrder;
+
+impl<'de> serde::de::Visitor<'de> for InOrder {
+    type Value = Vec<(String, serde_json::Value)>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a struct or null")
+    }
+
+    fn visit_unit<E>(self) -> Result<Self::Value, E> {
+        Ok(Vec::new())
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut fields = Vec::new();
+        while let Some(field) = map.next_entry()? {
+            fields.push(field);
+        }
+        Ok(fields)
+    }
 }
 
 /// Bytes that never show up in `Debug` output or logs.
@@ -146,11 +227,15 @@ impl fmt::Debug for Secret {
 impl Config {
     /// Reads, parses and validates `path`, then applies environment overrides.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let bytes = std::fs::read(path).map_err(|e| ConfigError {
+        Self::load_bytes(path, Self::read(path)?)
+    }
+
+    /// The file's bytes, or the error every command gives for it.
+    pub fn read(path: &Path) -> Result<Vec<u8>, ConfigError> {
+        std::fs::read(path).map_err(|e| ConfigError {
             file: path.display().to_string(),
             message: format!("cannot read config: {e}"),
-        })?;
-        Self::load_bytes(path, bytes)
+        })
     }
 
     /// As [`Config::load`], for the file's bytes already read (a reload
@@ -176,13 +261,14 @@ impl Config {
     ) -> Result<Self, ConfigError> {
         let file = path.display().to_string();
         let mut config = Self::parse_with_env(text, &file, env)?;
-        let given = std::mem::take(&mut config.store.path);
-        config.store.path = store_path_for(&given, path);
+        let store = &mut config.restart.store;
+        let given = std::mem::take(&mut store.path);
+        store.path = store_path_for(&given, path);
         // Earlier versions read a relative path from the working directory:
         // a store left there must not be silently replaced by a new, empty
         // one (every key it holds would run again).
-        let resolved = &config.store.path;
-        if config.store.backend == Backend::Sqlite
+        let resolved = &store.path;
+        if store.backend == Backend::Sqlite
             && *resolved != given
             && !resolved.exists()
             && given.exists()
@@ -229,7 +315,7 @@ impl Config {
         env: &BTreeMap<String, String>,
     ) -> Result<Self, String> {
         let located = |e: Invalid| e.located(text);
-        let server = ServerConfig::try_from(raw.server).map_err(located)?;
+        let (server, server_restart) = server::read(raw.server).map_err(located)?;
         let admin = raw
             .admin
             .map(AdminConfig::try_from)
@@ -273,13 +359,16 @@ impl Config {
         let config = Config {
             scope_secret,
             server,
-            admin,
-            store,
-            redis,
-            log,
-            tracing,
             upstreams,
             routes,
+            restart: Restart {
+                server: server_restart,
+                admin,
+                store,
+                redis,
+                log,
+                tracing,
+            },
         };
         config.check_across().map_err(located)?;
         Ok(config)
@@ -288,13 +377,14 @@ impl Config {
     /// The checks over settings of more than one section. A reload runs
     /// them again on the config as it will run ([`Config::check_composed`]).
     fn check_across(&self) -> Result<(), Invalid> {
-        if self.redis.is_some() && self.store.backend != Backend::Postgres {
+        let restart = &self.restart;
+        if restart.redis.is_some() && restart.store.backend != Backend::Postgres {
             return Err(Invalid::field(
                 "redis",
                 "[redis] is a fast path in front of PostgreSQL: it needs store.backend = \"postgres\"",
             ));
         }
-        let budget = self.server.max_buffered_body_bytes;
+        let budget = restart.server.max_buffered_body_bytes;
         if let Some(r) = self.routes.iter().find(|r| r.max_request_body > budget) {
             return Err(Invalid::field(
                 format!("route.{}.max_request_body", r.index - 1),
@@ -360,15 +450,17 @@ impl Config {
 /// The effective settings, one section after another, secrets masked.
 impl fmt::Display for Config {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let restart = &self.restart;
+        writeln!(f, "listen     {}", restart.server.listen)?;
         write!(f, "{}", self.server)?;
-        if let Some(admin) = &self.admin {
+        if let Some(admin) = &restart.admin {
             write!(f, "{admin}")?;
         }
-        write!(f, "{}", self.store)?;
-        if let Some(redis) = &self.redis {
+        write!(f, "{}", restart.store)?;
+        if let Some(redis) = &restart.redis {
             write!(f, "{redis}")?;
         }
-        if let Some(tracing) = &self.tracing {
+        if let Some(tracing) = &restart.tracing {
             write!(f, "{tracing}")?;
         }
         for (name, upstream) in &self.upstreams {

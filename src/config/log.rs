@@ -4,7 +4,7 @@ use super::raw::RawLog;
 use super::Invalid;
 pub use crate::telemetry::LogFormat;
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct LogConfig {
     pub format: LogFormat,
     /// An `EnvFilter` directive; `RUST_LOG` wins when set.

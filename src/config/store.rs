@@ -66,7 +66,7 @@ impl MigrationLock {
 }
 
 /// `Debug` masks the URL's password (see [`mask_url`]).
-#[derive(Clone)]
+#[derive(Clone, PartialEq)]
 pub struct StoreConfig {
     pub backend: Backend,
     pub path: PathBuf,
@@ -85,7 +85,7 @@ pub struct StoreConfig {
 }
 
 /// `Debug` masks the URL's password (see [`mask_url`]).
-#[derive(Clone)]
+#[derive(Clone, PartialEq)]
 pub struct RedisConfig {
     /// As written: `redis://`, `rediss://` (TLS), their Valkey aliases
     /// `valkey://` and `valkeys://`, or `unix://`. [`RedisConfig::client_url`]
