@@ -108,10 +108,9 @@ pub struct ConfigError {
     pub message: String,
 }
 
-/// The whole, validated configuration, split by what a reload does with
-/// it: every field is either applied by a reload or part of [`Restart`]
-/// (`server::reload::as_reloaded` names each one, so a new field must be
-/// placed).
+/// The whole, validated configuration: what a reload applies, and what
+/// only a restart changes ([`Restart`]; `server::reload::as_reloaded`
+/// names every field, so a new one must be placed).
 #[derive(Clone, Debug)]
 pub struct Config {
     /// Key for the scope digests (`IDEMGATE_SCOPE_SECRET`); never printed.
@@ -137,11 +136,10 @@ pub struct Restart {
 }
 
 impl Restart {
-    /// The settings that differ from `self` in `new`, by their config names:
-    /// `[server]` and `[admin]` field by field (`server.listen`), the other
-    /// sections whole (each is one thing opened at start). Field names come
-    /// from the serialized section, so a new field is named without being
-    /// listed; the store and Redis URLs (passwords) are compared, never shown.
+    /// The settings that differ in `new`, by config name: `[server]` and
+    /// `[admin]` field by field (names from the serialized fields, never
+    /// listed), the other sections whole (each one thing opened at start;
+    /// the URLs' passwords are compared, never shown).
     pub fn changes(&self, new: &Restart) -> Vec<String> {
         // Exhaustive: a new section must say how it is named.
         let Restart {
@@ -305,43 +303,33 @@ impl Config {
             message,
         };
         let raw = read_raw(text, env).map_err(fail)?;
-        Self::from_raw(raw, text, env).map_err(fail)
+        Self::from_raw(raw, env).map_err(|e| fail(e.located(text)))
     }
 
     /// Composes the sections, in file order, then checks what spans them.
-    fn from_raw(
-        raw: RawConfig,
-        text: &str,
-        env: &BTreeMap<String, String>,
-    ) -> Result<Self, String> {
-        let located = |e: Invalid| e.located(text);
-        let (server, server_restart) = server::read(raw.server).map_err(located)?;
-        let admin = raw
-            .admin
-            .map(AdminConfig::try_from)
-            .transpose()
-            .map_err(located)?;
-        let store = StoreConfig::try_from(raw.store).map_err(located)?;
-        let redis = raw
-            .redis
-            .map(RedisConfig::try_from)
-            .transpose()
-            .map_err(located)?;
-        let log = LogConfig::try_from(raw.log).map_err(located)?;
-        let tracing = match raw.tracing {
-            Some(section) if !cfg!(feature = "otel") => {
-                let message = "[tracing] needs idemgate built with the `otel` feature (cargo build --features otel); this build has no tracing";
-                return Err(located(match section.span() {
-                    env::NOT_IN_FILE => {
-                        format!("{message} (set by IDEMGATE_TRACING_* variables)").into()
-                    }
-                    at => Invalid::at(at, message),
-                }));
-            }
-            Some(section) => Some(TracingConfig::try_from(section.into_inner()).map_err(located)?),
-            None => None,
+    fn from_raw(raw: RawConfig, env: &BTreeMap<String, String>) -> Result<Self, Invalid> {
+        let (server, server_restart) = server::read(raw.server)?;
+        let restart = Restart {
+            server: server_restart,
+            admin: raw.admin.map(AdminConfig::try_from).transpose()?,
+            store: StoreConfig::try_from(raw.store)?,
+            redis: raw.redis.map(RedisConfig::try_from).transpose()?,
+            log: LogConfig::try_from(raw.log)?,
+            tracing: match raw.tracing {
+                Some(section) if !cfg!(feature = "otel") => {
+                    let message = "[tracing] needs idemgate built with the `otel` feature (cargo build --features otel); this build has no tracing";
+                    return Err(match section.span() {
+                        env::NOT_IN_FILE => {
+                            format!("{message} (set by IDEMGATE_TRACING_* variables)").into()
+                        }
+                        at => Invalid::at(at, message),
+                    });
+                }
+                Some(section) => Some(TracingConfig::try_from(section.into_inner())?),
+                None => None,
+            },
         };
-        let upstreams = upstreams::named(raw.upstreams).map_err(located)?;
+        let upstreams = upstreams::named(raw.upstreams)?;
         let choices = raw
             .defaults
             .upstream
@@ -351,26 +339,16 @@ impl Config {
                 let u = r.get_ref().upstream.as_ref()?;
                 Some((format!("route #{}", i + 1), u))
             }));
-        upstreams::check_choices(choices, &upstreams).map_err(located)?;
-        let routes = Defaults::try_from(raw.defaults)
-            .and_then(|defaults| defaults.routes(raw.route))
-            .map_err(located)?;
-        let scope_secret = env::scope_secret(env)?;
+        upstreams::check_choices(choices, &upstreams)?;
+        let routes = Defaults::try_from(raw.defaults)?.routes(raw.route)?;
         let config = Config {
-            scope_secret,
+            scope_secret: env::scope_secret(env)?,
             server,
             upstreams,
             routes,
-            restart: Restart {
-                server: server_restart,
-                admin,
-                store,
-                redis,
-                log,
-                tracing,
-            },
+            restart,
         };
-        config.check_across().map_err(located)?;
+        config.check_across()?;
         Ok(config)
     }
 
@@ -454,7 +432,7 @@ impl fmt::Display for Config {
         writeln!(f, "listen     {}", restart.server.listen)?;
         write!(f, "{}", self.server)?;
         if let Some(admin) = &restart.admin {
-            write!(f, "{admin}")?;
+            writeln!(f, "admin      {}", admin.listen)?;
         }
         write!(f, "{}", restart.store)?;
         if let Some(redis) = &restart.redis {

@@ -1,7 +1,5 @@
-//! `store.url`, read the way libpq reads it: the parameters idemgate
-//! handles itself are taken out before tokio-postgres parses the rest. Pure
-//! (no file is opened), so `check-config` names a bad one and the store
-//! builds its connector from the same reading.
+//! `store.url` read the way libpq reads it, without opening a file: what
+//! `check-config` checks and the store's connector is built from.
 //!
 //! The URL takes libpq's TLS parameters, so the URL given to `psql` works:
 //! `sslmode` (`disable`, `allow`, `prefer` (default), `require`,

@@ -81,15 +81,6 @@ pub enum Readiness {
     Store,
 }
 
-impl Readiness {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Readiness::Serving => "serving",
-            Readiness::Store => "store",
-        }
-    }
-}
-
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct AdminConfig {
     pub listen: SocketAddr,
@@ -220,11 +211,5 @@ impl TryFrom<RawAdmin> for AdminConfig {
             )
         })?;
         Ok(AdminConfig { listen })
-    }
-}
-
-impl fmt::Display for AdminConfig {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(f, "admin      {}", self.listen)
     }
 }

@@ -56,15 +56,6 @@ pub enum MigrationLock {
     None,
 }
 
-impl MigrationLock {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            MigrationLock::Advisory => "advisory",
-            MigrationLock::None => "none",
-        }
-    }
-}
-
 /// `Debug` masks the URL's password (see [`mask_url`]).
 #[derive(Clone, PartialEq)]
 pub struct StoreConfig {

@@ -40,21 +40,18 @@ pub fn reserved(config: &Config) -> u64 {
         .chain(config.upstreams.values().map(|u| u.pool_max_idle))
         .map(|n| n as u64)
         .sum();
-    let store = match config.restart.store.backend {
-        Backend::Postgres => config.restart.store.pool_size as u64 + POSTGRES_EXTRA,
+    let restart = &config.restart;
+    let store = match restart.store.backend {
+        Backend::Postgres => restart.store.pool_size as u64 + POSTGRES_EXTRA,
         Backend::Sqlite | Backend::Memory => 0,
     };
-    let redis = match &config.restart.redis {
+    let redis = match &restart.redis {
         Some(r) if r.cluster => REDIS_CLUSTER,
         Some(_) => REDIS_SINGLE,
         None => 0,
     };
-    let admin = config
-        .restart
-        .admin
-        .as_ref()
-        .map_or(0, |_| 1 + ADMIN_CONNECTIONS);
-    let tracing = config.restart.tracing.as_ref().map_or(0, |_| TRACING);
+    let admin = restart.admin.as_ref().map_or(0, |_| 1 + ADMIN_CONNECTIONS);
+    let tracing = restart.tracing.as_ref().map_or(0, |_| TRACING);
     RESERVE_FILES + 1 + admin + idle_pools + store + redis + tracing
 }
 

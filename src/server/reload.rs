@@ -207,38 +207,31 @@ pub(super) async fn reload_loop(
 ) {
     loop {
         let request = tokio::select! {
-            r = source.requests.recv() => match r {
-                Some(r) => r,
-                None => return,
-            },
-            _ = stop.cancelled() => return,
+            r = source.requests.recv() => r,
+            _ = stop.cancelled() => None,
         };
-        let content = match request {
-            ReloadRequest::Signal => None,
-            ReloadRequest::Content(bytes) => Some(bytes),
-        };
-        reload(&source.path, content, &running, &current, &metrics);
+        let Some(request) = request else { return };
+        reload(&source.path, request, &running, &current, &metrics);
     }
 }
 
-/// One reload: read (or take the watcher's `content`), validate the
-/// config as it will run, swap (or refuse and keep the old config).
+/// One reload: read the file (or take the watcher's content), validate
+/// the config as it will run, swap (or refuse and keep the old config).
 pub(super) fn reload(
     path: &std::path::Path,
-    content: Option<Vec<u8>>,
+    request: ReloadRequest,
     running: &Config,
     current: &ArcSwap<Proxy>,
     metrics: &Metrics,
-) -> bool {
+) {
     let now = unix_secs();
     let refuse = |message: String| {
         error!("config reload refused, the running config stays: {message}");
         metrics.config_loaded(false, now);
-        false
     };
-    let loaded = match content {
-        Some(bytes) => Ok(bytes),
-        None => Config::read(path),
+    let loaded = match request {
+        ReloadRequest::Content(bytes) => Ok(bytes),
+        ReloadRequest::Signal => Config::read(path),
     }
     .and_then(|bytes| Ok((Config::load_bytes(path, bytes.clone())?, bytes)));
     let (file_config, text) = match loaded {
@@ -249,7 +242,7 @@ pub(super) fn reload(
     for w in file_config.warnings() {
         warn!("{w}");
     }
-    let kept = running.restart.changes(&file_config.restart);
+    let kept = running.restart.changes(&file_config.restart).join(", ");
     // What will run: the restart-only settings at their running values.
     // Checked as a whole, so no route needs more than the running budget.
     let config = as_reloaded(running, file_config);
@@ -257,13 +250,12 @@ pub(super) fn reload(
     if let Err(e) = config.check_composed(&text, &path.display().to_string()) {
         // The file alone passed the same checks: a kept setting made it fail.
         return refuse(format!(
-            "invalid configuration: {e} (with the running values of the settings only a restart changes: {})",
-            kept.join(", ")
+            "invalid configuration: {e} (with the running values of the settings only a restart changes: {kept})"
         ));
     }
     if !kept.is_empty() {
         warn!(
-            settings = %kept.join(", "),
+            settings = %kept,
             "config reloaded, but these settings only change on a restart: they keep their running values"
         );
     }
@@ -282,7 +274,6 @@ pub(super) fn reload(
         routes = config.routes.iter().count(),
         "config reloaded"
     );
-    true
 }
 
 pub(super) fn unix_secs() -> f64 {
