@@ -26,11 +26,11 @@ pub fn run(cli: Cli) -> ExitCode {
             with_config(&config, &|cfg| check_config::run(&config, &cfg, connect))
         }
         Command::Serve { config } => with_config(&config, &|cfg| {
-            crate::telemetry::init(cfg.log.format, &cfg.log.level);
+            crate::telemetry::init(cfg.restart.log.format, &cfg.restart.log.level);
             exit(block_on(serve::run(cfg, config.clone())))
         }),
         Command::Migrate { config } => with_config(&config, &|cfg| {
-            crate::telemetry::init(cfg.log.format, &cfg.log.level);
+            crate::telemetry::init(cfg.restart.log.format, &cfg.restart.log.level);
             exit(block_on(migrate::run(cfg)))
         }),
         Command::Keys { config, command } => {

@@ -16,6 +16,7 @@
 
 mod env;
 mod log;
+pub mod pg_url;
 mod raw;
 mod routes;
 mod server;
@@ -37,7 +38,7 @@ use units::HumanDuration;
 pub use log::{LogConfig, LogFormat};
 // Other modules still name these through `config`; they live in `route`.
 pub use crate::route::{OnAmbiguous, OnStoreError, RouteConfig};
-pub use server::{AdminConfig, Readiness, ServerConfig};
+pub use server::{AdminConfig, Readiness, ServerConfig, ServerRestart};
 pub use store::{Backend, MigrationLock, RedisConfig, SqliteSync, StoreConfig};
 pub use tracing::TracingConfig;
 pub use upstreams::{UpstreamConfig, UpstreamProtocol, UpstreamTls, DEFAULT_UPSTREAM_NAME};
@@ -107,21 +108,100 @@ pub struct ConfigError {
     pub message: String,
 }
 
-/// The whole, validated configuration.
+/// The whole, validated configuration: what a reload applies, and what
+/// only a restart changes ([`Restart`]; `server::reload::as_reloaded`
+/// names every field, so a new one must be placed).
 #[derive(Clone, Debug)]
 pub struct Config {
     /// Key for the scope digests (`IDEMGATE_SCOPE_SECRET`); never printed.
     pub scope_secret: Option<Secret>,
     pub server: ServerConfig,
+    /// `[upstreams.NAME]`, by name; the default upstream is in `server`.
+    pub upstreams: BTreeMap<String, UpstreamConfig>,
+    pub routes: RouteTable,
+    pub restart: Restart,
+}
+
+/// What is bound at start and only a restart changes: a reload keeps the
+/// running values ([`Restart::changes`] names those the file changed).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Restart {
+    pub server: ServerRestart,
     pub admin: Option<AdminConfig>,
     pub store: StoreConfig,
     pub redis: Option<RedisConfig>,
     pub log: LogConfig,
     /// `[tracing]`: OpenTelemetry export (feature `otel`); `None` = off.
     pub tracing: Option<TracingConfig>,
-    /// `[upstreams.NAME]`, by name; the default upstream is in `server`.
-    pub upstreams: BTreeMap<String, UpstreamConfig>,
-    pub routes: RouteTable,
+}
+
+impl Restart {
+    /// The settings that differ in `new`, by config name: `[server]` and
+    /// `[admin]` field by field (names from the serialized fields, never
+    /// listed), the other sections whole (each one thing opened at start;
+    /// the URLs' passwords are compared, never shown).
+    pub fn changes(&self, new: &Restart) -> Vec<String> {
+        // Exhaustive: a new section must say how it is named.
+        let Restart {
+            server,
+            admin,
+            store,
+            redis,
+            log,
+            tracing,
+        } = self;
+        let mut out = changed_fields("server", server, &new.server);
+        out.extend(changed_fields("admin", admin, &new.admin));
+        let whole = [
+            ("store", *store != new.store),
+            ("redis", *redis != new.redis),
+            ("log", *log != new.log),
+            ("tracing", *tracing != new.tracing),
+        ];
+        out.extend(whole.iter().filter(|w| w.1).map(|w| w.0.to_string()));
+        out
+    }
+}
+
+/// `section.field` for each field that differs between the serialized
+/// `old` and `new`, in declaration order. Both are one type, so their
+/// fields line up; an absent section (`None`) has none.
+fn changed_fields<T: serde::Serialize>(section: &str, old: &T, new: &T) -> Vec<String> {
+    let fields = |v: &T| {
+        let json = serde_json::to_string(v).expect("settings serialize");
+        let mut json = serde_json::Deserializer::from_str(&json);
+        serde::Deserializer::deserialize_any(&mut json, InOrder).expect("a struct or null")
+    };
+    let (old, new) = (fields(old), fields(new));
+    let named = if old.len() >= new.len() { &old } else { &new };
+    (0..named.len())
+        .filter(|&i| old.get(i) != new.get(i))
+        .map(|i| format!("{section}.{}", named[i].0))
+        .collect()
+}
+
+/// Reads a serialized struct's fields in declaration order (a
+/// `serde_json::Map` sorts them); `null` (an absent section) has none.
+struct InOrder;
+
+impl<'de> serde::de::Visitor<'de> for InOrder {
+    type Value = Vec<(String, serde_json::Value)>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a struct or null")
+    }
+
+    fn visit_unit<E>(self) -> Result<Self::Value, E> {
+        Ok(Vec::new())
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut fields = Vec::new();
+        while let Some(field) = map.next_entry()? {
+            fields.push(field);
+        }
+        Ok(fields)
+    }
 }
 
 /// Bytes that never show up in `Debug` output or logs.
@@ -145,11 +225,15 @@ impl fmt::Debug for Secret {
 impl Config {
     /// Reads, parses and validates `path`, then applies environment overrides.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let bytes = std::fs::read(path).map_err(|e| ConfigError {
+        Self::load_bytes(path, Self::read(path)?)
+    }
+
+    /// The file's bytes, or the error every command gives for it.
+    pub fn read(path: &Path) -> Result<Vec<u8>, ConfigError> {
+        std::fs::read(path).map_err(|e| ConfigError {
             file: path.display().to_string(),
             message: format!("cannot read config: {e}"),
-        })?;
-        Self::load_bytes(path, bytes)
+        })
     }
 
     /// As [`Config::load`], for the file's bytes already read (a reload
@@ -175,13 +259,14 @@ impl Config {
     ) -> Result<Self, ConfigError> {
         let file = path.display().to_string();
         let mut config = Self::parse_with_env(text, &file, env)?;
-        let given = std::mem::take(&mut config.store.path);
-        config.store.path = store_path_for(&given, path);
+        let store = &mut config.restart.store;
+        let given = std::mem::take(&mut store.path);
+        store.path = store_path_for(&given, path);
         // Earlier versions read a relative path from the working directory:
         // a store left there must not be silently replaced by a new, empty
         // one (every key it holds would run again).
-        let resolved = &config.store.path;
-        if config.store.backend == Backend::Sqlite
+        let resolved = &store.path;
+        if store.backend == Backend::Sqlite
             && *resolved != given
             && !resolved.exists()
             && given.exists()
@@ -218,43 +303,33 @@ impl Config {
             message,
         };
         let raw = read_raw(text, env).map_err(fail)?;
-        Self::from_raw(raw, text, env).map_err(fail)
+        Self::from_raw(raw, env).map_err(|e| fail(e.located(text)))
     }
 
     /// Composes the sections, in file order, then checks what spans them.
-    fn from_raw(
-        raw: RawConfig,
-        text: &str,
-        env: &BTreeMap<String, String>,
-    ) -> Result<Self, String> {
-        let located = |e: Invalid| e.located(text);
-        let server = ServerConfig::try_from(raw.server).map_err(located)?;
-        let admin = raw
-            .admin
-            .map(AdminConfig::try_from)
-            .transpose()
-            .map_err(located)?;
-        let store = StoreConfig::try_from(raw.store).map_err(located)?;
-        let redis = raw
-            .redis
-            .map(RedisConfig::try_from)
-            .transpose()
-            .map_err(located)?;
-        let log = LogConfig::try_from(raw.log).map_err(located)?;
-        let tracing = match raw.tracing {
-            Some(section) if !cfg!(feature = "otel") => {
-                let message = "[tracing] needs idemgate built with the `otel` feature (cargo build --features otel); this build has no tracing";
-                return Err(located(match section.span() {
-                    env::NOT_IN_FILE => {
-                        format!("{message} (set by IDEMGATE_TRACING_* variables)").into()
-                    }
-                    at => Invalid::at(at, message),
-                }));
-            }
-            Some(section) => Some(TracingConfig::try_from(section.into_inner()).map_err(located)?),
-            None => None,
+    fn from_raw(raw: RawConfig, env: &BTreeMap<String, String>) -> Result<Self, Invalid> {
+        let (server, server_restart) = server::read(raw.server)?;
+        let restart = Restart {
+            server: server_restart,
+            admin: raw.admin.map(AdminConfig::try_from).transpose()?,
+            store: StoreConfig::try_from(raw.store)?,
+            redis: raw.redis.map(RedisConfig::try_from).transpose()?,
+            log: LogConfig::try_from(raw.log)?,
+            tracing: match raw.tracing {
+                Some(section) if !cfg!(feature = "otel") => {
+                    let message = "[tracing] needs idemgate built with the `otel` feature (cargo build --features otel); this build has no tracing";
+                    return Err(match section.span() {
+                        env::NOT_IN_FILE => {
+                            format!("{message} (set by IDEMGATE_TRACING_* variables)").into()
+                        }
+                        at => Invalid::at(at, message),
+                    });
+                }
+                Some(section) => Some(TracingConfig::try_from(section.into_inner())?),
+                None => None,
+            },
         };
-        let upstreams = upstreams::named(raw.upstreams).map_err(located)?;
+        let upstreams = upstreams::named(raw.upstreams)?;
         let choices = raw
             .defaults
             .upstream
@@ -264,36 +339,30 @@ impl Config {
                 let u = r.get_ref().upstream.as_ref()?;
                 Some((format!("route #{}", i + 1), u))
             }));
-        upstreams::check_choices(choices, &upstreams).map_err(located)?;
-        let routes = Defaults::try_from(raw.defaults)
-            .and_then(|defaults| defaults.routes(raw.route))
-            .map_err(located)?;
-        let scope_secret = env::scope_secret(env)?;
+        upstreams::check_choices(choices, &upstreams)?;
+        let routes = Defaults::try_from(raw.defaults)?.routes(raw.route)?;
         let config = Config {
-            scope_secret,
+            scope_secret: env::scope_secret(env)?,
             server,
-            admin,
-            store,
-            redis,
-            log,
-            tracing,
             upstreams,
             routes,
+            restart,
         };
-        config.check_across().map_err(located)?;
+        config.check_across()?;
         Ok(config)
     }
 
     /// The checks over settings of more than one section. A reload runs
     /// them again on the config as it will run ([`Config::check_composed`]).
     fn check_across(&self) -> Result<(), Invalid> {
-        if self.redis.is_some() && self.store.backend != Backend::Postgres {
+        let restart = &self.restart;
+        if restart.redis.is_some() && restart.store.backend != Backend::Postgres {
             return Err(Invalid::field(
                 "redis",
                 "[redis] is a fast path in front of PostgreSQL: it needs store.backend = \"postgres\"",
             ));
         }
-        let budget = self.server.max_buffered_body_bytes;
+        let budget = restart.server.max_buffered_body_bytes;
         if let Some(r) = self.routes.iter().find(|r| r.max_request_body > budget) {
             return Err(Invalid::field(
                 format!("route.{}.max_request_body", r.index - 1),
@@ -359,15 +428,17 @@ impl Config {
 /// The effective settings, one section after another, secrets masked.
 impl fmt::Display for Config {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let restart = &self.restart;
+        writeln!(f, "listen     {}", restart.server.listen)?;
         write!(f, "{}", self.server)?;
-        if let Some(admin) = &self.admin {
-            write!(f, "{admin}")?;
+        if let Some(admin) = &restart.admin {
+            writeln!(f, "admin      {}", admin.listen)?;
         }
-        write!(f, "{}", self.store)?;
-        if let Some(redis) = &self.redis {
+        write!(f, "{}", restart.store)?;
+        if let Some(redis) = &restart.redis {
             write!(f, "{redis}")?;
         }
-        if let Some(tracing) = &self.tracing {
+        if let Some(tracing) = &restart.tracing {
             write!(f, "{tracing}")?;
         }
         for (name, upstream) in &self.upstreams {

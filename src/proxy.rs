@@ -105,19 +105,19 @@ impl Proxy {
                 crate::lease::MAX_PENDING_COMPLETIONS,
             ),
             body_budget: BodyBudget::new(
-                config.server.max_buffered_body_bytes,
+                config.restart.server.max_buffered_body_bytes,
                 metrics.buffered_body_bytes().clone(),
                 metrics.body_budget_refusals().clone(),
             ),
             scope_secret: config.scope_secret.clone(),
             waiting,
             metrics,
-            tracer: trace::Tracer::new(config.tracing.as_ref()),
+            tracer: trace::Tracer::new(config.restart.tracing.as_ref()),
             tasks,
         };
         // Process-wide (at most the starting `server.max_connections`), so
         // a reload does not add another limit.
-        let tunnels = Arc::new(Semaphore::new(config.server.max_connections));
+        let tunnels = Arc::new(Semaphore::new(config.restart.server.max_connections));
         Self::assemble(config, services, tunnels)
     }
 

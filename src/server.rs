@@ -77,8 +77,8 @@ impl Listeners {
                 std::io::Error::new(e.kind(), format!("cannot listen on {addr}{what}: {e}"))
             })
         };
-        let proxy = bind(config.server.listen, "").await?;
-        let admin = match &config.admin {
+        let proxy = bind(config.restart.server.listen, "").await?;
+        let admin = match &config.restart.admin {
             Some(a) => Some(bind(a.listen, " (admin)").await?),
             None => None,
         };
@@ -159,7 +159,7 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
     let file_config = config.clone();
     let mut config = config;
     if let Some(limit) = connection_limit {
-        config.server.max_connections = config.server.max_connections.min(limit);
+        config.restart.server.max_connections = config.restart.server.max_connections.min(limit);
     }
     for w in config.warnings() {
         warn!("{w}");
@@ -182,8 +182,8 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
         store.clone(),
         metrics.clone(),
         clock,
-        config.store.sweep_interval,
-        config.store.sweep_batch,
+        config.restart.store.sweep_interval,
+        config.restart.store.sweep_batch,
         stop.clone(),
     ));
     let health = StoreHealth::new(store.backend(), metrics.clone(), clock);
@@ -198,15 +198,15 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
         ))
     });
     let deadlines = Deadlines {
-        head: config.server.header_read_timeout,
-        idle: config.server.idle_timeout,
+        head: config.restart.server.header_read_timeout,
+        idle: config.restart.server.idle_timeout,
     };
     let admin_task = listeners.admin.map(|listener| {
         let admin = Arc::new(Admin {
             store: store.clone(),
             metrics: metrics.clone(),
             draining: drain.requested.clone(),
-            readiness: config.server.readiness,
+            readiness: config.restart.server.readiness,
             health: health.clone(),
         });
         info!(addr = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(), "admin listening");
@@ -224,7 +224,7 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
     builder
         .http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(config.server.header_read_timeout)
+        .header_read_timeout(config.restart.server.header_read_timeout)
         .max_buf_size(H1_MAX_BUF_SIZE)
         .keep_alive(true);
     // Pings find dead h2 peers; idle connections of either protocol end
@@ -234,7 +234,7 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
         .timer(TokioTimer::new())
         .keep_alive_interval(Some(H2_KEEPALIVE_INTERVAL))
         .keep_alive_timeout(H2_KEEPALIVE_TIMEOUT)
-        .max_concurrent_streams(config.server.h2_max_concurrent_streams)
+        .max_concurrent_streams(config.restart.server.h2_max_concurrent_streams)
         .max_header_list_size(H2_MAX_HEADER_LIST_SIZE)
         .initial_stream_window_size(H2_STREAM_WINDOW)
         .initial_connection_window_size(H2_CONNECTION_WINDOW)
@@ -243,7 +243,7 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
     let accepting = listen::serve(
         "proxy",
         listeners.proxy,
-        config.server.max_connections,
+        config.restart.server.max_connections,
         &drain.connections,
         drain.stop_accepting.cancelled(),
         |stream, peer| {
@@ -275,10 +275,10 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
     // shutdown_delay so load balancers notice before connections are refused.
     tokio::join!(
         accepting,
-        drain.request_on(shutdown, config.server.shutdown_delay)
+        drain.request_on(shutdown, config.restart.server.shutdown_delay)
     );
-    info!(grace = ?config.server.shutdown_grace, "shutting down: no new connections, draining");
-    let deadline = tokio::time::Instant::now() + config.server.shutdown_grace;
+    info!(grace = ?config.restart.server.shutdown_grace, "shutting down: no new connections, draining");
+    let deadline = tokio::time::Instant::now() + config.restart.server.shutdown_grace;
     if !drain.close_connections(deadline).await {
         warn!("grace period over with connections still open; closing them");
     }

@@ -389,7 +389,8 @@ pub fn command(cfg: Config, command: &KeysCommand) -> std::process::ExitCode {
 
 /// `idemgate keys ...` against the configured store.
 pub async fn run(config: Config, action: KeysAction) -> anyhow::Result<KeysOutcome> {
-    if config.store.backend == crate::config::Backend::Memory {
+    let settings = &config.restart.store;
+    if settings.backend == crate::config::Backend::Memory {
         anyhow::bail!(
             "the memory store lives inside the proxy process; nothing outside it can inspect its keys"
         );
@@ -397,8 +398,8 @@ pub async fn run(config: Config, action: KeysAction) -> anyhow::Result<KeysOutco
     // Opening creates a missing SQLite file: from `keys` that would be a
     // new, empty store (every key "absent", a delete that "worked"), never
     // the proxy's.
-    let path = &config.store.path;
-    if config.store.backend == crate::config::Backend::Sqlite && !path.exists() {
+    let path = &settings.path;
+    if settings.backend == crate::config::Backend::Sqlite && !path.exists() {
         anyhow::bail!(
             "no SQLite store at {} (store.path; a relative one is read from the config file's directory): keys never creates one; give --config the proxy's own config",
             path.display()
@@ -424,8 +425,7 @@ pub async fn run(config: Config, action: KeysAction) -> anyhow::Result<KeysOutco
             }
         }
         KeysAction::PurgeExpired => {
-            let n =
-                purge_expired(store.as_ref(), config.store.sweep_batch, &Clock::system()).await?;
+            let n = purge_expired(store.as_ref(), settings.sweep_batch, &Clock::system()).await?;
             println!("deleted {n} expired records");
         }
     }

@@ -4,17 +4,17 @@ use crate::config::{Backend, Config};
 
 /// `idemgate migrate`: applies the PostgreSQL migrations.
 pub async fn run(config: Config) -> anyhow::Result<()> {
-    if config.store.backend != Backend::Postgres {
+    if config.restart.store.backend != Backend::Postgres {
         println!(
             "store.backend = \"{}\": its schema is created when it is opened; nothing to migrate",
-            config.store.backend.as_str()
+            config.restart.store.backend.as_str()
         );
         return Ok(());
     }
     let applied = crate::store::migrate(&config).await?;
     println!(
         "schema {:?} is current ({applied} migration(s) applied now)",
-        config.store.schema
+        config.restart.store.schema
     );
     Ok(())
 }

@@ -24,7 +24,7 @@ pub async fn run(config: Config, path: std::path::PathBuf) -> anyhow::Result<()>
         }
     };
     // First, so an early SIGHUP reloads instead of killing the process.
-    let hangups = server::reload::requests(&path, config.server.watch_config)?;
+    let hangups = server::reload::requests(&path, config.restart.server.watch_config)?;
     let listeners = server::Listeners::bind(&config).await?;
     let metrics = Arc::new(Metrics::new());
     let mut server = server::Server::open(config, metrics, listeners).await?;

@@ -4,30 +4,20 @@ use super::raw::RawLog;
 use super::Invalid;
 pub use crate::telemetry::LogFormat;
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct LogConfig {
     pub format: LogFormat,
     /// An `EnvFilter` directive; `RUST_LOG` wins when set.
     pub level: String,
 }
 
-impl Default for LogConfig {
-    fn default() -> Self {
-        Self {
-            format: LogFormat::Text,
-            level: "info".to_string(),
-        }
-    }
-}
-
 impl TryFrom<RawLog> for LogConfig {
     type Error = Invalid;
 
     fn try_from(l: RawLog) -> Result<Self, Invalid> {
-        let default = LogConfig::default();
         let (span, level) = match l.level {
             Some(level) => (Some(level.span()), level.into_inner()),
-            None => (None, default.level),
+            None => (None, "info".to_string()),
         };
         let invalid = |message: String| match &span {
             Some(span) => Invalid::at(span.clone(), message),
@@ -37,7 +27,7 @@ impl TryFrom<RawLog> for LogConfig {
         tracing_subscriber::EnvFilter::try_new(&level)
             .map_err(|e| invalid(format!("log.level {level:?}: {e}")))?;
         Ok(LogConfig {
-            format: l.format.unwrap_or(default.format),
+            format: l.format.unwrap_or_default(),
             level,
         })
     }

@@ -7,7 +7,7 @@ const BASE: &str = "[server]\nupstream = \"http://127.0.0.1:3000\"\n[store]\nbac
 
 fn redis(section: &str) -> Result<crate::config::RedisConfig, String> {
     Config::parse(&format!("{BASE}{section}"), "t.toml")
-        .map(|c| c.redis.expect("[redis] is set"))
+        .map(|c| c.restart.redis.expect("[redis] is set"))
         .map_err(|e| e.to_string())
 }
 

@@ -17,9 +17,10 @@ use std::fmt;
 use std::net::SocketAddr;
 use std::time::Duration;
 
+/// `[server]`'s settings a reload applies: the default upstream and the
+/// per-request ones. Those bound at start are [`ServerRestart`]'s.
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
-    pub listen: SocketAddr,
     /// Scheme and authority (and optional base path) of the upstream.
     pub upstream: Uri,
     pub upstream_timeout: Duration,
@@ -30,6 +31,20 @@ pub struct ServerConfig {
     pub upstream_protocol: UpstreamProtocol,
     /// `upstream_ca_file`, `upstream_cert_file`, `upstream_key_file`.
     pub upstream_tls: UpstreamTls,
+    /// Time a client has to send a protected request's whole body (408).
+    pub request_body_timeout: Duration,
+    /// Forward the client's `Host` instead of the upstream's authority.
+    pub preserve_host: bool,
+    /// Keep the client's `X-Forwarded-Proto/-Host` (behind a trusted proxy).
+    pub trust_forwarded_headers: bool,
+}
+
+/// `[server]`'s settings bound at start (the listener, its limits and
+/// timers, shutdown, readiness): only a restart changes them. Serialized
+/// only to name, field by field, those a reload would change.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct ServerRestart {
+    pub listen: SocketAddr,
     pub max_connections: usize,
     /// From accept to the first complete request head (also each later
     /// HTTP/1.1 head, from the end of the previous response).
@@ -40,16 +55,10 @@ pub struct ServerConfig {
     pub max_buffered_body_bytes: u64,
     /// Streams one HTTP/2 connection may have open at once.
     pub h2_max_concurrent_streams: u32,
-    /// Time a client has to send a protected request's whole body (408).
-    pub request_body_timeout: Duration,
     pub shutdown_grace: Duration,
     /// After SIGTERM, how long readiness fails while connections are still
     /// accepted, before the drain starts.
     pub shutdown_delay: Duration,
-    /// Forward the client's `Host` instead of the upstream's authority.
-    pub preserve_host: bool,
-    /// Keep the client's `X-Forwarded-Proto/-Host` (behind a trusted proxy).
-    pub trust_forwarded_headers: bool,
     /// What `/readyz` reflects.
     pub readiness: Readiness,
     /// Reload the config file when its content changes, not only on SIGHUP.
@@ -57,7 +66,7 @@ pub struct ServerConfig {
 }
 
 /// What `/readyz` answers for (`server.readiness`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Readiness {
     /// What this replica can serve: not draining, config loaded, listeners
@@ -72,96 +81,88 @@ pub enum Readiness {
     Store,
 }
 
-impl Readiness {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Readiness::Serving => "serving",
-            Readiness::Store => "store",
-        }
-    }
-}
-
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct AdminConfig {
     pub listen: SocketAddr,
 }
 
 // === impl ServerConfig ===
 
-impl TryFrom<RawServer> for ServerConfig {
-    type Error = Invalid;
-
-    fn try_from(s: RawServer) -> Result<Self, Invalid> {
-        let upstream = s.upstream.map(|u| u.0).ok_or_else(|| {
-            Invalid::field(
-                "server.upstream",
-                "server.upstream is required, e.g. upstream = \"http://127.0.0.1:3000\"",
-            )
-        })?;
-        let max_connections = at_least_one(
-            "server.max_connections",
-            s.max_connections.unwrap_or(DEFAULT_MAX_CONNECTIONS),
-        )?;
-        let upstream_tls = UpstreamTls {
-            ca_file: s.upstream_ca_file,
-            cert_file: s.upstream_cert_file,
-            key_file: s.upstream_key_file,
-        };
-        check_tls(&upstream, &upstream_tls, "server.upstream_")?;
-        let upstream_timeout = nonzero(
-            "server.upstream_timeout",
-            dur(s.upstream_timeout, DEFAULT_UPSTREAM_TIMEOUT),
-        )?;
-        Ok(ServerConfig {
-            listen: s
-                .listen
-                .unwrap_or_else(|| DEFAULT_LISTEN.parse().expect("valid default")),
-            upstream,
-            upstream_timeout,
-            upstream_connect_timeout: nonzero(
-                "server.upstream_connect_timeout",
-                dur(s.upstream_connect_timeout, DEFAULT_UPSTREAM_CONNECT_TIMEOUT),
-            )?,
-            upstream_pool_idle_timeout: dur(
-                s.upstream_pool_idle_timeout,
-                DEFAULT_UPSTREAM_POOL_IDLE_TIMEOUT,
-            ),
-            upstream_pool_max_idle: s
-                .upstream_pool_max_idle
-                .unwrap_or(DEFAULT_UPSTREAM_POOL_MAX_IDLE),
-            upstream_protocol: s.upstream_protocol.unwrap_or_default(),
-            upstream_tls,
-            max_connections,
-            header_read_timeout: nonzero(
-                "server.header_read_timeout",
-                dur(s.header_read_timeout, DEFAULT_HEADER_READ_TIMEOUT),
-            )?,
-            idle_timeout: nonzero(
-                "server.idle_timeout",
-                dur(s.idle_timeout, DEFAULT_IDLE_TIMEOUT),
-            )?,
-            max_buffered_body_bytes: at_least_one(
-                "server.max_buffered_body_bytes",
-                s.max_buffered_body_bytes
-                    .map_or(DEFAULT_MAX_BUFFERED_BODY_BYTES, |b| b.0),
-            )?,
-            h2_max_concurrent_streams: at_least_one(
-                "server.h2_max_concurrent_streams",
-                s.h2_max_concurrent_streams
-                    .unwrap_or(DEFAULT_H2_MAX_CONCURRENT_STREAMS),
-            )?,
-            request_body_timeout: nonzero(
-                "server.request_body_timeout",
-                dur(s.request_body_timeout, DEFAULT_REQUEST_BODY_TIMEOUT),
-            )?,
-            shutdown_grace: dur(s.shutdown_grace, DEFAULT_SHUTDOWN_GRACE),
-            shutdown_delay: dur(s.shutdown_delay, Duration::ZERO),
-            preserve_host: s.preserve_host.unwrap_or(false),
-            trust_forwarded_headers: s.trust_forwarded_headers.unwrap_or(false),
-            readiness: s.readiness.unwrap_or_default(),
-            watch_config: s.watch_config.unwrap_or(false),
-        })
-    }
+/// `[server]`, split into what reloads and what a restart changes.
+pub(super) fn read(s: RawServer) -> Result<(ServerConfig, ServerRestart), Invalid> {
+    let upstream = s.upstream.map(|u| u.0).ok_or_else(|| {
+        Invalid::field(
+            "server.upstream",
+            "server.upstream is required, e.g. upstream = \"http://127.0.0.1:3000\"",
+        )
+    })?;
+    let max_connections = at_least_one(
+        "server.max_connections",
+        s.max_connections.unwrap_or(DEFAULT_MAX_CONNECTIONS),
+    )?;
+    let upstream_tls = UpstreamTls {
+        ca_file: s.upstream_ca_file,
+        cert_file: s.upstream_cert_file,
+        key_file: s.upstream_key_file,
+    };
+    check_tls(&upstream, &upstream_tls, "server.upstream_")?;
+    let upstream_timeout = nonzero(
+        "server.upstream_timeout",
+        dur(s.upstream_timeout, DEFAULT_UPSTREAM_TIMEOUT),
+    )?;
+    let upstream_connect_timeout = nonzero(
+        "server.upstream_connect_timeout",
+        dur(s.upstream_connect_timeout, DEFAULT_UPSTREAM_CONNECT_TIMEOUT),
+    )?;
+    let restart = ServerRestart {
+        listen: s
+            .listen
+            .unwrap_or_else(|| DEFAULT_LISTEN.parse().expect("valid default")),
+        max_connections,
+        header_read_timeout: nonzero(
+            "server.header_read_timeout",
+            dur(s.header_read_timeout, DEFAULT_HEADER_READ_TIMEOUT),
+        )?,
+        idle_timeout: nonzero(
+            "server.idle_timeout",
+            dur(s.idle_timeout, DEFAULT_IDLE_TIMEOUT),
+        )?,
+        max_buffered_body_bytes: at_least_one(
+            "server.max_buffered_body_bytes",
+            s.max_buffered_body_bytes
+                .map_or(DEFAULT_MAX_BUFFERED_BODY_BYTES, |b| b.0),
+        )?,
+        h2_max_concurrent_streams: at_least_one(
+            "server.h2_max_concurrent_streams",
+            s.h2_max_concurrent_streams
+                .unwrap_or(DEFAULT_H2_MAX_CONCURRENT_STREAMS),
+        )?,
+        shutdown_grace: dur(s.shutdown_grace, DEFAULT_SHUTDOWN_GRACE),
+        shutdown_delay: dur(s.shutdown_delay, Duration::ZERO),
+        readiness: s.readiness.unwrap_or_default(),
+        watch_config: s.watch_config.unwrap_or(false),
+    };
+    let server = ServerConfig {
+        upstream,
+        upstream_timeout,
+        upstream_connect_timeout,
+        upstream_pool_idle_timeout: dur(
+            s.upstream_pool_idle_timeout,
+            DEFAULT_UPSTREAM_POOL_IDLE_TIMEOUT,
+        ),
+        upstream_pool_max_idle: s
+            .upstream_pool_max_idle
+            .unwrap_or(DEFAULT_UPSTREAM_POOL_MAX_IDLE),
+        upstream_protocol: s.upstream_protocol.unwrap_or_default(),
+        upstream_tls,
+        request_body_timeout: nonzero(
+            "server.request_body_timeout",
+            dur(s.request_body_timeout, DEFAULT_REQUEST_BODY_TIMEOUT),
+        )?,
+        preserve_host: s.preserve_host.unwrap_or(false),
+        trust_forwarded_headers: s.trust_forwarded_headers.unwrap_or(false),
+    };
+    Ok((server, restart))
 }
 
 impl ServerConfig {
@@ -182,7 +183,6 @@ impl ServerConfig {
 
 impl fmt::Display for ServerConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(f, "listen     {}", self.listen)?;
         let upstream = self.default_upstream();
         if upstream.protocol == UpstreamProtocol::Http1 && !upstream.is_https() {
             // As before named upstreams: check-config's output unchanged.
@@ -211,11 +211,5 @@ impl TryFrom<RawAdmin> for AdminConfig {
             )
         })?;
         Ok(AdminConfig { listen })
-    }
-}
-
-impl fmt::Display for AdminConfig {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(f, "admin      {}", self.listen)
     }
 }

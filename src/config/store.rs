@@ -56,17 +56,8 @@ pub enum MigrationLock {
     None,
 }
 
-impl MigrationLock {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            MigrationLock::Advisory => "advisory",
-            MigrationLock::None => "none",
-        }
-    }
-}
-
 /// `Debug` masks the URL's password (see [`mask_url`]).
-#[derive(Clone)]
+#[derive(Clone, PartialEq)]
 pub struct StoreConfig {
     pub backend: Backend,
     pub path: PathBuf,
@@ -85,7 +76,7 @@ pub struct StoreConfig {
 }
 
 /// `Debug` masks the URL's password (see [`mask_url`]).
-#[derive(Clone)]
+#[derive(Clone, PartialEq)]
 pub struct RedisConfig {
     /// As written: `redis://`, `rediss://` (TLS), their Valkey aliases
     /// `valkey://` and `valkeys://`, or `unix://`. [`RedisConfig::client_url`]
@@ -130,7 +121,7 @@ impl TryFrom<RawStore> for StoreConfig {
                 }
                 // libpq's TLS parameters and pgbouncer=true: checked here so
                 // check-config names a bad one; files are read at start.
-                crate::store::pg_connect::PgUrl::parse(&u)
+                super::pg_url::PgUrl::parse(&u)
                     .and_then(|url| url.pg_config().map(|_| ()))
                     .map_err(|e| format!("store.url: {e}"))?;
                 Some(u)

@@ -22,23 +22,23 @@ fn with_route(route: &str) -> String {
 fn shipped_example_parses_and_uses_every_default() {
     let text = include_str!("../../config/idemgate.toml");
     let cfg = parse(text).expect("config/idemgate.toml must parse");
-    assert_eq!(cfg.server.listen.to_string(), DEFAULT_LISTEN);
+    assert_eq!(cfg.restart.server.listen.to_string(), DEFAULT_LISTEN);
     assert_eq!(cfg.server.upstream_timeout, DEFAULT_UPSTREAM_TIMEOUT);
-    assert_eq!(cfg.server.max_connections, DEFAULT_MAX_CONNECTIONS);
-    assert_eq!(cfg.server.shutdown_grace, DEFAULT_SHUTDOWN_GRACE);
-    assert_eq!(cfg.server.idle_timeout, DEFAULT_IDLE_TIMEOUT);
+    assert_eq!(cfg.restart.server.max_connections, DEFAULT_MAX_CONNECTIONS);
+    assert_eq!(cfg.restart.server.shutdown_grace, DEFAULT_SHUTDOWN_GRACE);
+    assert_eq!(cfg.restart.server.idle_timeout, DEFAULT_IDLE_TIMEOUT);
     assert_eq!(
-        cfg.server.max_buffered_body_bytes,
+        cfg.restart.server.max_buffered_body_bytes,
         DEFAULT_MAX_BUFFERED_BODY_BYTES
     );
     assert_eq!(
-        cfg.server.h2_max_concurrent_streams,
+        cfg.restart.server.h2_max_concurrent_streams,
         DEFAULT_H2_MAX_CONCURRENT_STREAMS
     );
-    assert_eq!(cfg.store.backend, Backend::Sqlite);
-    assert_eq!(cfg.store.path, PathBuf::from(DEFAULT_SQLITE_PATH));
-    assert_eq!(cfg.store.timeout, DEFAULT_STORE_TIMEOUT);
-    assert_eq!(cfg.store.sweep_batch, DEFAULT_SWEEP_BATCH);
+    assert_eq!(cfg.restart.store.backend, Backend::Sqlite);
+    assert_eq!(cfg.restart.store.path, PathBuf::from(DEFAULT_SQLITE_PATH));
+    assert_eq!(cfg.restart.store.timeout, DEFAULT_STORE_TIMEOUT);
+    assert_eq!(cfg.restart.store.sweep_batch, DEFAULT_SWEEP_BATCH);
     let routes: Vec<_> = cfg.routes.iter().collect();
     assert_eq!(routes.len(), 2);
     let r = &routes[0];
@@ -58,9 +58,9 @@ fn shipped_example_parses_and_uses_every_default() {
 #[test]
 fn the_file_without_its_examples_is_the_built_in_defaults() {
     let cfg = parse(MINIMAL).unwrap();
-    assert!(cfg.admin.is_none());
-    assert!(cfg.redis.is_none());
-    assert_eq!(cfg.log.format, LogFormat::Text);
+    assert!(cfg.restart.admin.is_none());
+    assert!(cfg.restart.redis.is_none());
+    assert_eq!(cfg.restart.log.format, LogFormat::Text);
     assert_eq!(cfg.routes.iter().count(), 0);
 }
 
@@ -413,12 +413,15 @@ fn environment_overrides_urls_and_addresses() {
     .collect();
     let cfg = Config::parse_with_env(&text, "t.toml", &env).unwrap();
     assert_eq!(
-        cfg.store.url.as_deref(),
+        cfg.restart.store.url.as_deref(),
         Some("postgres://u:hunter2@db:5432/app")
     );
-    assert_eq!(cfg.redis.as_ref().unwrap().url, "redis://cache:6379");
+    assert_eq!(
+        cfg.restart.redis.as_ref().unwrap().url,
+        "redis://cache:6379"
+    );
     assert_eq!(cfg.server.upstream.to_string(), "http://app:9000/");
-    assert_eq!(cfg.server.listen.to_string(), "0.0.0.0:8081");
+    assert_eq!(cfg.restart.server.listen.to_string(), "0.0.0.0:8081");
     let shown = cfg.to_string();
     assert!(shown.contains("postgres://u:****@db:5432/app"), "{shown}");
     assert!(!shown.contains("hunter2"));
@@ -514,8 +517,8 @@ fn deployment_configs_parse() {
     .collect();
     let compose = include_str!("../../config/compose.toml");
     let cfg = Config::parse_with_env(compose, "config/compose.toml", &env).unwrap();
-    assert_eq!(cfg.store.backend, Backend::Postgres);
-    assert!(cfg.redis.is_some());
+    assert_eq!(cfg.restart.store.backend, Backend::Postgres);
+    assert!(cfg.restart.redis.is_some());
     Config::parse(
         include_str!("../../config/docker.toml"),
         "config/docker.toml",
@@ -533,7 +536,7 @@ fn deployment_configs_parse() {
         .join("\n");
     let cfg = Config::parse_with_env(&embedded, "deploy/kubernetes/sidecar.yaml", &env).unwrap();
     assert_eq!(cfg.routes.iter().count(), 2);
-    assert!(cfg.admin.is_some());
+    assert!(cfg.restart.admin.is_some());
 }
 
 #[test]
@@ -572,9 +575,12 @@ fn any_section_key_can_come_from_the_environment() {
     let cfg = Config::parse_with_env(MINIMAL, "t.toml", &env).unwrap();
     assert_eq!(cfg.server.upstream_timeout, Duration::from_secs(5));
     assert!(cfg.server.preserve_host);
-    assert_eq!(cfg.store.sweep_batch, 50);
-    assert_eq!(cfg.admin.unwrap().listen.to_string(), "127.0.0.1:9999");
-    assert_eq!(cfg.log.format, LogFormat::Json);
+    assert_eq!(cfg.restart.store.sweep_batch, 50);
+    assert_eq!(
+        cfg.restart.admin.unwrap().listen.to_string(),
+        "127.0.0.1:9999"
+    );
+    assert_eq!(cfg.restart.log.format, LogFormat::Json);
 
     for (name, value, needle) in [
         ("IDEMGATE_SERVER_COLOUR", "blue", "unknown field `colour`"),
@@ -753,11 +759,11 @@ const TRACING: &str = "[tracing]\notlp_endpoint = \"http://127.0.0.1:4318\"\n";
 #[test]
 fn tracing_section_sets_the_exporter_with_defaults() {
     let cfg = parse(&format!("{MINIMAL}{TRACING}")).unwrap();
-    let t = cfg.tracing.expect("tracing on");
+    let t = cfg.restart.tracing.expect("tracing on");
     assert_eq!(t.traces_url.to_string(), "http://127.0.0.1:4318/v1/traces");
     assert_eq!(t.service_name, "idemgate");
     assert_eq!(t.sampling_ratio, 1.0);
-    assert!(parse(MINIMAL).unwrap().tracing.is_none());
+    assert!(parse(MINIMAL).unwrap().restart.tracing.is_none());
     for (extra, part) in [
         ("sampling_ratio = 1.5\n", "between 0 and 1"),
         ("service_name = \"\"\n", "service_name"),
@@ -1082,14 +1088,17 @@ fn a_relative_store_path_is_read_from_the_config_files_directory() {
     let file = std::path::Path::new("/nonexistent/dir/idemgate.toml");
     let cfg = Config::parse_file(MINIMAL, file, &Default::default()).unwrap();
     assert_eq!(
-        cfg.store.path,
+        cfg.restart.store.path,
         PathBuf::from("/nonexistent/dir/data/idemgate.db")
     );
     let env = [("IDEMGATE_STORE_PATH".to_string(), "x.db".to_string())].into();
     let cfg = Config::parse_file(MINIMAL, file, &env).unwrap();
-    assert_eq!(cfg.store.path, PathBuf::from("/nonexistent/dir/x.db"));
     assert_eq!(
-        parse(MINIMAL).unwrap().store.path,
+        cfg.restart.store.path,
+        PathBuf::from("/nonexistent/dir/x.db")
+    );
+    assert_eq!(
+        parse(MINIMAL).unwrap().restart.store.path,
         PathBuf::from(DEFAULT_SQLITE_PATH)
     );
 }

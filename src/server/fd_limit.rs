@@ -40,17 +40,18 @@ pub fn reserved(config: &Config) -> u64 {
         .chain(config.upstreams.values().map(|u| u.pool_max_idle))
         .map(|n| n as u64)
         .sum();
-    let store = match config.store.backend {
-        Backend::Postgres => config.store.pool_size as u64 + POSTGRES_EXTRA,
+    let restart = &config.restart;
+    let store = match restart.store.backend {
+        Backend::Postgres => restart.store.pool_size as u64 + POSTGRES_EXTRA,
         Backend::Sqlite | Backend::Memory => 0,
     };
-    let redis = match &config.redis {
+    let redis = match &restart.redis {
         Some(r) if r.cluster => REDIS_CLUSTER,
         Some(_) => REDIS_SINGLE,
         None => 0,
     };
-    let admin = config.admin.as_ref().map_or(0, |_| 1 + ADMIN_CONNECTIONS);
-    let tracing = config.tracing.as_ref().map_or(0, |_| TRACING);
+    let admin = restart.admin.as_ref().map_or(0, |_| 1 + ADMIN_CONNECTIONS);
+    let tracing = restart.tracing.as_ref().map_or(0, |_| TRACING);
     RESERVE_FILES + 1 + admin + idle_pools + store + redis + tracing
 }
 
@@ -81,7 +82,7 @@ impl FdPlan {
     /// raised to `raised`.
     pub fn new(config: &Config, soft: u64, hard: u64, raised: u64) -> Self {
         let reserved = reserved(config);
-        let configured = config.server.max_connections;
+        let configured = config.restart.server.max_connections;
         Self {
             soft,
             hard,

@@ -13,10 +13,13 @@
 //! later ones get the new one.
 //!
 //! Settings bound at start (listeners, the store and Redis, connection and
-//! memory limits, shutdown timings, readiness, logging) keep their running
-//! values; [`restart_only_changes`] names those that differ, for the log.
+//! memory limits, shutdown timings, readiness, logging: [`Restart`]) keep
+//! their running values; [`Restart::changes`] names those that differ.
+//!
+//! [`Restart`]: crate::config::Restart
+//! [`Restart::changes`]: crate::config::Restart::changes
 
-use crate::config::{Config, RedisConfig, StoreConfig};
+use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
 use arc_swap::ArcSwap;
@@ -204,44 +207,33 @@ pub(super) async fn reload_loop(
 ) {
     loop {
         let request = tokio::select! {
-            r = source.requests.recv() => match r {
-                Some(r) => r,
-                None => return,
-            },
-            _ = stop.cancelled() => return,
+            r = source.requests.recv() => r,
+            _ = stop.cancelled() => None,
         };
-        let content = match request {
-            ReloadRequest::Signal => None,
-            ReloadRequest::Content(bytes) => Some(bytes),
-        };
-        reload(&source.path, content, &running, &current, &metrics);
+        let Some(request) = request else { return };
+        reload(&source.path, request, &running, &current, &metrics);
     }
 }
 
-/// One reload: read (or take the watcher's `content`), validate the
-/// config as it will run, swap (or refuse and keep the old config).
+/// One reload: read the file (or take the watcher's content), validate
+/// the config as it will run, swap (or refuse and keep the old config).
 pub(super) fn reload(
     path: &std::path::Path,
-    content: Option<Vec<u8>>,
+    request: ReloadRequest,
     running: &Config,
     current: &ArcSwap<Proxy>,
     metrics: &Metrics,
-) -> bool {
+) {
     let now = unix_secs();
     let refuse = |message: String| {
         error!("config reload refused, the running config stays: {message}");
         metrics.config_loaded(false, now);
-        false
     };
-    let loaded = match content {
-        Some(bytes) => Config::load_bytes(path, bytes.clone()).map(|c| (c, bytes)),
-        None => std::fs::read(path)
-            .map_err(|e| crate::config::ConfigError {
-                file: path.display().to_string(),
-                message: format!("cannot read config: {e}"),
-            })
-            .and_then(|bytes| Ok((Config::load_bytes(path, bytes.clone())?, bytes))),
-    };
+    let loaded = match request {
+        ReloadRequest::Content(bytes) => Ok(bytes),
+        ReloadRequest::Signal => Config::read(path),
+    }
+    .and_then(|bytes| Ok((Config::load_bytes(path, bytes.clone())?, bytes)));
     let (file_config, text) = match loaded {
         Ok(c) => c,
         // The words check-config and serve use for the same file.
@@ -250,7 +242,7 @@ pub(super) fn reload(
     for w in file_config.warnings() {
         warn!("{w}");
     }
-    let kept = restart_only_changes(running, &file_config);
+    let kept = running.restart.changes(&file_config.restart).join(", ");
     // What will run: the restart-only settings at their running values.
     // Checked as a whole, so no route needs more than the running budget.
     let config = as_reloaded(running, file_config);
@@ -258,13 +250,12 @@ pub(super) fn reload(
     if let Err(e) = config.check_composed(&text, &path.display().to_string()) {
         // The file alone passed the same checks: a kept setting made it fail.
         return refuse(format!(
-            "invalid configuration: {e} (with the running values of the settings only a restart changes: {})",
-            kept.join(", ")
+            "invalid configuration: {e} (with the running values of the settings only a restart changes: {kept})"
         ));
     }
     if !kept.is_empty() {
         warn!(
-            settings = %kept.join(", "),
+            settings = %kept,
             "config reloaded, but these settings only change on a restart: they keep their running values"
         );
     }
@@ -283,7 +274,6 @@ pub(super) fn reload(
         routes = config.routes.iter().count(),
         "config reloaded"
     );
-    true
 }
 
 pub(super) fn unix_secs() -> f64 {
@@ -293,98 +283,24 @@ pub(super) fn unix_secs() -> f64 {
         .unwrap_or_default()
 }
 
-/// The settings a reload cannot apply that differ between `old` and `new`,
-/// by their config names.
-pub fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
-    let (o, n) = (&old.server, &new.server);
-    let mut out = Vec::new();
-    let mut check = |name: &'static str, differs: bool| {
-        if differs {
-            out.push(name);
-        }
-    };
-    check("server.listen", o.listen != n.listen);
-    check(
-        "server.max_connections",
-        o.max_connections != n.max_connections,
-    );
-    check(
-        "server.header_read_timeout",
-        o.header_read_timeout != n.header_read_timeout,
-    );
-    check("server.idle_timeout", o.idle_timeout != n.idle_timeout);
-    check(
-        "server.max_buffered_body_bytes",
-        o.max_buffered_body_bytes != n.max_buffered_body_bytes,
-    );
-    check(
-        "server.h2_max_concurrent_streams",
-        o.h2_max_concurrent_streams != n.h2_max_concurrent_streams,
-    );
-    check(
-        "server.shutdown_grace",
-        o.shutdown_grace != n.shutdown_grace,
-    );
-    check(
-        "server.shutdown_delay",
-        o.shutdown_delay != n.shutdown_delay,
-    );
-    check("server.readiness", o.readiness != n.readiness);
-    check("server.watch_config", o.watch_config != n.watch_config);
-    check(
-        "admin.listen",
-        old.admin.as_ref().map(|a| a.listen) != new.admin.as_ref().map(|a| a.listen),
-    );
-    check("store", store_key(&old.store) != store_key(&new.store));
-    check(
-        "redis",
-        old.redis.as_ref().map(redis_key) != new.redis.as_ref().map(redis_key),
-    );
-    check(
-        "log",
-        (old.log.format, &old.log.level) != (new.log.format, &new.log.level),
-    );
-    check("tracing", old.tracing != new.tracing);
-    out
-}
-
-/// `new` as a reload runs it: every setting [`restart_only_changes`]
-/// names keeps its value from `running`.
-pub fn as_reloaded(running: &Config, mut new: Config) -> Config {
-    let (o, n) = (&running.server, &mut new.server);
-    n.listen = o.listen;
-    n.max_connections = o.max_connections;
-    n.header_read_timeout = o.header_read_timeout;
-    n.idle_timeout = o.idle_timeout;
-    n.max_buffered_body_bytes = o.max_buffered_body_bytes;
-    n.h2_max_concurrent_streams = o.h2_max_concurrent_streams;
-    n.shutdown_grace = o.shutdown_grace;
-    n.shutdown_delay = o.shutdown_delay;
-    n.readiness = o.readiness;
-    n.watch_config = o.watch_config;
-    new.admin.clone_from(&running.admin);
-    new.store.clone_from(&running.store);
-    new.redis.clone_from(&running.redis);
-    new.log.clone_from(&running.log);
-    new.tracing.clone_from(&running.tracing);
-    new
-}
-
-/// Every `[store]` setting, for comparison (the URL unmasked: a new
-/// password is a change too; never printed).
-fn store_key(s: &StoreConfig) -> impl PartialEq + '_ {
-    (
-        (s.backend, &s.path, s.synchronous, &s.url, &s.schema),
-        (s.pool_size, s.connect_timeout, s.statement_timeout),
-        (s.timeout, s.sweep_interval, s.sweep_batch, s.migration_lock),
-    )
-}
-
-fn redis_key(r: &RedisConfig) -> impl PartialEq + '_ {
-    (
-        (&r.url, r.timeout, &r.prefix, r.cluster),
-        (&r.ca_file, &r.cert_file, &r.key_file),
-    )
+/// `new` as a reload runs it: what only a restart changes (`Restart`)
+/// at its running values, the rest from `new`.
+pub fn as_reloaded(running: &Config, new: Config) -> Config {
+    // Every field named: a new one must be placed here or in `Restart`.
+    let Config {
+        scope_secret,
+        server,
+        upstreams,
+        routes,
+        restart: _,
+    } = new;
+    Config {
+        scope_secret,
+        server,
+        upstreams,
+        routes,
+        restart: running.restart.clone(),
+    }
 }
 
 #[cfg(test)]
@@ -418,7 +334,7 @@ mod tests {
         ];
         for (extra, want) in cases {
             assert_eq!(
-                restart_only_changes(&base, &config(extra)),
+                base.restart.changes(&config(extra).restart),
                 *want,
                 "{extra}"
             );
@@ -441,13 +357,10 @@ mod tests {
         ];
         for extra in changes {
             let new = config(&format!("upstream_timeout = \"5s\"\n{extra}"));
-            assert!(!restart_only_changes(&running, &new).is_empty(), "{extra}");
+            assert!(!running.restart.changes(&new.restart).is_empty(), "{extra}");
             let effective = as_reloaded(&running, new);
-            assert_eq!(
-                restart_only_changes(&running, &effective),
-                Vec::<&str>::new(),
-                "{extra}"
-            );
+            let kept = running.restart.changes(&effective.restart);
+            assert_eq!(kept, Vec::<String>::new(), "{extra}");
             assert_eq!(
                 effective.server.upstream_timeout,
                 std::time::Duration::from_secs(5),
@@ -597,11 +510,8 @@ mod tests {
             ("", "ca_file = \"/etc/ca.pem\"\n", "redis"),
         ] {
             let changed = config(&format!("{pg}{store_extra}{redis}{redis_extra}"));
-            assert_eq!(
-                restart_only_changes(&base, &changed),
-                [want],
-                "{store_extra}{redis_extra}"
-            );
+            let changes = base.restart.changes(&changed.restart);
+            assert_eq!(changes, [want], "{store_extra}{redis_extra}");
         }
     }
 }

@@ -35,7 +35,10 @@ pub async fn open(cfg: &Config) -> Result<Arc<dyn Store>, StoreError> {
 
 /// Applies the PostgreSQL migrations (`idemgate migrate`); returns how many ran.
 pub async fn migrate(cfg: &Config) -> Result<u32, StoreError> {
-    PostgresStore::connect(&cfg.store).await?.migrate().await
+    PostgresStore::connect(&cfg.restart.store)
+        .await?
+        .migrate()
+        .await
 }
 
 /// `check-config --connect`: connects to the configured store and runs one
@@ -49,11 +52,11 @@ pub async fn check_connect(cfg: &Config) -> Result<Vec<String>, String> {
         StoreError::Unavailable(cause) => cause,
         other => other.to_string(),
     };
-    match cfg.store.backend {
+    match cfg.restart.store.backend {
         Backend::Memory => Ok(vec!["memory: nothing to connect to".into()]),
         Backend::Sqlite => {
-            let path = cfg.store.path.clone();
-            let sync = cfg.store.synchronous;
+            let path = cfg.restart.store.path.clone();
+            let sync = cfg.restart.store.synchronous;
             let shown = path.display().to_string();
             tokio::task::spawn_blocking(move || SqliteStore::open(&path, sync))
                 .await
@@ -62,7 +65,7 @@ pub async fn check_connect(cfg: &Config) -> Result<Vec<String>, String> {
             Ok(vec![format!("sqlite {shown}: ok")])
         }
         Backend::Postgres => {
-            let pg = PostgresStore::connect(&cfg.store)
+            let pg = PostgresStore::connect(&cfg.restart.store)
                 .await
                 .map_err(unavailable)?;
             let target = pg.describe_target();
@@ -79,7 +82,7 @@ pub async fn check_connect(cfg: &Config) -> Result<Vec<String>, String> {
             ];
             // Redis is a hint (serve runs on PostgreSQL alone without it),
             // but an operator testing connections wants its cause too.
-            if let Some(redis) = &cfg.redis {
+            if let Some(redis) = &cfg.restart.redis {
                 let line = crate::store::redis::check_connection(redis)
                     .await
                     .map_err(|cause| {
@@ -98,18 +101,18 @@ async fn open_backend(
     metrics: &Metrics,
     clock: Clock,
 ) -> Result<Arc<dyn Store>, StoreError> {
-    let store: Arc<dyn Store> = match cfg.store.backend {
-        Backend::Memory => Arc::new(MemoryStore::new().with_timeout(cfg.store.timeout)),
+    let store: Arc<dyn Store> = match cfg.restart.store.backend {
+        Backend::Memory => Arc::new(MemoryStore::new().with_timeout(cfg.restart.store.timeout)),
         Backend::Sqlite => {
-            let path = cfg.store.path.clone();
-            let sync = cfg.store.synchronous;
+            let path = cfg.restart.store.path.clone();
+            let sync = cfg.restart.store.synchronous;
             let sqlite = tokio::task::spawn_blocking(move || SqliteStore::open(&path, sync))
                 .await
                 .map_err(|err| StoreError::Unavailable(err.to_string()))??;
-            Arc::new(sqlite.with_timeout(cfg.store.timeout))
+            Arc::new(sqlite.with_timeout(cfg.restart.store.timeout))
         }
         Backend::Postgres => {
-            let pg = PostgresStore::connect(&cfg.store).await?;
+            let pg = PostgresStore::connect(&cfg.restart.store).await?;
             // Migrate now when the database answers; otherwise the first
             // store call does it, so a proxy started before its database
             // heals by itself.
@@ -121,7 +124,7 @@ async fn open_backend(
                 }
             }
             let pg: Arc<dyn Store> = Arc::new(pg);
-            match &cfg.redis {
+            match &cfg.restart.redis {
                 None => pg,
                 Some(redis_cfg) => {
                     let fast = RedisFastPath::new(pg, redis_cfg).await?.with_clock(clock);

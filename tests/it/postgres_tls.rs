@@ -260,6 +260,7 @@ async fn key_notifications_travel_over_verified_tls() {
         .set("store.url", url.as_str())
         .set("store.schema", unique_schema("tls").as_str())
         .parse()
+        .restart
         .store;
     let seen: Arc<Mutex<Vec<String>>> = Arc::default();
     let log = seen.clone();

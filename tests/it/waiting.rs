@@ -266,6 +266,7 @@ async fn key_notifications_reach_every_listener_on_the_schema() {
             .set("store.url", db.as_str())
             .set("store.schema", schema)
             .parse()
+            .restart
             .store
     };
     let (same, other) = (TestSchema::new(), TestSchema::new());

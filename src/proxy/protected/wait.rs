@@ -189,7 +189,7 @@ impl Waiting {
         Self {
             waiters: Arc::new(Waiters::new(MAX_WAITERS_PER_KEY, MAX_WAITERS_TOTAL, gauge)),
             notifier: None,
-            store: Arc::new(config.store.clone()),
+            store: Arc::new(config.restart.store.clone()),
             draining,
         }
         .reconfigured(&config.routes)
