@@ -28,8 +28,8 @@ use crate::body::budget::BodyBudget;
 use crate::body::{self, boxed, ProxyBody};
 use crate::clock::Clock;
 use crate::config::{Config, Secret, StoreConfig};
-use crate::error::{KeyFate, Origin, ProxyError};
-use crate::lease::Leases;
+use crate::error::{Origin, ProxyError};
+use crate::lease::{KeyFate, Leases};
 use crate::metrics::{GaugeGuard, Metrics, Outcome};
 use crate::net::connection::Guarded;
 use crate::net::drain::Drain;
@@ -38,7 +38,7 @@ use crate::route::{normalize_path, RouteTable};
 use crate::store::Store;
 use crate::telemetry::trace;
 use crate::upstream::UpstreamSetupError;
-use forward::{ConnectError, ForwardError, Forwarder};
+use forward::Forwarder;
 use http::{Request, Response};
 use hyper::body::Incoming;
 use log::RequestLog;
@@ -325,7 +325,10 @@ impl Proxy {
                     resp.map(|body| boxed(Guarded::new(body, in_flight))),
                 )
             }
-            Err(e) => respond(Err(forward_error(e, KeyFate::Unprotected)), id.as_ref()),
+            Err(e) => respond(
+                Err(ProxyError::upstream(e, KeyFate::Unprotected)),
+                id.as_ref(),
+            ),
         }
     }
 }
@@ -360,21 +363,4 @@ fn respond(result: Result<Served, ProxyError>, id: Option<&RequestId>) -> Served
     };
     trace::record(outcome, resp.status());
     (outcome, resp)
-}
-
-fn forward_error(e: ForwardError, key: KeyFate) -> ProxyError {
-    match e {
-        ForwardError::Connect(ConnectError::Transport(reason)) => {
-            ProxyError::UpstreamUnreachable { reason, key }
-        }
-        ForwardError::Connect(ConnectError::Tls { upstream, failure }) => ProxyError::UpstreamTls {
-            upstream,
-            failure,
-            key,
-        },
-        ForwardError::Timeout => ProxyError::UpstreamTimeout { key },
-        ForwardError::Refused(reason) => ProxyError::UpstreamUnreachable { reason, key },
-        ForwardError::Failed(reason) => ProxyError::UpstreamFailed { reason, key },
-        ForwardError::TunnelsExhausted => ProxyError::TooManyTunnels,
-    }
 }

@@ -15,14 +15,13 @@
 //!    On an `in_flight = { wait }` route a duplicate of a request in flight
 //!    waits for its answer ([`super::waiters`]) instead of a 409.
 
-use super::forward::ForwardError;
 use super::replay::{capture, replay};
-use super::{forward_error, Proxy, Served};
+use super::{Proxy, Served};
 use crate::body::budget::BodyBudget;
 use crate::body::{boxed, drain, full, read_limited, Prefixed, ReadError};
 use crate::config::Secret;
 use crate::error::BodyKeyError;
-use crate::error::KeyFate;
+use crate::error::ForwardError;
 use crate::error::ProxyError;
 use crate::idempotency::canonical_json::{self, Json, JsonError};
 use crate::idempotency::decision::retry_after_hint;
@@ -30,10 +29,9 @@ use crate::idempotency::{
     decide, settle, Decision, Fingerprint, IdempotencyKey, RecordKey, RecordState, Scope,
     Settlement,
 };
-use crate::lease::{Acquired, ClaimRequest, Lease};
+use crate::lease::{Acquired, ClaimRequest, KeyFate, Lease};
 use crate::metrics::Outcome;
 use crate::net::backoff::Backoff;
-use crate::net::errors::Chain;
 use crate::route::{FingerprintMode, InFlight, OnAmbiguous, OnStoreError, RouteConfig};
 use crate::store::{Completion, Record, StoreError};
 use bytes::Bytes;
@@ -302,7 +300,7 @@ pub async fn read_body(
             Err(too_large)
         }
         Err(ReadError::NoRoom) => Err(ProxyError::Overloaded),
-        Err(ReadError::Failed(e)) => Err(ProxyError::BodyRead(e.to_string())),
+        Err(ReadError::Failed(e)) => Err(ProxyError::BodyRead(e)),
     }
 }
 
@@ -519,7 +517,8 @@ impl Proxy {
                 let fate = match (&e, route.on_ambiguous) {
                     // Nothing was sent, or nothing ran: always safe to run again.
                     (
-                        ForwardError::Connect(_)
+                        ForwardError::Unreachable(_)
+                        | ForwardError::Tls { .. }
                         | ForwardError::Refused(_)
                         | ForwardError::TunnelsExhausted,
                         _,
@@ -531,7 +530,7 @@ impl Proxy {
                         other => other,
                     },
                 };
-                return Err(forward_error(e, fate));
+                return Err(ProxyError::upstream(e, fate));
             }
         };
         match settle(resp.status().as_u16(), &route.release_statuses) {
@@ -567,15 +566,12 @@ impl Proxy {
             let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
                 Err(_) => {
                     let key = lease.complete(Completion::Unstored { status }).await;
-                    return Err(ProxyError::UpstreamTimeout { key });
+                    return Err(ProxyError::upstream(ForwardError::Timeout, key));
                 }
                 Ok(None) => break,
                 Ok(Some(Err(e))) => {
                     let key = lease.complete(Completion::Unstored { status }).await;
-                    return Err(ProxyError::UpstreamFailed {
-                        reason: Chain(&e).to_string(),
-                        key,
-                    });
+                    return Err(ProxyError::upstream(ForwardError::Failed(e.into()), key));
                 }
                 Ok(Some(Ok(frame))) => frame,
             };
