@@ -12,7 +12,7 @@ use std::collections::VecDeque;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub use crate::net::errors::BoxError;
 
 /// Every body the proxy sends, to clients and to the upstream.
 pub type ProxyBody = UnsyncBoxBody<Bytes, BoxError>;

@@ -1,10 +1,12 @@
 //! The proxy's error type: every way a protected request can end without an
-//! upstream response of its own. Each variant knows where it came from
-//! ([`Origin`], pingora's `ErrorSource` idea); `problem.rs` is the one place
-//! that turns them into responses.
+//! upstream response of its own, with the leaf errors it carries (a
+//! malformed request, an upstream that gave no answer). Each variant knows
+//! where it came from ([`Origin`], pingora's `ErrorSource` idea);
+//! `problem.rs` is the one place that turns them into responses.
 
 use crate::idempotency::{KeyError, RepeatedScopeHeader};
-use crate::proxy::admission::RequestError;
+use crate::lease::KeyFate;
+use crate::net::errors::{BoxError, Chain};
 use crate::store::StoreError;
 use crate::upstream::tls::TlsFailure;
 use http::HeaderName;
@@ -35,7 +37,7 @@ pub enum ProxyError {
     #[error("the request body is larger than {limit} bytes")]
     BodyTooLarge { limit: u64 },
     #[error("the request body could not be read: {0}")]
-    BodyRead(String),
+    BodyRead(#[source] BoxError),
     #[error("the request body did not arrive in time")]
     BodyTimeout,
     /// The body budget (`server.max_buffered_body_bytes`) is spent.
@@ -54,30 +56,18 @@ pub enum ProxyError {
     OutcomeUnknown,
     #[error("the idempotency store is unavailable: {0}")]
     Store(#[from] StoreError),
-    /// Nothing reached the upstream (refused, connect timeout), or it
-    /// refused the request unprocessed (HTTP/2 REFUSED_STREAM, GOAWAY).
-    #[error("the upstream could not be reached: {reason}")]
-    UpstreamUnreachable { reason: String, key: KeyFate },
-    #[error("the upstream did not answer in time")]
-    UpstreamTimeout { key: KeyFate },
-    /// The connection failed after the request may have been sent.
-    #[error("the upstream connection failed: {reason}")]
-    UpstreamFailed { reason: String, key: KeyFate },
-    /// The TLS handshake with an `https://` upstream failed: nothing was
-    /// sent. The client's detail is [`TlsFailure::detail`]; this, the log's.
-    #[error("upstream {upstream}: {} ({})", failure.detail(), failure.cause())]
-    UpstreamTls {
-        upstream: String,
-        failure: TlsFailure,
+    /// The upstream gave no (complete) answer; `key` is what that did to
+    /// the request's idempotency key.
+    #[error("{error}")]
+    Upstream {
+        #[source]
+        error: ForwardError,
         key: KeyFate,
     },
     /// An HTTP/1.1 `Upgrade` (e.g. WebSocket) on a protected route: a
     /// tunnel has no response that could be stored and replayed.
     #[error("this route is protected by an idempotency key, so its responses are stored and replayed; a connection upgrade (WebSocket) cannot pass through it")]
     UpgradeOnProtectedRoute,
-    /// `server.max_connections` tunnels are open: nothing was forwarded.
-    #[error("too many upgraded connections (WebSocket) are open; nothing was forwarded")]
-    TooManyTunnels,
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -112,6 +102,10 @@ pub enum Origin {
 }
 
 impl ProxyError {
+    pub fn upstream(error: ForwardError, key: KeyFate) -> Self {
+        Self::Upstream { error, key }
+    }
+
     pub fn origin(&self) -> Origin {
         match self {
             ProxyError::MissingKey { .. }
@@ -127,50 +121,67 @@ impl ProxyError {
             // Load from clients: counted in idemgate_body_budget_refusals_total,
             // not logged above debug one by one.
             | ProxyError::Overloaded
-            | ProxyError::TooManyTunnels
+            | ProxyError::Upstream {
+                error: ForwardError::TunnelsExhausted,
+                ..
+            }
             | ProxyError::InFlight { .. }
             | ProxyError::Mismatch
             | ProxyError::NotReplayable { .. }
             | ProxyError::OutcomeUnknown
             | ProxyError::UpgradeOnProtectedRoute => Origin::Client,
             ProxyError::Store(_) => Origin::Store,
-            ProxyError::UpstreamUnreachable { .. }
-            | ProxyError::UpstreamTimeout { .. }
-            | ProxyError::UpstreamFailed { .. }
-            | ProxyError::UpstreamTls { .. } => Origin::Upstream,
+            ProxyError::Upstream { .. } => Origin::Upstream,
             ProxyError::Internal(_) => Origin::Internal,
         }
     }
 }
 
-/// What an upstream failure did to the request's idempotency key.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum KeyFate {
-    /// The request was not protected (no route, or no key where optional).
-    Unprotected,
-    /// Released: the retry runs again.
-    Released,
-    /// The store could not be told: retries get 409 until the lease runs out.
-    Locked,
-    /// The lease had run out and another request holds the key now.
-    TakenOver,
-    /// The upstream had already answered (status below 500) when the body
-    /// failed: it executed, so the key stays completed and never runs again.
-    Kept,
-    /// Sent but unanswered on an `on_ambiguous = "keep"` route: recorded as
-    /// outcome unknown; retries get 424 until an operator resolves it.
-    Unknown,
+/// Why a request is malformed in a way hyper does not catch (400; the
+/// rules are `proxy/admission.rs`'s).
+#[derive(Debug, thiserror::Error)]
+pub enum RequestError {
+    #[error("the chunked transfer-coding is applied more than once")]
+    ChunkedTwice,
+    #[error(
+        "the request target must be a path such as /orders or an absolute URI \
+         (origin-form or absolute-form), not {0}"
+    )]
+    TargetForm(&'static str),
+    #[error("the Host header appears more than once")]
+    RepeatedHost,
+    #[error("the host header names another host than :authority")]
+    HostMismatch,
 }
 
-impl ProxyError {
-    /// What happened to the key, for upstream failures.
-    pub fn key_fate(&self) -> Option<KeyFate> {
-        match self {
-            ProxyError::UpstreamUnreachable { key, .. }
-            | ProxyError::UpstreamTimeout { key }
-            | ProxyError::UpstreamFailed { key, .. }
-            | ProxyError::UpstreamTls { key, .. } => Some(*key),
-            _ => None,
-        }
-    }
+/// Why the upstream gave no response head (`proxy/forward.rs`), or no
+/// complete body; the client's own error is the source.
+#[derive(Debug, thiserror::Error)]
+pub enum ForwardError {
+    /// Nothing was sent: connection refused, DNS, connect timeout.
+    #[error("the upstream could not be reached: {}", Chain(&**.0))]
+    Unreachable(#[source] BoxError),
+    /// The TLS handshake failed (nothing was sent). The client's detail is
+    /// [`TlsFailure::detail`]; this, the log's.
+    #[error("upstream {upstream}: {} ({})", failure.detail(), failure.cause())]
+    Tls {
+        upstream: String,
+        failure: TlsFailure,
+    },
+    /// No response head (or body) within the upstream timeout.
+    #[error("the upstream did not answer in time")]
+    Timeout,
+    /// The upstream refused the request before processing any of it: an
+    /// HTTP/2 `RST_STREAM` with `REFUSED_STREAM`, or a `GOAWAY` whose
+    /// last-stream-id is below the request's stream (RFC 9113 §8.7, §6.8).
+    /// Like a refused connection, nothing ran.
+    #[error("the upstream could not be reached: {}", Chain(&**.0))]
+    Refused(#[source] BoxError),
+    /// Sent (maybe), then the connection failed: reset, closed, protocol error.
+    #[error("the upstream connection failed: {}", Chain(&**.0))]
+    Failed(#[source] BoxError),
+    /// An upgrade request while `server.max_connections` tunnels are open;
+    /// nothing was sent.
+    #[error("too many upgraded connections (WebSocket) are open; nothing was forwarded")]
+    TunnelsExhausted,
 }

@@ -20,7 +20,6 @@
 //! | give back (a claim whose answer was lost) | the claim's lease would have run out | nothing left to free |
 
 use crate::clock::{millis, Clock};
-use crate::error::KeyFate;
 use crate::idempotency::{Fingerprint, RecordKey};
 use crate::metrics::Metrics;
 use crate::net::backoff::Backoff;
@@ -60,6 +59,26 @@ pub enum Write {
     Release,
     /// A release after a claim whose answer was lost.
     GiveBack,
+}
+
+/// What a request's end did to its key: the answer a finished lease
+/// ([`Lease::complete`], [`Lease::release`]) gives, for the client's detail.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeyFate {
+    /// The request was not protected (no route, or no key where optional).
+    Unprotected,
+    /// Released: the retry runs again.
+    Released,
+    /// The store could not be told: retries get 409 until the lease runs out.
+    Locked,
+    /// The lease had run out and another request holds the key now.
+    TakenOver,
+    /// The upstream had already answered (status below 500) when the body
+    /// failed: it executed, so the key stays completed and never runs again.
+    Kept,
+    /// Sent but unanswered on an `on_ambiguous = "keep"` route: recorded as
+    /// outcome unknown; retries get 424 until an operator resolves it.
+    Unknown,
 }
 
 /// What one attempt's answer means.

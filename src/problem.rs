@@ -5,7 +5,8 @@
 //! 409 in flight, 422 reused with another request) and RFC 9110 for the rest.
 
 use crate::body::{full, ProxyBody};
-use crate::error::{KeyFate, ProxyError};
+use crate::error::{ForwardError, ProxyError};
+use crate::lease::KeyFate;
 use crate::metrics::Outcome;
 use http::{header, HeaderValue, Response, StatusCode};
 
@@ -175,50 +176,59 @@ impl Problem {
                 )
             },
             // The cause (`tcp connect error: Connection refused ...`) is
-            // the operator's, in the log; clients get a stable sentence.
-            ProxyError::UpstreamUnreachable { .. } | ProxyError::UpstreamFailed { .. } => Problem {
-                detail: released_hint(err, upstream_sentence(err).to_string()),
-                ..p(
-                    StatusCode::BAD_GATEWAY,
-                    "upstream-failed",
-                    "Upstream failed",
-                    Outcome::UpstreamError,
-                )
-            },
-            // One stable sentence per kind; the cause is in the log.
-            ProxyError::UpstreamTls { failure, .. } => Problem {
-                detail: released_hint(err, failure.detail().to_string()),
-                ..p(
-                    StatusCode::BAD_GATEWAY,
-                    "upstream-tls",
-                    "Upstream TLS failed",
-                    Outcome::UpstreamError,
-                )
-            },
-            ProxyError::TooManyTunnels => Problem {
-                retry_after_secs: Some(OVERLOADED_RETRY_AFTER_SECS),
-                ..p(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "tunnels-exhausted",
-                    "Too many upgraded connections",
-                    Outcome::Overloaded,
-                )
-            },
+            // the operator's, in the log; clients get one stable sentence
+            // per kind.
+            ProxyError::Upstream { error, key } => {
+                use {ForwardError::*, StatusCode as S};
+                let (status, slug, title, sentence) = match error {
+                    Unreachable(_) | Refused(_) => (
+                        S::BAD_GATEWAY,
+                        "upstream-failed",
+                        "Upstream failed",
+                        "the upstream could not be reached",
+                    ),
+                    Failed(_) => (
+                        S::BAD_GATEWAY,
+                        "upstream-failed",
+                        "Upstream failed",
+                        "the upstream connection failed before a complete answer",
+                    ),
+                    Tls { failure, .. } => (
+                        S::BAD_GATEWAY,
+                        "upstream-tls",
+                        "Upstream TLS failed",
+                        failure.detail(),
+                    ),
+                    Timeout => (
+                        S::GATEWAY_TIMEOUT,
+                        "upstream-timeout",
+                        "Upstream timed out",
+                        detail.as_str(),
+                    ),
+                    // Nothing was forwarded: the key is beside the point.
+                    TunnelsExhausted => {
+                        return Problem {
+                            retry_after_secs: Some(OVERLOADED_RETRY_AFTER_SECS),
+                            ..p(
+                                S::SERVICE_UNAVAILABLE,
+                                "tunnels-exhausted",
+                                "Too many upgraded connections",
+                                Outcome::Overloaded,
+                            )
+                        }
+                    }
+                };
+                Problem {
+                    detail: released_hint(*key, sentence.to_string()),
+                    ..p(status, slug, title, Outcome::UpstreamError)
+                }
+            }
             ProxyError::UpgradeOnProtectedRoute => p(
                 StatusCode::BAD_REQUEST,
                 "upgrade-refused",
                 "Upgrade not allowed on a protected route",
                 Outcome::InvalidRequest,
             ),
-            ProxyError::UpstreamTimeout { .. } => Problem {
-                detail: released_hint(err, detail.clone()),
-                ..p(
-                    StatusCode::GATEWAY_TIMEOUT,
-                    "upstream-timeout",
-                    "Upstream timed out",
-                    Outcome::UpstreamError,
-                )
-            },
             ProxyError::Internal(_) => Problem {
                 detail: "internal error".to_string(),
                 ..p(
@@ -257,34 +267,26 @@ impl Problem {
     }
 }
 
-/// What a client is told about an upstream failure, whatever its cause.
-fn upstream_sentence(err: &ProxyError) -> &'static str {
-    match err {
-        ProxyError::UpstreamUnreachable { .. } => "the upstream could not be reached",
-        _ => "the upstream connection failed before a complete answer",
-    }
-}
-
-fn released_hint(err: &ProxyError, detail: String) -> String {
-    match err.key_fate() {
-        Some(KeyFate::Released) => format!(
+fn released_hint(key: KeyFate, detail: String) -> String {
+    match key {
+        KeyFate::Released => format!(
             "{detail}; the idempotency key was released, so a retry with the same key runs again"
         ),
-        Some(KeyFate::Kept) => format!(
+        KeyFate::Kept => format!(
             "{detail}; the upstream had already answered, so the request was executed: \
              the key is kept and a retry will not run it again"
         ),
-        Some(KeyFate::Locked) => format!(
+        KeyFate::Locked => format!(
             "{detail}; the idempotency key could not be released yet: retries get 409 until its lease runs out, then run again"
         ),
-        Some(KeyFate::TakenOver) => format!(
+        KeyFate::TakenOver => format!(
             "{detail}; this request's lease had run out and another request holds the key now: a retry gets that request's answer"
         ),
-        Some(KeyFate::Unknown) => format!(
+        KeyFate::Unknown => format!(
             "{detail}; the request was sent and may have executed, so the key is kept as outcome \
              unknown: retries with it get 424 and are not sent again until an operator resolves it"
         ),
-        Some(KeyFate::Unprotected) | None => detail,
+        KeyFate::Unprotected => detail,
     }
 }
 
@@ -295,14 +297,16 @@ mod tests {
     #[test]
     fn upstream_failures_do_not_show_their_cause_to_clients() {
         for err in [
-            ProxyError::UpstreamUnreachable {
-                reason: "client error (Connect): tcp connect error: Connection refused".into(),
-                key: KeyFate::Released,
-            },
-            ProxyError::UpstreamFailed {
-                reason: "connection reset by peer 10.0.0.7:3000".into(),
-                key: KeyFate::Unprotected,
-            },
+            ProxyError::upstream(
+                ForwardError::Unreachable(
+                    "client error (Connect): tcp connect error: Connection refused".into(),
+                ),
+                KeyFate::Released,
+            ),
+            ProxyError::upstream(
+                ForwardError::Failed("connection reset by peer 10.0.0.7:3000".into()),
+                KeyFate::Unprotected,
+            ),
         ] {
             let p = Problem::from_error(&err);
             assert_eq!(p.status, StatusCode::BAD_GATEWAY);
@@ -314,8 +318,8 @@ mod tests {
     }
 
     use super::*;
+    use crate::error::RequestError;
     use crate::idempotency::{KeyError, RepeatedScopeHeader};
-    use crate::proxy::admission::RequestError;
     use crate::store::StoreError;
     use http::HeaderName;
 
@@ -387,39 +391,38 @@ mod tests {
             (ProxyError::NotReplayable { status: 200 }, 410, None),
             (ProxyError::OutcomeUnknown, 424, None),
             (
-                ProxyError::UpstreamTimeout {
-                    key: KeyFate::Unknown,
-                },
+                ProxyError::upstream(ForwardError::Timeout, KeyFate::Unknown),
                 504,
                 None,
             ),
             (ProxyError::Store(StoreError::Timeout), 503, Some("2")),
             (
-                ProxyError::UpstreamUnreachable {
-                    reason: "refused".into(),
-                    key: KeyFate::Released,
-                },
+                ProxyError::upstream(ForwardError::Refused("refused".into()), KeyFate::Released),
                 502,
                 None,
             ),
             (
-                ProxyError::UpstreamTimeout {
-                    key: KeyFate::Released,
-                },
+                ProxyError::upstream(ForwardError::Timeout, KeyFate::Released),
                 504,
                 None,
             ),
             (
-                ProxyError::UpstreamTls {
-                    upstream: "default".into(),
-                    failure: crate::upstream::tls::TlsFailure::Untrusted("expired".into()),
-                    key: KeyFate::Released,
-                },
+                ProxyError::upstream(
+                    ForwardError::Tls {
+                        upstream: "default".into(),
+                        failure: crate::upstream::tls::TlsFailure::Untrusted("expired".into()),
+                    },
+                    KeyFate::Released,
+                ),
                 502,
                 None,
             ),
             (ProxyError::UpgradeOnProtectedRoute, 400, None),
-            (ProxyError::TooManyTunnels, 503, Some("1")),
+            (
+                ProxyError::upstream(ForwardError::TunnelsExhausted, KeyFate::Released),
+                503,
+                Some("1"),
+            ),
             (ProxyError::Internal("x".into()), 500, None),
         ];
         for (err, status, retry_after) in cases {

@@ -37,7 +37,9 @@ pub use crate::idempotency::record::{Record, RecordState, StoredResponse, UnixMi
 pub use open::{check_connect, migrate, open, open_with_metrics};
 
 use crate::idempotency::{Fingerprint, RecordKey};
+use crate::net::errors::BoxError;
 use async_trait::async_trait;
+use std::borrow::Cow;
 use std::fmt;
 use std::time::Duration;
 
@@ -192,7 +194,12 @@ impl Completion {
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error("store unavailable: {0}")]
-    Unavailable(String),
+    Unavailable(#[source] Unavailable),
+    #[error("store unavailable: {0}")]
+    Postgres(#[from] pg_connect::PgFailure),
+    /// A certificate file the store's config names cannot be used.
+    #[error("store unavailable: {0}")]
+    Tls(#[from] crate::net::tls::TlsError),
     #[error("store timed out")]
     Timeout,
     #[error("store returned a corrupt record: {0}")]
@@ -204,10 +211,28 @@ pub enum StoreError {
     /// The record was deleted, but a cache in front of the store could not
     /// be told: it may still answer with the deleted response.
     #[error(
-        "deleted in the store, but the Redis copy {name} could not be removed ({reason}); \
+        "deleted in the store, but the Redis copy {name} could not be removed ({source}); \
              run the delete again once Redis answers, or DEL {name} in Redis"
     )]
-    StaleCopy { name: String, reason: String },
+    StaleCopy { name: String, source: BoxError },
+}
+
+/// What a backend could not do, and the cause when there is one: kept as
+/// the source, so a decision asks for it by type (`net::errors::find`).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}{cause}", cause = .1.as_ref().map(|c| format!(": {c}")).unwrap_or_default())]
+pub struct Unavailable(Cow<'static, str>, #[source] Option<BoxError>);
+
+impl StoreError {
+    /// `what` failed, for no cause beyond it.
+    pub fn unavailable(what: impl Into<Cow<'static, str>>) -> Self {
+        Self::Unavailable(Unavailable(what.into(), None))
+    }
+
+    /// `what` failed because of `cause`.
+    pub fn caused(what: impl Into<Cow<'static, str>>, cause: impl Into<BoxError>) -> Self {
+        Self::Unavailable(Unavailable(what.into(), Some(cause.into())))
+    }
 }
 
 /// The storage backend.

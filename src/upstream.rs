@@ -11,6 +11,7 @@ pub mod tunnel;
 
 use crate::body::ProxyBody;
 use crate::config::{Config, UpstreamConfig, UpstreamProtocol};
+use crate::net::errors::BoxError;
 use crate::net::tls::TlsError;
 use http::{Request, Uri};
 use hyper_rustls::HttpsConnector;
@@ -179,8 +180,6 @@ pub struct Bounded<C> {
 #[derive(Debug, thiserror::Error)]
 #[error("connecting (TCP and TLS handshake) took longer than connect_timeout ({0:?})")]
 pub struct ConnectTimedOut(Duration);
-
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 impl<C> tower_service::Service<Uri> for Bounded<C>
 where

@@ -93,10 +93,10 @@ impl FlakyStore {
     ) -> Result<T, StoreError> {
         match self.next(op) {
             None => call.await,
-            Some(Act::Fail) => Err(StoreError::Unavailable(format!("scripted {op} failure"))),
+            Some(Act::Fail) => Err(StoreError::unavailable(format!("scripted {op} failure"))),
             Some(Act::Lose) => {
                 let _ = call.await;
-                Err(StoreError::Unavailable(format!(
+                Err(StoreError::unavailable(format!(
                     "scripted lost {op} answer"
                 )))
             }

@@ -14,6 +14,9 @@ use std::sync::Arc;
 
 type DynError = dyn Error + 'static;
 
+/// A cause of any type, kept as a source to be [`find`]-able.
+pub type BoxError = Box<dyn Error + Send + Sync>;
+
 /// "outer: cause: cause", each cause once: one whose text the line already
 /// shows (an outer error that prints its cause itself) is left out.
 pub struct Chain<'a>(pub &'a DynError);

@@ -30,28 +30,12 @@
 //! (WebSocket) passes through as a tunnel on unprotected traffic only.
 
 use super::headers::upgrade_protocol;
-use crate::error::ProxyError;
+use crate::error::{ProxyError, RequestError};
 use crate::route::RouteConfig;
 use http::{header, HeaderMap, Request, Uri, Version};
 
 /// The longest coding name a problem's detail repeats back.
 const MAX_ECHOED_CODING: usize = 32;
-
-/// Why a request is malformed in a way hyper does not catch (400).
-#[derive(Debug, thiserror::Error)]
-pub enum RequestError {
-    #[error("the chunked transfer-coding is applied more than once")]
-    ChunkedTwice,
-    #[error(
-        "the request target must be a path such as /orders or an absolute URI \
-         (origin-form or absolute-form), not {0}"
-    )]
-    TargetForm(&'static str),
-    #[error("the Host header appears more than once")]
-    RepeatedHost,
-    #[error("the host header names another host than :authority")]
-    HostMismatch,
-}
 
 /// Checks `req` against the rules above and makes its `Host` the host it
 /// is forwarded for.

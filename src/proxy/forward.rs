@@ -1,7 +1,7 @@
 //! Forwarding: request rewriting (URI, `Host`, hop-by-hop, `X-Forwarded-*`)
 //! for the upstream a request goes to, the bounded wait for its response
 //! head, connection upgrades (WebSocket) on requests that may pass them,
-//! and what a client error means ([`ForwardError`], [`forward_error`]);
+//! and what a client error means (as a [`ForwardError`]);
 //! [`Forwarder::passthrough`], an unprotected request. The clients
 //! themselves are `crate::upstream`'s.
 
@@ -9,13 +9,14 @@ use super::headers::{add_forwarded, join_cookies, strip_hop_by_hop, upgrade_prot
 use super::log::Served;
 use crate::body::{boxed, ProxyBody};
 use crate::config::{Config, UpstreamProtocol};
-use crate::error::{KeyFate, ProxyError};
+use crate::error::{ForwardError, ProxyError};
+use crate::lease::KeyFate;
 use crate::metrics::{GaugeGuard, Metrics, Outcome};
 use crate::net::connection::Guarded;
 use crate::net::errors::{self, Chain};
 use crate::route::resolve_dot_segments;
 use crate::telemetry::trace;
-use crate::upstream::tls::{self, TlsFailure};
+use crate::upstream::tls;
 use crate::upstream::{tunnel, Upstream, UpstreamSetupError, Upstreams};
 use http::uri::Uri;
 use http::{header, HeaderValue, Request, Response, StatusCode, Version};
@@ -27,45 +28,6 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, warn};
-
-/// Why the upstream gave no response head.
-#[derive(Debug, thiserror::Error)]
-pub enum ForwardError {
-    /// Nothing was sent: connection refused, DNS, connect timeout, or the
-    /// TLS handshake failed.
-    #[error("cannot connect to upstream: {0}")]
-    Connect(ConnectError),
-    /// No response head within the upstream timeout.
-    #[error("upstream timed out")]
-    Timeout,
-    /// The upstream refused the request before processing any of it: an
-    /// HTTP/2 `RST_STREAM` with `REFUSED_STREAM`, or a `GOAWAY` whose
-    /// last-stream-id is below the request's stream (RFC 9113 §8.7, §6.8).
-    /// Like a refused connection, nothing ran.
-    #[error("upstream refused the request unprocessed: {0}")]
-    Refused(String),
-    /// Sent (maybe), then the connection failed: reset, closed, protocol error.
-    #[error("upstream request failed: {0}")]
-    Failed(String),
-    /// An upgrade request while `server.max_connections` tunnels are open;
-    /// nothing was sent.
-    #[error("too many upgraded connections are open")]
-    TunnelsExhausted,
-}
-
-/// Why a connection to the upstream could not be made.
-#[derive(Debug, thiserror::Error)]
-pub enum ConnectError {
-    /// TCP or DNS: the error chain, for the log.
-    #[error("{0}")]
-    Transport(String),
-    /// The TLS handshake: which upstream, and why.
-    #[error("upstream {upstream}: {} ({})", failure.detail(), failure.cause())]
-    Tls {
-        upstream: String,
-        failure: TlsFailure,
-    },
-}
 
 pub struct Forwarder {
     upstreams: Upstreams,
@@ -120,7 +82,7 @@ impl Forwarder {
         let in_flight = self.in_flight(name);
         let deadline = tokio::time::Instant::now() + self.timeout(name);
         let resp = self.send(name, req, peer, deadline).await;
-        let resp = resp.map_err(|e| forward_error(e, KeyFate::Unprotected))?;
+        let resp = resp.map_err(|e| ProxyError::upstream(e, KeyFate::Unprotected))?;
         Ok((
             Outcome::Passthrough,
             resp.map(|body| boxed(Guarded::new(body, in_flight))),
@@ -147,8 +109,8 @@ impl Forwarder {
         let again = h2.then(|| Request::from_parts(parts.clone(), crate::body::full(body.clone())));
         let first = Request::from_parts(parts, crate::body::full(body));
         match (self.send(name, first, peer, deadline).await, again) {
-            (Err(ForwardError::Refused(reason)), Some(again)) => {
-                warn!(upstream = %self.upstreams.get(name).name(), %reason,
+            (Err(ForwardError::Refused(e)), Some(again)) => {
+                warn!(upstream = %self.upstreams.get(name).name(), reason = %Chain(&*e),
                     "the upstream refused the request before processing it; sending it once more on a new stream");
                 self.send(name, again, peer, deadline).await
             }
@@ -188,7 +150,7 @@ impl Forwarder {
         let result = match tokio::time::timeout_at(deadline, upstream.request(req)).await {
             Err(_) => Err(ForwardError::Timeout),
             Ok(Ok(resp)) => Ok(resp),
-            Ok(Err(e)) => Err(classify(upstream, &e)),
+            Ok(Err(e)) => Err(classify(upstream, e)),
         };
         span.finish_response(&result);
         let mut resp = result?;
@@ -296,42 +258,23 @@ impl Forwarder {
 
 /// A client error as a [`ForwardError`]; a TLS failure is logged with its
 /// cause here, where the upstream is known.
-fn classify(upstream: &Upstream, e: &hyper_util::client::legacy::Error) -> ForwardError {
-    if let Some(failure) = tls::failure_in(e) {
+fn classify(upstream: &Upstream, e: hyper_util::client::legacy::Error) -> ForwardError {
+    if let Some(failure) = tls::failure_in(&e) {
         warn!(
             upstream = %upstream.name(),
             url = %upstream.url(),
             cause = %failure.cause(),
             "TLS handshake with the upstream failed"
         );
-        return ForwardError::Connect(ConnectError::Tls {
-            upstream: upstream.name().to_string(),
-            failure,
-        });
+        let upstream = upstream.name().to_string();
+        return ForwardError::Tls { upstream, failure };
     }
     if e.is_connect() {
-        ForwardError::Connect(ConnectError::Transport(Chain(e).to_string()))
-    } else if refused_unprocessed(e) {
-        ForwardError::Refused(Chain(e).to_string())
+        ForwardError::Unreachable(e.into())
+    } else if refused_unprocessed(&e) {
+        ForwardError::Refused(e.into())
     } else {
-        ForwardError::Failed(Chain(e).to_string())
-    }
-}
-
-pub fn forward_error(e: ForwardError, key: KeyFate) -> ProxyError {
-    match e {
-        ForwardError::Connect(ConnectError::Transport(reason)) => {
-            ProxyError::UpstreamUnreachable { reason, key }
-        }
-        ForwardError::Connect(ConnectError::Tls { upstream, failure }) => ProxyError::UpstreamTls {
-            upstream,
-            failure,
-            key,
-        },
-        ForwardError::Timeout => ProxyError::UpstreamTimeout { key },
-        ForwardError::Refused(reason) => ProxyError::UpstreamUnreachable { reason, key },
-        ForwardError::Failed(reason) => ProxyError::UpstreamFailed { reason, key },
-        ForwardError::TunnelsExhausted => ProxyError::TooManyTunnels,
+        ForwardError::Failed(e.into())
     }
 }
 
@@ -381,9 +324,10 @@ pub fn upstream_uri(upstream: &Uri, original: &Uri) -> Result<Uri, ForwardError>
     parts.path_and_query = Some(
         joined
             .parse()
-            .map_err(|e| ForwardError::Failed(format!("bad request path: {e}")))?,
+            .map_err(|e| ForwardError::Failed(format!("bad request path: {e}").into()))?,
     );
-    Uri::from_parts(parts).map_err(|e| ForwardError::Failed(format!("bad upstream URI: {e}")))
+    Uri::from_parts(parts)
+        .map_err(|e| ForwardError::Failed(format!("bad upstream URI: {e}").into()))
 }
 
 #[cfg(test)]

@@ -16,18 +16,16 @@
 pub(crate) mod prepare;
 pub(super) mod wait;
 
-use super::forward::{forward_error, ForwardError};
 use super::log::{respond, RequestLog, Served};
 use super::replay::{capture, replay};
 use super::request_id::RequestId;
 use super::Proxy;
 use crate::body::{boxed, full, Prefixed, ProxyBody};
-use crate::error::{KeyFate, ProxyError};
+use crate::error::{ForwardError, ProxyError};
 use crate::idempotency::decision::retry_after_hint;
 use crate::idempotency::{decide, settle, Decision, Record, RecordState, Settlement};
-use crate::lease::{Acquired, ClaimRequest, Lease};
+use crate::lease::{Acquired, ClaimRequest, KeyFate, Lease};
 use crate::metrics::Outcome;
-use crate::net::errors::Chain;
 use crate::route::{InFlight, OnAmbiguous, OnStoreError, RouteConfig};
 use crate::store::{Completion, StoreError};
 use crate::telemetry::trace;
@@ -228,7 +226,8 @@ impl Proxy {
                 let fate = match (&e, route.on_ambiguous) {
                     // Nothing was sent, or nothing ran: always safe to run again.
                     (
-                        ForwardError::Connect(_)
+                        ForwardError::Unreachable(_)
+                        | ForwardError::Tls { .. }
                         | ForwardError::Refused(_)
                         | ForwardError::TunnelsExhausted,
                         _,
@@ -240,7 +239,7 @@ impl Proxy {
                         other => other,
                     },
                 };
-                return Err(forward_error(e, fate));
+                return Err(ProxyError::upstream(e, fate));
             }
         };
         match settle(resp.status().as_u16(), &route.release_statuses) {
@@ -276,15 +275,12 @@ impl Proxy {
             let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
                 Err(_) => {
                     let key = lease.complete(Completion::Unstored { status }).await;
-                    return Err(ProxyError::UpstreamTimeout { key });
+                    return Err(ProxyError::upstream(ForwardError::Timeout, key));
                 }
                 Ok(None) => break,
                 Ok(Some(Err(e))) => {
                     let key = lease.complete(Completion::Unstored { status }).await;
-                    return Err(ProxyError::UpstreamFailed {
-                        reason: Chain(&e).to_string(),
-                        key,
-                    });
+                    return Err(ProxyError::upstream(ForwardError::Failed(e.into()), key));
                 }
                 Ok(Some(Ok(frame))) => frame,
             };

@@ -216,7 +216,7 @@ mod tests {
 
     async fn stuck<T>() -> Result<T, StoreError> {
         tokio::time::sleep(Duration::from_secs(3600)).await;
-        Err(StoreError::Unavailable("woke up".into()))
+        Err(StoreError::unavailable("woke up"))
     }
 
     fn series(metrics: &Metrics, what: &str, op: Op) -> f64 {

@@ -138,7 +138,7 @@ async fn session(
         .pg
         .connect(tls)
         .await
-        .map_err(|e| pg.target.describe(&e))?;
+        .map_err(|e| pg.target.failure(e).to_string())?;
     let incoming = async {
         loop {
             match std::future::poll_fn(|cx| conn.poll_message(cx)).await {

@@ -48,8 +48,10 @@ pub async fn migrate(cfg: &Config) -> Result<u32, StoreError> {
 /// sessions run with. SQLite: the file
 /// is opened as `serve` would (created when missing).
 pub async fn check_connect(cfg: &Config) -> Result<Vec<String>, String> {
+    // The cause, without "store unavailable".
     let unavailable = |err: StoreError| match err {
-        StoreError::Unavailable(cause) => cause,
+        StoreError::Unavailable(cause) => cause.to_string(),
+        StoreError::Postgres(failure) => failure.to_string(),
         other => other.to_string(),
     };
     match cfg.restart.store.backend {
@@ -69,11 +71,10 @@ pub async fn check_connect(cfg: &Config) -> Result<Vec<String>, String> {
                 .await
                 .map_err(unavailable)?;
             let target = pg.describe_target();
-            let probe = pg.probe().await.map_err(|err| {
-                let cause = unavailable(err);
+            let probe = pg.probe().await.map_err(|err| match err {
                 // The target names the endpoint already.
-                let at = format!("postgres at {}: ", pg.endpoint());
-                format!("{target}: {}", cause.strip_prefix(&at).unwrap_or(&cause))
+                StoreError::Postgres(f) if f.endpoint.is_some() => format!("{target}: {}", f.cause),
+                other => format!("{target}: {}", unavailable(other)),
             })?;
             let commit = probe.commit.describe()?;
             let mut reached = vec![
@@ -108,7 +109,7 @@ async fn open_backend(
             let sync = cfg.restart.store.synchronous;
             let sqlite = tokio::task::spawn_blocking(move || SqliteStore::open(&path, sync))
                 .await
-                .map_err(|err| StoreError::Unavailable(err.to_string()))??;
+                .map_err(super::sqlite::worker_failed)??;
             Arc::new(sqlite.with_timeout(cfg.restart.store.timeout))
         }
         Backend::Postgres => {

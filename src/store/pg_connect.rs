@@ -62,24 +62,40 @@ impl PgTarget {
         }
     }
 
-    /// One sentence for a failed call: the host and port, what failed, and
+    /// A failed call in one sentence: the host and port, what failed, and
     /// what to change where that is known.
-    pub fn describe(&self, err: &tokio_postgres::Error) -> String {
-        if let Some(db) = err.as_db_error() {
-            return describe_db(db.message(), db.code().code());
-        }
-        let chain = Chain(err).to_string();
-        let text = match tls::diagnose(err) {
-            Some(failure) => describe_tls(failure, &self.host()),
+    pub fn failure(&self, err: tokio_postgres::Error) -> PgFailure {
+        let chain = Chain(&err).to_string();
+        let cause = match (err.as_db_error(), tls::diagnose(&err)) {
+            (Some(db), _) => describe_db(db.message(), db.code().code()),
+            (None, Some(failure)) => describe_tls(failure, &self.host()),
             // tokio-postgres's own words for a server answering `N` to
             // SSLRequest; its cause is a private string type.
-            None if chain.contains("server does not support TLS") => {
+            (None, None) if chain.contains("server does not support TLS") => {
                 "the server does not support TLS (it refused SSL): turn ssl on in the server, or use sslmode=prefer".into()
             }
-            None => chain,
+            (None, None) => chain,
         };
-        format!("postgres at {}: {text}", self.endpoint)
+        // A server that answered needs no address.
+        let endpoint = err.as_db_error().is_none().then(|| self.endpoint.clone());
+        PgFailure {
+            endpoint,
+            cause,
+            source: Some(err),
+        }
     }
+}
+
+/// A failed PostgreSQL call ([`PgTarget::failure`]); the driver's error,
+/// when there is one, is the source.
+#[derive(Debug, thiserror::Error)]
+#[error("postgres{}: {cause}", .endpoint.as_ref().map(|at| format!(" at {at}")).unwrap_or_default())]
+pub struct PgFailure {
+    /// `host:port`; `None` when the server answered (with an error).
+    pub endpoint: Option<String>,
+    /// What failed, and what to change where that is known.
+    pub cause: String,
+    pub source: Option<tokio_postgres::Error>,
 }
 
 /// A failed handshake with `host`, and which URL parameter to change.
@@ -146,10 +162,10 @@ pub fn describe_db(message: &str, code: &str) -> String {
         || (message.starts_with("prepared statement") && (code == "26000" || code == "42P05"));
     if pooler {
         format!(
-            "postgres: {message} ({code}): a connection pooler (PgBouncer in transaction mode?) is in front: add pgbouncer=true to store.url"
+            "{message} ({code}): a connection pooler (PgBouncer in transaction mode?) is in front: add pgbouncer=true to store.url"
         )
     } else {
-        format!("postgres: {message} ({code})")
+        format!("{message} ({code})")
     }
 }
 

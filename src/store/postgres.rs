@@ -122,11 +122,6 @@ impl PostgresStore {
         })
     }
 
-    /// `host:port` of the database (every host the URL names).
-    pub fn endpoint(&self) -> &str {
-        &self.core.target.endpoint
-    }
-
     /// Where the database is (`host:port`) and the TLS mode, for messages.
     pub fn describe_target(&self) -> String {
         let url = &self.core.target.url;

@@ -616,17 +616,12 @@ impl Store for RedisFastPath {
         let mut conn = self.conn.clone();
         let cmd = redis::cmd("DEL").arg(&name).to_owned();
         let removed = tokio::time::timeout(self.timeout, cmd.query_async::<i64>(&mut conn)).await;
-        match removed {
-            Ok(Ok(_)) => Ok(deleted),
-            Ok(Err(err)) => Err(StoreError::StaleCopy {
-                name,
-                reason: err.to_string(),
-            }),
-            Err(_) => Err(StoreError::StaleCopy {
-                name,
-                reason: "redis did not answer in time".into(),
-            }),
-        }
+        let source = match removed {
+            Ok(Ok(_)) => return Ok(deleted),
+            Ok(Err(err)) => err.into(),
+            Err(_) => "redis did not answer in time".into(),
+        };
+        Err(StoreError::StaleCopy { name, source })
     }
 
     async fn sweep(&self, now: UnixMillis, batch: u32) -> Result<u64, StoreError> {

@@ -49,18 +49,16 @@ impl SqliteStore {
     pub fn open(path: &Path, sync: SqliteSync) -> Result<Self, StoreError> {
         if let Some(dir) = path.parent().filter(|dir| !dir.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|err| {
-                StoreError::Unavailable(format!("cannot create {}: {err}", dir.display()))
+                StoreError::caused(format!("cannot create {}", dir.display()), err)
             })?;
         }
-        let conn = Connection::open(path).map_err(|err| {
-            StoreError::Unavailable(format!("cannot open {}: {err}", path.display()))
-        })?;
+        let conn = Connection::open(path)
+            .map_err(|err| StoreError::caused(format!("cannot open {}", path.display()), err))?;
         Self::init(conn, sync, path.to_path_buf())
     }
 
     fn init(mut conn: Connection, sync: SqliteSync, path: PathBuf) -> Result<Self, StoreError> {
-        let unavailable =
-            |err: rusqlite::Error| StoreError::Unavailable(format!("{}: {err}", path.display()));
+        let unavailable = |err| StoreError::caused(path.display().to_string(), err);
         conn.busy_timeout(BUSY_TIMEOUT).map_err(unavailable)?;
         let mode: String = conn
             .query_row("PRAGMA journal_mode = WAL", [], |row| row.get(0))
@@ -106,25 +104,16 @@ impl SqliteStore {
                             write_batch(&mut guard, ops)
                         })
                         .await
-                        .unwrap_or_else(|err| {
-                            (0..count)
-                                .map(|_| {
-                                    Err(StoreError::Unavailable(format!(
-                                        "sqlite worker failed: {err}"
-                                    )))
-                                })
-                                .collect()
-                        })
+                        .unwrap_or_else(|err| all_failed(count, "sqlite worker failed", err))
                     }
                 },
             )
         });
         let seq = self.next_write.fetch_add(1, Ordering::Relaxed);
-        writes.call(Queued { seq, op }).await.unwrap_or_else(|| {
-            Err(StoreError::Unavailable(
-                "sqlite: the writer has stopped".into(),
-            ))
-        })
+        writes
+            .call(Queued { seq, op })
+            .await
+            .unwrap_or_else(|| Err(StoreError::unavailable("sqlite: the writer has stopped")))
     }
 
     pub fn path(&self) -> &Path {
@@ -142,7 +131,7 @@ impl SqliteStore {
             f(&mut guard)
         })
         .await
-        .map_err(|err| StoreError::Unavailable(format!("sqlite worker failed: {err}")))?
+        .map_err(worker_failed)?
     }
 }
 
@@ -157,7 +146,24 @@ fn migrate(conn: &mut Connection) -> rusqlite::Result<()> {
 }
 
 fn db_err(err: rusqlite::Error) -> StoreError {
-    StoreError::Unavailable(format!("sqlite: {err}"))
+    StoreError::caused("sqlite", err)
+}
+
+/// A blocking task that panicked or was cancelled.
+pub(super) fn worker_failed(err: tokio::task::JoinError) -> StoreError {
+    StoreError::caused("sqlite worker failed", err)
+}
+
+/// `count` answers, all failed with `what` for the one `cause`.
+fn all_failed<T>(
+    count: usize,
+    what: &'static str,
+    cause: impl std::error::Error + Send + Sync + 'static,
+) -> Vec<Result<T, StoreError>> {
+    let cause: Arc<dyn std::error::Error + Send + Sync> = Arc::new(cause);
+    (0..count)
+        .map(|_| Err(StoreError::caused(what, cause.clone())))
+        .collect()
 }
 
 fn read_record(conn: &Connection, key: &RecordKey) -> Result<Option<Record>, StoreError> {
@@ -211,21 +217,15 @@ enum Written {
 /// error); one commit makes them all durable, or none.
 fn write_batch(conn: &mut Connection, ops: Vec<Queued>) -> Vec<Result<Written, StoreError>> {
     let count = ops.len();
-    let all_failed = |err: StoreError| -> Vec<Result<Written, StoreError>> {
-        let message = err.to_string();
-        (0..count)
-            .map(|_| Err(StoreError::Unavailable(message.clone())))
-            .collect()
-    };
     let mut tx = match conn.transaction_with_behavior(TransactionBehavior::Immediate) {
         Ok(tx) => tx,
-        Err(err) => return all_failed(db_err(err)),
+        Err(err) => return all_failed(count, "sqlite", err),
     };
     let mut answers = Vec::with_capacity(count);
     for queued in ops {
         let savepoint = match tx.savepoint() {
             Ok(savepoint) => savepoint,
-            Err(err) => return all_failed(db_err(err)),
+            Err(err) => return all_failed(count, "sqlite", err),
         };
         let answer = match &queued.op {
             WriteOp::Claim(claim) => claim_in(&savepoint, claim).map(Written::Claim),
@@ -238,7 +238,7 @@ fn write_batch(conn: &mut Connection, ops: Vec<Queued>) -> Vec<Result<Written, S
         };
         if answer.is_ok() {
             if let Err(err) = savepoint.commit() {
-                return all_failed(db_err(err));
+                return all_failed(count, "sqlite", err);
             }
         }
         // Dropped without commit: rolled back to before this write.
@@ -246,7 +246,7 @@ fn write_batch(conn: &mut Connection, ops: Vec<Queued>) -> Vec<Result<Written, S
     }
     match tx.commit() {
         Ok(()) => answers,
-        Err(err) => all_failed(db_err(err)),
+        Err(err) => all_failed(count, "sqlite", err),
     }
 }
 

@@ -245,7 +245,7 @@ pub async fn read_body(
             Err(too_large)
         }
         Err(ReadError::NoRoom) => Err(ProxyError::Overloaded),
-        Err(ReadError::Failed(e)) => Err(ProxyError::BodyRead(e.to_string())),
+        Err(ReadError::Failed(e)) => Err(ProxyError::BodyRead(e)),
     }
 }
 

@@ -58,7 +58,7 @@ impl PostgresStore {
 }
 
 pub(super) fn batcher_gone() -> StoreError {
-    StoreError::Unavailable("postgres: the batching task has stopped".into())
+    StoreError::unavailable("postgres: the batching task has stopped")
 }
 
 /// `record` with its times moved by `by` milliseconds (from the server's
@@ -202,7 +202,7 @@ impl Core {
                 }
             }
         }
-        Ok(Err(StoreError::Unavailable(format!(
+        Ok(Err(StoreError::unavailable(format!(
             "claim raced with concurrent deletes {CLAIM_ATTEMPTS} times"
         ))))
     }

@@ -8,7 +8,7 @@
 use super::durability::{raise_commit_sql, CommitReport, COMMIT_REPORT};
 use crate::config::{MigrationLock, StoreConfig};
 use crate::net::backoff::Backoff;
-use crate::store::pg_connect::{MakeRustls, PgTarget};
+use crate::store::pg_connect::{MakeRustls, PgFailure, PgTarget};
 use crate::store::sql::{Dialect, Statements};
 use crate::store::StoreError;
 use deadpool_postgres::{
@@ -133,9 +133,9 @@ impl Core {
         let url = cfg
             .url
             .as_deref()
-            .ok_or_else(|| StoreError::Unavailable("store.url is not set".into()))?;
+            .ok_or_else(|| StoreError::unavailable("store.url is not set"))?;
         let target = PgTarget::new(url)
-            .map_err(|err| StoreError::Unavailable(format!("store.url: {err}")))?;
+            .map_err(|err| StoreError::unavailable(format!("store.url: {err}")))?;
         let mut pg = target.config.clone();
         // Every statement here looks records up by primary key. A table that
         // grew since it was last analyzed (a new deployment's first minutes,
@@ -207,7 +207,7 @@ impl Core {
             .create_timeout(Some(cfg.connect_timeout))
             .recycle_timeout(Some(cfg.connect_timeout))
             .build()
-            .map_err(|err| StoreError::Unavailable(format!("cannot build postgres pool: {err}")))?;
+            .map_err(|err| StoreError::caused("cannot build postgres pool", err))?;
         let table = format!("{}.idempotency_records", quote_ident(&cfg.schema));
         Ok(Self {
             pool,
@@ -388,19 +388,25 @@ impl Core {
             // statement_timeout fired.
             return StoreError::Timeout;
         }
-        StoreError::Unavailable(self.target.describe(&err))
+        StoreError::Postgres(self.target.failure(err))
     }
 
     pub(super) fn pool_err(&self, err: PoolError) -> StoreError {
         match err {
             // Nothing was sent: the call certainly did nothing.
-            PoolError::Timeout(TimeoutType::Create) => StoreError::Unavailable(format!(
-                "postgres at {}: connecting timed out",
-                self.target.endpoint
-            )),
+            PoolError::Timeout(TimeoutType::Create) => {
+                let endpoint = Some(self.target.endpoint.clone());
+                let cause = "connecting timed out".into();
+                PgFailure {
+                    endpoint,
+                    cause,
+                    source: None,
+                }
+                .into()
+            }
             PoolError::Timeout(_) => StoreError::Timeout,
             PoolError::Backend(err) => self.pg_err(err),
-            other => StoreError::Unavailable(format!("postgres pool: {other}")),
+            other => StoreError::caused("postgres pool", other),
         }
     }
 }

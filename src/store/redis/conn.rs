@@ -46,8 +46,7 @@ impl RedisConn {
         let certs = tls::certificates(cfg)?;
         let url = cfg.client_url();
         // redis-rs parse errors do not echo the URL, so no password leaks.
-        let invalid =
-            |err: RedisError| StoreError::Unavailable(format!("invalid redis.url: {err}"));
+        let invalid = |err: RedisError| StoreError::caused("invalid redis.url", err);
         if cfg.cluster {
             let mut builder = ClusterClientBuilder::new([url.as_str()])
                 .connection_timeout(cfg.timeout)
@@ -77,9 +76,8 @@ impl RedisConn {
                 .set_number_of_retries(RECONNECT_RETRIES)
                 .set_min_delay(Duration::from_millis(50))
                 .set_max_delay(Duration::from_millis(500));
-            let conn = ConnectionManager::new_lazy_with_config(client, config).map_err(|err| {
-                StoreError::Unavailable(format!("redis connection manager: {err}"))
-            })?;
+            let conn = ConnectionManager::new_lazy_with_config(client, config)
+                .map_err(|err| StoreError::caused("redis connection manager", err))?;
             Ok(Self::Node(conn))
         }
     }

@@ -26,17 +26,14 @@ pub(super) fn certificates(cfg: &RedisConfig) -> Result<Option<TlsCertificates>,
     if !cfg.is_tls() || (cfg.ca_file.is_none() && cfg.cert_file.is_none()) {
         return Ok(None);
     }
-    let unusable = |e: tls::TlsError| StoreError::Unavailable(e.to_string());
     let root_cert = match &cfg.ca_file {
-        Some(ca) => Some(tls::load_certs("redis.ca_file", ca).map_err(unusable)?.1),
+        Some(ca) => Some(tls::load_certs("redis.ca_file", ca)?.1),
         None => None,
     };
     let client_tls = match (&cfg.cert_file, &cfg.key_file) {
         (Some(cert), Some(key)) => Some(ClientTlsConfig {
-            client_cert: tls::load_certs("redis.cert_file", cert)
-                .map_err(unusable)?
-                .1,
-            client_key: tls::load_key("redis.key_file", key).map_err(unusable)?.1,
+            client_cert: tls::load_certs("redis.cert_file", cert)?.1,
+            client_key: tls::load_key("redis.key_file", key)?.1,
         }),
         // The config refuses one without the other.
         _ => None,
