@@ -81,46 +81,96 @@ mod layering {
         ],
     ];
 
-    /// Every module with a file, and its code without comments.
+    /// Every module with a file, and its code without comments or strings.
     fn sources() -> BTreeMap<Module, String> {
-        let mut sources = BTreeMap::new();
         let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-        let mut dirs = vec![root.clone()];
+        let (mut sources, mut dirs) = (BTreeMap::new(), vec![root.clone()]);
         while let Some(dir) = dirs.pop() {
-            for entry in std::fs::read_dir(dir).unwrap() {
-                let path = entry.unwrap().path();
+            for path in std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()) {
+                let rel = path.strip_prefix(&root).unwrap().with_extension("");
+                let module: Module = rel.iter().map(|s| s.to_string_lossy().into()).collect();
                 if path.is_dir() {
                     dirs.push(path);
-                } else if path.extension().is_some_and(|e| e == "rs") {
-                    let rel = path.strip_prefix(&root).unwrap().with_extension("");
-                    let module: Module = rel.iter().map(|s| s.to_string_lossy().into()).collect();
-                    if !matches!(module[0].as_str(), "lib" | "main") {
-                        let text = std::fs::read_to_string(&path).unwrap();
-                        let code = text.lines().map(|l| l.split("//").next().unwrap());
-                        sources.insert(module, code.collect::<Vec<_>>().join("\n"));
-                    }
+                } else if path.extension().is_some_and(|e| e == "rs")
+                    && !["lib", "main"].contains(&module[0].as_str())
+                {
+                    let text = std::fs::read_to_string(&path).unwrap();
+                    sources.insert(module, code_only(&text));
                 }
             }
         }
         sources
     }
 
-    /// The modules each module's code names.
-    fn graph(sources: &BTreeMap<Module, String>) -> BTreeMap<Module, BTreeSet<Module>> {
-        let known: BTreeSet<Module> = sources.keys().cloned().collect();
-        let mut graph = BTreeMap::new();
-        for (module, code) in sources {
-            let tests_at = code.find("mod tests {").unwrap_or(usize::MAX);
-            let mut named = BTreeSet::new();
-            for (at, _) in code
-                .match_indices("crate::")
-                .chain(code.match_indices("super::"))
-            {
-                if code[..at]
-                    .ends_with(|c: char| c.is_alphanumeric() || c == '_' || c == '$' || c == ':')
-                {
-                    continue; // `$crate::`, or the middle of `super::super::`
+    /// `text` without its comments and its literals' contents.
+    fn code_only(text: &str) -> String {
+        let (mut out, mut rest) = (String::new(), text);
+        while let Some(at) = rest.find(['/', '"', '\'']) {
+            out.push_str(&rest[..at]);
+            let after = &rest[at + 1..];
+            rest = match rest.as_bytes()[at] {
+                b'/' if after.starts_with('/') => after.find('\n').map_or("", |e| &after[e..]),
+                b'/' if after.starts_with('*') => after.find("*/").map_or("", |e| &after[e + 2..]),
+                b'"' => {
+                    let hashes = out.len() - out.trim_end_matches('#').len();
+                    let end = match out[..out.len() - hashes].ends_with('r') {
+                        true => after.find(&format!("\"{}", "#".repeat(hashes))),
+                        false => {
+                            let mut escaped = false;
+                            after.find(|c| {
+                                let close = c == '"' && !escaped;
+                                escaped = c == '\\' && !escaped;
+                                close
+                            })
+                        }
+                    };
+                    out.push_str("\"\"");
+                    end.map_or("", |e| &after[e + 1 + hashes..])
                 }
+                b'\'' => {
+                    let mut chars = after.char_indices();
+                    match (chars.next(), chars.next()) {
+                        (Some((_, '\\')), _) => {
+                            after[2..].find('\'').map_or("", |e| &after[e + 3..])
+                        }
+                        (Some(_), Some((i, '\''))) => &after[i + 1..],
+                        _ => {
+                            out.push('\''); // a lifetime
+                            after
+                        }
+                    }
+                }
+                _ => {
+                    out.push('/');
+                    after
+                }
+            };
+        }
+        out + rest
+    }
+
+    /// The modules each module's code names by `crate::` and `super::` paths.
+    fn graph(sources: &BTreeMap<Module, String>) -> BTreeMap<Module, BTreeSet<Module>> {
+        let resolve = |mut target: Module, path: Module| {
+            for segment in path {
+                target.push(segment);
+                if !sources.contains_key(&target) {
+                    target.pop();
+                    break;
+                }
+            }
+            target
+        };
+        let graph = sources.iter().map(|(module, code)| {
+            let tests_at = code.find("mod tests {").unwrap_or(usize::MAX);
+            let paths = code
+                .match_indices("crate::")
+                .chain(code.match_indices("super::"));
+            // Not `$crate::`, nor the middle of `super::super::`.
+            let paths = paths.filter(|(at, _)| {
+                !code[..*at].ends_with(|c: char| c.is_alphanumeric() || "_$:".contains(c))
+            });
+            let named = paths.flat_map(|(at, _)| {
                 // `super` in the file's own `mod tests` is the file's module.
                 let mut base = match code[at..].starts_with("crate::") {
                     true => Vec::new(),
@@ -131,21 +181,13 @@ mod layering {
                     base.pop();
                     rest = r;
                 }
-                for path in use_tree(rest) {
-                    let mut target = base.clone();
-                    for segment in path {
-                        target.push(segment);
-                        if !known.contains(&target) {
-                            target.pop();
-                            break;
-                        }
-                    }
-                    named.insert(target);
-                }
-            }
-            graph.insert(module.clone(), named);
-        }
-        graph
+                use_tree(rest)
+                    .into_iter()
+                    .map(move |p| resolve(base.clone(), p))
+            });
+            (module.clone(), named.collect())
+        });
+        graph.collect()
     }
 
     /// The paths of a `use` tree (`a::{b, c::d}`) or a plain path.
@@ -154,33 +196,30 @@ mod layering {
             let (mut depth, mut start, mut out) = (0, 0, Vec::new());
             for (i, c) in inner.char_indices() {
                 match c {
-                    '{' => depth += 1,
                     '}' | ',' if depth == 0 => {
-                        let item = inner[start..i].trim();
-                        if !item.is_empty() {
-                            out.extend(use_tree(item));
-                        }
+                        out.extend(Some(inner[start..i].trim()).filter(|t| !t.is_empty()));
                         if c == '}' {
                             break;
                         }
                         start = i + 1;
                     }
+                    '{' => depth += 1,
                     '}' => depth -= 1,
                     _ => {}
                 }
             }
-            return out;
+            return out.into_iter().flat_map(use_tree).collect();
         }
         let n = text
             .find(|c: char| !(c.is_alphanumeric() || c == '_'))
             .unwrap_or(text.len());
-        let head = text[..n].to_string();
+        let head = vec![text[..n].to_string()];
         match text[n..].strip_prefix("::") {
             Some(rest) => use_tree(rest)
                 .into_iter()
-                .map(|p| [vec![head.clone()], p].concat())
+                .map(|p| [head.clone(), p].concat())
                 .collect(),
-            None => vec![vec![head]],
+            None => vec![head],
         }
     }
 
@@ -189,51 +228,59 @@ mod layering {
         let graph = graph(&sources());
         let layer = |m: &Module| LAYERS.iter().position(|l| l.contains(&m[0].as_str()));
         let mut failures = Vec::new();
-        for (from, named) in &graph {
-            let Some(own) = layer(from) else {
-                failures.push(format!("{} is in no layer of lib.rs's LAYERS", from[0]));
-                continue;
-            };
-            for to in named.iter().filter(|to| !to.is_empty() && to[0] != from[0]) {
-                if layer(to).is_some_and(|l| l > own) {
-                    failures.push(format!(
-                        "{} names {}, a higher layer",
-                        from.join("::"),
-                        to.join("::")
-                    ));
-                }
+        let mut siblings: BTreeMap<&[String], BTreeMap<&str, BTreeSet<&str>>> = BTreeMap::new();
+        for (from, to) in graph
+            .iter()
+            .flat_map(|(f, n)| n.iter().map(move |t| (f, t)))
+        {
+            match (layer(from), layer(to)) {
+                (None, _) => failures.push(format!("{} is in no layer of LAYERS", from[0])),
+                (Some(own), Some(l)) if l > own => failures.push(format!(
+                    "{} names {}, a higher layer",
+                    from.join("::"),
+                    to.join("::")
+                )),
+                _ => {}
             }
-        }
-        // Between the children of every module (the crate's top level too).
-        let mut siblings: BTreeMap<Module, BTreeMap<String, BTreeSet<String>>> = BTreeMap::new();
-        for (from, named) in &graph {
-            for to in named {
-                let common = from.iter().zip(to).take_while(|(a, b)| a == b).count();
-                if common < from.len() && common < to.len() {
-                    let parent = from[..common].to_vec();
-                    let edges = siblings.entry(parent).or_default();
-                    edges
-                        .entry(from[common].clone())
-                        .or_default()
-                        .insert(to[common].clone());
-                }
+            // Edges between the children of every module (the crate's too).
+            let common = from.iter().zip(to).take_while(|(a, b)| a == b).count();
+            if common < from.len().min(to.len()) {
+                let edges = siblings.entry(&from[..common]).or_default();
+                edges.entry(&from[common]).or_default().insert(&to[common]);
             }
         }
         for (parent, edges) in &siblings {
-            for start in edges.keys() {
-                let mut path = vec![start.clone()];
-                if let Some(cycle) = cycle_from(edges, &mut path, &mut BTreeSet::new()) {
-                    failures.push(format!(
-                        "a cycle in crate::{}: {}",
-                        parent.join("::"),
-                        cycle.join(" -> ")
-                    ));
+            for &start in edges.keys() {
+                if let Some(cycle) = cycle_from(edges, vec![start], &mut BTreeSet::new()) {
+                    let (parent, cycle) = (parent.join("::"), cycle.join(" -> "));
+                    failures.push(format!("a cycle in crate::{parent}: {cycle}"));
                 }
             }
         }
         failures.sort();
         failures.dedup();
         assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
+
+    /// A path from `path[0]` back to itself along `edges`, if there is one.
+    fn cycle_from<'a>(
+        edges: &BTreeMap<&'a str, BTreeSet<&'a str>>,
+        path: Vec<&'a str>,
+        seen: &mut BTreeSet<&'a str>,
+    ) -> Option<Vec<&'a str>> {
+        for &next in edges.get(path.last().unwrap()).into_iter().flatten() {
+            let longer = [&path[..], &[next]].concat();
+            if next == path[0] {
+                return Some(longer);
+            }
+            // Each cycle is reported once, from its least member.
+            if next > path[0] && seen.insert(next) {
+                if let Some(cycle) = cycle_from(edges, longer, seen) {
+                    return Some(cycle);
+                }
+            }
+        }
+        None
     }
 
     /// The domain speaks the protocol's values: the edge reads requests,
@@ -249,68 +296,18 @@ mod layering {
             "Request",
             "Response",
         ];
-        let mut found = Vec::new();
-        for (module, code) in sources()
+        let sources = sources();
+        let domain = sources
             .iter()
-            .filter(|(m, _)| LAYERS[1].contains(&m[0].as_str()))
-        {
-            let code = without_strings(code);
-            for word in code.split(|c: char| !(c.is_alphanumeric() || c == '_')) {
-                if MESSAGES.contains(&word) {
-                    found.push(format!("{} names {word}", module.join("::")));
-                }
-            }
-        }
+            .filter(|(m, _)| LAYERS[1].contains(&m[0].as_str()));
+        let mut found: Vec<String> = domain
+            .flat_map(|(module, code)| {
+                let words = code.split(|c: char| !(c.is_alphanumeric() || c == '_'));
+                let messages = words.filter(|w| MESSAGES.contains(w));
+                messages.map(move |w| format!("{} names {w}", module.join("::")))
+            })
+            .collect();
         found.dedup();
         assert!(found.is_empty(), "{}", found.join("\n"));
-    }
-
-    /// `code` with its string literals' contents left out (`"…"`, `r#"…"#`).
-    fn without_strings(code: &str) -> String {
-        let (mut out, mut rest) = (String::new(), code);
-        while let Some(at) = rest.find('"') {
-            let raw = rest[..at].ends_with("r#");
-            out.push_str(&rest[..at]);
-            if rest[..at].ends_with(['\'', '\\']) && rest[at + 1..].starts_with('\'') {
-                rest = &rest[at + 1..]; // the character '"'
-                continue;
-            }
-            let body = &rest[at + 1..];
-            let end = match raw {
-                true => body.find("\"#").map(|e| e + 2),
-                false => body
-                    .char_indices()
-                    .scan(false, |escaped, (i, c)| {
-                        let close = c == '"' && !*escaped;
-                        *escaped = c == '\\' && !*escaped;
-                        Some((i, close))
-                    })
-                    .find(|&(_, close)| close)
-                    .map(|(i, _)| i + 1),
-            };
-            rest = &body[end.unwrap_or(body.len())..];
-        }
-        out + rest
-    }
-
-    /// A path back to `path[0]` along `edges`, if there is one.
-    fn cycle_from(
-        edges: &BTreeMap<String, BTreeSet<String>>,
-        path: &mut Vec<String>,
-        seen: &mut BTreeSet<String>,
-    ) -> Option<Vec<String>> {
-        for next in edges.get(path.last().unwrap()).into_iter().flatten() {
-            if *next == path[0] {
-                return Some([path.clone(), vec![next.clone()]].concat());
-            }
-            if next > &path[0] && seen.insert(next.clone()) {
-                path.push(next.clone());
-                if let Some(c) = cycle_from(edges, path, seen) {
-                    return Some(c);
-                }
-                path.pop();
-            }
-        }
-        None
     }
 }
