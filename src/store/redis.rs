@@ -138,33 +138,30 @@ struct Health {
 impl Health {
     /// Records a failure; returns it as logged (with the hint in front).
     fn failed(&self, error: String) -> String {
-        let hint = *self.hint.lock().unwrap_or_else(|p| p.into_inner());
+        let hint = *lock(&self.hint);
         let error = match hint {
             Some(hint) if !error.contains(hint) => format!("{hint} ({error})"),
             _ => error,
         };
-        *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(error.clone());
+        *lock(&self.last_error) = Some(error.clone());
         self.failing.store(true, Ordering::Relaxed);
         error
     }
 
     fn hint(&self, cause: &'static str) {
-        *self.hint.lock().unwrap_or_else(|p| p.into_inner()) = Some(cause);
+        *lock(&self.hint) = Some(cause);
     }
 
     fn answered(&self) {
         // A load first: the swap's write would contend on every answer.
         if self.failing.load(Ordering::Relaxed) && self.failing.swap(false, Ordering::Relaxed) {
-            *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = None;
-            *self.hint.lock().unwrap_or_else(|p| p.into_inner()) = None;
+            *lock(&self.last_error) = None;
+            *lock(&self.hint) = None;
         }
     }
 
     fn get(&self) -> Option<String> {
-        self.last_error
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        lock(&self.last_error).clone()
     }
 }
 
@@ -346,11 +343,7 @@ impl RedisFastPath {
 
     /// Whether this process may answer `name` from Redis.
     fn trusted(&self, name: &str) -> bool {
-        !self.stale_names().contains(name)
-    }
-
-    fn stale_names(&self) -> std::sync::MutexGuard<'_, std::collections::HashSet<String>> {
-        lock(&self.stale)
+        !lock(&self.stale).contains(name)
     }
 
     /// Marks `name`'s Redis copy as possibly stale: this process stops
@@ -358,7 +351,7 @@ impl RedisFastPath {
     /// answers. One healer task runs while anything is marked.
     fn mark_stale(&self, name: String) {
         let start_healer = {
-            let mut stale = self.stale_names();
+            let mut stale = lock(&self.stale);
             if stale.len() >= MAX_STALE {
                 tracing::error!(
                     "too many possibly stale Redis copies to track; this one expires on its own"
@@ -438,11 +431,8 @@ impl RedisFastPath {
             .arg("PX")
             .arg(claim.lease_ms.max(1))
             .to_owned();
-        if self
-            .run(cmd.query_async::<Value>(&mut conn))
-            .await
-            .is_none()
-        {
+        let written: Option<Value> = self.run(cmd.query_async(&mut conn)).await;
+        if written.is_none() {
             self.mark_stale(name.to_string());
         }
     }
@@ -480,10 +470,7 @@ impl RedisFastPath {
 impl Store for RedisFastPath {
     async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
         let name = self.redis_key(&claim.key);
-        if !self.enabled() {
-            return self.claim_bypassing(&name, claim).await;
-        }
-        if !self.trusted(&name) {
+        if !self.enabled() || !self.trusted(&name) {
             return self.claim_bypassing(&name, claim).await;
         }
         let locked = match self.lock_or_peek(&name, claim).await {
