@@ -344,12 +344,7 @@ impl Lease {
     pub async fn release(mut self) -> KeyFate {
         self.finished = true;
         let fenced = &self.fenced;
-        let mut unanswered = false;
-        match drive(Write::Release, QUICK, &mut unanswered, || {
-            fenced.release_once()
-        })
-        .await
-        {
+        match drive(Write::Release, QUICK, &mut false, || fenced.release_once()).await {
             Some(Fence::Held) => KeyFate::Released,
             Some(Fence::Lost) => {
                 fenced.leases.metrics.lost_fence(&fenced.route);

@@ -9,6 +9,7 @@ use crate::store::memory::MemoryStore;
 use crate::store::{RecordState, StoredResponse};
 use async_trait::async_trait;
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Mutex;
 
 // ===== pure =====
@@ -68,7 +69,7 @@ struct FlakyStore {
     inner: Arc<MemoryStore>,
     script: Mutex<Vec<(&'static str, VecDeque<Act>)>>,
     /// Writes applied by [`Act::LandLate`] so far.
-    late_landings: Arc<std::sync::atomic::AtomicU32>,
+    late_landings: Arc<AtomicU32>,
 }
 
 impl FlakyStore {
@@ -105,7 +106,7 @@ impl FlakyStore {
                 tokio::spawn(async move {
                     tokio::time::sleep(after).await;
                     let _ = call.await;
-                    landed.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    landed.fetch_add(1, Ordering::SeqCst);
                 });
                 std::future::pending().await
             }
@@ -345,10 +346,7 @@ async fn a_claim_whose_answer_was_lost_is_given_back_when_it_lands() {
     assert!(matches!(err, StoreError::Timeout), "{err:?}");
     h.tasks.close();
     h.tasks.wait().await;
-    let landed = h
-        .store
-        .late_landings
-        .load(std::sync::atomic::Ordering::SeqCst);
+    let landed = h.store.late_landings.load(Ordering::SeqCst);
     assert_eq!(landed, 1, "the late claim landed");
     assert_eq!(h.state().await, None, "and was given back");
     assert!(

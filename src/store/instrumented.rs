@@ -256,34 +256,18 @@ mod tests {
             store.claim(&claim).await,
             Ok(ClaimOutcome::Claimed { .. })
         ));
-        assert_eq!(
-            store
-                .renew(
-                    key,
-                    token,
-                    Span {
-                        now: 1_000,
-                        ms: 1_000
-                    }
-                )
-                .await
-                .unwrap(),
-            Fence::Held
-        );
+        let lease = Span {
+            now: 1_000,
+            ms: 1_000,
+        };
+        assert_eq!(store.renew(key, token, lease).await.unwrap(), Fence::Held);
         let done = Completion::Unstored { status: 200 };
+        let keep = Span {
+            now: 1_000,
+            ms: 4_000,
+        };
         assert_eq!(
-            store
-                .complete(
-                    key,
-                    token,
-                    &done,
-                    Span {
-                        now: 1_000,
-                        ms: 4_000
-                    }
-                )
-                .await
-                .unwrap(),
+            store.complete(key, token, &done, keep).await.unwrap(),
             Fence::Held
         );
         assert_eq!(store.release(key, token).await.unwrap(), Fence::Lost);
