@@ -125,15 +125,15 @@ impl PostgresStore {
     /// Where the database is (`host:port`) and the TLS mode, for messages.
     pub fn describe_target(&self) -> String {
         let url = &self.core.target.url;
+        let pgbouncer = if url.pgbouncer {
+            ", pgbouncer=true"
+        } else {
+            ""
+        };
         format!(
-            "postgres at {} (sslmode={}{})",
+            "postgres at {} (sslmode={}{pgbouncer})",
             self.core.target.endpoint,
-            url.sslmode.as_str(),
-            if url.pgbouncer {
-                ", pgbouncer=true"
-            } else {
-                ""
-            }
+            url.sslmode.as_str()
         )
     }
 
@@ -231,10 +231,9 @@ impl Store for PostgresStore {
         let core = &*self.core;
         let deadline = core.deadline();
         let client = core.checkout(deadline).await?;
-        let batch = i64::from(batch);
         let locked = core.migration_lock == MigrationLock::Advisory;
         let on: &ClientWrapper = &client;
-        let batch = &batch;
+        let batch = &i64::from(batch);
         let res = tokio::time::timeout_at(
             deadline,
             core.unit(on, locked, || async move {

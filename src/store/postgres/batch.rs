@@ -322,7 +322,6 @@ impl Core {
             .collect()
     }
 
-    /// One claim as its own call.
     pub(super) async fn claim_one(&self, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
         let deadline = self.deadline();
         let client = self.checkout(deadline).await?;

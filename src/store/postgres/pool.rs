@@ -154,13 +154,11 @@ impl Core {
         let pooled = if target.url.pgbouncer {
             // PgBouncer refuses the `options` startup parameter: set them
             // per transaction instead.
-            let mut begin = String::from("BEGIN");
-            for (name, value) in &settings {
-                begin.push_str(&format!("; SET LOCAL {name} = {value}"));
-            }
-            begin.push_str("; ");
-            begin.push_str(&raise_commit_sql(true));
-            Some(begin)
+            let set: String = settings
+                .iter()
+                .map(|(name, value)| format!("; SET LOCAL {name} = {value}"))
+                .collect();
+            Some(format!("BEGIN{set}; {}", raise_commit_sql(true)))
         } else {
             let session = settings
                 .iter()
@@ -238,7 +236,6 @@ impl Core {
         self.connection(deadline).await
     }
 
-    /// A pooled connection, before `deadline`.
     pub(super) async fn connection(&self, deadline: Instant) -> Result<InUse, StoreError> {
         let object = tokio::time::timeout_at(deadline, self.pool.get())
             .await
@@ -323,11 +320,7 @@ impl Core {
     where
         F: std::future::Future<Output = Result<T, tokio_postgres::Error>>,
     {
-        let begin = match &self.pooled {
-            Some(begin) => Some(begin.as_str()),
-            None if transaction => Some("BEGIN"),
-            None => None,
-        };
+        let begin = self.pooled.as_deref().or(transaction.then_some("BEGIN"));
         let mut attempt = 1;
         loop {
             let res = match begin {
