@@ -157,10 +157,8 @@ mod tests {
                 let batches = batches.clone();
                 async move {
                     tokio::time::sleep(Duration::from_millis(10)).await;
-                    batches
-                        .lock()
-                        .unwrap()
-                        .push(items.iter().map(|i| i.1).collect());
+                    let values = items.iter().map(|i| i.1).collect();
+                    batches.lock().unwrap().push(values);
                     items.iter().map(|i| i.1 * 2).collect()
                 }
             },

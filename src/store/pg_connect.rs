@@ -40,15 +40,14 @@ impl PgTarget {
         let url = PgUrl::parse(url)?;
         let config = url.pg_config()?;
         let tls_config = tls::client_config(&url.client_tls()).map_err(|e| e.to_string())?;
-        let endpoint = endpoint(&config);
         Ok(Self {
             url,
+            endpoint: endpoint(&config),
             config,
             tls: MakeRustls {
                 config: Arc::new(tls_config),
                 seen: None,
             },
-            endpoint,
         })
     }
 

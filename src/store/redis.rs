@@ -248,8 +248,7 @@ impl RedisFastPath {
     where
         F: Future<Output = redis::RedisResult<T>>,
     {
-        let res = tokio::time::timeout(self.timeout, fut).await;
-        let failure = match res {
+        let (message, conn_level) = match tokio::time::timeout(self.timeout, fut).await {
             Ok(Ok(v)) => {
                 self.health.answered();
                 return Some(v);
@@ -271,7 +270,6 @@ impl RedisFastPath {
             Err(_) => ("timed out".to_string(), true),
         };
         self.counters.errors.fetch_add(1, Ordering::Relaxed);
-        let (message, conn_level) = failure;
         // Every failure, for debugging; the warnings below are per outage.
         tracing::debug!(error = %message, "redis fast path call failed");
         if conn_level {
@@ -290,24 +288,22 @@ impl RedisFastPath {
 
     /// False while in [`BACKOFF`]; such skips count as errors.
     fn enabled(&self) -> bool {
-        if self.down_until.load(Ordering::Relaxed) > self.clock.now_millis() {
+        let down = self.down_until.load(Ordering::Relaxed) > self.clock.now_millis();
+        if down {
             self.counters.errors.fetch_add(1, Ordering::Relaxed);
-            false
-        } else {
-            true
         }
+        !down
     }
 
     /// Our lock in, or what another claim left there: one script, so a
     /// duplicate costs one round trip like a fresh key. `None` when Redis
     /// did not answer.
     async fn lock_or_peek(&self, name: &str, claim: &Claim) -> Option<Locking> {
-        let mut conn = self.conn.clone();
         let mut inv = self.scripts.lock_or_peek.prepare_invoke();
         inv.key(name)
             .arg(encode_lock(claim))
             .arg(claim.lease_ms.max(1));
-        let v: Value = self.run(inv.invoke_async(&mut conn)).await?;
+        let v: Value = self.run(inv.invoke_async(&mut self.conn.clone())).await?;
         Some(match v {
             Value::Int(1) => Locking::Locked,
             Value::Array(mut parts) if parts.len() == 2 => {
@@ -368,29 +364,20 @@ impl RedisFastPath {
     }
 
     async fn unlock(&self, name: &str, token: &LeaseToken) {
-        let mut conn = self.conn.clone();
         let mut inv = self.scripts.unlock.prepare_invoke();
         inv.key(name).arg(&token.0[..]);
-        let _: Option<i64> = self.run(inv.invoke_async(&mut conn)).await;
+        let _: Option<i64> = self.run(inv.invoke_async(&mut self.conn.clone())).await;
     }
 
     /// Caches a completed/unstored record the inner store reported.
     async fn cache(&self, name: &str, record: &Record) {
         let ttl = record.expires_at - self.clock.now_millis();
-        let Some(value) = encode_record(record) else {
+        let Some(value) = encode_record(record).filter(|_| ttl > 0) else {
             return;
         };
-        if ttl <= 0 {
-            return;
-        }
-        let mut conn = self.conn.clone();
-        let cmd = redis::cmd("SET")
-            .arg(name)
-            .arg(value)
-            .arg("PX")
-            .arg(ttl)
-            .to_owned();
-        let _: Option<Value> = self.run(cmd.query_async(&mut conn)).await;
+        // One argument each, as `.arg()` in turn would give.
+        let cmd = redis::cmd("SET").arg((name, value, "PX", ttl)).to_owned();
+        let _: Option<Value> = self.run(cmd.query_async(&mut self.conn.clone())).await;
     }
 
     /// After the inner store answered a claim: make Redis agree with it.
@@ -424,14 +411,9 @@ impl RedisFastPath {
 
     /// Puts our lock over whatever Redis holds, or marks the key stale.
     async fn overwrite_with_lock(&self, name: &str, claim: &Claim) {
-        let mut conn = self.conn.clone();
-        let cmd = redis::cmd("SET")
-            .arg(name)
-            .arg(encode_lock(claim))
-            .arg("PX")
-            .arg(claim.lease_ms.max(1))
-            .to_owned();
-        let written: Option<Value> = self.run(cmd.query_async(&mut conn)).await;
+        let lock = (name, encode_lock(claim), "PX", claim.lease_ms.max(1));
+        let cmd = redis::cmd("SET").arg(lock).to_owned();
+        let written: Option<Value> = self.run(cmd.query_async(&mut self.conn.clone())).await;
         if written.is_none() {
             self.mark_stale(name.to_string());
         }
@@ -517,10 +499,9 @@ impl Store for RedisFastPath {
             let name = self.redis_key(key);
             match fence {
                 Fence::Held => {
-                    let mut conn = self.conn.clone();
                     let mut inv = self.scripts.extend.prepare_invoke();
                     inv.key(&name).arg(&token.0[..]).arg(lease.ms.max(1));
-                    let _: Option<i64> = self.run(inv.invoke_async(&mut conn)).await;
+                    let _: Option<i64> = self.run(inv.invoke_async(&mut self.conn.clone())).await;
                 }
                 Fence::Lost => self.unlock(&name, token).await,
             }
@@ -562,14 +543,13 @@ impl Store for RedisFastPath {
             expires_at: 0,
         };
         if let Some(value) = encode_record(&record) {
-            let mut conn = self.conn.clone();
             let mut inv = self.scripts.complete.prepare_invoke();
             inv.key(&name)
                 .arg(&token.0[..])
                 .arg(value)
                 .arg(keep.now)
                 .arg(keep.ms);
-            let written: Option<i64> = self.run(inv.invoke_async(&mut conn)).await;
+            let written: Option<i64> = self.run(inv.invoke_async(&mut self.conn.clone())).await;
             if written.is_none() {
                 self.mark_stale(name);
             }
