@@ -146,15 +146,6 @@ struct Waiting {
 }
 
 impl Backlog {
-    fn new(limit: usize, metrics: Arc<Metrics>) -> Self {
-        Self {
-            waiting: Default::default(),
-            next: Default::default(),
-            limit,
-            metrics,
-        }
-    }
-
     fn enter(self: &Arc<Self>, key_id: String) -> Waiting {
         let entry = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.lock().insert(entry, key_id);
@@ -170,12 +161,10 @@ impl Backlog {
         self.waiting.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// How many completions are waiting.
     pub fn len(&self) -> usize {
         self.lock().len()
     }
 
-    /// The key ids of the completions waiting.
     pub fn key_ids(&self) -> Vec<String> {
         self.lock().values().cloned().collect()
     }
@@ -217,7 +206,12 @@ impl Leases {
         max_pending: usize,
     ) -> Arc<Self> {
         Arc::new(Self {
-            backlog: Arc::new(Backlog::new(max_pending, metrics.clone())),
+            backlog: Arc::new(Backlog {
+                waiting: Default::default(),
+                next: Default::default(),
+                limit: max_pending,
+                metrics: metrics.clone(),
+            }),
             store,
             metrics,
             tasks,
@@ -225,7 +219,6 @@ impl Leases {
         })
     }
 
-    /// The completions waiting for the store.
     pub fn backlog(&self) -> &Backlog {
         &self.backlog
     }
@@ -344,12 +337,7 @@ impl Lease {
     pub async fn release(mut self) -> KeyFate {
         self.finished = true;
         let fenced = &self.fenced;
-        let mut unanswered = false;
-        match drive(Write::Release, QUICK, &mut unanswered, || {
-            fenced.release_once()
-        })
-        .await
-        {
+        match drive(Write::Release, QUICK, &mut false, || fenced.release_once()).await {
             Some(Fence::Held) => KeyFate::Released,
             Some(Fence::Lost) => {
                 fenced.leases.metrics.lost_fence(&fenced.route);

@@ -30,6 +30,8 @@ mod open;
 pub mod pg_connect;
 pub mod postgres;
 pub mod redis;
+#[cfg(test)]
+pub(crate) mod scripted;
 pub(crate) mod sql;
 pub mod sqlite;
 
@@ -157,6 +159,7 @@ impl From<&Completion> for RecordState {
 
 /// A completion as the SQL backends write it: the `state`, `status`,
 /// `headers` and `body` columns.
+#[derive(Default)]
 pub(crate) struct CompletionColumns<'a> {
     pub state: &'static str,
     pub status: Option<u16>,
@@ -176,14 +179,11 @@ impl Completion {
             Completion::Unstored { status } => CompletionColumns {
                 state: "unstored",
                 status: Some(*status),
-                headers: None,
-                body: None,
+                ..Default::default()
             },
             Completion::Unknown => CompletionColumns {
                 state: "unknown",
-                status: None,
-                headers: None,
-                body: None,
+                ..Default::default()
             },
         }
     }

@@ -5,11 +5,9 @@
 use super::*;
 use crate::idempotency::Scope;
 use crate::store::instrumented::Instrumented;
-use crate::store::memory::MemoryStore;
+use crate::store::scripted::{Act, FlakyStore};
 use crate::store::{RecordState, StoredResponse};
-use async_trait::async_trait;
-use std::collections::VecDeque;
-use std::sync::Mutex;
+use std::sync::atomic::Ordering;
 
 // ===== pure =====
 
@@ -49,128 +47,6 @@ fn quick_is_four_tries_in_at_most_0_7_s() {
 
 // ===== I/O against a scripted store =====
 
-/// What the scripted store does with the next call of an operation.
-#[derive(Clone, Copy, Debug)]
-enum Act {
-    /// Fails without touching the records (nothing landed).
-    Fail,
-    /// Applies the write, then loses the answer.
-    Lose,
-    /// Applies the write `after` from now, in a task of its own (like a
-    /// statement the database still runs), and never answers.
-    LandLate(Duration),
-}
-
-/// A [`MemoryStore`] whose next calls of each operation follow a script;
-/// unscripted calls pass through.
-#[derive(Default)]
-struct FlakyStore {
-    inner: Arc<MemoryStore>,
-    script: Mutex<Vec<(&'static str, VecDeque<Act>)>>,
-    /// Writes applied by [`Act::LandLate`] so far.
-    late_landings: Arc<std::sync::atomic::AtomicU32>,
-}
-
-impl FlakyStore {
-    fn script(&self, op: &'static str, acts: &[Act]) {
-        let mut script = self.script.lock().unwrap();
-        script.retain(|(o, _)| *o != op);
-        script.push((op, acts.iter().copied().collect()));
-    }
-
-    fn next(&self, op: &'static str) -> Option<Act> {
-        let mut script = self.script.lock().unwrap();
-        script
-            .iter_mut()
-            .find(|(o, _)| *o == op)
-            .and_then(|(_, acts)| acts.pop_front())
-    }
-
-    async fn run<T: Send + 'static>(
-        &self,
-        op: &'static str,
-        call: impl Future<Output = Result<T, StoreError>> + Send + 'static,
-    ) -> Result<T, StoreError> {
-        match self.next(op) {
-            None => call.await,
-            Some(Act::Fail) => Err(StoreError::unavailable(format!("scripted {op} failure"))),
-            Some(Act::Lose) => {
-                let _ = call.await;
-                Err(StoreError::unavailable(format!(
-                    "scripted lost {op} answer"
-                )))
-            }
-            Some(Act::LandLate(after)) => {
-                let landed = self.late_landings.clone();
-                tokio::spawn(async move {
-                    tokio::time::sleep(after).await;
-                    let _ = call.await;
-                    landed.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                });
-                std::future::pending().await
-            }
-        }
-    }
-}
-
-#[async_trait]
-impl Store for FlakyStore {
-    async fn claim(&self, c: &Claim) -> Result<ClaimOutcome, StoreError> {
-        let (inner, c) = (self.inner.clone(), c.clone());
-        self.run("claim", async move { inner.claim(&c).await })
-            .await
-    }
-    async fn renew(
-        &self,
-        key: &RecordKey,
-        token: &LeaseToken,
-        lease: Span,
-    ) -> Result<Fence, StoreError> {
-        let (inner, key, token) = (self.inner.clone(), *key, *token);
-        self.run(
-            "renew",
-            async move { inner.renew(&key, &token, lease).await },
-        )
-        .await
-    }
-    async fn complete(
-        &self,
-        key: &RecordKey,
-        token: &LeaseToken,
-        completion: &Completion,
-        keep: Span,
-    ) -> Result<Fence, StoreError> {
-        let (inner, key, token, c) = (self.inner.clone(), *key, *token, completion.clone());
-        self.run("complete", async move {
-            inner.complete(&key, &token, &c, keep).await
-        })
-        .await
-    }
-    async fn release(&self, key: &RecordKey, token: &LeaseToken) -> Result<Fence, StoreError> {
-        let (inner, key, token) = (self.inner.clone(), *key, *token);
-        self.run("release", async move { inner.release(&key, &token).await })
-            .await
-    }
-    async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
-        self.inner.get(key).await
-    }
-    async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
-        self.inner.delete(key).await
-    }
-    async fn sweep(&self, now: crate::store::UnixMillis, batch: u32) -> Result<u64, StoreError> {
-        self.inner.sweep(now, batch).await
-    }
-    async fn ping(&self) -> Result<(), StoreError> {
-        Ok(())
-    }
-    fn backend(&self) -> &'static str {
-        "flaky"
-    }
-    fn call_bound(&self) -> Duration {
-        BOUND
-    }
-}
-
 const LEASE: Duration = Duration::from_secs(3);
 const BOUND: Duration = Duration::from_secs(1);
 
@@ -182,7 +58,7 @@ struct Harness {
 }
 
 fn harness() -> Harness {
-    let store = Arc::new(FlakyStore::default());
+    let store = Arc::new(FlakyStore::with_bound(BOUND));
     let metrics = Arc::new(Metrics::new());
     let tasks = TaskTracker::new();
     // Behind the same seam as production: every call bounded and timed.
@@ -248,6 +124,10 @@ impl Harness {
         }
     }
 
+    async fn in_flight(&self) -> bool {
+        matches!(self.state().await, Some(RecordState::InFlight { .. }))
+    }
+
     fn lost_fences(&self) -> u64 {
         let text = self.metrics.encode();
         text.lines()
@@ -281,10 +161,7 @@ async fn a_completion_after_a_takeover_is_refused_and_counted() {
     };
     assert_eq!(stale.complete(stored()).await, KeyFate::TakenOver);
     assert_eq!(h.lost_fences(), 1);
-    assert!(matches!(
-        h.state().await,
-        Some(RecordState::InFlight { .. })
-    ));
+    assert!(h.in_flight().await);
     assert_eq!(fresh.release().await, KeyFate::Released);
 }
 
@@ -316,10 +193,7 @@ async fn a_completion_through_an_outage_lands_in_the_background_and_keeps_the_le
     // Longer than the quick attempts and than the lease itself.
     h.store.script("complete", &[Act::Fail; 12]);
     assert_eq!(lease.complete(stored()).await, KeyFate::Kept);
-    assert!(matches!(
-        h.state().await,
-        Some(RecordState::InFlight { .. })
-    ));
+    assert!(h.in_flight().await);
     for _ in 0..8 {
         tokio::time::sleep(Duration::from_secs(1)).await;
         assert!(
@@ -345,10 +219,7 @@ async fn a_claim_whose_answer_was_lost_is_given_back_when_it_lands() {
     assert!(matches!(err, StoreError::Timeout), "{err:?}");
     h.tasks.close();
     h.tasks.wait().await;
-    let landed = h
-        .store
-        .late_landings
-        .load(std::sync::atomic::Ordering::SeqCst);
+    let landed = h.store.late_landings.load(Ordering::SeqCst);
     assert_eq!(landed, 1, "the late claim landed");
     assert_eq!(h.state().await, None, "and was given back");
     assert!(

@@ -10,11 +10,21 @@
 //! already in the batch runs at once on its own (a batch of one, outside
 //! the lanes), so a storm on one key is not serialized behind the lanes.
 
+use super::{Completion, LeaseToken, Span};
+use crate::idempotency::RecordKey;
 use std::collections::{HashSet, VecDeque};
 use std::future::Future;
 use std::hash::Hash;
 use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot, Semaphore};
+
+/// One completion waiting for a batch: [`super::Store::complete`]'s arguments.
+pub(crate) struct Completing {
+    pub key: RecordKey,
+    pub token: LeaseToken,
+    pub completion: Completion,
+    pub keep: Span,
+}
 
 type Call<T, R> = (T, oneshot::Sender<R>);
 
@@ -126,12 +136,19 @@ mod tests {
     use std::sync::Mutex;
     use std::time::Duration;
 
+    type Doubling = Batcher<(u32, u32), u32>;
+
+    /// One call on a task of its own.
+    fn spawn_call(
+        batcher: &Arc<Doubling>,
+        item: (u32, u32),
+    ) -> tokio::task::JoinHandle<Option<u32>> {
+        let b = batcher.clone();
+        tokio::spawn(async move { b.call(item).await })
+    }
+
     /// Records the batches it ran; each call answers its own value doubled.
-    fn doubling(
-        lanes: usize,
-        max: usize,
-        batches: Arc<Mutex<Vec<Vec<u32>>>>,
-    ) -> Batcher<(u32, u32), u32> {
+    fn doubling(lanes: usize, max: usize, batches: Arc<Mutex<Vec<Vec<u32>>>>) -> Doubling {
         Batcher::start(
             lanes,
             max,
@@ -140,10 +157,8 @@ mod tests {
                 let batches = batches.clone();
                 async move {
                     tokio::time::sleep(Duration::from_millis(10)).await;
-                    batches
-                        .lock()
-                        .unwrap()
-                        .push(items.iter().map(|i| i.1).collect());
+                    let values = items.iter().map(|i| i.1).collect();
+                    batches.lock().unwrap().push(values);
                     items.iter().map(|i| i.1 * 2).collect()
                 }
             },
@@ -155,10 +170,7 @@ mod tests {
         let batches = Arc::new(Mutex::new(Vec::new()));
         let batcher = Arc::new(doubling(1, 64, batches.clone()));
         assert_eq!(batcher.call((1, 1)).await, Some(2));
-        let calls = (2..12).map(|n| {
-            let b = batcher.clone();
-            tokio::spawn(async move { b.call((n, n)).await })
-        });
+        let calls = (2..12).map(|n| spawn_call(&batcher, (n, n)));
         let answers: Vec<_> = futures_util::future::join_all(calls)
             .await
             .into_iter()
@@ -176,17 +188,11 @@ mod tests {
         let batches = Arc::new(Mutex::new(Vec::new()));
         let batcher = Arc::new(doubling(1, 3, batches.clone()));
         // Occupy the lane so the rest queue up together.
-        let first = {
-            let b = batcher.clone();
-            tokio::spawn(async move { b.call((0, 100)).await })
-        };
+        let first = spawn_call(&batcher, (0, 100));
         tokio::task::yield_now().await;
         let calls: Vec<_> = [(7, 1), (7, 2), (8, 3), (9, 4), (10, 5)]
             .into_iter()
-            .map(|item| {
-                let b = batcher.clone();
-                tokio::spawn(async move { b.call(item).await })
-            })
+            .map(|item| spawn_call(&batcher, item))
             .collect();
         for (call, want) in calls.into_iter().zip([2, 4, 6, 8, 10]) {
             assert_eq!(call.await.unwrap(), Some(want));
@@ -208,20 +214,12 @@ mod tests {
         let batches = Arc::new(Mutex::new(Vec::new()));
         let batcher = Arc::new(doubling(1, 64, batches.clone()));
         let started = tokio::time::Instant::now();
-        let calls: Vec<_> = (1..=20)
-            .map(|n| {
-                let b = batcher.clone();
-                tokio::spawn(async move { b.call((7, n)).await })
-            })
-            .collect();
+        let calls: Vec<_> = (1..=20).map(|n| spawn_call(&batcher, (7, n))).collect();
         for call in calls {
             assert!(call.await.unwrap().is_some());
         }
         // Twenty 10 ms calls on one lane, one at a time, would take 200 ms.
-        assert!(
-            started.elapsed() < Duration::from_millis(100),
-            "{:?}",
-            started.elapsed()
-        );
+        let took = started.elapsed();
+        assert!(took < Duration::from_millis(100), "{took:?}");
     }
 }

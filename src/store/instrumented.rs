@@ -170,54 +170,7 @@ mod tests {
     use super::*;
     use crate::store::memory::MemoryStore;
     use crate::store::sample_claim as claim;
-
-    /// Answers nothing for a long time: every call outlasts any bound.
-    struct Stuck;
-
-    #[async_trait]
-    impl Store for Stuck {
-        async fn claim(&self, _: &Claim) -> Result<ClaimOutcome, StoreError> {
-            stuck().await
-        }
-        async fn renew(&self, _: &RecordKey, _: &LeaseToken, _: Span) -> Result<Fence, StoreError> {
-            stuck().await
-        }
-        async fn complete(
-            &self,
-            _: &RecordKey,
-            _: &LeaseToken,
-            _: &Completion,
-            _: Span,
-        ) -> Result<Fence, StoreError> {
-            stuck().await
-        }
-        async fn release(&self, _: &RecordKey, _: &LeaseToken) -> Result<Fence, StoreError> {
-            stuck().await
-        }
-        async fn get(&self, _: &RecordKey) -> Result<Option<Record>, StoreError> {
-            stuck().await
-        }
-        async fn delete(&self, _: &RecordKey) -> Result<bool, StoreError> {
-            stuck().await
-        }
-        async fn sweep(&self, _: i64, _: u32) -> Result<u64, StoreError> {
-            stuck().await
-        }
-        async fn ping(&self) -> Result<(), StoreError> {
-            stuck().await
-        }
-        fn backend(&self) -> &'static str {
-            "stuck"
-        }
-        fn call_bound(&self) -> Duration {
-            Duration::from_millis(50)
-        }
-    }
-
-    async fn stuck<T>() -> Result<T, StoreError> {
-        tokio::time::sleep(Duration::from_secs(3600)).await;
-        Err(StoreError::unavailable("woke up"))
-    }
+    use crate::store::scripted::{Act, FlakyStore};
 
     fn series(metrics: &Metrics, what: &str, op: Op) -> f64 {
         let name = format!(
@@ -234,7 +187,10 @@ mod tests {
     #[tokio::test]
     async fn a_call_past_the_bound_is_a_timeout_and_its_latency_is_recorded() {
         let metrics = Arc::new(Metrics::new());
-        let store = Instrumented::new(Arc::new(Stuck), metrics.clone());
+        // Answers nothing for a long time: the claim outlasts the bound.
+        let stuck = FlakyStore::with_bound(Duration::from_millis(50));
+        stuck.script("claim", &[Act::LandLate(Duration::from_secs(3600))]);
+        let store = Instrumented::new(Arc::new(stuck), metrics.clone());
         assert_eq!(store.call_bound(), Duration::from_millis(50));
         let started = Instant::now();
         let res = store.claim(&claim()).await;
@@ -256,34 +212,18 @@ mod tests {
             store.claim(&claim).await,
             Ok(ClaimOutcome::Claimed { .. })
         ));
-        assert_eq!(
-            store
-                .renew(
-                    key,
-                    token,
-                    Span {
-                        now: 1_000,
-                        ms: 1_000
-                    }
-                )
-                .await
-                .unwrap(),
-            Fence::Held
-        );
+        let lease = Span {
+            now: 1_000,
+            ms: 1_000,
+        };
+        assert_eq!(store.renew(key, token, lease).await.unwrap(), Fence::Held);
         let done = Completion::Unstored { status: 200 };
+        let keep = Span {
+            now: 1_000,
+            ms: 4_000,
+        };
         assert_eq!(
-            store
-                .complete(
-                    key,
-                    token,
-                    &done,
-                    Span {
-                        now: 1_000,
-                        ms: 4_000
-                    }
-                )
-                .await
-                .unwrap(),
+            store.complete(key, token, &done, keep).await.unwrap(),
             Fence::Held
         );
         assert_eq!(store.release(key, token).await.unwrap(), Fence::Lost);

@@ -58,12 +58,7 @@ impl KeyNotifier {
         pg.connect_timeout(cfg.connect_timeout)
             .keepalives(true)
             .application_name("idemgate-notify");
-        let task = tokio::spawn(run(
-            Session { pg, target },
-            channel(&cfg.schema),
-            rx,
-            on_notify,
-        ));
+        let task = tokio::spawn(run(pg, target, channel(&cfg.schema), rx, on_notify));
         Ok(Self { tx, task })
     }
 
@@ -88,19 +83,19 @@ pub fn channel(schema: &str) -> String {
     format!("idemgate_keys_{}", hex::encode(&digest[..8]))
 }
 
-/// How the listening connection is opened.
-struct Session {
+/// Listens on `pg`, opened as `target` says (its TLS connector, and
+/// messages that name the host and the cause), reconnecting while it fails.
+async fn run(
     pg: tokio_postgres::Config,
-    /// The store URL's target: its TLS connector, and messages that name
-    /// the host and the cause.
     target: PgTarget,
-}
-
-async fn run(pg: Session, channel: String, mut rx: mpsc::Receiver<String>, on_notify: OnNotify) {
+    channel: String,
+    mut rx: mpsc::Receiver<String>,
+    on_notify: OnNotify,
+) {
     let mut retries = RECONNECT.start();
     loop {
         let mut listening = false;
-        match session(&pg, &channel, &mut rx, &on_notify, &mut listening).await {
+        match session(&pg, &target, &channel, &mut rx, &on_notify, &mut listening).await {
             Ok(()) => return,
             Err(e) => {
                 // A session that got as far as listening starts the count again.
@@ -127,18 +122,18 @@ const BATCH: usize = 256;
 /// is dropped (`Ok`). What is queued goes out in batches: one round trip
 /// for all the keys finished meanwhile.
 async fn session(
-    pg: &Session,
+    pg: &tokio_postgres::Config,
+    target: &PgTarget,
     channel: &str,
     rx: &mut mpsc::Receiver<String>,
     on_notify: &OnNotify,
     listening: &mut bool,
 ) -> Result<(), String> {
-    let tls: MakeRustls = pg.target.tls.clone();
+    let tls: MakeRustls = target.tls.clone();
     let (client, mut conn) = pg
-        .pg
         .connect(tls)
         .await
-        .map_err(|e| pg.target.failure(e).to_string())?;
+        .map_err(|e| target.failure(e).to_string())?;
     let incoming = async {
         loop {
             match std::future::poll_fn(|cx| conn.poll_message(cx)).await {

@@ -45,8 +45,8 @@ pub async fn migrate(cfg: &Config) -> Result<u32, StoreError> {
 /// trivial call; returns one line per store reached, or the first failure
 /// with its cause. PostgreSQL: no migration; whether the connection is TLS
 /// or plaintext, and the server's `synchronous_commit` and what idemgate's
-/// sessions run with. SQLite: the file
-/// is opened as `serve` would (created when missing).
+/// sessions run with. SQLite: the file is opened as `serve` would (created
+/// when missing).
 pub async fn check_connect(cfg: &Config) -> Result<Vec<String>, String> {
     // The cause, without "store unavailable".
     let unavailable = |err: StoreError| match err {

@@ -40,15 +40,14 @@ impl PgTarget {
         let url = PgUrl::parse(url)?;
         let config = url.pg_config()?;
         let tls_config = tls::client_config(&url.client_tls()).map_err(|e| e.to_string())?;
-        let endpoint = endpoint(&config);
         Ok(Self {
             url,
+            endpoint: endpoint(&config),
             config,
             tls: MakeRustls {
                 config: Arc::new(tls_config),
                 seen: None,
             },
-            endpoint,
         })
     }
 
@@ -130,16 +129,13 @@ fn describe_tls(failure: tls::Failure, host: &str) -> String {
 /// `host:port[,host:port...]` of a config.
 fn endpoint(config: &tokio_postgres::Config) -> String {
     let ports = config.get_ports();
+    let port = |i: usize| ports.get(i).or(ports.first()).copied().unwrap_or(5432);
     let hosts: Vec<String> = config
         .get_hosts()
         .iter()
         .enumerate()
         .map(|(i, host)| {
-            let port = ports
-                .get(i)
-                .or_else(|| ports.first())
-                .copied()
-                .unwrap_or(5432);
+            let port = port(i);
             match host {
                 Host::Tcp(h) if h.contains(':') => format!("[{h}]:{port}"),
                 Host::Tcp(h) => format!("{h}:{port}"),
@@ -149,7 +145,7 @@ fn endpoint(config: &tokio_postgres::Config) -> String {
         })
         .collect();
     if hosts.is_empty() {
-        format!("localhost:{}", ports.first().copied().unwrap_or(5432))
+        format!("localhost:{}", port(0))
     } else {
         hosts.join(",")
     }
@@ -304,16 +300,11 @@ impl<S: AsyncRead + AsyncWrite + Unpin> tokio_postgres::tls::TlsStream for Rustl
 pub fn tls_server_end_point(der: &[u8]) -> Option<Vec<u8>> {
     use sha2::Digest;
     // Certificate ::= SEQUENCE { tbsCertificate, signatureAlgorithm, ... }
-    let (0x30, cert, _) = der_tlv(der)? else {
-        return None;
-    };
+    let tagged = |input, tag| der_tlv(input).filter(|&(found, ..)| found == tag);
+    let (_, cert, _) = tagged(der, 0x30)?;
     let (_, _tbs, rest) = der_tlv(cert)?;
-    let (0x30, algorithm, _) = der_tlv(rest)? else {
-        return None;
-    };
-    let (0x06, oid, _) = der_tlv(algorithm)? else {
-        return None;
-    };
+    let (_, algorithm, _) = tagged(rest, 0x30)?;
+    let (_, oid, _) = tagged(algorithm, 0x06)?;
     const RSA: &[u8] = &[0x2a, 0x86, 0x48, 0x86, 0xf7, 0x0d, 0x01, 0x01];
     const ECDSA_SHA1: &[u8] = &[0x2a, 0x86, 0x48, 0xce, 0x3d, 0x04, 0x01];
     const ECDSA_SHA2: &[u8] = &[0x2a, 0x86, 0x48, 0xce, 0x3d, 0x04, 0x03];
@@ -365,20 +356,13 @@ mod tests {
 
     #[test]
     fn the_transport_is_named_tls_or_plaintext_with_the_reason() {
+        let offered_none = "in plaintext (the server offered no TLS)";
         for (tls, mode, says) in [
             (Some("TLS 1.3"), SslMode::Prefer, "over TLS (TLS 1.3)"),
             (Some("TLS 1.2"), SslMode::VerifyFull, "over TLS (TLS 1.2)"),
             (None, SslMode::Disable, "in plaintext (sslmode=disable)"),
-            (
-                None,
-                SslMode::Prefer,
-                "in plaintext (the server offered no TLS)",
-            ),
-            (
-                None,
-                SslMode::Allow,
-                "in plaintext (the server offered no TLS)",
-            ),
+            (None, SslMode::Prefer, offered_none),
+            (None, SslMode::Allow, offered_none),
         ] {
             assert_eq!(describe_transport(tls, mode), says, "{tls:?} {mode:?}");
         }
@@ -386,14 +370,9 @@ mod tests {
 
     #[test]
     fn pooler_errors_carry_the_hint() {
-        assert!(
-            describe_db("unsupported startup parameter: options", "08P01")
-                .contains("add pgbouncer=true")
-        );
-        assert!(
-            describe_db("prepared statement \"s3\" does not exist", "26000")
-                .contains("add pgbouncer=true")
-        );
+        let hinted = |message, code| describe_db(message, code).contains("add pgbouncer=true");
+        assert!(hinted("unsupported startup parameter: options", "08P01"));
+        assert!(hinted("prepared statement \"s3\" does not exist", "26000"));
         assert!(!describe_db("relation \"x\" does not exist", "42P01").contains("pgbouncer"));
     }
 

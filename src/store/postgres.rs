@@ -47,7 +47,7 @@ mod pool;
 
 pub use durability::{raised_commit, CommitReport, Probe};
 
-use super::batch::Batcher;
+use super::batch::{Batcher, Completing};
 use super::pg_connect::describe_transport;
 use super::sql::{KeyParams, OwnerParams};
 use super::{
@@ -56,7 +56,7 @@ use super::{
 use crate::config::{MigrationLock, StoreConfig};
 use crate::idempotency::RecordKey;
 use async_trait::async_trait;
-use batch::{batcher_gone, decode_row, Completing};
+use batch::{batcher_gone, decode_row};
 use deadpool_postgres::ClientWrapper;
 use pool::{Core, CALL_BOUND_MARGIN};
 use std::sync::{Arc, OnceLock, PoisonError};
@@ -125,15 +125,15 @@ impl PostgresStore {
     /// Where the database is (`host:port`) and the TLS mode, for messages.
     pub fn describe_target(&self) -> String {
         let url = &self.core.target.url;
+        let pgbouncer = if url.pgbouncer {
+            ", pgbouncer=true"
+        } else {
+            ""
+        };
         format!(
-            "postgres at {} (sslmode={}{})",
+            "postgres at {} (sslmode={}{pgbouncer})",
             self.core.target.endpoint,
-            url.sslmode.as_str(),
-            if url.pgbouncer {
-                ", pgbouncer=true"
-            } else {
-                ""
-            }
+            url.sslmode.as_str()
         )
     }
 
@@ -213,7 +213,7 @@ impl Store for PostgresStore {
                 &[(&key.scope, Type::BYTEA), (&key.key, Type::BYTEA)],
             )
             .await?;
-        rows.first().map(decode_row).transpose()
+        rows.first().map(|row| decode_row(row, 0)).transpose()
     }
 
     async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
@@ -231,10 +231,9 @@ impl Store for PostgresStore {
         let core = &*self.core;
         let deadline = core.deadline();
         let client = core.checkout(deadline).await?;
-        let batch = i64::from(batch);
         let locked = core.migration_lock == MigrationLock::Advisory;
         let on: &ClientWrapper = &client;
-        let batch = &batch;
+        let batch = &i64::from(batch);
         let res = tokio::time::timeout_at(
             deadline,
             core.unit(on, locked, || async move {

@@ -138,33 +138,30 @@ struct Health {
 impl Health {
     /// Records a failure; returns it as logged (with the hint in front).
     fn failed(&self, error: String) -> String {
-        let hint = *self.hint.lock().unwrap_or_else(|p| p.into_inner());
+        let hint = *lock(&self.hint);
         let error = match hint {
             Some(hint) if !error.contains(hint) => format!("{hint} ({error})"),
             _ => error,
         };
-        *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(error.clone());
+        *lock(&self.last_error) = Some(error.clone());
         self.failing.store(true, Ordering::Relaxed);
         error
     }
 
     fn hint(&self, cause: &'static str) {
-        *self.hint.lock().unwrap_or_else(|p| p.into_inner()) = Some(cause);
+        *lock(&self.hint) = Some(cause);
     }
 
     fn answered(&self) {
         // A load first: the swap's write would contend on every answer.
         if self.failing.load(Ordering::Relaxed) && self.failing.swap(false, Ordering::Relaxed) {
-            *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = None;
-            *self.hint.lock().unwrap_or_else(|p| p.into_inner()) = None;
+            *lock(&self.last_error) = None;
+            *lock(&self.hint) = None;
         }
     }
 
     fn get(&self) -> Option<String> {
-        self.last_error
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        lock(&self.last_error).clone()
     }
 }
 
@@ -251,8 +248,7 @@ impl RedisFastPath {
     where
         F: Future<Output = redis::RedisResult<T>>,
     {
-        let res = tokio::time::timeout(self.timeout, fut).await;
-        let failure = match res {
+        let (message, conn_level) = match tokio::time::timeout(self.timeout, fut).await {
             Ok(Ok(v)) => {
                 self.health.answered();
                 return Some(v);
@@ -274,7 +270,6 @@ impl RedisFastPath {
             Err(_) => ("timed out".to_string(), true),
         };
         self.counters.errors.fetch_add(1, Ordering::Relaxed);
-        let (message, conn_level) = failure;
         // Every failure, for debugging; the warnings below are per outage.
         tracing::debug!(error = %message, "redis fast path call failed");
         if conn_level {
@@ -293,24 +288,22 @@ impl RedisFastPath {
 
     /// False while in [`BACKOFF`]; such skips count as errors.
     fn enabled(&self) -> bool {
-        if self.down_until.load(Ordering::Relaxed) > self.clock.now_millis() {
+        let down = self.down_until.load(Ordering::Relaxed) > self.clock.now_millis();
+        if down {
             self.counters.errors.fetch_add(1, Ordering::Relaxed);
-            false
-        } else {
-            true
         }
+        !down
     }
 
     /// Our lock in, or what another claim left there: one script, so a
     /// duplicate costs one round trip like a fresh key. `None` when Redis
     /// did not answer.
     async fn lock_or_peek(&self, name: &str, claim: &Claim) -> Option<Locking> {
-        let mut conn = self.conn.clone();
         let mut inv = self.scripts.lock_or_peek.prepare_invoke();
         inv.key(name)
             .arg(encode_lock(claim))
             .arg(claim.lease_ms.max(1));
-        let v: Value = self.run(inv.invoke_async(&mut conn)).await?;
+        let v: Value = self.run(inv.invoke_async(&mut self.conn.clone())).await?;
         Some(match v {
             Value::Int(1) => Locking::Locked,
             Value::Array(mut parts) if parts.len() == 2 => {
@@ -346,11 +339,7 @@ impl RedisFastPath {
 
     /// Whether this process may answer `name` from Redis.
     fn trusted(&self, name: &str) -> bool {
-        !self.stale_names().contains(name)
-    }
-
-    fn stale_names(&self) -> std::sync::MutexGuard<'_, std::collections::HashSet<String>> {
-        lock(&self.stale)
+        !lock(&self.stale).contains(name)
     }
 
     /// Marks `name`'s Redis copy as possibly stale: this process stops
@@ -358,7 +347,7 @@ impl RedisFastPath {
     /// answers. One healer task runs while anything is marked.
     fn mark_stale(&self, name: String) {
         let start_healer = {
-            let mut stale = self.stale_names();
+            let mut stale = lock(&self.stale);
             if stale.len() >= MAX_STALE {
                 tracing::error!(
                     "too many possibly stale Redis copies to track; this one expires on its own"
@@ -375,29 +364,20 @@ impl RedisFastPath {
     }
 
     async fn unlock(&self, name: &str, token: &LeaseToken) {
-        let mut conn = self.conn.clone();
         let mut inv = self.scripts.unlock.prepare_invoke();
         inv.key(name).arg(&token.0[..]);
-        let _: Option<i64> = self.run(inv.invoke_async(&mut conn)).await;
+        let _: Option<i64> = self.run(inv.invoke_async(&mut self.conn.clone())).await;
     }
 
     /// Caches a completed/unstored record the inner store reported.
     async fn cache(&self, name: &str, record: &Record) {
         let ttl = record.expires_at - self.clock.now_millis();
-        let Some(value) = encode_record(record) else {
+        let Some(value) = encode_record(record).filter(|_| ttl > 0) else {
             return;
         };
-        if ttl <= 0 {
-            return;
-        }
-        let mut conn = self.conn.clone();
-        let cmd = redis::cmd("SET")
-            .arg(name)
-            .arg(value)
-            .arg("PX")
-            .arg(ttl)
-            .to_owned();
-        let _: Option<Value> = self.run(cmd.query_async(&mut conn)).await;
+        // One argument each, as `.arg()` in turn would give.
+        let cmd = redis::cmd("SET").arg((name, value, "PX", ttl)).to_owned();
+        let _: Option<Value> = self.run(cmd.query_async(&mut self.conn.clone())).await;
     }
 
     /// After the inner store answered a claim: make Redis agree with it.
@@ -431,18 +411,10 @@ impl RedisFastPath {
 
     /// Puts our lock over whatever Redis holds, or marks the key stale.
     async fn overwrite_with_lock(&self, name: &str, claim: &Claim) {
-        let mut conn = self.conn.clone();
-        let cmd = redis::cmd("SET")
-            .arg(name)
-            .arg(encode_lock(claim))
-            .arg("PX")
-            .arg(claim.lease_ms.max(1))
-            .to_owned();
-        if self
-            .run(cmd.query_async::<Value>(&mut conn))
-            .await
-            .is_none()
-        {
+        let lock = (name, encode_lock(claim), "PX", claim.lease_ms.max(1));
+        let cmd = redis::cmd("SET").arg(lock).to_owned();
+        let written: Option<Value> = self.run(cmd.query_async(&mut self.conn.clone())).await;
+        if written.is_none() {
             self.mark_stale(name.to_string());
         }
     }
@@ -480,10 +452,7 @@ impl RedisFastPath {
 impl Store for RedisFastPath {
     async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
         let name = self.redis_key(&claim.key);
-        if !self.enabled() {
-            return self.claim_bypassing(&name, claim).await;
-        }
-        if !self.trusted(&name) {
+        if !self.enabled() || !self.trusted(&name) {
             return self.claim_bypassing(&name, claim).await;
         }
         let locked = match self.lock_or_peek(&name, claim).await {
@@ -530,10 +499,9 @@ impl Store for RedisFastPath {
             let name = self.redis_key(key);
             match fence {
                 Fence::Held => {
-                    let mut conn = self.conn.clone();
                     let mut inv = self.scripts.extend.prepare_invoke();
                     inv.key(&name).arg(&token.0[..]).arg(lease.ms.max(1));
-                    let _: Option<i64> = self.run(inv.invoke_async(&mut conn)).await;
+                    let _: Option<i64> = self.run(inv.invoke_async(&mut self.conn.clone())).await;
                 }
                 Fence::Lost => self.unlock(&name, token).await,
             }
@@ -575,14 +543,13 @@ impl Store for RedisFastPath {
             expires_at: 0,
         };
         if let Some(value) = encode_record(&record) {
-            let mut conn = self.conn.clone();
             let mut inv = self.scripts.complete.prepare_invoke();
             inv.key(&name)
                 .arg(&token.0[..])
                 .arg(value)
                 .arg(keep.now)
                 .arg(keep.ms);
-            let written: Option<i64> = self.run(inv.invoke_async(&mut conn)).await;
+            let written: Option<i64> = self.run(inv.invoke_async(&mut self.conn.clone())).await;
             if written.is_none() {
                 self.mark_stale(name);
             }

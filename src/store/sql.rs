@@ -158,6 +158,23 @@ const BY_KEY: &str = "scope = $1 AND key = $2";
 const COLUMNS: &str =
     "fingerprint, state, locked_until, created_at, expires_at, status, headers, body";
 
+/// The claim's write into `table`: a new in-flight record from `rows`, or
+/// one taking over the record there where `claimable` holds.
+fn upsert(table: &str, rows: &str, claimable: &str, returning: &str) -> String {
+    format!(
+        "INSERT INTO {table} AS r \
+           (scope, key, fingerprint, state, token, locked_until, created_at, expires_at, takeover) \
+         {rows} \
+         ON CONFLICT (scope, key) DO UPDATE SET \
+           fingerprint = EXCLUDED.fingerprint, state = 'in_flight', token = EXCLUDED.token, \
+           locked_until = EXCLUDED.locked_until, created_at = EXCLUDED.created_at, \
+           expires_at = EXCLUDED.expires_at, status = NULL, headers = NULL, body = NULL, \
+           takeover = (r.state = 'in_flight') \
+         WHERE {claimable} \
+         RETURNING {returning}"
+    )
+}
+
 // === statements ===
 
 /// Every statement a SQL backend runs, in its dialect, for its table.
@@ -202,155 +219,114 @@ impl Statements {
     /// `table` is the table's name as written in a statement.
     pub(crate) fn new(dialect: Dialect, table: &str) -> Self {
         let now = |n| now_at(dialect, n);
-        let sweepable = sweepable(&now(1));
-        let (sweep, greatest) = match dialect {
+        let (sweep_lock, greatest) = match dialect {
             // No row locks in SQLite: the write transaction serializes sweeps.
-            Dialect::Sqlite => (
-                format!(
-                    "DELETE FROM {table} WHERE (scope, key) IN ( \
-                       SELECT scope, key FROM {table} \
-                       WHERE {sweepable} \
-                       ORDER BY expires_at LIMIT $2)"
-                ),
-                "MAX",
-            ),
+            Dialect::Sqlite => ("", "MAX"),
             // Rows a claim is writing right now are skipped, not waited for.
             // By primary key, not `ctid`: CockroachDB and YugabyteDB have
             // no `ctid`, and the key is one index probe per row either way.
-            Dialect::Postgres => (
-                format!(
-                    "DELETE FROM {table} WHERE (scope, key) IN ( \
-                       SELECT scope, key FROM {table} \
-                       WHERE {sweepable} \
-                       ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED)"
-                ),
-                "GREATEST",
-            ),
+            Dialect::Postgres => (" FOR UPDATE SKIP LOCKED", "GREATEST"),
+        };
+        let postgres_only = |sql: String| match dialect {
+            Dialect::Sqlite => String::new(),
+            Dialect::Postgres => sql,
+        };
+        // `$` appears in these texts only as a placeholder.
+        let placeholders = |sql: String| match dialect {
+            Dialect::Sqlite => sql.replace('$', "?"),
+            Dialect::Postgres => sql,
         };
         let claim_now = now(6);
         let live = claimable("cur", "$3::bytea", &claim_now);
         let claimable_here = claimable("r", "EXCLUDED.fingerprint", &claim_now);
-        let statements = Self {
-            claim: format!(
-                "INSERT INTO {table} AS r \
-                   (scope, key, fingerprint, state, token, locked_until, created_at, expires_at, takeover) \
-                 VALUES ($1, $2, $3, 'in_flight', $4, {claim_now} + $5, {claim_now}, {claim_now} + $7, FALSE) \
-                 ON CONFLICT (scope, key) DO UPDATE SET \
-                   fingerprint = EXCLUDED.fingerprint, state = 'in_flight', token = EXCLUDED.token, \
-                   locked_until = EXCLUDED.locked_until, created_at = EXCLUDED.created_at, \
-                   expires_at = EXCLUDED.expires_at, status = NULL, headers = NULL, body = NULL, \
-                   takeover = (r.state = 'in_flight') \
-                 WHERE {claimable_here} \
-                 RETURNING takeover"
-            ),
-            claim_or_read: match dialect {
-                Dialect::Sqlite => String::new(),
-                Dialect::Postgres => {
-                    format!(
-                        "WITH cur AS (SELECT {COLUMNS} FROM {table} WHERE {BY_KEY}), \
-                         ins AS ( \
-                           INSERT INTO {table} AS r \
-                             (scope, key, fingerprint, state, token, locked_until, created_at, expires_at, takeover) \
-                           SELECT $1::bytea, $2::bytea, $3::bytea, 'in_flight', $4::bytea, \
-                                  {claim_now} + $5::bigint, {claim_now}, {claim_now} + $7::bigint, FALSE \
-                           WHERE NOT EXISTS (SELECT 1 FROM cur WHERE NOT ({live})) \
-                           ON CONFLICT (scope, key) DO UPDATE SET \
-                             fingerprint = EXCLUDED.fingerprint, state = 'in_flight', token = EXCLUDED.token, \
-                             locked_until = EXCLUDED.locked_until, created_at = EXCLUDED.created_at, \
-                             expires_at = EXCLUDED.expires_at, status = NULL, headers = NULL, body = NULL, \
-                             takeover = (r.state = 'in_flight') \
-                           WHERE {claimable_here} \
-                           RETURNING takeover) \
-                         SELECT (SELECT takeover FROM ins), {claim_now}, cur.* \
-                         FROM (SELECT 1) AS one LEFT JOIN cur ON TRUE"
-                    )
-                }
-            },
-            claim_many: match dialect {
-                Dialect::Sqlite => String::new(),
-                Dialect::Postgres => {
-                    let now = now(7);
-                    let live_many = claim_live("c", "i.fingerprint", &now);
-                    let claimable_many = claimable("r", "EXCLUDED.fingerprint", &now);
-                    format!(
-                        "WITH i AS ( \
-                           SELECT * FROM unnest($1::bytea[], $2::bytea[], $3::bytea[], $4::bytea[], \
-                                                $5::bigint[], $6::bigint[]) WITH ORDINALITY \
-                             AS i(scope, key, fingerprint, token, lease_ms, ttl_ms, n)), \
-                         c AS (SELECT t.*, i.n FROM {table} t JOIN i ON t.scope = i.scope AND t.key = i.key), \
-                         ins AS ( \
-                           INSERT INTO {table} AS r \
-                             (scope, key, fingerprint, state, token, locked_until, created_at, expires_at, takeover) \
-                           SELECT i.scope, i.key, i.fingerprint, 'in_flight', i.token, \
-                                  {now} + i.lease_ms, {now}, {now} + i.ttl_ms, FALSE \
-                           FROM i WHERE NOT EXISTS (SELECT 1 FROM c WHERE c.n = i.n AND {live_many}) \
-                           ON CONFLICT (scope, key) DO UPDATE SET \
-                             fingerprint = EXCLUDED.fingerprint, state = 'in_flight', token = EXCLUDED.token, \
-                             locked_until = EXCLUDED.locked_until, created_at = EXCLUDED.created_at, \
-                             expires_at = EXCLUDED.expires_at, status = NULL, headers = NULL, body = NULL, \
-                             takeover = (r.state = 'in_flight') \
-                           WHERE {claimable_many} \
-                           RETURNING r.scope, r.key, r.takeover) \
-                         SELECT i.n, ins.takeover, {now}, \
-                                c.fingerprint, c.state, c.locked_until, c.created_at, c.expires_at, \
-                                c.status, c.headers, c.body \
-                         FROM i LEFT JOIN ins ON ins.scope = i.scope AND ins.key = i.key \
-                                LEFT JOIN c ON c.n = i.n \
-                         ORDER BY i.n"
-                    )
-                }
-            },
-            complete_many: match dialect {
-                Dialect::Sqlite => String::new(),
-                Dialect::Postgres => format!(
-                    "UPDATE {table} AS t SET state = v.state, status = v.status, headers = v.headers, \
-                       body = v.body, token = NULL, locked_until = 0, \
-                       expires_at = GREATEST(t.expires_at, {} + v.keep_ms) \
-                     FROM unnest($1::bytea[], $2::bytea[], $3::bytea[], $4::text[], $5::int[], \
-                                 $6::bytea[], $7::bytea[], $8::bigint[]) \
-                       AS v(scope, key, token, state, status, headers, body, keep_ms) \
-                     WHERE t.scope = v.scope AND t.key = v.key AND t.token = v.token \
-                       AND t.state = 'in_flight' \
-                     RETURNING t.scope, t.key",
-                    now(9)
+        let many_now = now(7);
+        let live_many = claim_live("c", "i.fingerprint", &many_now);
+        let claimable_many = claimable("r", "EXCLUDED.fingerprint", &many_now);
+        Self {
+            claim: placeholders(upsert(
+                table,
+                &format!(
+                    "VALUES ($1, $2, $3, 'in_flight', $4, {claim_now} + $5, {claim_now}, {claim_now} + $7, FALSE)"
                 ),
-            },
-            select: format!("SELECT {COLUMNS} FROM {table} WHERE {BY_KEY}"),
-            select_at: format!("SELECT {COLUMNS}, {} FROM {table} WHERE {BY_KEY}", now(3)),
-            renew: format!(
+                &claimable_here,
+                "takeover",
+            )),
+            claim_or_read: postgres_only(format!(
+                "WITH cur AS (SELECT {COLUMNS} FROM {table} WHERE {BY_KEY}), \
+                 ins AS ( {}) \
+                 SELECT (SELECT takeover FROM ins), {claim_now}, cur.* \
+                 FROM (SELECT 1) AS one LEFT JOIN cur ON TRUE",
+                upsert(
+                    table,
+                    &format!(
+                        "SELECT $1::bytea, $2::bytea, $3::bytea, 'in_flight', $4::bytea, \
+                         {claim_now} + $5::bigint, {claim_now}, {claim_now} + $7::bigint, FALSE \
+                         WHERE NOT EXISTS (SELECT 1 FROM cur WHERE NOT ({live}))"
+                    ),
+                    &claimable_here,
+                    "takeover",
+                )
+            )),
+            claim_many: postgres_only(format!(
+                "WITH i AS ( \
+                   SELECT * FROM unnest($1::bytea[], $2::bytea[], $3::bytea[], $4::bytea[], \
+                                        $5::bigint[], $6::bigint[]) WITH ORDINALITY \
+                     AS i(scope, key, fingerprint, token, lease_ms, ttl_ms, n)), \
+                 c AS (SELECT t.*, i.n FROM {table} t JOIN i ON t.scope = i.scope AND t.key = i.key), \
+                 ins AS ( {}) \
+                 SELECT i.n, ins.takeover, {many_now}, \
+                        c.fingerprint, c.state, c.locked_until, c.created_at, c.expires_at, \
+                        c.status, c.headers, c.body \
+                 FROM i LEFT JOIN ins ON ins.scope = i.scope AND ins.key = i.key \
+                        LEFT JOIN c ON c.n = i.n \
+                 ORDER BY i.n",
+                upsert(
+                    table,
+                    &format!(
+                        "SELECT i.scope, i.key, i.fingerprint, 'in_flight', i.token, \
+                         {many_now} + i.lease_ms, {many_now}, {many_now} + i.ttl_ms, FALSE \
+                         FROM i WHERE NOT EXISTS (SELECT 1 FROM c WHERE c.n = i.n AND {live_many})"
+                    ),
+                    &claimable_many,
+                    "r.scope, r.key, r.takeover",
+                )
+            )),
+            complete_many: postgres_only(format!(
+                "UPDATE {table} AS t SET state = v.state, status = v.status, headers = v.headers, \
+                   body = v.body, token = NULL, locked_until = 0, \
+                   expires_at = GREATEST(t.expires_at, {} + v.keep_ms) \
+                 FROM unnest($1::bytea[], $2::bytea[], $3::bytea[], $4::text[], $5::int[], \
+                             $6::bytea[], $7::bytea[], $8::bigint[]) \
+                   AS v(scope, key, token, state, status, headers, body, keep_ms) \
+                 WHERE t.scope = v.scope AND t.key = v.key AND t.token = v.token \
+                   AND t.state = 'in_flight' \
+                 RETURNING t.scope, t.key",
+                now(9)
+            )),
+            select: placeholders(format!("SELECT {COLUMNS} FROM {table} WHERE {BY_KEY}")),
+            select_at: placeholders(format!(
+                "SELECT {COLUMNS}, {} FROM {table} WHERE {BY_KEY}",
+                now(3)
+            )),
+            renew: placeholders(format!(
                 "UPDATE {table} SET locked_until = {} + $5 WHERE {OWNED}",
                 now(4)
-            ),
-            complete: format!(
+            )),
+            complete: placeholders(format!(
                 "UPDATE {table} SET state = $4, status = $5, headers = $6, body = $7, \
                  token = NULL, locked_until = 0, expires_at = {greatest}(expires_at, {} + $9) \
                  WHERE {OWNED}",
                 now(8)
-            ),
-            release: format!("DELETE FROM {table} WHERE {OWNED}"),
-            delete: format!("DELETE FROM {table} WHERE {BY_KEY}"),
-            sweep,
-        };
-        match dialect {
-            Dialect::Postgres => statements,
-            // `$` appears in these texts only as a placeholder.
-            Dialect::Sqlite => statements.map(|sql| sql.replace('$', "?")),
-        }
-    }
-
-    fn map(self, f: impl Fn(String) -> String) -> Self {
-        Self {
-            claim: f(self.claim),
-            claim_or_read: f(self.claim_or_read),
-            claim_many: f(self.claim_many),
-            complete_many: f(self.complete_many),
-            select: f(self.select),
-            select_at: f(self.select_at),
-            renew: f(self.renew),
-            complete: f(self.complete),
-            release: f(self.release),
-            delete: f(self.delete),
-            sweep: f(self.sweep),
+            )),
+            release: placeholders(format!("DELETE FROM {table} WHERE {OWNED}")),
+            delete: placeholders(format!("DELETE FROM {table} WHERE {BY_KEY}")),
+            sweep: placeholders(format!(
+                "DELETE FROM {table} WHERE (scope, key) IN ( \
+                   SELECT scope, key FROM {table} \
+                   WHERE {} \
+                   ORDER BY expires_at LIMIT $2{sweep_lock})",
+                sweepable(&now(1))
+            )),
         }
     }
 }

@@ -7,7 +7,7 @@
 //! `synchronous = FULL` by default: a claim is on disk before the upstream
 //! is called.
 
-use super::batch::Batcher;
+use super::batch::{Batcher, Completing};
 use super::codec::RecordRow;
 use super::sql::{Dialect, KeyParams, OwnerParams, Statements, SQLITE_MIGRATIONS};
 use super::{
@@ -149,6 +149,16 @@ fn db_err(err: rusqlite::Error) -> StoreError {
     StoreError::caused("sqlite", err)
 }
 
+/// Runs `sql` as a cached statement; returns how many rows it changed.
+fn execute(conn: &Connection, sql: &str, params: impl rusqlite::Params) -> Result<u64, StoreError> {
+    let n = conn
+        .prepare_cached(sql)
+        .map_err(db_err)?
+        .execute(params)
+        .map_err(db_err)?;
+    Ok(n as u64)
+}
+
 /// A blocking task that panicked or was cancelled.
 pub(super) fn worker_failed(err: tokio::task::JoinError) -> StoreError {
     StoreError::caused("sqlite worker failed", err)
@@ -199,12 +209,7 @@ struct Queued {
 
 enum WriteOp {
     Claim(Claim),
-    Complete {
-        key: RecordKey,
-        token: LeaseToken,
-        completion: Completion,
-        keep: Span,
-    },
+    Complete(Completing),
 }
 
 enum Written {
@@ -229,12 +234,7 @@ fn write_batch(conn: &mut Connection, ops: Vec<Queued>) -> Vec<Result<Written, S
         };
         let answer = match &queued.op {
             WriteOp::Claim(claim) => claim_in(&savepoint, claim).map(Written::Claim),
-            WriteOp::Complete {
-                key,
-                token,
-                completion,
-                keep,
-            } => complete_in(&savepoint, key, token, completion, *keep).map(Written::Complete),
+            WriteOp::Complete(c) => complete_in(&savepoint, c).map(Written::Complete),
         };
         if answer.is_ok() {
             if let Err(err) = savepoint.commit() {
@@ -279,31 +279,21 @@ fn claim_in(conn: &Connection, claim: &Claim) -> Result<ClaimOutcome, StoreError
 }
 
 /// One fenced completion inside the caller's transaction.
-fn complete_in(
-    conn: &Connection,
-    key: &RecordKey,
-    token: &LeaseToken,
-    completion: &Completion,
-    keep: Span,
-) -> Result<Fence, StoreError> {
-    let owner = OwnerParams::new(key, token);
-    let columns = completion.columns();
-    let n = conn
-        .prepare_cached(&SQL.complete)
-        .map_err(db_err)?
-        .execute(params![
-            owner.scope,
-            owner.key,
-            owner.token,
-            columns.state,
-            columns.status,
-            columns.headers,
-            columns.body,
-            keep.now,
-            keep.ms
-        ])
-        .map_err(db_err)?;
-    Ok(Fence::from_rows(n as u64))
+fn complete_in(conn: &Connection, c: &Completing) -> Result<Fence, StoreError> {
+    let owner = OwnerParams::new(&c.key, &c.token);
+    let columns = c.completion.columns();
+    let params = params![
+        owner.scope,
+        owner.key,
+        owner.token,
+        columns.state,
+        columns.status,
+        columns.headers,
+        columns.body,
+        c.keep.now,
+        c.keep.ms
+    ];
+    execute(conn, &SQL.complete, params).map(Fence::from_rows)
 }
 
 #[async_trait]
@@ -326,18 +316,8 @@ impl Store for SqliteStore {
         let (key, token) = (*key, *token);
         self.call(move |conn| {
             let owner = OwnerParams::new(&key, &token);
-            let n = conn
-                .prepare_cached(&SQL.renew)
-                .map_err(db_err)?
-                .execute(params![
-                    owner.scope,
-                    owner.key,
-                    owner.token,
-                    lease.now,
-                    lease.ms
-                ])
-                .map_err(db_err)?;
-            Ok(Fence::from_rows(n as u64))
+            let params = params![owner.scope, owner.key, owner.token, lease.now, lease.ms];
+            execute(conn, &SQL.renew, params).map(Fence::from_rows)
         })
         .await
     }
@@ -349,12 +329,12 @@ impl Store for SqliteStore {
         completion: &Completion,
         keep: Span,
     ) -> Result<Fence, StoreError> {
-        let op = WriteOp::Complete {
+        let op = WriteOp::Complete(Completing {
             key: *key,
             token: *token,
             completion: completion.clone(),
             keep,
-        };
+        });
         match self.write(op).await? {
             Written::Complete(fence) => Ok(fence),
             Written::Claim(_) => Err(StoreError::Corrupt("sqlite writer mixed up answers".into())),
@@ -365,12 +345,8 @@ impl Store for SqliteStore {
         let (key, token) = (*key, *token);
         self.call(move |conn| {
             let owner = OwnerParams::new(&key, &token);
-            let n = conn
-                .prepare_cached(&SQL.release)
-                .map_err(db_err)?
-                .execute(params![owner.scope, owner.key, owner.token])
-                .map_err(db_err)?;
-            Ok(Fence::from_rows(n as u64))
+            let params = params![owner.scope, owner.key, owner.token];
+            execute(conn, &SQL.release, params).map(Fence::from_rows)
         })
         .await
     }
@@ -384,24 +360,14 @@ impl Store for SqliteStore {
         let key = *key;
         self.call(move |conn| {
             let key = KeyParams::new(&key);
-            let n = conn
-                .execute(&SQL.delete, params![key.scope, key.key])
-                .map_err(db_err)?;
-            Ok(n > 0)
+            execute(conn, &SQL.delete, params![key.scope, key.key]).map(|n| n > 0)
         })
         .await
     }
 
     async fn sweep(&self, now: UnixMillis, batch: u32) -> Result<u64, StoreError> {
-        self.call(move |conn| {
-            let n = conn
-                .prepare_cached(&SQL.sweep)
-                .map_err(db_err)?
-                .execute(params![now, batch])
-                .map_err(db_err)?;
-            Ok(n as u64)
-        })
-        .await
+        self.call(move |conn| execute(conn, &SQL.sweep, params![now, batch]))
+            .await
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

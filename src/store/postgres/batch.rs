@@ -5,13 +5,10 @@
 use super::pool::{Core, Param};
 use super::PostgresStore;
 use crate::idempotency::{RecordKey, Scope};
-use crate::store::batch::Batcher;
+use crate::store::batch::{Batcher, Completing};
 use crate::store::codec::{array_from, RecordRow};
 use crate::store::sql::{KeyParams, OwnerParams};
-use crate::store::{
-    is_claimable, Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, RecordState, Span,
-    StoreError,
-};
+use crate::store::{is_claimable, Claim, ClaimOutcome, Fence, Record, RecordState, StoreError};
 use deadpool_postgres::ClientWrapper;
 use tokio_postgres::types::Type;
 
@@ -24,14 +21,6 @@ const CLAIM_ATTEMPTS: usize = 5;
 const BATCH_LANES: usize = 4;
 /// Rows per statement, at most.
 const BATCH_MAX: usize = 64;
-
-/// One completion waiting for a batch.
-pub(super) struct Completing {
-    pub(super) key: RecordKey,
-    pub(super) token: LeaseToken,
-    pub(super) completion: Completion,
-    pub(super) keep: Span,
-}
 
 impl PostgresStore {
     pub(super) fn claims(&self) -> &Batcher<Claim, Result<ClaimOutcome, StoreError>> {
@@ -72,12 +61,8 @@ fn shifted(mut record: Record, by: i64) -> Record {
     record
 }
 
-pub(super) fn decode_row(row: &tokio_postgres::Row) -> Result<Record, StoreError> {
-    decode_row_at(row, 0)
-}
-
 /// The record columns starting at column `at`.
-fn decode_row_at(row: &tokio_postgres::Row, at: usize) -> Result<Record, StoreError> {
+pub(super) fn decode_row(row: &tokio_postgres::Row, at: usize) -> Result<Record, StoreError> {
     let corrupt = |err: tokio_postgres::Error| StoreError::Corrupt(format!("postgres row: {err}"));
     RecordRow {
         fingerprint: row.try_get(at).map_err(corrupt)?,
@@ -93,6 +78,36 @@ fn decode_row_at(row: &tokio_postgres::Row, at: usize) -> Result<Record, StoreEr
         body: row.try_get(at + 7).map_err(corrupt)?,
     }
     .into_record()
+}
+
+/// What a claim-or-read row says from column `at` on (`takeover`, the
+/// server's "now", then the record found): `None` when the claim wrote
+/// nothing and the record it found is claimable by now.
+fn settled(
+    row: &tokio_postgres::Row,
+    at: usize,
+    claim: &Claim,
+) -> Option<Result<ClaimOutcome, StoreError>> {
+    if let Some(takeover) = row.get::<_, Option<bool>>(at) {
+        return Some(Ok(ClaimOutcome::Claimed { takeover }));
+    }
+    row.get::<_, Option<Vec<u8>>>(at + 2)?;
+    existing(row, at + 2, row.get(at + 1), claim)
+}
+
+/// The record at column `at`, read at the server's `server_now`, as the
+/// live record `claim` finds; `None` when the claim may take it.
+fn existing(
+    row: &tokio_postgres::Row,
+    at: usize,
+    server_now: i64,
+    claim: &Claim,
+) -> Option<Result<ClaimOutcome, StoreError>> {
+    match decode_row(row, at).map(|r| shifted(r, claim.now - server_now)) {
+        Ok(record) if is_claimable(&record, &claim.fingerprint, claim.now) => None,
+        Ok(record) => Some(Ok(ClaimOutcome::Existing(record))),
+        Err(err) => Some(Err(err)),
+    }
 }
 
 impl Core {
@@ -154,18 +169,8 @@ impl Core {
         let Some(row) = rows.first() else {
             return Ok(Err(StoreError::Corrupt("the claim answered no row".into())));
         };
-        if let Some(takeover) = row.get::<_, Option<bool>>(0) {
-            return Ok(Ok(ClaimOutcome::Claimed { takeover }));
-        }
-        if row.get::<_, Option<Vec<u8>>>(2).is_some() {
-            let server_now: i64 = row.get(1);
-            match decode_row_at(row, 2).map(|r| shifted(r, claim.now - server_now)) {
-                Ok(record) if !is_claimable(&record, &claim.fingerprint, claim.now) => {
-                    return Ok(Ok(ClaimOutcome::Existing(record)))
-                }
-                Ok(_) => {}
-                Err(err) => return Ok(Err(err)),
-            }
+        if let Some(outcome) = settled(row, 0, claim) {
+            return Ok(outcome);
         }
         // A concurrent claim, release or sweep changed the record between
         // this statement's snapshot and its insert: settle it the long way.
@@ -192,14 +197,11 @@ impl Core {
                     ],
                 )
                 .await?;
-            if let Some(row) = rows.first() {
-                let server_now: i64 = row.get(8);
-                let record = decode_row(row).map(|r| shifted(r, claim.now - server_now));
-                match record {
-                    Ok(record) if is_claimable(&record, &claim.fingerprint, claim.now) => continue,
-                    Ok(record) => return Ok(Ok(ClaimOutcome::Existing(record))),
-                    Err(err) => return Ok(Err(err)),
-                }
+            if let Some(outcome) = rows
+                .first()
+                .and_then(|row| existing(row, 0, row.get(8), claim))
+            {
+                return Ok(outcome);
             }
         }
         Ok(Err(StoreError::unavailable(format!(
@@ -242,20 +244,7 @@ impl Core {
         Ok(rows
             .iter()
             .zip(claims)
-            .map(|(row, claim)| {
-                if let Some(takeover) = row.get::<_, Option<bool>>(1) {
-                    return Some(Ok(ClaimOutcome::Claimed { takeover }));
-                }
-                row.get::<_, Option<Vec<u8>>>(3)?;
-                let server_now: i64 = row.get(2);
-                match decode_row_at(row, 3).map(|r| shifted(r, claim.now - server_now)) {
-                    Ok(record) if !is_claimable(&record, &claim.fingerprint, claim.now) => {
-                        Some(Ok(ClaimOutcome::Existing(record)))
-                    }
-                    Ok(_) => None,
-                    Err(err) => Some(Err(err)),
-                }
-            })
+            .map(|(row, claim)| settled(row, 1, claim))
             .collect())
     }
 
@@ -266,10 +255,7 @@ impl Core {
         items: Vec<Completing>,
     ) -> Vec<Result<Fence, StoreError>> {
         if let [one] = items.as_slice() {
-            return vec![
-                self.complete_one(&one.key, &one.token, &one.completion, one.keep)
-                    .await,
-            ];
+            return vec![self.complete_one(one).await];
         }
         match self.complete_batch(&items).await {
             Ok(held) => items
@@ -287,10 +273,7 @@ impl Core {
                 tracing::debug!(error = %err, rows = items.len(), "batched completion failed; completing one by one");
                 let mut out = Vec::with_capacity(items.len());
                 for c in &items {
-                    out.push(
-                        self.complete_one(&c.key, &c.token, &c.completion, c.keep)
-                            .await,
-                    );
+                    out.push(self.complete_one(c).await);
                 }
                 out
             }
@@ -339,7 +322,6 @@ impl Core {
             .collect()
     }
 
-    /// One claim as its own call.
     pub(super) async fn claim_one(&self, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
         let deadline = self.deadline();
         let client = self.checkout(deadline).await?;
@@ -351,16 +333,10 @@ impl Core {
         self.settle(client, res)?
     }
 
-    /// One completion as its own call, fenced by `token`.
-    pub(super) async fn complete_one(
-        &self,
-        key: &RecordKey,
-        token: &LeaseToken,
-        completion: &Completion,
-        keep: Span,
-    ) -> Result<Fence, StoreError> {
-        let owner = OwnerParams::new(key, token);
-        let columns = completion.columns();
+    /// One completion as its own call, fenced by its token.
+    pub(super) async fn complete_one(&self, c: &Completing) -> Result<Fence, StoreError> {
+        let owner = OwnerParams::new(&c.key, &c.token);
+        let columns = c.completion.columns();
         let status = columns.status.map(i32::from);
         self.write(
             &self.sql.complete,
@@ -373,7 +349,7 @@ impl Core {
                 (&columns.headers, Type::BYTEA),
                 (&columns.body, Type::BYTEA),
                 (&self.clock_offset_ms, Type::INT8),
-                (&keep.ms, Type::INT8),
+                (&c.keep.ms, Type::INT8),
             ],
         )
         .await

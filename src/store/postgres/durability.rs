@@ -50,7 +50,6 @@ pub struct CommitReport {
 }
 
 impl CommitReport {
-    /// Whether idemgate raised it.
     pub fn raised(&self) -> bool {
         self.server != self.session
     }

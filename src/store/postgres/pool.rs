@@ -154,13 +154,11 @@ impl Core {
         let pooled = if target.url.pgbouncer {
             // PgBouncer refuses the `options` startup parameter: set them
             // per transaction instead.
-            let mut begin = String::from("BEGIN");
-            for (name, value) in &settings {
-                begin.push_str(&format!("; SET LOCAL {name} = {value}"));
-            }
-            begin.push_str("; ");
-            begin.push_str(&raise_commit_sql(true));
-            Some(begin)
+            let set: String = settings
+                .iter()
+                .map(|(name, value)| format!("; SET LOCAL {name} = {value}"))
+                .collect();
+            Some(format!("BEGIN{set}; {}", raise_commit_sql(true)))
         } else {
             let session = settings
                 .iter()
@@ -238,7 +236,6 @@ impl Core {
         self.connection(deadline).await
     }
 
-    /// A pooled connection, before `deadline`.
     pub(super) async fn connection(&self, deadline: Instant) -> Result<InUse, StoreError> {
         let object = tokio::time::timeout_at(deadline, self.pool.get())
             .await
@@ -323,11 +320,7 @@ impl Core {
     where
         F: std::future::Future<Output = Result<T, tokio_postgres::Error>>,
     {
-        let begin = match &self.pooled {
-            Some(begin) => Some(begin.as_str()),
-            None if transaction => Some("BEGIN"),
-            None => None,
-        };
+        let begin = self.pooled.as_deref().or(transaction.then_some("BEGIN"));
         let mut attempt = 1;
         loop {
             let res = match begin {
@@ -354,7 +347,7 @@ impl Core {
                 }
             };
             match res {
-                Err(err) if attempt < CONFLICT_ATTEMPTS && is_conflict(&err) => {
+                Err(err) if attempt < CONFLICT_ATTEMPTS && is_conflict(err.code()) => {
                     tracing::debug!(error = %self.pg_err(err), attempt, "postgres aborted a call; running it again");
                     tokio::time::sleep(CONFLICT_PAUSE.delay(attempt, rand::random())).await;
                     attempt += 1;
@@ -372,8 +365,7 @@ impl Core {
         mut client: InUse,
         res: Result<Result<T, tokio_postgres::Error>, tokio::time::error::Elapsed>,
     ) -> Result<T, StoreError> {
-        let answered = res.is_ok();
-        if answered {
+        if res.is_ok() {
             drop(client.0.take());
         }
         match res {
@@ -394,16 +386,12 @@ impl Core {
     pub(super) fn pool_err(&self, err: PoolError) -> StoreError {
         match err {
             // Nothing was sent: the call certainly did nothing.
-            PoolError::Timeout(TimeoutType::Create) => {
-                let endpoint = Some(self.target.endpoint.clone());
-                let cause = "connecting timed out".into();
-                PgFailure {
-                    endpoint,
-                    cause,
-                    source: None,
-                }
-                .into()
+            PoolError::Timeout(TimeoutType::Create) => PgFailure {
+                endpoint: Some(self.target.endpoint.clone()),
+                cause: "connecting timed out".into(),
+                source: None,
             }
+            .into(),
             PoolError::Timeout(_) => StoreError::Timeout,
             PoolError::Backend(err) => self.pg_err(err),
             other => StoreError::caused("postgres pool", other),
@@ -413,11 +401,7 @@ impl Core {
 
 /// A serialization failure or a deadlock: PostgreSQL aborted the statement
 /// (or transaction), so it changed nothing and may run again.
-fn is_conflict(err: &tokio_postgres::Error) -> bool {
-    is_conflict_code(err.code())
-}
-
-fn is_conflict_code(code: Option<&SqlState>) -> bool {
+fn is_conflict(code: Option<&SqlState>) -> bool {
     code == Some(&SqlState::T_R_SERIALIZATION_FAILURE)
         || code == Some(&SqlState::T_R_DEADLOCK_DETECTED)
 }
@@ -433,12 +417,6 @@ impl std::ops::Deref for InUse {
     type Target = Object;
     fn deref(&self) -> &Object {
         self.0.as_ref().expect("present until dropped")
-    }
-}
-
-impl std::ops::DerefMut for InUse {
-    fn deref_mut(&mut self) -> &mut Object {
-        self.0.as_mut().expect("present until dropped")
     }
 }
 
@@ -525,7 +503,7 @@ mod tests {
             (None, false),
         ];
         for (code, rerun) in cases {
-            assert_eq!(is_conflict_code(code.as_ref()), rerun, "{code:?}");
+            assert_eq!(is_conflict(code.as_ref()), rerun, "{code:?}");
         }
     }
 

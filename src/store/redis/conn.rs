@@ -82,7 +82,7 @@ impl RedisConn {
         }
     }
 
-    /// "redis" or "redis cluster", for logs.
+    /// For logs.
     pub(crate) fn kind(&self) -> &'static str {
         match self {
             Self::Node(_) => "redis",

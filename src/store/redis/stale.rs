@@ -16,11 +16,10 @@ const HEAL_BATCH: usize = 500;
 /// The Redis key names whose copies may be stale (see the module docs).
 pub(super) type StaleSet = std::sync::Mutex<std::collections::HashSet<String>>;
 
-/// Locks the stale set. A std mutex: no await happens while it is held.
-pub(super) fn lock(
-    stale: &StaleSet,
-) -> std::sync::MutexGuard<'_, std::collections::HashSet<String>> {
-    stale.lock().unwrap_or_else(|p| p.into_inner())
+/// Locks a std mutex of the fast path (no await happens while one is
+/// held), poisoned or not.
+pub(super) fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Deletes the stale copies in `stale` as soon as Redis answers, in

@@ -51,16 +51,11 @@ pub(crate) const NOT_TLS: &str =
 /// `(host, port)` of a TLS URL, for [`answers_plain_ping`].
 pub(super) fn plain_address(cfg: &RedisConfig) -> Option<(String, u16)> {
     use redis::IntoConnectionInfo;
-    match cfg
-        .client_url()
-        .as_str()
-        .into_connection_info()
-        .ok()?
-        .addr()
-    {
-        redis::ConnectionAddr::TcpTls { host, port, .. } => Some((host.clone(), *port)),
-        _ => None,
-    }
+    let info = cfg.client_url().as_str().into_connection_info().ok()?;
+    let redis::ConnectionAddr::TcpTls { host, port, .. } = info.addr() else {
+        return None;
+    };
+    Some((host.clone(), *port))
 }
 
 /// Whether `host:port` answers a plain-text `PING` like Redis does

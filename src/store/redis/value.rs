@@ -53,18 +53,21 @@ pub(crate) fn encode_lock(claim: &Claim) -> Vec<u8> {
 
 /// Encodes a completed or unstored record; `None` for in-flight (never cached).
 pub(crate) fn encode_record(record: &Record) -> Option<Vec<u8>> {
+    let record_head = |tag, extra| {
+        head(
+            tag,
+            record.created_at,
+            record.expires_at,
+            &record.fingerprint,
+            extra,
+        )
+    };
     match &record.state {
         // Outcome-unknown records are rare and answered by the inner store.
         RecordState::InFlight { .. } | RecordState::Unknown => None,
         RecordState::Completed(resp) => {
             let headers = encode_headers(&resp.headers);
-            let mut out = head(
-                TAG_COMPLETED,
-                record.created_at,
-                record.expires_at,
-                &record.fingerprint,
-                6 + headers.len() + resp.body.len(),
-            );
+            let mut out = record_head(TAG_COMPLETED, 6 + headers.len() + resp.body.len());
             out.extend_from_slice(&resp.status.to_be_bytes());
             out.extend_from_slice(&(headers.len() as u32).to_be_bytes());
             out.extend_from_slice(&headers);
@@ -72,13 +75,7 @@ pub(crate) fn encode_record(record: &Record) -> Option<Vec<u8>> {
             Some(out)
         }
         RecordState::Unstored { status } => {
-            let mut out = head(
-                TAG_UNSTORED,
-                record.created_at,
-                record.expires_at,
-                &record.fingerprint,
-                2,
-            );
+            let mut out = record_head(TAG_UNSTORED, 2);
             out.extend_from_slice(&status.to_be_bytes());
             Some(out)
         }
