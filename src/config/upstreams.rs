@@ -225,6 +225,7 @@ impl fmt::Display for UpstreamConfig {
 
 #[cfg(test)]
 mod tests {
+    use crate::config::tests::env;
     use crate::config::{Config, UpstreamProtocol};
     use std::time::Duration;
 
@@ -331,12 +332,6 @@ mod tests {
         let text = format!(
             "{SERVER}[upstreams.orders]\nurl = \"http://127.0.0.1:3001\"\n[upstreams.orders-eu]\nurl = \"http://127.0.0.1:3002\"\n"
         );
-        let env = |pairs: &[(&str, &str)]| -> std::collections::BTreeMap<String, String> {
-            pairs
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect()
-        };
         let cfg = Config::parse_with_env(
             &text,
             "t.toml",
