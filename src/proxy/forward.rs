@@ -5,7 +5,7 @@
 //! [`Forwarder::passthrough`], an unprotected request. The clients
 //! themselves are `crate::upstream`'s.
 
-use super::headers::{add_forwarded, join_cookies, strip_hop_by_hop, upgrade_protocol};
+use super::headers::{add_forwarded, join_cookies, list_items, strip_hop_by_hop, upgrade_protocol};
 use super::log::Served;
 use crate::body::{boxed, ProxyBody};
 use crate::config::{Config, UpstreamProtocol};
@@ -300,12 +300,7 @@ fn unprocessed(remote: bool, go_away: bool, reason: Option<h2::Reason>) -> bool 
 /// Whether the client's `TE` lists `trailers` (read before hop-by-hop
 /// headers go).
 fn accepts_trailers(headers: &http::HeaderMap) -> bool {
-    headers
-        .get_all(header::TE)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .any(|t| t.trim().eq_ignore_ascii_case("trailers"))
+    list_items(headers, header::TE).any(|t| t.eq_ignore_ascii_case("trailers"))
 }
 
 /// The upstream's base path joined with the request's path, its
