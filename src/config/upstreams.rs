@@ -444,16 +444,11 @@ mod tests {
             .warnings()
         };
         let h2 = "[upstreams.grpc]\nurl = \"http://127.0.0.1:3001\"\nprotocol = \"h2\"\n";
+        let about_host = |w: &[String]| w.iter().any(|w| w.contains("preserve_host"));
         let warned = with("preserve_host = true\n", h2);
-        assert!(
-            warned.iter().any(|w| w.contains("preserve_host")),
-            "{warned:?}"
-        );
+        assert!(about_host(&warned), "{warned:?}");
         let warned = with("preserve_host = true\nupstream_protocol = \"h2\"\n", "");
-        assert!(
-            warned.iter().any(|w| w.contains("preserve_host")),
-            "{warned:?}"
-        );
+        assert!(about_host(&warned), "{warned:?}");
         assert!(with("preserve_host = true\n", "").is_empty());
         assert!(with("", h2).is_empty());
     }
