@@ -205,14 +205,12 @@ impl Forwarder {
         }
         add_forwarded(headers, peer, original_host.clone(), self.trust_forwarded);
         join_cookies(headers);
-        if !self.preserve_host || original_host.is_none() {
-            // On HTTP/2 the same as `:authority` (from the URI).
-            if let Some(auth) = upstream.url().authority() {
-                if let Ok(v) = HeaderValue::from_str(auth.as_str()) {
-                    headers.insert(header::HOST, v);
-                }
-            }
-        } else if let Some(host) = original_host {
+        // The upstream's, on HTTP/2 the same as `:authority` (from the URI).
+        let host = original_host.filter(|_| self.preserve_host).or_else(|| {
+            let authority = upstream.url().authority()?;
+            HeaderValue::from_str(authority.as_str()).ok()
+        });
+        if let Some(host) = host {
             headers.insert(header::HOST, host);
         }
         Ok(())

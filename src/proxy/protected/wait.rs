@@ -60,6 +60,7 @@ struct State {
 }
 
 /// One key's waiters.
+#[derive(Default)]
 struct Entry {
     /// Guarded by the registry's mutex.
     count: std::sync::atomic::AtomicUsize,
@@ -109,18 +110,7 @@ impl Waiters {
         if !state.entries.contains_key(&key) {
             state.by_id.insert(key.log_id(), key);
         }
-        let entry = state
-            .entries
-            .entry(key)
-            .or_insert_with(|| {
-                Arc::new(Entry {
-                    count: Default::default(),
-                    generation: watch::Sender::new(0),
-                    published: Mutex::new(None),
-                    checking: tokio::sync::Mutex::new(None),
-                })
-            })
-            .clone();
+        let entry = state.entries.entry(key).or_default().clone();
         if entry.count.load(Relaxed) >= self.per_key {
             return Err(Full);
         }
