@@ -69,23 +69,13 @@ impl Admin {
                 };
                 let mut report = self.health.report();
                 report["degraded"] = self.store.degraded().into();
-                let mut resp = text(status, &report.to_string());
-                resp.headers_mut().insert(
-                    header::CONTENT_TYPE,
-                    HeaderValue::from_static("application/json"),
-                );
-                resp
+                typed(status, &report.to_string(), "application/json")
             }
-            "/metrics" => {
-                let mut resp = text(StatusCode::OK, &self.metrics.encode());
-                resp.headers_mut().insert(
-                    header::CONTENT_TYPE,
-                    HeaderValue::from_static(
-                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                    ),
-                );
-                resp
-            }
+            "/metrics" => typed(
+                StatusCode::OK,
+                &self.metrics.encode(),
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            ),
             _ => text(
                 StatusCode::NOT_FOUND,
                 "not found: try /healthz, /readyz, /healthz/store or /metrics\n",
@@ -196,11 +186,13 @@ impl Admin {
 }
 
 fn text(status: StatusCode, body: &str) -> Response<ProxyBody> {
+    typed(status, body, "text/plain; charset=utf-8")
+}
+
+fn typed(status: StatusCode, body: &str, content_type: &'static str) -> Response<ProxyBody> {
     let mut resp = Response::new(full(body.to_string()));
     *resp.status_mut() = status;
-    resp.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/plain; charset=utf-8"),
-    );
+    let value = HeaderValue::from_static(content_type);
+    resp.headers_mut().insert(header::CONTENT_TYPE, value);
     resp
 }

@@ -42,26 +42,18 @@ impl Problem {
             outcome,
             instance: None,
         };
+        let key_missing = || {
+            p(
+                StatusCode::BAD_REQUEST,
+                "key-missing",
+                "Idempotency-Key is missing",
+                Outcome::MissingKey,
+            )
+        };
         match err {
-            ProxyError::MissingKey { .. } => p(
-                StatusCode::BAD_REQUEST,
-                "key-missing",
-                "Idempotency-Key is missing",
-                Outcome::MissingKey,
-            ),
-            ProxyError::InvalidKey { .. } => p(
-                StatusCode::BAD_REQUEST,
-                "key-invalid",
-                "Idempotency-Key is invalid",
-                Outcome::InvalidKey,
-            ),
-            ProxyError::BodyKey { reason, .. } if reason.is_missing() => p(
-                StatusCode::BAD_REQUEST,
-                "key-missing",
-                "Idempotency-Key is missing",
-                Outcome::MissingKey,
-            ),
-            ProxyError::BodyKey { .. } => p(
+            ProxyError::MissingKey { .. } => key_missing(),
+            ProxyError::BodyKey { reason, .. } if reason.is_missing() => key_missing(),
+            ProxyError::InvalidKey { .. } | ProxyError::BodyKey { .. } => p(
                 StatusCode::BAD_REQUEST,
                 "key-invalid",
                 "Idempotency-Key is invalid",

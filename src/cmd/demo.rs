@@ -95,34 +95,22 @@ async fn handle(orders: &Orders, req: Request<Incoming>) -> Response<ProxyBody> 
                     .insert(key)
             };
             if param("fail").is_some() || fail_once {
-                return json(
+                return refusal(
                     StatusCode::SERVICE_UNAVAILABLE,
-                    serde_json::json!({"error": "the demo API failed on purpose"}),
-                    None,
+                    "the demo API failed on purpose",
                 );
             }
             let body = match req.into_body().collect().await {
                 Ok(b) => b.to_bytes(),
-                Err(_) => {
-                    return json(
-                        StatusCode::BAD_REQUEST,
-                        serde_json::json!({"error": "unreadable body"}),
-                        None,
-                    )
-                }
+                Err(_) => return refusal(StatusCode::BAD_REQUEST, "unreadable body"),
             };
             if body.len() > MAX_DEMO_BODY {
-                return json(
-                    StatusCode::PAYLOAD_TOO_LARGE,
-                    serde_json::json!({"error": "too large"}),
-                    None,
-                );
+                return refusal(StatusCode::PAYLOAD_TOO_LARGE, "too large");
             }
             let Ok(input) = serde_json::from_slice::<serde_json::Value>(&body) else {
-                return json(
+                return refusal(
                     StatusCode::BAD_REQUEST,
-                    serde_json::json!({"error": "the body must be JSON, e.g. {\"item\":\"book\",\"qty\":1}"}),
-                    None,
+                    "the body must be JSON, e.g. {\"item\":\"book\",\"qty\":1}",
                 );
             };
             let mut created = orders.created.lock().unwrap_or_else(|p| p.into_inner());
@@ -143,12 +131,13 @@ async fn handle(orders: &Orders, req: Request<Incoming>) -> Response<ProxyBody> 
                 None,
             )
         }
-        _ => json(
-            StatusCode::NOT_FOUND,
-            serde_json::json!({"error": "not found"}),
-            None,
-        ),
+        _ => refusal(StatusCode::NOT_FOUND, "not found"),
     }
+}
+
+/// `{"error": message}`.
+fn refusal(status: StatusCode, message: &str) -> Response<ProxyBody> {
+    json(status, serde_json::json!({ "error": message }), None)
 }
 
 fn json(

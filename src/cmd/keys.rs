@@ -41,12 +41,10 @@ impl ScopeArg {
             ScopeArg::Anonymous => Ok(Scope::derive(None, secret)),
             ScopeArg::Value(v) => Ok(Scope::of_value(v, secret)),
             ScopeArg::Hash(h) => {
-                let bytes = hex::decode(h.trim())
-                    .map_err(|_| format!("--scope {h:?}: expected 64 hex characters"))?;
-                let arr: [u8; 32] = bytes
-                    .try_into()
-                    .map_err(|_| format!("--scope {h:?}: expected 64 hex characters"))?;
-                Ok(Scope(arr))
+                let bytes = hex::decode(h.trim()).ok();
+                let hash = bytes.and_then(|b| <[u8; 32]>::try_from(b).ok());
+                hash.map(Scope)
+                    .ok_or_else(|| format!("--scope {h:?}: expected 64 hex characters"))
             }
         }
     }

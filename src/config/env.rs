@@ -76,21 +76,19 @@ pub(super) fn settings<'e>(
         if value.is_empty() || ALIASES.iter().any(|(alias, _)| alias == name) {
             continue;
         }
-        if let Some(rest) = name.strip_prefix("IDEMGATE_UPSTREAMS_") {
+        let setting = if let Some(rest) = name.strip_prefix("IDEMGATE_UPSTREAMS_") {
             let (upstream, key) =
                 named_location(rest, upstreams).map_err(|e| format!("{name}: {e}"))?;
             let as_written = key == "url";
             let mut setting = Setting::new(NAMED, key, value, as_written);
             setting.name = Some(upstream);
-            setting.check().map_err(|e| format!("{name}: {e}"))?;
-            out.push(setting);
-            continue;
-        }
-        let Some((section, key)) = location(name) else {
+            setting
+        } else if let Some((section, key)) = location(name) {
+            let as_written = key == "url";
+            Setting::new(section, key, value, as_written)
+        } else {
             continue;
         };
-        let as_written = key == "url";
-        let setting = Setting::new(section, key, value, as_written);
         setting.check().map_err(|e| format!("{name}: {e}"))?;
         out.push(setting);
     }
@@ -207,19 +205,12 @@ impl<'e> Setting<'e> {
     }
 
     fn apply<'a>(&'a self, document: &mut DeTable<'a>) {
-        let section = document
-            .entry(Spanned::new(NOT_IN_FILE, Cow::Borrowed(self.section)))
-            .or_insert_with(|| Spanned::new(NOT_IN_FILE, DeValue::Table(DeTable::new())));
         // Not a table: the file alone was refused already.
-        let DeValue::Table(table) = section.get_mut() else {
+        let Some(mut table) = subtable(document, self.section) else {
             return;
         };
-        let mut table = table;
         if let Some(name) = &self.name {
-            let named = table
-                .entry(Spanned::new(NOT_IN_FILE, Cow::Borrowed(name.as_str())))
-                .or_insert_with(|| Spanned::new(NOT_IN_FILE, DeValue::Table(DeTable::new())));
-            let DeValue::Table(named) = named.get_mut() else {
+            let Some(named) = subtable(table, name) else {
                 return;
             };
             table = named;
@@ -244,6 +235,18 @@ impl<'e> Setting<'e> {
         )))
         .map(drop)
         .map_err(|e| e.message().trim_end().to_string())
+    }
+}
+
+/// The table `table` holds under `key`, added empty if it has none;
+/// `None` if the key holds another value.
+fn subtable<'a, 't>(table: &'t mut DeTable<'a>, key: &'a str) -> Option<&'t mut DeTable<'a>> {
+    let value = table
+        .entry(Spanned::new(NOT_IN_FILE, Cow::Borrowed(key)))
+        .or_insert_with(|| Spanned::new(NOT_IN_FILE, DeValue::Table(DeTable::new())));
+    match value.get_mut() {
+        DeValue::Table(t) => Some(t),
+        _ => None,
     }
 }
 

@@ -228,29 +228,19 @@ mod tests {
     fn sslmodes_map_to_libpq_checks() {
         let check = |url: &str| parse(url).client_tls().check;
         let base = "postgres://u@db.example/app";
-        assert_eq!(check(base), ServerCheck::Nothing, "prefer by default");
-        assert_eq!(
-            check(&format!("{base}?sslmode=require")),
-            ServerCheck::Nothing
-        );
-        assert_eq!(
-            check(&format!("{base}?sslmode=require&sslrootcert=/ca.pem")),
-            ServerCheck::Chain,
-            "libpq: require with a root file verifies the chain"
-        );
-        assert_eq!(
-            check(&format!("{base}?sslmode=verify-ca")),
-            ServerCheck::Chain
-        );
-        assert_eq!(
-            check(&format!("{base}?sslmode=verify-full")),
-            ServerCheck::ChainAndName
-        );
-        assert_eq!(
-            check(&format!("{base}?sslrootcert=system")),
-            ServerCheck::ChainAndName,
-            "sslrootcert=system implies verify-full"
-        );
+        for (query, want) in [
+            // prefer by default
+            ("", ServerCheck::Nothing),
+            ("?sslmode=require", ServerCheck::Nothing),
+            // libpq: require with a root file verifies the chain
+            ("?sslmode=require&sslrootcert=/ca.pem", ServerCheck::Chain),
+            ("?sslmode=verify-ca", ServerCheck::Chain),
+            ("?sslmode=verify-full", ServerCheck::ChainAndName),
+            // sslrootcert=system implies verify-full
+            ("?sslrootcert=system", ServerCheck::ChainAndName),
+        ] {
+            assert_eq!(check(&format!("{base}{query}")), want, "{query}");
+        }
         assert_eq!(
             parse(&format!("{base}?sslmode=verify-full"))
                 .client_tls()

@@ -22,28 +22,20 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use toml::Spanned;
 
+/// A section or list the file leaves out is empty.
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub(super) struct RawConfig {
-    #[serde(default)]
     pub(super) server: RawServer,
-    #[serde(default)]
     pub(super) admin: Option<RawAdmin>,
-    #[serde(default)]
     pub(super) store: RawStore,
-    #[serde(default)]
     pub(super) redis: Option<RawRedis>,
-    #[serde(default)]
     pub(super) log: RawLog,
     /// Spanned: the section is refused at its line in a build without `otel`.
-    #[serde(default)]
     pub(super) tracing: Option<Spanned<RawTracing>>,
     /// `[upstreams.NAME]`: named upstreams a route may choose.
-    #[serde(default)]
     pub(super) upstreams: BTreeMap<String, Spanned<RawUpstream>>,
-    #[serde(default)]
     pub(super) defaults: RawRouteSettings,
-    #[serde(default)]
     pub(super) route: Vec<Spanned<RawRouteSettings>>,
 }
 

@@ -14,6 +14,13 @@ fn err(text: &str) -> String {
         .to_string()
 }
 
+/// An environment of these variables.
+pub(super) fn env(vars: &[(&str, &str)]) -> BTreeMap<String, String> {
+    vars.iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
 fn with_route(route: &str) -> String {
     format!("{MINIMAL}[[route]]\nmethods = [\"POST\"]\npath = \"/orders\"\n{route}")
 }
@@ -155,14 +162,11 @@ fn on_ambiguous_defaults_to_release_and_routes_may_keep() {
     assert_eq!(route.on_ambiguous, OnAmbiguous::Release);
 }
 
-/// Each bad input names the file and the field or line.
+/// Each bad input names the file and the field or line: whole files, then
+/// `MINIMAL` and more, then one route's settings.
 #[test]
 fn errors_name_file_line_and_field() {
-    let cases: &[(&str, &[&str])] = &[
-        (
-            &format!("{MINIMAL}colour = \"blue\"\n"),
-            &["test.toml", "line 3", "colour"],
-        ),
+    let whole: &[(&str, &[&str])] = &[
         (
             "[server]\nupstream = \"ftp://x\"\n",
             &["test.toml", "line 2", "ftp"],
@@ -175,204 +179,197 @@ fn errors_name_file_line_and_field() {
             "[server]\nlisten = \"127.0.0.1:8080\"\n",
             &["server.upstream is required"],
         ),
-        (
-            &with_route("ttl = \"30\"\n"),
-            &["line 6", "unit is required"],
-        ),
-        (
-            &with_route("lease = \"5 parsecs\"\n"),
-            &["line 6", "parsecs"],
-        ),
-        (
-            &with_route("max_request_body = \"lots\"\n"),
-            &["line 6", "invalid size"],
-        ),
-        (
-            &with_route("require_key = \"yes\"\n"),
-            &["line 6", "require_key"],
-        ),
-        (
-            &with_route("on_store_error = \"panic\"\n"),
-            &["line 6", "panic"],
-        ),
-        (
-            &format!("{MINIMAL}[[route]]\nmethods = [\"post\"]\npath = \"/o\"\n"),
-            &["line 4", "invalid method"],
-        ),
-        (
-            &format!("{MINIMAL}[[route]]\nmethods = [\"POST\"]\npath = \"orders\"\n"),
-            &["line 5", "must start with '/'"],
-        ),
-        (
-            &format!("{MINIMAL}[[route]]\npath = \"/o\"\n"),
-            &["route #1", "`methods` is required"],
-        ),
-        (
-            &format!(
-                "{MINIMAL}[[route]]\nmethods = [\"POST\"]\npath = \"/o/{{id}}\"\n\
-                 [[route]]\nmethods = [\"PUT\", \"POST\"]\npath = \"/o/{{x}}\"\n"
-            ),
-            &["line 6", "route #2", "duplicate route", "route #1"],
-        ),
-        (
-            &with_route("lease = \"100ms\"\n"),
-            &["route #1", "too short"],
-        ),
-        (
-            &with_route("ttl = \"10s\"\nlease = \"30s\"\n"),
-            &["ttl", "at least the lease"],
-        ),
-        (
-            &with_route("scope_header = \"bad header\"\n"),
-            &["invalid header name"],
-        ),
-        (
-            &format!("{MINIMAL}[defaults]\npath = \"/x\"\n"),
-            &["defaults", "belong in a [[route]]"],
-        ),
-        (
-            &format!("{MINIMAL}[store]\nbackend = \"postgres\"\n"),
-            &["store.url is required"],
-        ),
-        (
-            &format!("{MINIMAL}[store]\nbackend = \"sqlite\"\nurl = \"postgres://x\"\n"),
-            &["line 5", "store.url only applies"],
-        ),
-        (
-            &format!("{MINIMAL}[store]\nbackend = \"mysql\"\n"),
-            &["line 4", "mysql"],
-        ),
-        (
-            &format!("{MINIMAL}[redis]\nurl = \"redis://127.0.0.1\"\n"),
-            &["needs store.backend = \"postgres\""],
-        ),
-        (
-            &format!("{MINIMAL}[log]\nformat = \"xml\"\n"),
-            &["line 4", "xml"],
-        ),
-        (
-            &format!("{MINIMAL}idle_timeout = \"0\"\n"),
-            &["server.idle_timeout must be greater than 0"],
-        ),
-        (
-            &format!("{MINIMAL}h2_max_concurrent_streams = 0\n"),
-            &["server.h2_max_concurrent_streams must be at least 1"],
-        ),
-        (
-            &format!(
-                "{MINIMAL}max_buffered_body_bytes = \"1MiB\"\n[[route]]\nmethods = [\"POST\"]\n\
-                 path = \"/o\"\nmax_request_body = \"2MiB\"\n"
-            ),
-            &["route #1 /o", "max_request_body (2MiB)", "server.max_buffered_body_bytes (1MiB)"],
-        ),
-        (
-            &with_route("release_statuses = [\"429\", \"2xx\"]\n"),
-            &["test.toml", "line 6", "release_statuses", "2xx", "executed"],
-        ),
-        (
-            &with_route("release_statuses = [\"201\"]\n"),
-            &["line 6", "release_statuses", "2xx answer", "run it again"],
-        ),
-        (
-            &with_route("release_statuses = [\"5XX\"]\n"),
-            &["line 6", "release_statuses", "expected a status"],
-        ),
-        (
-            &with_route("release_statuses = [429]\n"),
-            &["line 6", "release_statuses", "\"429\""],
-        ),
-        (
-            &with_route("release_statuses = \"5xx\"\n"),
-            &["line 6", "release_statuses"],
-        ),
-        (
-            &with_route("release_statuses = [\"5xx\", \"503\"]\n"),
-            &["line 6", "release_statuses", "overlap"],
-        ),
-        (
-            &format!("{MINIMAL}[defaults]\nrelease_statuses = [\"3xx\"]\n"),
-            &["line 4", "release_statuses", "3xx"],
-        ),
-        (
-            &with_route("scope_header = \"Authorization\"\nscope_headers = [\"X-Tenant-Id\"]\n"),
-            &["test.toml", "line 3", "route #1", "not both"],
-        ),
-        (
-            &format!(
-                "{MINIMAL}[defaults]\nscope_header = \"Authorization\"\nscope_headers = [\"Authorization\"]\n"
-            ),
-            &["test.toml", "line 5", "defaults", "not both"],
-        ),
-        (
-            &with_route("scope_headers = []\n"),
-            &["line 6", "at least one header"],
-        ),
-        (
-            &with_route("scope_headers = [\"Authorization\", \"authorization\"]\n"),
-            &["line 6", "\"authorization\" is listed twice"],
-        ),
-        (
-            &with_route("scope_headers = [\"Authorization\", \"bad header\"]\n"),
-            &["line 6", "invalid header name"],
-        ),
-        (
-            &with_route("on_ambiguous = \"retry\"\n"),
-            &["test.toml", "line 6", "on_ambiguous", "release", "keep"],
-        ),
-        (
-            &format!("{MINIMAL}[defaults]\non_ambiguous = true\n"),
-            &["line 4", "on_ambiguous"],
-        ),
         ("[server\n", &["test.toml", "line 1"]),
         // Whole-section and cross-section checks name a line too.
         (
             "[server]\nlisten = \"127.0.0.1:8080\"\n",
             &["test.toml", "line 1", "server.upstream is required"],
         ),
+    ];
+    let after_minimal: &[(&str, &[&str])] = &[
+        ("colour = \"blue\"\n", &["test.toml", "line 3", "colour"]),
         (
-            &format!("{MINIMAL}[store]\nbackend = \"sqlite\"\npool_size = 4\n"),
-            &["test.toml", "line 5", "only apply to backend = \"postgres\""],
+            "[[route]]\nmethods = [\"post\"]\npath = \"/o\"\n",
+            &["line 4", "invalid method"],
         ),
         (
-            &format!("{MINIMAL}[store]\nbackend = \"memory\"\n\nsynchronous = \"full\"\n"),
+            "[[route]]\nmethods = [\"POST\"]\npath = \"orders\"\n",
+            &["line 5", "must start with '/'"],
+        ),
+        (
+            "[[route]]\npath = \"/o\"\n",
+            &["route #1", "`methods` is required"],
+        ),
+        (
+            "[[route]]\nmethods = [\"POST\"]\npath = \"/o/{id}\"\n\
+             [[route]]\nmethods = [\"PUT\", \"POST\"]\npath = \"/o/{x}\"\n",
+            &["line 6", "route #2", "duplicate route", "route #1"],
+        ),
+        (
+            "[defaults]\npath = \"/x\"\n",
+            &["defaults", "belong in a [[route]]"],
+        ),
+        (
+            "[store]\nbackend = \"postgres\"\n",
+            &["store.url is required"],
+        ),
+        (
+            "[store]\nbackend = \"sqlite\"\nurl = \"postgres://x\"\n",
+            &["line 5", "store.url only applies"],
+        ),
+        ("[store]\nbackend = \"mysql\"\n", &["line 4", "mysql"]),
+        (
+            "[redis]\nurl = \"redis://127.0.0.1\"\n",
+            &["needs store.backend = \"postgres\""],
+        ),
+        ("[log]\nformat = \"xml\"\n", &["line 4", "xml"]),
+        (
+            "idle_timeout = \"0\"\n",
+            &["server.idle_timeout must be greater than 0"],
+        ),
+        (
+            "h2_max_concurrent_streams = 0\n",
+            &["server.h2_max_concurrent_streams must be at least 1"],
+        ),
+        (
+            "max_buffered_body_bytes = \"1MiB\"\n[[route]]\nmethods = [\"POST\"]\n\
+             path = \"/o\"\nmax_request_body = \"2MiB\"\n",
+            &[
+                "route #1 /o",
+                "max_request_body (2MiB)",
+                "server.max_buffered_body_bytes (1MiB)",
+            ],
+        ),
+        (
+            "[defaults]\nrelease_statuses = [\"3xx\"]\n",
+            &["line 4", "release_statuses", "3xx"],
+        ),
+        (
+            "[defaults]\nscope_header = \"Authorization\"\nscope_headers = [\"Authorization\"]\n",
+            &["test.toml", "line 5", "defaults", "not both"],
+        ),
+        (
+            "[defaults]\non_ambiguous = true\n",
+            &["line 4", "on_ambiguous"],
+        ),
+        // Whole-section and cross-section checks name a line too.
+        (
+            "[store]\nbackend = \"sqlite\"\npool_size = 4\n",
+            &[
+                "test.toml",
+                "line 5",
+                "only apply to backend = \"postgres\"",
+            ],
+        ),
+        (
+            "[store]\nbackend = \"memory\"\n\nsynchronous = \"full\"\n",
             &["line 6", "only apply to backend = \"sqlite\""],
         ),
         (
-            &format!("{MINIMAL}\n[redis]\nurl = \"redis://127.0.0.1\"\n"),
+            "\n[redis]\nurl = \"redis://127.0.0.1\"\n",
             &["test.toml", "line 4", "needs store.backend = \"postgres\""],
         ),
         (
-            &format!("{MINIMAL}[store]\nbackend = \"postgres\"\n"),
+            "[store]\nbackend = \"postgres\"\n",
             &["line 3", "store.url is required"],
         ),
+        ("[admin]\n", &["line 3", "admin.listen is required"]),
         (
-            &format!("{MINIMAL}[admin]\n"),
-            &["line 3", "admin.listen is required"],
-        ),
-        (
-            &format!("{MINIMAL}idle_timeout = \"0\"\n"),
+            "idle_timeout = \"0\"\n",
             &["line 3", "server.idle_timeout must be greater than 0"],
         ),
         (
-            &format!(
-                "{MINIMAL}max_buffered_body_bytes = \"1MiB\"\n[[route]]\nmethods = [\"POST\"]\npath = \"/a\"\n\
-                 [[route]]\nmethods = [\"POST\"]\n\
-                 path = \"/o\"\nmax_request_body = \"2MiB\"\n"
-            ),
+            "max_buffered_body_bytes = \"1MiB\"\n[[route]]\nmethods = [\"POST\"]\npath = \"/a\"\n\
+             [[route]]\nmethods = [\"POST\"]\n\
+             path = \"/o\"\nmax_request_body = \"2MiB\"\n",
             &["line 10", "route #2 /o", "max_request_body (2MiB)"],
         ),
         (
-            &format!("{MINIMAL}[log]\nlevel = \"verbose\"\n"),
-            &["test.toml", "line 4", "log.level", "\"verbose\" is not a level"],
+            "[log]\nlevel = \"verbose\"\n",
+            &[
+                "test.toml",
+                "line 4",
+                "log.level",
+                "\"verbose\" is not a level",
+            ],
         ),
         (
-            &format!("{MINIMAL}[[route]]\nmethods = [\"PSOT\"]\npath = \"/o\"\n"),
-            &["test.toml", "line 3", "route #1", "\"PSOT\"", "allow_custom_methods"],
+            "[[route]]\nmethods = [\"PSOT\"]\npath = \"/o\"\n",
+            &[
+                "test.toml",
+                "line 3",
+                "route #1",
+                "\"PSOT\"",
+                "allow_custom_methods",
+            ],
         ),
     ];
+    let in_route: &[(&str, &[&str])] = &[
+        ("ttl = \"30\"\n", &["line 6", "unit is required"]),
+        ("lease = \"5 parsecs\"\n", &["line 6", "parsecs"]),
+        ("max_request_body = \"lots\"\n", &["line 6", "invalid size"]),
+        ("require_key = \"yes\"\n", &["line 6", "require_key"]),
+        ("on_store_error = \"panic\"\n", &["line 6", "panic"]),
+        ("lease = \"100ms\"\n", &["route #1", "too short"]),
+        (
+            "ttl = \"10s\"\nlease = \"30s\"\n",
+            &["ttl", "at least the lease"],
+        ),
+        ("scope_header = \"bad header\"\n", &["invalid header name"]),
+        (
+            "release_statuses = [\"429\", \"2xx\"]\n",
+            &["test.toml", "line 6", "release_statuses", "2xx", "executed"],
+        ),
+        (
+            "release_statuses = [\"201\"]\n",
+            &["line 6", "release_statuses", "2xx answer", "run it again"],
+        ),
+        (
+            "release_statuses = [\"5XX\"]\n",
+            &["line 6", "release_statuses", "expected a status"],
+        ),
+        (
+            "release_statuses = [429]\n",
+            &["line 6", "release_statuses", "\"429\""],
+        ),
+        (
+            "release_statuses = \"5xx\"\n",
+            &["line 6", "release_statuses"],
+        ),
+        (
+            "release_statuses = [\"5xx\", \"503\"]\n",
+            &["line 6", "release_statuses", "overlap"],
+        ),
+        (
+            "scope_header = \"Authorization\"\nscope_headers = [\"X-Tenant-Id\"]\n",
+            &["test.toml", "line 3", "route #1", "not both"],
+        ),
+        ("scope_headers = []\n", &["line 6", "at least one header"]),
+        (
+            "scope_headers = [\"Authorization\", \"authorization\"]\n",
+            &["line 6", "\"authorization\" is listed twice"],
+        ),
+        (
+            "scope_headers = [\"Authorization\", \"bad header\"]\n",
+            &["line 6", "invalid header name"],
+        ),
+        (
+            "on_ambiguous = \"retry\"\n",
+            &["test.toml", "line 6", "on_ambiguous", "release", "keep"],
+        ),
+    ];
+    let cases = (whole
+        .iter()
+        .map(|(text, needles)| (text.to_string(), *needles)))
+    .chain(
+        after_minimal
+            .iter()
+            .map(|(extra, n)| (format!("{MINIMAL}{extra}"), *n)),
+    )
+    .chain(in_route.iter().map(|(route, n)| (with_route(route), *n)));
     for (text, needles) in cases {
-        let msg = err(text);
-        for needle in *needles {
+        let msg = err(&text);
+        for needle in needles {
             assert!(
                 msg.contains(needle),
                 "{needle:?} not in error for\n{text}\n--> {msg}"
@@ -402,15 +399,12 @@ fn custom_methods_need_allow_custom_methods() {
 #[test]
 fn environment_overrides_urls_and_addresses() {
     let text = format!("{MINIMAL}[store]\nbackend = \"postgres\"\n");
-    let env: BTreeMap<String, String> = [
+    let env = env(&[
         ("IDEMGATE_STORE_URL", "postgres://u:hunter2@db:5432/app"),
         ("IDEMGATE_REDIS_URL", "redis://cache:6379"),
         ("IDEMGATE_UPSTREAM", "http://app:9000"),
         ("IDEMGATE_LISTEN", "0.0.0.0:8081"),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_string(), v.to_string()))
-    .collect();
+    ]);
     let cfg = Config::parse_with_env(&text, "t.toml", &env).unwrap();
     assert_eq!(
         cfg.restart.store.url.as_deref(),
@@ -434,13 +428,10 @@ fn environment_overrides_urls_and_addresses() {
 #[test]
 fn debug_output_masks_store_and_redis_passwords() {
     let text = format!("{MINIMAL}[store]\nbackend = \"postgres\"\n");
-    let env: BTreeMap<String, String> = [
+    let env = env(&[
         ("IDEMGATE_STORE_URL", "postgres://u:hunter2@db:5432/app"),
         ("IDEMGATE_REDIS_URL", "redis://:swordfish@cache:6379"),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_string(), v.to_string()))
-    .collect();
+    ]);
     let cfg = Config::parse_with_env(&text, "t.toml", &env).unwrap();
     let debug = format!("{cfg:?}");
     assert!(!debug.contains("hunter2"), "{debug}");
@@ -478,10 +469,7 @@ fn misspelled_urls_never_show_their_password() {
         ("IDEMGATE_STORE_URL", "postgres:/u:hunter2@db/app"),
         ("IDEMGATE_REDIS_URL", "redis:/:hunter2@cache:6379"),
     ] {
-        let mut env = BTreeMap::from([(
-            "IDEMGATE_STORE_URL".to_string(),
-            "postgres://db/app".to_string(),
-        )]);
+        let mut env = env(&[("IDEMGATE_STORE_URL", "postgres://db/app")]);
         env.insert(name.to_string(), url.to_string());
         let e = Config::parse_with_env(&text, "t.toml", &env).unwrap_err();
         assert!(e.to_string().contains("expected"), "{name}: {e}");
@@ -505,16 +493,13 @@ fn passwords_are_masked() {
 /// The deployment examples must stay valid configs.
 #[test]
 fn deployment_configs_parse() {
-    let env: BTreeMap<String, String> = [
+    let env = env(&[
         (
             "IDEMGATE_STORE_URL",
             "postgres://idemgate:pw@postgres:5432/idemgate",
         ),
         ("IDEMGATE_REDIS_URL", "redis://redis:6379"),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_string(), v.to_string()))
-    .collect();
+    ]);
     let compose = include_str!("../../config/compose.toml");
     let cfg = Config::parse_with_env(compose, "config/compose.toml", &env).unwrap();
     assert_eq!(cfg.restart.store.backend, Backend::Postgres);
@@ -541,9 +526,7 @@ fn deployment_configs_parse() {
 
 #[test]
 fn scope_secret_comes_from_the_environment_and_is_never_shown() {
-    let env = |v: &str| -> BTreeMap<String, String> {
-        [("IDEMGATE_SCOPE_SECRET".to_string(), v.to_string())].into()
-    };
+    let env = |v: &str| env(&[("IDEMGATE_SCOPE_SECRET", v)]);
     let short = Config::parse_with_env(MINIMAL, "t.toml", &env("short")).unwrap_err();
     assert!(short.to_string().contains("at least 16"), "{short}");
     let cfg = Config::parse_with_env(MINIMAL, "t.toml", &env("a-long-enough-secret")).unwrap();
@@ -558,7 +541,7 @@ fn scope_secret_comes_from_the_environment_and_is_never_shown() {
 
 #[test]
 fn any_section_key_can_come_from_the_environment() {
-    let env: BTreeMap<String, String> = [
+    let vars = env(&[
         ("IDEMGATE_SERVER_UPSTREAM_TIMEOUT", "5s"),
         ("IDEMGATE_SERVER_PRESERVE_HOST", "true"),
         ("IDEMGATE_STORE_SWEEP_BATCH", "50"),
@@ -568,11 +551,8 @@ fn any_section_key_can_come_from_the_environment() {
             "IDEMGATE_TEST_DATABASE_URL",
             "ignored: not a config section",
         ),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_string(), v.to_string()))
-    .collect();
-    let cfg = Config::parse_with_env(MINIMAL, "t.toml", &env).unwrap();
+    ]);
+    let cfg = Config::parse_with_env(MINIMAL, "t.toml", &vars).unwrap();
     assert_eq!(cfg.server.upstream_timeout, Duration::from_secs(5));
     assert!(cfg.server.preserve_host);
     assert_eq!(cfg.restart.store.sweep_batch, 50);
@@ -591,7 +571,7 @@ fn any_section_key_can_come_from_the_environment() {
             "IDEMGATE_STORE_POOL_SIZE",
         ),
     ] {
-        let env = [(name.to_string(), value.to_string())].into();
+        let env = env(&[(name, value)]);
         let e = Config::parse_with_env(MINIMAL, "t.toml", &env)
             .unwrap_err()
             .to_string();
@@ -607,7 +587,7 @@ fn any_section_key_can_come_from_the_environment() {
     // A value that is not one TOML value is a plain string: a newline cannot
     // smuggle in other sections.
     let sneaky = "\"x\"\n[server]\nupstream = \"http://evil:1\"";
-    let env = [("IDEMGATE_LOG_LEVEL".to_string(), sneaky.to_string())].into();
+    let env = env(&[("IDEMGATE_LOG_LEVEL", sneaky)]);
     let e = Config::parse_with_env(MINIMAL, "t.toml", &env)
         .unwrap_err()
         .to_string();
@@ -792,11 +772,7 @@ fn tracing_section_is_a_config_error_without_the_otel_feature() {
         e.contains("otel") && e.contains(&format!("line {line}")),
         "{e}"
     );
-    let env = [(
-        "IDEMGATE_TRACING_OTLP_ENDPOINT".to_string(),
-        "http://127.0.0.1:4318".to_string(),
-    )]
-    .into();
+    let env = env(&[("IDEMGATE_TRACING_OTLP_ENDPOINT", "http://127.0.0.1:4318")]);
     let e = Config::parse_with_env(MINIMAL, "t.toml", &env).unwrap_err();
     assert!(e.to_string().contains("IDEMGATE_TRACING_"), "{e}");
 }
@@ -1091,7 +1067,7 @@ fn a_relative_store_path_is_read_from_the_config_files_directory() {
         cfg.restart.store.path,
         PathBuf::from("/nonexistent/dir/data/idemgate.db")
     );
-    let env = [("IDEMGATE_STORE_PATH".to_string(), "x.db".to_string())].into();
+    let env = env(&[("IDEMGATE_STORE_PATH", "x.db")]);
     let cfg = Config::parse_file(MINIMAL, file, &env).unwrap();
     assert_eq!(
         cfg.restart.store.path,

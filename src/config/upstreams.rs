@@ -225,6 +225,7 @@ impl fmt::Display for UpstreamConfig {
 
 #[cfg(test)]
 mod tests {
+    use crate::config::tests::env;
     use crate::config::{Config, UpstreamProtocol};
     use std::time::Duration;
 
@@ -331,12 +332,6 @@ mod tests {
         let text = format!(
             "{SERVER}[upstreams.orders]\nurl = \"http://127.0.0.1:3001\"\n[upstreams.orders-eu]\nurl = \"http://127.0.0.1:3002\"\n"
         );
-        let env = |pairs: &[(&str, &str)]| -> std::collections::BTreeMap<String, String> {
-            pairs
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect()
-        };
         let cfg = Config::parse_with_env(
             &text,
             "t.toml",
@@ -449,16 +444,11 @@ mod tests {
             .warnings()
         };
         let h2 = "[upstreams.grpc]\nurl = \"http://127.0.0.1:3001\"\nprotocol = \"h2\"\n";
+        let about_host = |w: &[String]| w.iter().any(|w| w.contains("preserve_host"));
         let warned = with("preserve_host = true\n", h2);
-        assert!(
-            warned.iter().any(|w| w.contains("preserve_host")),
-            "{warned:?}"
-        );
+        assert!(about_host(&warned), "{warned:?}");
         let warned = with("preserve_host = true\nupstream_protocol = \"h2\"\n", "");
-        assert!(
-            warned.iter().any(|w| w.contains("preserve_host")),
-            "{warned:?}"
-        );
+        assert!(about_host(&warned), "{warned:?}");
         assert!(with("preserve_host = true\n", "").is_empty());
         assert!(with("", h2).is_empty());
     }

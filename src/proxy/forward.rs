@@ -5,7 +5,7 @@
 //! [`Forwarder::passthrough`], an unprotected request. The clients
 //! themselves are `crate::upstream`'s.
 
-use super::headers::{add_forwarded, join_cookies, strip_hop_by_hop, upgrade_protocol};
+use super::headers::{add_forwarded, join_cookies, list_items, strip_hop_by_hop, upgrade_protocol};
 use super::log::Served;
 use crate::body::{boxed, ProxyBody};
 use crate::config::{Config, UpstreamProtocol};
@@ -205,14 +205,12 @@ impl Forwarder {
         }
         add_forwarded(headers, peer, original_host.clone(), self.trust_forwarded);
         join_cookies(headers);
-        if !self.preserve_host || original_host.is_none() {
-            // On HTTP/2 the same as `:authority` (from the URI).
-            if let Some(auth) = upstream.url().authority() {
-                if let Ok(v) = HeaderValue::from_str(auth.as_str()) {
-                    headers.insert(header::HOST, v);
-                }
-            }
-        } else if let Some(host) = original_host {
+        // The upstream's, on HTTP/2 the same as `:authority` (from the URI).
+        let host = original_host.filter(|_| self.preserve_host).or_else(|| {
+            let authority = upstream.url().authority()?;
+            HeaderValue::from_str(authority.as_str()).ok()
+        });
+        if let Some(host) = host {
             headers.insert(header::HOST, host);
         }
         Ok(())
@@ -300,12 +298,7 @@ fn unprocessed(remote: bool, go_away: bool, reason: Option<h2::Reason>) -> bool 
 /// Whether the client's `TE` lists `trailers` (read before hop-by-hop
 /// headers go).
 fn accepts_trailers(headers: &http::HeaderMap) -> bool {
-    headers
-        .get_all(header::TE)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .any(|t| t.trim().eq_ignore_ascii_case("trailers"))
+    list_items(headers, header::TE).any(|t| t.eq_ignore_ascii_case("trailers"))
 }
 
 /// The upstream's base path joined with the request's path, its

@@ -22,12 +22,8 @@ const HOP_BY_HOP: [HeaderName; 8] = [
 
 /// Removes hop-by-hop headers, including those the `Connection` header names.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
+    let named: Vec<HeaderName> = list_items(headers, header::CONNECTION)
+        .filter_map(|t| HeaderName::from_bytes(t.as_bytes()).ok())
         .collect();
     for name in named.iter().chain(HOP_BY_HOP.iter()) {
         headers.remove(name);
@@ -44,16 +40,22 @@ pub fn upgrade_protocol<B>(req: &Request<B>) -> Option<HeaderValue> {
     if req.version() != Version::HTTP_11 {
         return None;
     }
-    let named = req
-        .headers()
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .any(|t| t.trim().eq_ignore_ascii_case("upgrade"));
+    let named =
+        list_items(req.headers(), header::CONNECTION).any(|t| t.eq_ignore_ascii_case("upgrade"));
     named
         .then(|| req.headers().get(header::UPGRADE).cloned())
         .flatten()
+}
+
+/// The items of every `name` field, each a comma-separated list (RFC 9110
+/// §5.6.1), trimmed; a field that is not text holds none.
+pub fn list_items(headers: &HeaderMap, name: HeaderName) -> impl Iterator<Item = &str> {
+    headers
+        .get_all(name)
+        .into_iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(str::trim)
 }
 
 /// Adds `X-Forwarded-For/-Proto/-Host` for the upstream. Only with `trust`

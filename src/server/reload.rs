@@ -81,7 +81,7 @@ pub fn requests(
 }
 
 /// One read of the watched file: its bytes and which file they came from.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Snapshot {
     /// Device and inode of the file read (through any symlinks); `None`
     /// where the platform has none.
@@ -161,10 +161,7 @@ where
     R: FnMut() -> F,
     F: std::future::Future<Output = Option<Snapshot>>,
 {
-    let mut applied = read().await.unwrap_or(Snapshot {
-        identity: None,
-        content: Vec::new(),
-    });
+    let mut applied = read().await.unwrap_or_default();
     let mut pending: Option<Snapshot> = None;
     let mut tick = tokio::time::interval(WATCH_INTERVAL);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -428,10 +425,7 @@ mod tests {
             );
         }
         // The watcher's first read failed: no identity to compare with.
-        let unknown = Snapshot {
-            identity: None,
-            content: Vec::new(),
-        };
+        let unknown = Snapshot::default();
         assert_eq!(judge(&unknown, None, &snap(8, "new")), Wait);
         let seen = snap(8, "new");
         assert_eq!(judge(&unknown, Some(&seen), &seen), Apply);

@@ -60,6 +60,7 @@ struct State {
 }
 
 /// One key's waiters.
+#[derive(Default)]
 struct Entry {
     /// Guarded by the registry's mutex.
     count: std::sync::atomic::AtomicUsize,
@@ -69,6 +70,13 @@ struct Entry {
     published: Mutex<Option<Record>>,
     /// Held while one waiter asks the store.
     checking: tokio::sync::Mutex<Option<Instant>>,
+}
+
+impl Entry {
+    /// Wakes the entry's waiters.
+    fn bump(&self) {
+        self.generation.send_modify(|g| *g += 1);
+    }
 }
 
 /// Why a request may not wait.
@@ -102,18 +110,7 @@ impl Waiters {
         if !state.entries.contains_key(&key) {
             state.by_id.insert(key.log_id(), key);
         }
-        let entry = state
-            .entries
-            .entry(key)
-            .or_insert_with(|| {
-                Arc::new(Entry {
-                    count: Default::default(),
-                    generation: watch::Sender::new(0),
-                    published: Mutex::new(None),
-                    checking: tokio::sync::Mutex::new(None),
-                })
-            })
-            .clone();
+        let entry = state.entries.entry(key).or_default().clone();
         if entry.count.load(Relaxed) >= self.per_key {
             return Err(Full);
         }
@@ -132,9 +129,7 @@ impl Waiters {
     /// Wakes `key`'s waiters: this process completed or released it.
     pub fn notify(&self, key: &RecordKey) {
         let entry = self.lock().entries.get(key).cloned();
-        if let Some(entry) = entry {
-            entry.generation.send_modify(|g| *g += 1);
-        }
+        entry.inspect(|e| e.bump());
     }
 
     /// Wakes the waiters on the key with this log id: another replica
@@ -148,9 +143,7 @@ impl Waiters {
                 .and_then(|key| state.entries.get(key))
                 .cloned()
         };
-        if let Some(entry) = entry {
-            entry.generation.send_modify(|g| *g += 1);
-        }
+        entry.inspect(|e| e.bump());
     }
 
     /// How many wait, in all.
@@ -262,7 +255,7 @@ impl WaitGuard {
             .published
             .lock()
             .unwrap_or_else(|p| p.into_inner()) = Some(record);
-        self.entry.generation.send_modify(|g| *g += 1);
+        self.entry.bump();
     }
 
     /// The right to ask the store now, if no other waiter on this key is
@@ -386,6 +379,11 @@ mod tests {
     use super::*;
     use crate::idempotency::{IdempotencyKey, Scope};
 
+    /// Whether `g` is woken within `within`.
+    async fn woken(g: &mut WaitGuard, within: Duration) -> bool {
+        tokio::time::timeout(within, g.changed()).await.is_ok()
+    }
+
     fn key(k: &str) -> RecordKey {
         RecordKey::new(
             Scope::from_header_value(None),
@@ -418,13 +416,9 @@ mod tests {
         let mut g = w.enter(key("a")).unwrap();
         w.notify(&key("b"));
         w.notify(&key("a"));
-        tokio::time::timeout(Duration::from_secs(5), g.changed())
-            .await
-            .expect("woken");
+        assert!(woken(&mut g, Duration::from_secs(5)).await);
         // Seen: the next wait blocks until the next notification.
-        assert!(tokio::time::timeout(Duration::from_millis(50), g.changed())
-            .await
-            .is_err());
+        assert!(!woken(&mut g, Duration::from_millis(50)).await);
     }
 
     #[tokio::test]
@@ -434,12 +428,8 @@ mod tests {
         let mut b = w.enter(key("b")).unwrap();
         w.notify_id(&key("a").log_id());
         w.notify_id("no such key");
-        tokio::time::timeout(Duration::from_secs(5), a.changed())
-            .await
-            .expect("woken");
-        assert!(tokio::time::timeout(Duration::from_millis(50), b.changed())
-            .await
-            .is_err());
+        assert!(woken(&mut a, Duration::from_secs(5)).await);
+        assert!(!woken(&mut b, Duration::from_millis(50)).await);
     }
 
     #[tokio::test]
@@ -461,9 +451,8 @@ mod tests {
             expires_at: 0,
         };
         a.publish(record.clone());
-        tokio::time::timeout(Duration::from_secs(5), b.changed())
-            .await
-            .expect("woken by the publication");
+        // Woken by the publication.
+        assert!(woken(&mut b, Duration::from_secs(5)).await);
         assert_eq!(b.published(), Some(record));
     }
 }
