@@ -70,22 +70,17 @@ impl Tracer {
     /// The exporter for `config` (its batch thread starts here); spans are
     /// flushed when the last clone is dropped. Without the `otel` feature
     /// there is no `[tracing]` config to pass (the section is refused).
+    #[cfg_attr(not(feature = "otel"), allow(unused_variables))]
     pub fn new(config: Option<&TracingConfig>) -> Self {
-        #[cfg(feature = "otel")]
-        {
-            let exporting = config.and_then(|c| match otel::Exporting::launch(c) {
+        Self {
+            #[cfg(feature = "otel")]
+            exporting: config.and_then(|c| match otel::Exporting::launch(c) {
                 Ok(e) => Some(std::sync::Arc::new(e)),
                 Err(e) => {
                     tracing::error!(error = %e, "cannot start the OTLP exporter; running without traces");
                     None
                 }
-            });
-            Self { exporting }
-        }
-        #[cfg(not(feature = "otel"))]
-        {
-            let _ = config;
-            Self {}
+            }),
         }
     }
 
@@ -102,17 +97,11 @@ impl Tracer {
 
     /// The server span of one request: a child of the client's
     /// `traceparent` when it sent a valid one, else the root of a new trace.
+    #[cfg_attr(not(feature = "otel"), allow(unused_variables))]
     pub fn start<B>(&self, req: &Request<B>) -> RequestTrace {
-        #[cfg(feature = "otel")]
-        {
-            RequestTrace {
-                cx: self.exporting.as_ref().map(|e| e.start(req)),
-            }
-        }
-        #[cfg(not(feature = "otel"))]
-        {
-            let _ = req;
-            RequestTrace {}
+        RequestTrace {
+            #[cfg(feature = "otel")]
+            cx: self.exporting.as_ref().map(|e| e.start(req)),
         }
     }
 }
@@ -174,17 +163,11 @@ pub fn record(outcome: Outcome, status: StatusCode) {
 }
 
 /// A store call's span (`store claim`), under the current request's span.
+#[cfg_attr(not(feature = "otel"), allow(unused_variables))]
 pub fn store(op: &'static str) -> ChildSpan {
-    #[cfg(feature = "otel")]
-    {
-        ChildSpan {
-            span: otel::store_span(op),
-        }
-    }
-    #[cfg(not(feature = "otel"))]
-    {
-        let _ = op;
-        ChildSpan {}
+    ChildSpan {
+        #[cfg(feature = "otel")]
+        span: otel::store_span(op),
     }
 }
 
@@ -192,17 +175,11 @@ pub fn store(op: &'static str) -> ChildSpan {
 /// upstream continues the trace under this span). Without a current
 /// request trace, `req` is left as it is: a client's `traceparent` passes
 /// through untouched.
+#[cfg_attr(not(feature = "otel"), allow(unused_variables))]
 pub fn upstream<B>(req: &mut Request<B>, upstream: &Uri) -> ChildSpan {
-    #[cfg(feature = "otel")]
-    {
-        ChildSpan {
-            span: otel::upstream_span(req, upstream),
-        }
-    }
-    #[cfg(not(feature = "otel"))]
-    {
-        let _ = (req, upstream);
-        ChildSpan {}
+    ChildSpan {
+        #[cfg(feature = "otel")]
+        span: otel::upstream_span(req, upstream),
     }
 }
 
