@@ -77,18 +77,11 @@ mod tests {
     #[test]
     fn certificate_errors_name_their_cause_and_share_one_detail() {
         let untrusted = "the upstream's TLS certificate is not trusted";
+        let cert = E::InvalidCertificate;
         for (err, cause, detail) in [
-            (
-                E::InvalidCertificate(C::UnknownIssuer),
-                "unknown issuer",
-                untrusted,
-            ),
-            (
-                E::InvalidCertificate(C::NotValidForName),
-                "name mismatch",
-                untrusted,
-            ),
-            (E::InvalidCertificate(C::Expired), "expired", untrusted),
+            (cert(C::UnknownIssuer), "unknown issuer", untrusted),
+            (cert(C::NotValidForName), "name mismatch", untrusted),
+            (cert(C::Expired), "expired", untrusted),
             (
                 E::AlertReceived(AlertDescription::CertificateRequired),
                 "the upstream sent the alert CertificateRequired",
