@@ -62,7 +62,6 @@ pub struct ChildSpan {
 // === impl Tracer ===
 
 impl Tracer {
-    /// No spans, no exporter.
     pub fn disabled() -> Self {
         Self::default()
     }
@@ -86,13 +85,9 @@ impl Tracer {
 
     pub fn is_enabled(&self) -> bool {
         #[cfg(feature = "otel")]
-        {
-            self.exporting.is_some()
-        }
+        return self.exporting.is_some();
         #[cfg(not(feature = "otel"))]
-        {
-            false
-        }
+        false
     }
 
     /// The server span of one request: a child of the client's
@@ -126,40 +121,33 @@ pub fn within<F: Future>(trace: RequestTrace, fut: F) -> impl Future<Output = F:
 
 /// `fut` under the current request's context, for a task spawned from it.
 pub fn in_current<F: Future>(fut: F) -> impl Future<Output = F::Output> {
-    #[cfg(feature = "otel")]
-    {
-        let cx = otel::current_request();
-        within(RequestTrace { cx }, fut)
-    }
-    #[cfg(not(feature = "otel"))]
-    {
-        fut
-    }
+    let trace = RequestTrace {
+        #[cfg(feature = "otel")]
+        cx: otel::current_request(),
+    };
+    within(trace, fut)
 }
 
 /// The matched route: the span's `http.route` and name (`POST /orders`).
+#[cfg_attr(not(feature = "otel"), allow(unused_variables))]
 pub fn set_route(label: &str) {
     #[cfg(feature = "otel")]
     otel::with_server_span(|s| s.set_route(label));
-    #[cfg(not(feature = "otel"))]
-    let _ = label;
 }
 
 /// The key's id (`RecordKey::log_id`), as `idemgate.key.id`.
+#[cfg_attr(not(feature = "otel"), allow(unused_variables))]
 pub fn set_key_id(id: &str) {
     #[cfg(feature = "otel")]
     otel::with_server_span(|s| s.set_key_id(id));
-    #[cfg(not(feature = "otel"))]
-    let _ = id;
 }
 
 /// How the request ended; the last call wins (an unguarded forward first
 /// records its pass-through, then `unguarded`).
+#[cfg_attr(not(feature = "otel"), allow(unused_variables))]
 pub fn record(outcome: Outcome, status: StatusCode) {
     #[cfg(feature = "otel")]
     otel::with_server_span(|s| s.record(outcome, status));
-    #[cfg(not(feature = "otel"))]
-    let _ = (outcome, status);
 }
 
 /// A store call's span (`store claim`), under the current request's span.
@@ -186,29 +174,25 @@ pub fn upstream<B>(req: &mut Request<B>, upstream: &Uri) -> ChildSpan {
 /// The current request's trace id (32 hex digits), for log lines.
 pub fn current_trace_id() -> Option<String> {
     #[cfg(feature = "otel")]
-    {
-        otel::current_trace_id()
-    }
+    return otel::current_trace_id();
     #[cfg(not(feature = "otel"))]
-    {
-        None
-    }
+    None
 }
 
 // === impl ChildSpan ===
 
 impl ChildSpan {
     /// Marks the span failed when `result` is an error.
+    #[cfg_attr(not(feature = "otel"), allow(unused_variables))]
     pub fn finish<T, E: fmt::Display>(self, result: &Result<T, E>) {
         #[cfg(feature = "otel")]
         if let (Some(mut span), Err(e)) = (self.span, result) {
             otel::fail(&mut span, e);
         }
-        #[cfg(not(feature = "otel"))]
-        let _ = result;
     }
 
     /// The upstream's status, or its failure.
+    #[cfg_attr(not(feature = "otel"), allow(unused_variables))]
     pub fn finish_response<B, E: fmt::Display>(self, result: &Result<Response<B>, E>) {
         #[cfg(feature = "otel")]
         if let Some(mut span) = self.span {
@@ -217,8 +201,6 @@ impl ChildSpan {
                 Err(e) => otel::fail(&mut span, e),
             }
         }
-        #[cfg(not(feature = "otel"))]
-        let _ = result;
     }
 }
 

@@ -184,10 +184,7 @@ impl Drop for ServerSpan {
         let span = self.span.get_mut().unwrap_or_else(|p| p.into_inner());
         if let Some((outcome, status)) = result {
             span.set_attribute(KeyValue::new("idemgate.outcome", outcome.as_str()));
-            span.set_attribute(KeyValue::new(
-                "http.response.status_code",
-                i64::from(status.as_u16()),
-            ));
+            span.set_attribute(status_code(status));
             // A server span fails on 5xx only: 4xx are the client's.
             if status.is_server_error() {
                 span.set_status(Status::error(outcome.as_str()));
@@ -271,13 +268,14 @@ pub(super) fn fail(span: &mut Span, e: &dyn fmt::Display) {
 }
 
 pub(super) fn response(span: &mut Span, status: StatusCode) {
-    span.set_attribute(KeyValue::new(
-        "http.response.status_code",
-        i64::from(status.as_u16()),
-    ));
+    span.set_attribute(status_code(status));
     if status.is_server_error() {
         span.set_status(Status::error(status.to_string()));
     }
+}
+
+fn status_code(status: StatusCode) -> KeyValue {
+    KeyValue::new("http.response.status_code", i64::from(status.as_u16()))
 }
 
 // === Reporting ===
