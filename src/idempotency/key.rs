@@ -140,13 +140,8 @@ impl Scope {
     pub fn derive(value: Option<&[u8]>, secret: Option<&[u8]>) -> Self {
         let mut input = Vec::with_capacity(20 + value.map_or(0, <[u8]>::len));
         input.extend_from_slice(b"idemgate/scope/v1\0");
-        match value {
-            Some(v) => {
-                input.push(1);
-                input.extend_from_slice(v);
-            }
-            None => input.push(0),
-        }
+        input.push(u8::from(value.is_some()));
+        input.extend_from_slice(value.unwrap_or_default());
         Self::digest(&input, secret)
     }
 
