@@ -378,15 +378,11 @@ impl Parser<'_> {
     }
 
     fn eat(&mut self, b: u8) -> Result<(), JsonError> {
-        if self.bytes.get(self.pos) == Some(&b) {
-            self.pos += 1;
-            Ok(())
-        } else {
-            Err(self.syntax())
-        }
+        self.literal(&[b], ())
     }
 
-    fn literal(&mut self, word: &[u8], value: Json) -> Result<Json, JsonError> {
+    /// `value` if `word` comes next (and is consumed).
+    fn literal<T>(&mut self, word: &[u8], value: T) -> Result<T, JsonError> {
         if self.bytes[self.pos..].starts_with(word) {
             self.pos += word.len();
             Ok(value)
