@@ -45,7 +45,6 @@ impl Default for Clock {
 }
 
 impl Clock {
-    /// The system's wall clock.
     pub fn system() -> Self {
         Self {
             source: Source::System,
@@ -98,7 +97,6 @@ impl Clock {
         }
     }
 
-    /// Milliseconds since the unix epoch.
     pub fn now_millis(&self) -> UnixMillis {
         let base = match self.source {
             Source::System => never_backwards(&LATEST, system_millis()),

@@ -277,7 +277,6 @@ impl Metrics {
         metrics
     }
 
-    /// Upgraded connections (WebSocket tunnels).
     pub fn tunnels(&self) -> &TunnelMetrics {
         &self.tunnels
     }
@@ -384,7 +383,6 @@ impl Metrics {
         self.swept.inc_by(n);
     }
 
-    /// Attaches the Redis fast path's counters.
     pub fn attach_fast_path(&self, counters: Arc<dyn FastPathStats>) {
         *self
             .fast_path
