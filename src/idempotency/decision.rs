@@ -194,9 +194,7 @@ impl FromStr for StatusEntry {
                 _ => Err(expected()),
             };
         }
-        if !b[1..].iter().all(u8::is_ascii_digit) {
-            return Err(expected());
-        }
+        // Three characters, the first a digit: only digits parse.
         let status: u16 = s.parse().map_err(|_| expected())?;
         match class {
             4 | 5 => Ok(StatusEntry::Status(status)),
