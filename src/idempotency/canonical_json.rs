@@ -431,9 +431,6 @@ impl Parser<'_> {
                 }
                 loop {
                     self.ws();
-                    if self.bytes.get(self.pos) != Some(&b'"') {
-                        return Err(self.syntax());
-                    }
                     let name = self.string()?;
                     self.ws();
                     self.eat(b':')?;
