@@ -496,15 +496,13 @@ mod tests {
         m.takeover(&route);
         m.attach_fast_path(Arc::new(FixedStats));
         let text = m.encode();
-        assert!(
-            text.contains(r#"idemgate_requests_total{route="/orders",outcome="replayed"} 2"#),
-            "{text}"
-        );
-        assert!(text.contains("idemgate_lease_takeovers_total{route=\"/orders\"} 1"));
-        assert!(
-            text.contains("idemgate_redis_fast_path_hits_total 3"),
-            "{text}"
-        );
+        for line in [
+            r#"idemgate_requests_total{route="/orders",outcome="replayed"} 2"#,
+            r#"idemgate_lease_takeovers_total{route="/orders"} 1"#,
+            "idemgate_redis_fast_path_hits_total 3",
+        ] {
+            assert!(text.contains(line), "{line}\n{text}");
+        }
         assert_eq!(m.request_count("/orders", Outcome::Replayed), 2);
     }
 
