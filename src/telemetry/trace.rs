@@ -25,6 +25,8 @@ use std::future::Future;
 
 #[cfg(feature = "otel")]
 mod otel;
+#[cfg(feature = "otel")]
+use tokio_util::either::Either;
 
 /// `[tracing]` as `config` parsed it (the settings live here, with their user).
 #[derive(Clone, Debug, PartialEq)]
@@ -102,21 +104,15 @@ impl Tracer {
 }
 
 /// Runs `fut` (a request's handling) with `trace` as the current context.
+#[cfg_attr(not(feature = "otel"), allow(unused_variables))]
 pub fn within<F: Future>(trace: RequestTrace, fut: F) -> impl Future<Output = F::Output> {
     #[cfg(feature = "otel")]
-    {
-        use opentelemetry::context::FutureExt;
-        use tokio_util::either::Either;
-        match trace.cx {
-            Some(cx) => Either::Left(fut.with_context(cx)),
-            None => Either::Right(fut),
-        }
-    }
+    return match trace.cx {
+        Some(cx) => Either::Left(opentelemetry::context::FutureExt::with_context(fut, cx)),
+        None => Either::Right(fut),
+    };
     #[cfg(not(feature = "otel"))]
-    {
-        let _ = trace;
-        fut
-    }
+    fut
 }
 
 /// `fut` under the current request's context, for a task spawned from it.

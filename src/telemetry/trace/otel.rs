@@ -352,11 +352,8 @@ impl HttpClient for ExportClient {
 
 async fn post(request: Request<Bytes>) -> Result<Response<Bytes>, HttpError> {
     let (mut parts, body) = request.into_parts();
-    let authority = parts
-        .uri
-        .authority()
-        .ok_or("the OTLP URL has no host")?
-        .clone();
+    let authority = parts.uri.authority().cloned();
+    let authority = authority.ok_or("the OTLP URL has no host")?;
     let port = authority.port_u16().unwrap_or(80);
     let stream = tokio::net::TcpStream::connect((authority.host(), port)).await?;
     let (mut sender, connection) =
@@ -366,13 +363,8 @@ async fn post(request: Request<Bytes>) -> Result<Response<Bytes>, HttpError> {
         .headers
         .insert(header::HOST, HeaderValue::from_str(authority.as_str())?);
     // Origin form on the request line.
-    parts.uri = Uri::from(
-        parts
-            .uri
-            .path_and_query()
-            .cloned()
-            .ok_or("the OTLP URL has no path")?,
-    );
+    let path = parts.uri.path_and_query().cloned();
+    parts.uri = Uri::from(path.ok_or("the OTLP URL has no path")?);
     let response = sender
         .send_request(Request::from_parts(parts, Full::new(body)))
         .await?;
