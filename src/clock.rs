@@ -15,17 +15,19 @@ use tokio::time::Instant;
 /// Milliseconds since the Unix epoch, as the store keeps them.
 pub type UnixMillis = i64;
 
-/// A source of unix milliseconds. Cheap to copy.
-#[derive(Clone, Copy, Debug)]
+/// A source of unix milliseconds. Cheap to copy. The default is the
+/// system's wall clock.
+#[derive(Clone, Copy, Debug, Default)]
 pub struct Clock {
     source: Source,
     /// Added to every reading (tests only; zero in production).
     offset_ms: i64,
 }
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Default)]
 enum Source {
     /// The system clock, never read backwards (see [`never_backwards`]).
+    #[default]
     System,
     /// Wall time at `start`, then advancing with tokio's (pausable) clock.
     Tokio {
@@ -38,19 +40,9 @@ enum Source {
 /// can run a replica whose clock is wrong. Never set it in production.
 pub const TEST_OFFSET_ENV: &str = "IDEMGATE_TEST_CLOCK_OFFSET_MS";
 
-impl Default for Clock {
-    fn default() -> Self {
-        Self::system()
-    }
-}
-
 impl Clock {
-    /// The system's wall clock.
     pub fn system() -> Self {
-        Self {
-            source: Source::System,
-            offset_ms: 0,
-        }
+        Self::default()
     }
 
     /// The system clock, shifted by [`TEST_OFFSET_ENV`] when that is set
@@ -98,7 +90,6 @@ impl Clock {
         }
     }
 
-    /// Milliseconds since the unix epoch.
     pub fn now_millis(&self) -> UnixMillis {
         let base = match self.source {
             Source::System => never_backwards(&LATEST, system_millis()),

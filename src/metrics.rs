@@ -11,7 +11,7 @@ use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
-use prometheus_client::registry::Registry;
+use prometheus_client::registry::{Metric, Registry};
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -136,9 +136,25 @@ pub struct Metrics {
     tunnels: TunnelMetrics,
 }
 
-fn latency_histogram() -> Histogram {
+fn latency_family<S: Clone + Eq + std::hash::Hash>() -> Family<S, Histogram> {
     // 0.5 ms .. ~16 s
-    Histogram::new(exponential_buckets(0.0005, 2.0, 16))
+    Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.0005, 2.0, 16)))
+}
+
+/// Registers a new metric under `name` and hands it back.
+fn add<M: Metric + Clone + Default>(registry: &mut Registry, name: &str, help: &str) -> M {
+    add_metric(registry, name, help, M::default())
+}
+
+fn add_metric<M: Metric + Clone>(registry: &mut Registry, name: &str, help: &str, metric: M) -> M {
+    registry.register(name, help, metric.clone());
+    metric
+}
+
+fn route_labels(route: &Arc<String>) -> RouteLabels {
+    RouteLabels {
+        route: route.clone(),
+    }
 }
 
 impl Default for Metrics {
@@ -152,147 +168,111 @@ impl Metrics {
         // process_* keep their conventional names; everything else is
         // idemgate_*.
         let mut root = Registry::default();
+        root.register_collector(Box::new(process::ProcessCollector));
         let registry = root.sub_registry_with_prefix("idemgate");
-        let requests = Family::default();
-        registry.register(
-            "requests",
-            "Requests by route and outcome",
-            requests.clone(),
-        );
-        let takeovers = Family::default();
-        registry.register(
-            "lease_takeovers",
-            "In-flight claims taken over after their holder's lease ran out",
-            takeovers.clone(),
-        );
-        let lost_fences = Family::default();
-        registry.register(
-            "lost_fences",
-            "Completions or releases refused because the claim had been taken over",
-            lost_fences.clone(),
-        );
-        let store_latency =
-            Family::<OpLabels, Histogram>::new_with_constructor(latency_histogram as fn() -> _);
-        registry.register(
-            "store_duration_seconds",
-            "Store operation latency",
-            store_latency.clone(),
-        );
-        let upstream_latency =
-            Family::<RouteLabels, Histogram>::new_with_constructor(latency_histogram as fn() -> _);
-        registry.register(
-            "upstream_duration_seconds",
-            "Upstream latency of protected requests, to the end of the stored body",
-            upstream_latency.clone(),
-        );
-        let in_flight = Gauge::default();
-        registry.register(
-            "in_flight",
-            "Protected requests currently executing upstream",
-            in_flight.clone(),
-        );
-        let pending_completions = Gauge::default();
-        registry.register(
-            "pending_completions",
-            "Upstream answers received but not yet recorded in the store (retried in the background)",
-            pending_completions.clone(),
-        );
-        let waiters = Gauge::default();
-        registry.register(
-            "waiters",
-            "Duplicates waiting for the answer of a request in flight (in_flight = { wait })",
-            waiters.clone(),
-        );
-        let buffered_body_bytes = Gauge::default();
-        registry.register(
-            "buffered_body_bytes",
-            "Bytes of protected request bodies reserved in the body budget (server.max_buffered_body_bytes)",
-            buffered_body_bytes.clone(),
-        );
-        let body_budget_refusals = Counter::default();
-        registry.register(
-            "body_budget_refusals",
-            "Protected requests refused with 503 because the body budget was spent",
-            body_budget_refusals.clone(),
-        );
-        let swept = Counter::default();
-        registry.register(
-            "swept_records",
-            "Expired records deleted by the sweeper",
-            swept.clone(),
-        );
         let fast_path = Arc::new(FastPathCollector::default());
         registry.register_collector(Box::new(fast_path.clone()));
-        let store_up = Family::<BackendLabels, Gauge>::default();
-        registry.register(
-            "store_up",
-            "1 while the store answers its health check (every few seconds, and on /readyz or /healthz/store), 0 after one failed",
-            store_up.clone(),
-        );
-        let config_reloads = Family::<ResultLabels, Counter>::default();
-        registry.register(
-            "config_reloads",
-            "Config reloads (SIGHUP) by result: ok, or error (the old config keeps serving)",
-            config_reloads.clone(),
-        );
-        for result in ["ok", "error"] {
-            drop(config_reloads.get_or_create(&ResultLabels { result }));
-        }
-        let last_reload_success = Gauge::<f64, AtomicU64>::default();
-        registry.register(
-            "config_last_reload_success_timestamp_seconds",
-            "When the running config was loaded (start or last successful reload), unix seconds",
-            last_reload_success.clone(),
-        );
-        let open_connections = Gauge::default();
-        registry.register(
-            "open_connections",
-            "Client connections open on the proxy listener",
-            open_connections.clone(),
-        );
-        let upstream_in_flight = Family::<UpstreamLabels, Gauge>::default();
-        registry.register(
-            "upstream_in_flight",
-            "Requests using an upstream connection now (sent, answer not yet fully read), by upstream: compare with its pool size",
-            upstream_in_flight.clone(),
-        );
-        let build_info = Family::<BuildLabels, Gauge>::default();
-        registry.register(
-            "build_info",
-            "The running build (always 1)",
-            build_info.clone(),
-        );
-        build_info
-            .get_or_create(&BuildLabels {
-                version: env!("CARGO_PKG_VERSION"),
-            })
-            .set(1);
-        let tunnels = TunnelMetrics::register(registry);
-        root.register_collector(Box::new(process::ProcessCollector));
-        Self {
-            registry: root,
-            requests,
-            takeovers,
-            lost_fences,
-            store_latency,
-            upstream_latency,
-            in_flight,
-            pending_completions,
-            waiters,
-            buffered_body_bytes,
-            body_budget_refusals,
-            swept,
+        // The exposition lists metrics in the order they are registered,
+        // which is the order of these fields.
+        let metrics = Self {
+            requests: add(registry, "requests", "Requests by route and outcome"),
+            takeovers: add(
+                registry,
+                "lease_takeovers",
+                "In-flight claims taken over after their holder's lease ran out",
+            ),
+            lost_fences: add(
+                registry,
+                "lost_fences",
+                "Completions or releases refused because the claim had been taken over",
+            ),
+            store_latency: add_metric(
+                registry,
+                "store_duration_seconds",
+                "Store operation latency",
+                latency_family(),
+            ),
+            upstream_latency: add_metric(
+                registry,
+                "upstream_duration_seconds",
+                "Upstream latency of protected requests, to the end of the stored body",
+                latency_family(),
+            ),
+            in_flight: add(
+                registry,
+                "in_flight",
+                "Protected requests currently executing upstream",
+            ),
+            pending_completions: add(
+                registry,
+                "pending_completions",
+                "Upstream answers received but not yet recorded in the store (retried in the background)",
+            ),
+            waiters: add(
+                registry,
+                "waiters",
+                "Duplicates waiting for the answer of a request in flight (in_flight = { wait })",
+            ),
+            buffered_body_bytes: add(
+                registry,
+                "buffered_body_bytes",
+                "Bytes of protected request bodies reserved in the body budget (server.max_buffered_body_bytes)",
+            ),
+            body_budget_refusals: add(
+                registry,
+                "body_budget_refusals",
+                "Protected requests refused with 503 because the body budget was spent",
+            ),
+            swept: add(registry, "swept_records", "Expired records deleted by the sweeper"),
             fast_path,
-            store_up,
-            config_reloads,
-            last_reload_success,
-            open_connections,
-            upstream_in_flight,
-            tunnels,
+            store_up: add(
+                registry,
+                "store_up",
+                "1 while the store answers its health check (every few seconds, and on /readyz or /healthz/store), 0 after one failed",
+            ),
+            config_reloads: add(
+                registry,
+                "config_reloads",
+                "Config reloads (SIGHUP) by result: ok, or error (the old config keeps serving)",
+            ),
+            last_reload_success: add(
+                registry,
+                "config_last_reload_success_timestamp_seconds",
+                "When the running config was loaded (start or last successful reload), unix seconds",
+            ),
+            open_connections: add(
+                registry,
+                "open_connections",
+                "Client connections open on the proxy listener",
+            ),
+            upstream_in_flight: add(
+                registry,
+                "upstream_in_flight",
+                "Requests using an upstream connection now (sent, answer not yet fully read), by upstream: compare with its pool size",
+            ),
+            tunnels: {
+                // Registered here for its place in the exposition.
+                let build_info: Family<BuildLabels, Gauge> =
+                    add(registry, "build_info", "The running build (always 1)");
+                build_info
+                    .get_or_create(&BuildLabels {
+                        version: env!("CARGO_PKG_VERSION"),
+                    })
+                    .set(1);
+                TunnelMetrics::register(registry)
+            },
+            registry: root,
+        };
+        for result in ["ok", "error"] {
+            drop(
+                metrics
+                    .config_reloads
+                    .get_or_create(&ResultLabels { result }),
+            );
         }
+        metrics
     }
 
-    /// Upgraded connections (WebSocket tunnels).
     pub fn tunnels(&self) -> &TunnelMetrics {
         &self.tunnels
     }
@@ -349,28 +329,18 @@ impl Metrics {
     /// alerts see them before the first event.
     pub fn register_routes<'a>(&self, labels: impl IntoIterator<Item = &'a Arc<String>>) {
         for route in labels {
-            let l = RouteLabels {
-                route: route.clone(),
-            };
+            let l = route_labels(route);
             drop(self.takeovers.get_or_create(&l));
             drop(self.lost_fences.get_or_create(&l));
         }
     }
 
     pub fn takeover(&self, route: &Arc<String>) {
-        self.takeovers
-            .get_or_create(&RouteLabels {
-                route: route.clone(),
-            })
-            .inc();
+        self.takeovers.get_or_create(&route_labels(route)).inc();
     }
 
     pub fn lost_fence(&self, route: &Arc<String>) {
-        self.lost_fences
-            .get_or_create(&RouteLabels {
-                route: route.clone(),
-            })
-            .inc();
+        self.lost_fences.get_or_create(&route_labels(route)).inc();
     }
 
     pub fn store_op(&self, op: &'static str, took: Duration) {
@@ -381,9 +351,7 @@ impl Metrics {
 
     pub fn upstream(&self, route: &Arc<String>, took: Duration) {
         self.upstream_latency
-            .get_or_create(&RouteLabels {
-                route: route.clone(),
-            })
+            .get_or_create(&route_labels(route))
             .observe(took.as_secs_f64());
     }
 
@@ -411,7 +379,6 @@ impl Metrics {
         self.swept.inc_by(n);
     }
 
-    /// Attaches the Redis fast path's counters.
     pub fn attach_fast_path(&self, counters: Arc<dyn FastPathStats>) {
         *self
             .fast_path
@@ -529,15 +496,13 @@ mod tests {
         m.takeover(&route);
         m.attach_fast_path(Arc::new(FixedStats));
         let text = m.encode();
-        assert!(
-            text.contains(r#"idemgate_requests_total{route="/orders",outcome="replayed"} 2"#),
-            "{text}"
-        );
-        assert!(text.contains("idemgate_lease_takeovers_total{route=\"/orders\"} 1"));
-        assert!(
-            text.contains("idemgate_redis_fast_path_hits_total 3"),
-            "{text}"
-        );
+        for line in [
+            r#"idemgate_requests_total{route="/orders",outcome="replayed"} 2"#,
+            r#"idemgate_lease_takeovers_total{route="/orders"} 1"#,
+            "idemgate_redis_fast_path_hits_total 3",
+        ] {
+            assert!(text.contains(line), "{line}\n{text}");
+        }
         assert_eq!(m.request_count("/orders", Outcome::Replayed), 2);
     }
 
@@ -590,28 +555,22 @@ pub struct TunnelMetrics {
 
 impl TunnelMetrics {
     fn register(registry: &mut Registry) -> Self {
-        let open = Gauge::default();
-        registry.register(
-            "tunnels_open",
-            "Upgraded connections (WebSocket) currently tunnelled to an upstream",
-            open.clone(),
-        );
-        let refused = Counter::default();
-        registry.register(
-            "tunnels_refused",
-            "Upgrade requests refused with 503 because server.max_connections tunnels were open",
-            refused.clone(),
-        );
-        let bytes = Family::default();
-        registry.register(
-            "tunnel_bytes",
-            "Bytes copied through tunnels, by direction (to_upstream, to_client)",
-            bytes.clone(),
-        );
         Self {
-            open,
-            refused,
-            bytes,
+            open: add(
+                registry,
+                "tunnels_open",
+                "Upgraded connections (WebSocket) currently tunnelled to an upstream",
+            ),
+            refused: add(
+                registry,
+                "tunnels_refused",
+                "Upgrade requests refused with 503 because server.max_connections tunnels were open",
+            ),
+            bytes: add(
+                registry,
+                "tunnel_bytes",
+                "Bytes copied through tunnels, by direction (to_upstream, to_client)",
+            ),
         }
     }
 

@@ -284,10 +284,9 @@ impl PathPattern {
                 "path {source:?} must not contain ';': path parameters are ignored when matching"
             ));
         }
-        let (body, prefix) = match source.strip_suffix("/*") {
-            Some(rest) => (rest, true),
-            None => (source, false),
-        };
+        let (body, prefix) = source
+            .strip_suffix("/*")
+            .map_or((source, false), |rest| (rest, true));
         let mut segments = Vec::new();
         let normalized = normalize_path(body);
         for seg in normalized.split('/').skip(1) {
@@ -324,19 +323,12 @@ impl PathPattern {
             .split('/')
             .map(segment_name)
             .filter(|name| !name.is_empty());
-        for seg in &self.segments {
-            let Some(part) = parts.next() else {
-                return false;
-            };
-            let fits = match seg {
-                Segment::Literal(lit) => lit == part,
-                Segment::Param => !part.is_empty(),
-            };
-            if !fits {
-                return false;
-            }
-        }
-        self.prefix || parts.next().is_none()
+        let fits = self.segments.iter().all(|seg| match (seg, parts.next()) {
+            (Segment::Literal(lit), Some(part)) => lit == part,
+            (Segment::Param, Some(part)) => !part.is_empty(),
+            (_, None) => false,
+        });
+        fits && (self.prefix || parts.next().is_none())
     }
 
     /// Two patterns are the same route when they match the same paths.
@@ -490,7 +482,7 @@ fn decode_unreserved(path: &str) -> String {
         }
         match bytes.get(i + 1..i + 3) {
             Some(&[hi, lo]) if hi.is_ascii_hexdigit() && lo.is_ascii_hexdigit() => {
-                let b = hex_digit(hi) << 4 | hex_digit(lo);
+                let b = u8::from_str_radix(&path[i + 1..i + 3], 16).expect("two hex digits");
                 if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
                     out.push(b);
                 } else {
@@ -509,15 +501,6 @@ fn decode_unreserved(path: &str) -> String {
         }
     }
     String::from_utf8(out).unwrap_or_else(|_| path.to_string())
-}
-
-/// The value of an ASCII hex digit.
-fn hex_digit(c: u8) -> u8 {
-    match c {
-        b'0'..=b'9' => c - b'0',
-        b'a'..=b'f' => c - b'a' + 10,
-        _ => c - b'A' + 10,
-    }
 }
 
 /// The protected routes, in config order.

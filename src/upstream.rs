@@ -68,9 +68,8 @@ impl Upstreams {
 
 /// One upstream: where it is, how long it may take, and its client.
 pub struct Upstream {
-    name: String,
-    /// `name`, shared with the per-upstream metric labels.
-    label: Arc<String>,
+    /// Shared with the per-upstream metric labels.
+    name: Arc<String>,
     url: Uri,
     timeout: Duration,
     protocol: UpstreamProtocol,
@@ -124,8 +123,7 @@ impl Upstream {
             UpstreamClient::Plain(builder.build(http))
         };
         Ok(Self {
-            name: cfg.name.clone(),
-            label: Arc::new(cfg.name.clone()),
+            name: Arc::new(cfg.name.clone()),
             url: cfg.url.clone(),
             timeout: cfg.timeout,
             protocol: cfg.protocol,
@@ -140,7 +138,7 @@ impl Upstream {
 
     /// The name as a metric label value.
     pub fn label(&self) -> &Arc<String> {
-        &self.label
+        &self.name
     }
 
     pub fn url(&self) -> &Uri {

@@ -149,13 +149,8 @@ impl fmt::Display for ReleaseStatuses {
         if self.0.is_empty() {
             return f.write_str("none");
         }
-        for (i, entry) in self.0.iter().enumerate() {
-            if i > 0 {
-                f.write_str(",")?;
-            }
-            write!(f, "{entry}")?;
-        }
-        Ok(())
+        let entries: Vec<String> = self.0.iter().map(ToString::to_string).collect();
+        f.write_str(&entries.join(","))
     }
 }
 
@@ -199,9 +194,7 @@ impl FromStr for StatusEntry {
                 _ => Err(expected()),
             };
         }
-        if !b[1..].iter().all(u8::is_ascii_digit) {
-            return Err(expected());
-        }
+        // Three characters, the first a digit: only digits parse.
         let status: u16 = s.parse().map_err(|_| expected())?;
         match class {
             4 | 5 => Ok(StatusEntry::Status(status)),
@@ -272,6 +265,15 @@ mod tests {
     fn decision_table() {
         let same = Fingerprint([1; 32]);
         let now = 10_000;
+        let in_flight = |fp, from_now| {
+            record(
+                fp,
+                RecordState::InFlight {
+                    locked_until: now + from_now,
+                },
+            )
+        };
+        let retry = |retry_after_secs| Decision::InFlight { retry_after_secs };
         let cases = [
             (
                 record(1, RecordState::Completed(resp(201))),
@@ -285,49 +287,11 @@ mod tests {
                 record(2, RecordState::Completed(resp(201))),
                 Decision::Mismatch,
             ),
-            (
-                record(
-                    1,
-                    RecordState::InFlight {
-                        locked_until: now + 29_001,
-                    },
-                ),
-                Decision::InFlight {
-                    retry_after_secs: 30,
-                },
-            ),
-            (
-                record(
-                    1,
-                    RecordState::InFlight {
-                        locked_until: now + 1,
-                    },
-                ),
-                Decision::InFlight {
-                    retry_after_secs: 1,
-                },
-            ),
-            (
-                // A lease that ran out between claim and read still says "retry soon".
-                record(
-                    1,
-                    RecordState::InFlight {
-                        locked_until: now - 5,
-                    },
-                ),
-                Decision::InFlight {
-                    retry_after_secs: 1,
-                },
-            ),
-            (
-                record(
-                    2,
-                    RecordState::InFlight {
-                        locked_until: now + 5_000,
-                    },
-                ),
-                Decision::Mismatch,
-            ),
+            (in_flight(1, 29_001), retry(30)),
+            (in_flight(1, 1), retry(1)),
+            // A lease that ran out between claim and read still says "retry soon".
+            (in_flight(1, -5), retry(1)),
+            (in_flight(2, 5_000), Decision::Mismatch),
             (
                 record(1, RecordState::Unstored { status: 200 }),
                 Decision::NotReplayable { status: 200 },
@@ -344,9 +308,12 @@ mod tests {
         }
     }
 
+    fn list(entries: &[&str]) -> Result<ReleaseStatuses, String> {
+        ReleaseStatuses::new(entries.iter().map(|e| e.parse().unwrap()).collect())
+    }
+
     fn statuses(entries: &[&str]) -> ReleaseStatuses {
-        let parsed = entries.iter().map(|e| e.parse().unwrap()).collect();
-        ReleaseStatuses::new(parsed).unwrap()
+        list(entries).unwrap()
     }
 
     #[test]
@@ -415,9 +382,6 @@ mod tests {
             let err = bad.parse::<StatusEntry>().unwrap_err();
             assert!(err.contains(needle), "{bad:?}: {err}");
         }
-        let list = |entries: &[&str]| {
-            ReleaseStatuses::new(entries.iter().map(|e| e.parse().unwrap()).collect())
-        };
         assert!(list(&["429", "429"]).unwrap_err().contains("listed twice"));
         assert!(list(&["5xx", "503"]).unwrap_err().contains("overlap"));
         assert!(list(&["503", "5xx"]).unwrap_err().contains("overlap"));

@@ -127,10 +127,9 @@ pub fn load_certs(what: &'static str, path: &Path) -> Result<(Certs, Vec<u8>), T
 /// bytes. Errors never quote the file.
 pub fn load_key(what: &'static str, path: &Path) -> Result<(Key, Vec<u8>), TlsError> {
     let pem = std::fs::read(path).map_err(|e| file_error(what, path, e))?;
-    match PrivateKeyDer::from_pem_slice(&pem) {
-        Ok(key) => Ok((key, pem)),
-        Err(e) => Err(file_error(what, path, pem_reason(e, KEY_KINDS))),
-    }
+    let key = PrivateKeyDer::from_pem_slice(&pem)
+        .map_err(|e| file_error(what, path, pem_reason(e, KEY_KINDS)))?;
+    Ok((key, pem))
 }
 
 type Certs = Vec<CertificateDer<'static>>;
@@ -382,19 +381,18 @@ impl Failure<'_> {
                 .strip_suffix("\")")
                 .map(Into::into)
         };
-        match self.error {
-            rustls::Error::InvalidCertificate(CertificateError::NotValidForNameContext {
-                presented,
-                ..
-            }) => Some(
-                presented
-                    .iter()
-                    .map(|n| bare(n).unwrap_or(n.clone()))
-                    .collect::<Vec<String>>()
-                    .join(", "),
-            ),
-            _ => None,
-        }
+        let rustls::Error::InvalidCertificate(CertificateError::NotValidForNameContext {
+            presented,
+            ..
+        }) = self.error
+        else {
+            return None;
+        };
+        let names: Vec<String> = presented
+            .iter()
+            .map(|n| bare(n).unwrap_or(n.clone()))
+            .collect();
+        Some(names.join(", "))
     }
 }
 
@@ -413,13 +411,11 @@ mod tests {
     const NAMES: FileNames = FileNames::new("ca_file", "cert_file", "key_file");
 
     fn tls(check: ServerCheck, ca: &str) -> ClientTls {
-        let roots = Roots::File(ca.into());
-        let (identity, names) = (None, NAMES);
         ClientTls {
             check,
-            roots,
-            identity,
-            names,
+            roots: Roots::File(ca.into()),
+            identity: None,
+            names: NAMES,
         }
     }
 

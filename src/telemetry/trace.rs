@@ -25,6 +25,8 @@ use std::future::Future;
 
 #[cfg(feature = "otel")]
 mod otel;
+#[cfg(feature = "otel")]
+use tokio_util::either::Either;
 
 /// `[tracing]` as `config` parsed it (the settings live here, with their user).
 #[derive(Clone, Debug, PartialEq)]
@@ -62,7 +64,6 @@ pub struct ChildSpan {
 // === impl Tracer ===
 
 impl Tracer {
-    /// No spans, no exporter.
     pub fn disabled() -> Self {
         Self::default()
     }
@@ -70,121 +71,87 @@ impl Tracer {
     /// The exporter for `config` (its batch thread starts here); spans are
     /// flushed when the last clone is dropped. Without the `otel` feature
     /// there is no `[tracing]` config to pass (the section is refused).
+    #[cfg_attr(not(feature = "otel"), allow(unused_variables))]
     pub fn new(config: Option<&TracingConfig>) -> Self {
-        #[cfg(feature = "otel")]
-        {
-            let exporting = config.and_then(|c| match otel::Exporting::launch(c) {
+        Self {
+            #[cfg(feature = "otel")]
+            exporting: config.and_then(|c| match otel::Exporting::launch(c) {
                 Ok(e) => Some(std::sync::Arc::new(e)),
                 Err(e) => {
                     tracing::error!(error = %e, "cannot start the OTLP exporter; running without traces");
                     None
                 }
-            });
-            Self { exporting }
-        }
-        #[cfg(not(feature = "otel"))]
-        {
-            let _ = config;
-            Self {}
+            }),
         }
     }
 
     pub fn is_enabled(&self) -> bool {
         #[cfg(feature = "otel")]
-        {
-            self.exporting.is_some()
-        }
+        return self.exporting.is_some();
         #[cfg(not(feature = "otel"))]
-        {
-            false
-        }
+        false
     }
 
     /// The server span of one request: a child of the client's
     /// `traceparent` when it sent a valid one, else the root of a new trace.
+    #[cfg_attr(not(feature = "otel"), allow(unused_variables))]
     pub fn start<B>(&self, req: &Request<B>) -> RequestTrace {
-        #[cfg(feature = "otel")]
-        {
-            RequestTrace {
-                cx: self.exporting.as_ref().map(|e| e.start(req)),
-            }
-        }
-        #[cfg(not(feature = "otel"))]
-        {
-            let _ = req;
-            RequestTrace {}
+        RequestTrace {
+            #[cfg(feature = "otel")]
+            cx: self.exporting.as_ref().map(|e| e.start(req)),
         }
     }
 }
 
 /// Runs `fut` (a request's handling) with `trace` as the current context.
+#[cfg_attr(not(feature = "otel"), allow(unused_variables))]
 pub fn within<F: Future>(trace: RequestTrace, fut: F) -> impl Future<Output = F::Output> {
     #[cfg(feature = "otel")]
-    {
-        use opentelemetry::context::FutureExt;
-        use tokio_util::either::Either;
-        match trace.cx {
-            Some(cx) => Either::Left(fut.with_context(cx)),
-            None => Either::Right(fut),
-        }
-    }
+    return match trace.cx {
+        Some(cx) => Either::Left(opentelemetry::context::FutureExt::with_context(fut, cx)),
+        None => Either::Right(fut),
+    };
     #[cfg(not(feature = "otel"))]
-    {
-        let _ = trace;
-        fut
-    }
+    fut
 }
 
 /// `fut` under the current request's context, for a task spawned from it.
 pub fn in_current<F: Future>(fut: F) -> impl Future<Output = F::Output> {
-    #[cfg(feature = "otel")]
-    {
-        let cx = otel::current_request();
-        within(RequestTrace { cx }, fut)
-    }
-    #[cfg(not(feature = "otel"))]
-    {
-        fut
-    }
+    let trace = RequestTrace {
+        #[cfg(feature = "otel")]
+        cx: otel::current_request(),
+    };
+    within(trace, fut)
 }
 
 /// The matched route: the span's `http.route` and name (`POST /orders`).
+#[cfg_attr(not(feature = "otel"), allow(unused_variables))]
 pub fn set_route(label: &str) {
     #[cfg(feature = "otel")]
     otel::with_server_span(|s| s.set_route(label));
-    #[cfg(not(feature = "otel"))]
-    let _ = label;
 }
 
 /// The key's id (`RecordKey::log_id`), as `idemgate.key.id`.
+#[cfg_attr(not(feature = "otel"), allow(unused_variables))]
 pub fn set_key_id(id: &str) {
     #[cfg(feature = "otel")]
     otel::with_server_span(|s| s.set_key_id(id));
-    #[cfg(not(feature = "otel"))]
-    let _ = id;
 }
 
 /// How the request ended; the last call wins (an unguarded forward first
 /// records its pass-through, then `unguarded`).
+#[cfg_attr(not(feature = "otel"), allow(unused_variables))]
 pub fn record(outcome: Outcome, status: StatusCode) {
     #[cfg(feature = "otel")]
     otel::with_server_span(|s| s.record(outcome, status));
-    #[cfg(not(feature = "otel"))]
-    let _ = (outcome, status);
 }
 
 /// A store call's span (`store claim`), under the current request's span.
+#[cfg_attr(not(feature = "otel"), allow(unused_variables))]
 pub fn store(op: &'static str) -> ChildSpan {
-    #[cfg(feature = "otel")]
-    {
-        ChildSpan {
-            span: otel::store_span(op),
-        }
-    }
-    #[cfg(not(feature = "otel"))]
-    {
-        let _ = op;
-        ChildSpan {}
+    ChildSpan {
+        #[cfg(feature = "otel")]
+        span: otel::store_span(op),
     }
 }
 
@@ -192,46 +159,36 @@ pub fn store(op: &'static str) -> ChildSpan {
 /// upstream continues the trace under this span). Without a current
 /// request trace, `req` is left as it is: a client's `traceparent` passes
 /// through untouched.
+#[cfg_attr(not(feature = "otel"), allow(unused_variables))]
 pub fn upstream<B>(req: &mut Request<B>, upstream: &Uri) -> ChildSpan {
-    #[cfg(feature = "otel")]
-    {
-        ChildSpan {
-            span: otel::upstream_span(req, upstream),
-        }
-    }
-    #[cfg(not(feature = "otel"))]
-    {
-        let _ = (req, upstream);
-        ChildSpan {}
+    ChildSpan {
+        #[cfg(feature = "otel")]
+        span: otel::upstream_span(req, upstream),
     }
 }
 
 /// The current request's trace id (32 hex digits), for log lines.
 pub fn current_trace_id() -> Option<String> {
     #[cfg(feature = "otel")]
-    {
-        otel::current_trace_id()
-    }
+    return otel::current_trace_id();
     #[cfg(not(feature = "otel"))]
-    {
-        None
-    }
+    None
 }
 
 // === impl ChildSpan ===
 
 impl ChildSpan {
     /// Marks the span failed when `result` is an error.
+    #[cfg_attr(not(feature = "otel"), allow(unused_variables))]
     pub fn finish<T, E: fmt::Display>(self, result: &Result<T, E>) {
         #[cfg(feature = "otel")]
         if let (Some(mut span), Err(e)) = (self.span, result) {
             otel::fail(&mut span, e);
         }
-        #[cfg(not(feature = "otel"))]
-        let _ = result;
     }
 
     /// The upstream's status, or its failure.
+    #[cfg_attr(not(feature = "otel"), allow(unused_variables))]
     pub fn finish_response<B, E: fmt::Display>(self, result: &Result<Response<B>, E>) {
         #[cfg(feature = "otel")]
         if let Some(mut span) = self.span {
@@ -240,8 +197,6 @@ impl ChildSpan {
                 Err(e) => otel::fail(&mut span, e),
             }
         }
-        #[cfg(not(feature = "otel"))]
-        let _ = result;
     }
 }
 

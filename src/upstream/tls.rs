@@ -45,14 +45,12 @@ pub fn client_config(cfg: &UpstreamTls) -> Result<ClientConfig, TlsError> {
     tls::client_config(&ClientTls {
         check: ServerCheck::ChainAndName,
         roots: cfg.ca_file.clone().map_or(Roots::System, Roots::File),
-        identity: match (&cfg.cert_file, &cfg.key_file) {
-            (Some(cert), Some(key)) => Some(ClientIdentity {
-                cert: cert.clone(),
-                key: key.clone(),
-            }),
-            // The config refuses one without the other.
-            _ => None,
-        },
+        // The config refuses one without the other.
+        identity: cfg
+            .cert_file
+            .clone()
+            .zip(cfg.key_file.clone())
+            .map(|(cert, key)| ClientIdentity { cert, key }),
         names: FileNames::new("ca_file", "cert_file", "key_file"),
     })
 }
@@ -77,18 +75,11 @@ mod tests {
     #[test]
     fn certificate_errors_name_their_cause_and_share_one_detail() {
         let untrusted = "the upstream's TLS certificate is not trusted";
+        let cert = E::InvalidCertificate;
         for (err, cause, detail) in [
-            (
-                E::InvalidCertificate(C::UnknownIssuer),
-                "unknown issuer",
-                untrusted,
-            ),
-            (
-                E::InvalidCertificate(C::NotValidForName),
-                "name mismatch",
-                untrusted,
-            ),
-            (E::InvalidCertificate(C::Expired), "expired", untrusted),
+            (cert(C::UnknownIssuer), "unknown issuer", untrusted),
+            (cert(C::NotValidForName), "name mismatch", untrusted),
+            (cert(C::Expired), "expired", untrusted),
             (
                 E::AlertReceived(AlertDescription::CertificateRequired),
                 "the upstream sent the alert CertificateRequired",

@@ -34,52 +34,49 @@ pub async fn run(
     pump(TokioIo::new(client), TokioIo::new(upstream), idle, count).await
 }
 
-async fn pump<A, B>(mut a: A, mut b: B, idle: Duration, count: impl Fn(u64, u64)) -> Copied
+async fn pump<S>(client: S, upstream: S, idle: Duration, count: impl Fn(u64, u64)) -> Copied
 where
-    A: AsyncRead + AsyncWrite + Unpin,
-    B: AsyncRead + AsyncWrite + Unpin,
+    S: AsyncRead + AsyncWrite + Unpin,
 {
-    let mut copied = Copied::default();
-    let (mut buf_a, mut buf_b) = (vec![0u8; BUFFER], vec![0u8; BUFFER]);
-    let (mut a_open, mut b_open) = (true, true);
-    while a_open || b_open {
-        // Reads are cancel-safe; each write finishes inside its branch,
-        // bounded by the idle time.
-        tokio::select! {
-            r = a.read(&mut buf_a), if a_open => match r {
-                Ok(0) => {
-                    a_open = false;
-                    let _ = b.shutdown().await;
-                }
-                Ok(n) => {
-                    // A peer that stops reading must not hold the tunnel
-                    // past the idle time either.
-                    if !matches!(tokio::time::timeout(idle, b.write_all(&buf_a[..n])).await, Ok(Ok(()))) {
-                        break;
-                    }
-                    copied.to_upstream += n as u64;
-                    count(n as u64, 0);
-                }
-                Err(_) => break,
-            },
-            r = b.read(&mut buf_b), if b_open => match r {
-                Ok(0) => {
-                    b_open = false;
-                    let _ = a.shutdown().await;
-                }
-                Ok(n) => {
-                    if !matches!(tokio::time::timeout(idle, a.write_all(&buf_b[..n])).await, Ok(Ok(()))) {
-                        break;
-                    }
-                    copied.to_client += n as u64;
-                    count(0, n as u64);
-                }
-                Err(_) => break,
-            },
+    // Index 0 is the client's side, 1 the upstream's; `copied[from]` counts
+    // the bytes read from a side and written to the other.
+    let mut sides = [client, upstream];
+    let mut bufs = [vec![0u8; BUFFER], vec![0u8; BUFFER]];
+    let mut open = [true, true];
+    let mut copied = [0u64; 2];
+    while open[0] || open[1] {
+        let [a, b] = &mut sides;
+        let [buf_a, buf_b] = &mut bufs;
+        // Reads are cancel-safe; the write below is bounded by the idle time.
+        let (from, read) = tokio::select! {
+            r = a.read(buf_a), if open[0] => (0, r),
+            r = b.read(buf_b), if open[1] => (1, r),
             () = tokio::time::sleep(idle) => break,
+        };
+        let to = &mut sides[1 - from];
+        match read {
+            Ok(0) => {
+                open[from] = false;
+                let _ = to.shutdown().await;
+            }
+            Ok(n) => {
+                // A peer that stops reading must not hold the tunnel past
+                // the idle time either.
+                let written = tokio::time::timeout(idle, to.write_all(&bufs[from][..n])).await;
+                if !matches!(written, Ok(Ok(()))) {
+                    break;
+                }
+                copied[from] += n as u64;
+                let (up, down) = if from == 0 { (n, 0) } else { (0, n) };
+                count(up as u64, down as u64);
+            }
+            Err(_) => break,
         }
     }
-    copied
+    Copied {
+        to_upstream: copied[0],
+        to_client: copied[1],
+    }
 }
 
 #[cfg(test)]

@@ -16,7 +16,7 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper_util::rt::TokioIo;
 use opentelemetry::propagation::TextMapPropagator;
 use opentelemetry::trace::{
-    SpanBuilder, SpanKind, Status, TraceContextExt, Tracer as _, TracerProvider as _,
+    Span as _, SpanBuilder, SpanKind, Status, TraceContextExt, Tracer as _, TracerProvider as _,
 };
 use opentelemetry::{Context, KeyValue};
 use opentelemetry_http::{HeaderExtractor, HeaderInjector, HttpClient, HttpError};
@@ -24,7 +24,7 @@ use opentelemetry_otlp::{Protocol, WithExportConfig, WithHttpConfig};
 use opentelemetry_sdk::error::OTelSdkResult;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::{
-    BatchConfigBuilder, BatchSpanProcessor, Sampler, SdkTracer, SdkTracerProvider, SpanData,
+    BatchConfigBuilder, BatchSpanProcessor, Sampler, SdkTracer, SdkTracerProvider, Span, SpanData,
     SpanExporter,
 };
 use opentelemetry_sdk::Resource;
@@ -64,7 +64,7 @@ struct ActiveTracer(SdkTracer);
 /// connection's future, or the task a protected request runs in) is gone.
 pub(super) struct ServerSpan {
     method: String,
-    span: Mutex<opentelemetry_sdk::trace::Span>,
+    span: Mutex<Span>,
     result: Mutex<Option<(Outcome, StatusCode)>>,
 }
 
@@ -126,7 +126,6 @@ impl Exporting {
                 ]),
             &parent,
         );
-        use opentelemetry::trace::Span as _;
         let own = span.span_context().clone();
         parent
             .with_remote_span_context(own)
@@ -158,12 +157,11 @@ impl Drop for Exporting {
 // === impl ServerSpan ===
 
 impl ServerSpan {
-    fn with_span(&self, f: impl FnOnce(&mut opentelemetry_sdk::trace::Span)) {
+    fn with_span(&self, f: impl FnOnce(&mut Span)) {
         f(&mut self.span.lock().unwrap_or_else(|p| p.into_inner()));
     }
 
     pub(super) fn set_route(&self, label: &str) {
-        use opentelemetry::trace::Span as _;
         let name = format!("{} {label}", self.method);
         self.with_span(|s| {
             s.update_name(name);
@@ -172,7 +170,6 @@ impl ServerSpan {
     }
 
     pub(super) fn set_key_id(&self, id: &str) {
-        use opentelemetry::trace::Span as _;
         self.with_span(|s| s.set_attribute(KeyValue::new("idemgate.key.id", id.to_string())));
     }
 
@@ -183,15 +180,11 @@ impl ServerSpan {
 
 impl Drop for ServerSpan {
     fn drop(&mut self) {
-        use opentelemetry::trace::Span as _;
         let result = *self.result.get_mut().unwrap_or_else(|p| p.into_inner());
         let span = self.span.get_mut().unwrap_or_else(|p| p.into_inner());
         if let Some((outcome, status)) = result {
             span.set_attribute(KeyValue::new("idemgate.outcome", outcome.as_str()));
-            span.set_attribute(KeyValue::new(
-                "http.response.status_code",
-                i64::from(status.as_u16()),
-            ));
+            span.set_attribute(status_code(status));
             // A server span fails on 5xx only: 4xx are the client's.
             if status.is_server_error() {
                 span.set_status(Status::error(outcome.as_str()));
@@ -224,7 +217,7 @@ pub(super) fn current_trace_id() -> Option<String> {
 }
 
 /// A child of the current request's span, if it is sampled.
-fn child(cx: &Context, builder: SpanBuilder) -> Option<opentelemetry_sdk::trace::Span> {
+fn child(cx: &Context, builder: SpanBuilder) -> Option<Span> {
     let tracer = cx.get::<ActiveTracer>()?;
     cx.span()
         .span_context()
@@ -232,7 +225,7 @@ fn child(cx: &Context, builder: SpanBuilder) -> Option<opentelemetry_sdk::trace:
         .then(|| tracer.0.build_with_context(builder, cx))
 }
 
-pub(super) fn store_span(op: &'static str) -> Option<opentelemetry_sdk::trace::Span> {
+pub(super) fn store_span(op: &'static str) -> Option<Span> {
     Context::map_current(|cx| {
         child(
             cx,
@@ -243,11 +236,7 @@ pub(super) fn store_span(op: &'static str) -> Option<opentelemetry_sdk::trace::S
     })
 }
 
-pub(super) fn upstream_span<B>(
-    req: &mut Request<B>,
-    upstream: &Uri,
-) -> Option<opentelemetry_sdk::trace::Span> {
-    use opentelemetry::trace::Span as _;
+pub(super) fn upstream_span<B>(req: &mut Request<B>, upstream: &Uri) -> Option<Span> {
     Context::map_current(|cx| {
         cx.get::<ActiveTracer>()?;
         let method = req.method().as_str().to_string();
@@ -274,20 +263,19 @@ pub(super) fn upstream_span<B>(
     })
 }
 
-pub(super) fn fail(span: &mut opentelemetry_sdk::trace::Span, e: &dyn fmt::Display) {
-    use opentelemetry::trace::Span as _;
+pub(super) fn fail(span: &mut Span, e: &dyn fmt::Display) {
     span.set_status(Status::error(e.to_string()));
 }
 
-pub(super) fn response(span: &mut opentelemetry_sdk::trace::Span, status: StatusCode) {
-    use opentelemetry::trace::Span as _;
-    span.set_attribute(KeyValue::new(
-        "http.response.status_code",
-        i64::from(status.as_u16()),
-    ));
+pub(super) fn response(span: &mut Span, status: StatusCode) {
+    span.set_attribute(status_code(status));
     if status.is_server_error() {
         span.set_status(Status::error(status.to_string()));
     }
+}
+
+fn status_code(status: StatusCode) -> KeyValue {
+    KeyValue::new("http.response.status_code", i64::from(status.as_u16()))
 }
 
 // === Reporting ===
@@ -364,11 +352,8 @@ impl HttpClient for ExportClient {
 
 async fn post(request: Request<Bytes>) -> Result<Response<Bytes>, HttpError> {
     let (mut parts, body) = request.into_parts();
-    let authority = parts
-        .uri
-        .authority()
-        .ok_or("the OTLP URL has no host")?
-        .clone();
+    let authority = parts.uri.authority().cloned();
+    let authority = authority.ok_or("the OTLP URL has no host")?;
     let port = authority.port_u16().unwrap_or(80);
     let stream = tokio::net::TcpStream::connect((authority.host(), port)).await?;
     let (mut sender, connection) =
@@ -378,13 +363,8 @@ async fn post(request: Request<Bytes>) -> Result<Response<Bytes>, HttpError> {
         .headers
         .insert(header::HOST, HeaderValue::from_str(authority.as_str())?);
     // Origin form on the request line.
-    parts.uri = Uri::from(
-        parts
-            .uri
-            .path_and_query()
-            .cloned()
-            .ok_or("the OTLP URL has no path")?,
-    );
+    let path = parts.uri.path_and_query().cloned();
+    parts.uri = Uri::from(path.ok_or("the OTLP URL has no path")?);
     let response = sender
         .send_request(Request::from_parts(parts, Full::new(body)))
         .await?;
