@@ -28,11 +28,18 @@ pub struct Problem {
     pub outcome: Outcome,
     /// RFC 9457 §3.1.5: this occurrence, `urn:idemgate:request:<request id>`.
     pub instance: Option<String>,
+    /// Extension member: the request's key as the logs and `idemgate keys`
+    /// name it ([`crate::idempotency::RecordKey::log_id`]), never the key.
+    pub key_id: Option<String>,
+    /// Extension member: whether the same operation may be sent again under
+    /// a new key without risking a second execution ([`safe_new_key`]).
+    pub safe_new_key: bool,
 }
 
 impl Problem {
     pub fn from_error(err: &ProxyError) -> Self {
         let detail = err.to_string();
+        let safe_new_key = safe_new_key(err);
         let p = |status, slug, title, outcome| Problem {
             status,
             slug,
@@ -41,6 +48,8 @@ impl Problem {
             retry_after_secs: None,
             outcome,
             instance: None,
+            key_id: None,
+            safe_new_key,
         };
         let key_missing = || {
             p(
@@ -145,9 +154,9 @@ impl Problem {
             },
             ProxyError::OutcomeUnknown => Problem {
                 detail: format!(
-                    "{detail}; it will not be sent again under this key. Check with the service \
-                     whether it took effect; an operator can then delete the key \
-                     (idemgate keys delete) to allow it to run again."
+                    "{detail}; it will not be sent again under this key. Ask the service whether \
+                     the operation happened (e.g. look the resource up); an operator can settle \
+                     the key with `idemgate keys resolve`, naming the key_id."
                 ),
                 ..p(
                     StatusCode::FAILED_DEPENDENCY,
@@ -243,6 +252,10 @@ impl Problem {
         if let Some(instance) = self.instance {
             body["instance"] = instance.into();
         }
+        if let Some(key_id) = self.key_id {
+            body["key_id"] = key_id.into();
+        }
+        body["safe_new_key"] = self.safe_new_key.into();
         let mut resp = Response::new(full(body.to_string()));
         *resp.status_mut() = self.status;
         let h = resp.headers_mut();
@@ -256,6 +269,50 @@ impl Problem {
             h.insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
         resp
+    }
+}
+
+/// Whether nothing of this request ran, so the operation may be sent again
+/// under a new key (`true`), or the first execution may have happened and
+/// a new key could run it twice (`false`). Where the key's fate is known
+/// ([`KeyFate`]), it decides.
+fn safe_new_key(err: &ProxyError) -> bool {
+    match err {
+        // Refused before a claim: nothing was forwarded.
+        ProxyError::MissingKey { .. }
+        | ProxyError::InvalidKey { .. }
+        | ProxyError::BodyKey { .. }
+        | ProxyError::RepeatedScopeHeader(_)
+        | ProxyError::InvalidRequest(_)
+        | ProxyError::UnsupportedTransferCoding { .. }
+        | ProxyError::BodyTooLarge { .. }
+        | ProxyError::BodyRead(_)
+        | ProxyError::BodyTimeout
+        | ProxyError::Overloaded
+        | ProxyError::Store(_)
+        | ProxyError::UpgradeOnProtectedRoute => true,
+        // A record exists: its request is running, ran, or may have run.
+        ProxyError::InFlight { .. }
+        | ProxyError::TooManyWaiters { .. }
+        | ProxyError::Mismatch
+        | ProxyError::NotReplayable { .. }
+        | ProxyError::OutcomeUnknown => false,
+        ProxyError::Upstream { error, key } => match key {
+            // Released (or to be, once its lease runs out): the proxy judged
+            // a second run safe, as a retry under the same key would be.
+            KeyFate::Released | KeyFate::Locked => true,
+            KeyFate::Kept | KeyFate::TakenOver | KeyFate::Unknown => false,
+            // No key held: only what was sent says.
+            KeyFate::Unprotected => matches!(
+                error,
+                ForwardError::Unreachable(_)
+                    | ForwardError::Refused(_)
+                    | ForwardError::Tls { .. }
+                    | ForwardError::TunnelsExhausted
+            ),
+        },
+        // Where it failed is not known to the client's answer.
+        ProxyError::Internal(_) => false,
     }
 }
 
@@ -315,12 +372,24 @@ mod tests {
     use crate::store::StoreError;
     use http::HeaderName;
 
-    /// Pins the IETF draft's status codes and the headers each problem carries.
-    #[test]
-    fn errors_map_to_documented_statuses() {
+    /// Pins the IETF draft's status codes, the headers each problem carries
+    /// and `safe_new_key`: one row per variant (and per key fate).
+    #[tokio::test]
+    async fn errors_map_to_documented_statuses() {
+        use ForwardError::*;
         let h = HeaderName::from_static("idempotency-key");
-        let cases: Vec<(ProxyError, u16, Option<&str>)> = vec![
-            (ProxyError::MissingKey { header: h.clone() }, 400, None),
+        let tls = || Tls {
+            upstream: "default".into(),
+            failure: crate::upstream::tls::TlsFailure::Untrusted("expired".into()),
+        };
+        let up = ProxyError::upstream;
+        let cases: Vec<(ProxyError, u16, Option<&str>, bool)> = vec![
+            (
+                ProxyError::MissingKey { header: h.clone() },
+                400,
+                None,
+                true,
+            ),
             (
                 ProxyError::InvalidKey {
                     header: h,
@@ -328,16 +397,19 @@ mod tests {
                 },
                 400,
                 None,
+                true,
             ),
             (
                 ProxyError::RepeatedScopeHeader(RepeatedScopeHeader(http::header::AUTHORIZATION)),
                 400,
                 None,
+                true,
             ),
             (
                 ProxyError::InvalidRequest(RequestError::ChunkedTwice),
                 400,
                 None,
+                true,
             ),
             (
                 ProxyError::UnsupportedTransferCoding {
@@ -345,16 +417,19 @@ mod tests {
                 },
                 501,
                 None,
+                true,
             ),
-            (ProxyError::BodyTooLarge { limit: 10 }, 413, None),
-            (ProxyError::BodyTimeout, 408, None),
-            (ProxyError::Overloaded, 503, Some("1")),
+            (ProxyError::BodyTooLarge { limit: 10 }, 413, None, true),
+            (ProxyError::BodyRead("cut".into()), 400, None, true),
+            (ProxyError::BodyTimeout, 408, None, true),
+            (ProxyError::Overloaded, 503, Some("1"), true),
             (
                 ProxyError::InFlight {
                     retry_after_secs: 7,
                 },
                 409,
                 Some("7"),
+                false,
             ),
             (
                 ProxyError::TooManyWaiters {
@@ -362,6 +437,7 @@ mod tests {
                 },
                 503,
                 Some("3"),
+                false,
             ),
             (
                 ProxyError::BodyKey {
@@ -370,6 +446,7 @@ mod tests {
                 },
                 400,
                 None,
+                true,
             ),
             (
                 ProxyError::BodyKey {
@@ -378,59 +455,112 @@ mod tests {
                 },
                 400,
                 None,
+                true,
             ),
-            (ProxyError::Mismatch, 422, None),
-            (ProxyError::NotReplayable { status: 200 }, 410, None),
-            (ProxyError::OutcomeUnknown, 424, None),
+            (ProxyError::Mismatch, 422, None, false),
+            (ProxyError::NotReplayable { status: 200 }, 410, None, false),
+            (ProxyError::OutcomeUnknown, 424, None, false),
+            (ProxyError::Store(StoreError::Timeout), 503, Some("2"), true),
             (
-                ProxyError::upstream(ForwardError::Timeout, KeyFate::Unknown),
-                504,
-                None,
-            ),
-            (ProxyError::Store(StoreError::Timeout), 503, Some("2")),
-            (
-                ProxyError::upstream(ForwardError::Refused("refused".into()), KeyFate::Released),
+                up(Refused("refused".into()), KeyFate::Released),
                 502,
                 None,
+                true,
             ),
             (
-                ProxyError::upstream(ForwardError::Timeout, KeyFate::Released),
-                504,
-                None,
-            ),
-            (
-                ProxyError::upstream(
-                    ForwardError::Tls {
-                        upstream: "default".into(),
-                        failure: crate::upstream::tls::TlsFailure::Untrusted("expired".into()),
-                    },
-                    KeyFate::Released,
-                ),
+                up(Unreachable("x".into()), KeyFate::Locked),
                 502,
                 None,
+                true,
             ),
-            (ProxyError::UpgradeOnProtectedRoute, 400, None),
+            (up(Failed("reset".into()), KeyFate::Kept), 502, None, false),
             (
-                ProxyError::upstream(ForwardError::TunnelsExhausted, KeyFate::Released),
+                up(Failed("reset".into()), KeyFate::TakenOver),
+                502,
+                None,
+                false,
+            ),
+            (
+                up(Failed("reset".into()), KeyFate::Unknown),
+                502,
+                None,
+                false,
+            ),
+            (up(Timeout, KeyFate::Unknown), 504, None, false),
+            (up(Timeout, KeyFate::Released), 504, None, true),
+            (up(tls(), KeyFate::Released), 502, None, true),
+            // Unprotected: what was sent decides.
+            (
+                up(Unreachable("x".into()), KeyFate::Unprotected),
+                502,
+                None,
+                true,
+            ),
+            (
+                up(Refused("x".into()), KeyFate::Unprotected),
+                502,
+                None,
+                true,
+            ),
+            (up(tls(), KeyFate::Unprotected), 502, None, true),
+            (
+                up(Failed("reset".into()), KeyFate::Unprotected),
+                502,
+                None,
+                false,
+            ),
+            (up(Timeout, KeyFate::Unprotected), 504, None, false),
+            (ProxyError::UpgradeOnProtectedRoute, 400, None, true),
+            (
+                up(TunnelsExhausted, KeyFate::Released),
                 503,
                 Some("1"),
+                true,
             ),
-            (ProxyError::Internal("x".into()), 500, None),
+            (
+                up(TunnelsExhausted, KeyFate::Unprotected),
+                503,
+                Some("1"),
+                true,
+            ),
+            (ProxyError::Internal("x".into()), 500, None, false),
         ];
-        for (err, status, retry_after) in cases {
+        for (err, status, retry_after, safe_new_key) in cases {
             let resp = Problem::from_error(&err).into_response();
             assert_eq!(resp.status().as_u16(), status, "{err}");
+            let h = resp.headers();
+            assert_eq!(h[header::CONTENT_TYPE], "application/problem+json");
+            assert_eq!(h[header::CACHE_CONTROL], "no-store", "{err}");
             assert_eq!(
-                resp.headers()[header::CONTENT_TYPE],
-                "application/problem+json"
-            );
-            assert_eq!(
-                resp.headers()
-                    .get(header::RETRY_AFTER)
-                    .map(|v| v.to_str().unwrap()),
+                h.get(header::RETRY_AFTER).map(|v| v.to_str().unwrap()),
                 retry_after,
                 "{err}"
             );
+            let json = body_json(resp).await;
+            assert_eq!(json["safe_new_key"], safe_new_key, "{err}");
+            assert!(json.get("key_id").is_none(), "{err}: {json}");
         }
+    }
+
+    async fn body_json(resp: Response<ProxyBody>) -> serde_json::Value {
+        use http_body_util::BodyExt;
+        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+        serde_json::from_slice(&bytes).unwrap()
+    }
+
+    /// The key id, when the request had a key, is a member beside the
+    /// standard ones, which keep their names and values.
+    #[tokio::test]
+    async fn the_key_id_is_a_member_when_known() {
+        let mut p = Problem::from_error(&ProxyError::OutcomeUnknown);
+        p.key_id = Some("0123456789abcdef".into());
+        p.instance = Some("urn:idemgate:request:r-1".into());
+        let json = body_json(p.into_response()).await;
+        assert_eq!(json["key_id"], "0123456789abcdef");
+        assert_eq!(json["safe_new_key"], false);
+        assert_eq!(json["status"], 424);
+        assert_eq!(json["instance"], "urn:idemgate:request:r-1");
+        let detail = json["detail"].as_str().unwrap();
+        assert!(detail.contains("idemgate keys resolve"), "{detail}");
     }
 }

@@ -22,10 +22,14 @@ use tracing::{debug, info, warn};
 pub type Served = (Outcome, Response<ProxyBody>);
 
 /// Where a request's result becomes what the client gets: errors through
-/// the one mapping in `problem.rs` (its `instance` naming the request id),
-/// logged by who is at fault, and the outcome recorded on the request's
-/// trace span.
-pub fn respond(result: Result<Served, ProxyError>, id: Option<&RequestId>) -> Served {
+/// the one mapping in `problem.rs` (its `instance` naming the request id,
+/// its `key_id` the request's key once parsed), logged by who is at fault,
+/// and the outcome recorded on the request's trace span.
+pub fn respond(
+    result: Result<Served, ProxyError>,
+    id: Option<&RequestId>,
+    key_id: Option<&str>,
+) -> Served {
     let (outcome, resp) = match result {
         Ok(served) => served,
         Err(err) => {
@@ -36,6 +40,7 @@ pub fn respond(result: Result<Served, ProxyError>, id: Option<&RequestId>) -> Se
             }
             let mut problem = Problem::from_error(&err);
             problem.instance = id.map(RequestId::instance);
+            problem.key_id = key_id.map(str::to_string);
             (problem.outcome, problem.into_response())
         }
     };
@@ -108,8 +113,9 @@ impl RequestLog {
         self.bytes_in = Some(n);
     }
 
-    pub fn request_id(&self) -> &RequestId {
-        &self.request_id
+    /// [`respond`] with this request's id and key id.
+    pub fn respond(&self, result: Result<Served, ProxyError>) -> Served {
+        respond(result, Some(&self.request_id), self.key_id.as_deref())
     }
 
     /// [`respond`], then [`RequestLog::finish`]: a request answered where
@@ -119,7 +125,7 @@ impl RequestLog {
         metrics: &Metrics,
         result: Result<Served, ProxyError>,
     ) -> Response<ProxyBody> {
-        let (outcome, resp) = respond(result, Some(&self.request_id));
+        let (outcome, resp) = self.respond(result);
         self.finish(metrics, outcome, &resp, false);
         resp
     }

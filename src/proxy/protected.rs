@@ -88,7 +88,7 @@ impl Proxy {
         let (this, task_log) = (Arc::clone(self), log.clone());
         self.services.tasks.spawn(trace::in_current(async move {
             let result = this.claim_and_execute(req).await;
-            let (outcome, resp) = respond(result, Some(task_log.request_id()));
+            let (outcome, resp) = task_log.respond(result);
             // Counted and logged before the client can see the answer, so a
             // client that reads its response also sees it in the metrics.
             let client_left = tx.is_closed();
@@ -173,7 +173,8 @@ impl Proxy {
                 let (upstream, peer) = (req.route.upstream.as_deref(), req.peer);
                 let forwarded = Request::from_parts(req.parts, full(req.body));
                 let served = self.forwarder.passthrough(upstream, forwarded, peer).await;
-                let (_, resp) = respond(served, id.as_ref());
+                let key_id = req.record_key.log_id();
+                let (_, resp) = respond(served, id.as_ref(), Some(&key_id));
                 Ok((Outcome::Unguarded, resp))
             }
         }

@@ -153,6 +153,10 @@ async fn transfer_codings_other_than_chunked_get_501() {
             let resp = raw(proxy.addr, &post(path, key, te)).await;
             let problem = resp.assert_problem(501);
             assert_type(&problem, "transfer-coding-unsupported");
+            // Refused at admission, before any key was read.
+            assert_eq!(resp.header("cache-control"), Some("no-store"));
+            assert_eq!(problem["safe_new_key"], true, "{problem}");
+            assert!(problem.get("key_id").is_none(), "{problem}");
         }
         let twice = "transfer-encoding: chunked, chunked\r\n";
         raw(proxy.addr, &post(path, key, twice))

@@ -24,6 +24,7 @@ mod pgbouncer;
 mod postgres_durability;
 mod postgres_retries;
 mod postgres_tls;
+mod problem_members;
 mod properties;
 mod read_buffers;
 mod readiness;
