@@ -156,7 +156,7 @@ impl Problem {
                 detail: format!(
                     "{detail}; it will not be sent again under this key. Ask the service whether \
                      the operation happened (e.g. look the resource up); an operator can settle \
-                     the key with `idemgate keys resolve`, naming the key_id."
+                     the key with idemgate keys resolve, naming this key_id."
                 ),
                 ..p(
                     StatusCode::FAILED_DEPENDENCY,
@@ -311,7 +311,7 @@ fn safe_new_key(err: &ProxyError) -> bool {
                     | ForwardError::TunnelsExhausted
             ),
         },
-        // Where it failed is not known to the client's answer.
+        // It may have come after forwarding (a lost request task): assume so.
         ProxyError::Internal(_) => false,
     }
 }
