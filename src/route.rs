@@ -14,6 +14,8 @@
 //! the fingerprint, as the query is: one key on `/orders;v=1` and
 //! `/orders;v=2` is a reuse (422), never a replay of the other's answer.
 
+pub mod errors;
+
 use crate::idempotency::canonical_json::Pointer;
 use crate::idempotency::decision::ReleaseStatuses;
 use http::{HeaderName, Method};
@@ -69,6 +71,8 @@ pub struct RouteConfig {
     pub in_flight: InFlight,
     /// The preset the route's defaults came from, for `check-config`.
     pub preset: Option<Preset>,
+    /// How idemgate's own error answers on this route are written.
+    pub errors: errors::ErrorShape,
 }
 
 impl RouteConfig {
@@ -507,13 +511,22 @@ fn decode_unreserved(path: &str) -> String {
 #[derive(Clone, Debug)]
 pub struct RouteTable {
     routes: Vec<Arc<RouteConfig>>,
+    /// `[defaults] errors`: the shape of error answers to requests that
+    /// match no route.
+    errors: errors::ErrorShape,
 }
 
 impl RouteTable {
-    pub fn new(routes: Vec<RouteConfig>) -> Self {
+    pub fn new(routes: Vec<RouteConfig>, errors: errors::ErrorShape) -> Self {
         Self {
             routes: routes.into_iter().map(Arc::new).collect(),
+            errors,
         }
+    }
+
+    /// The shape of error answers outside any route (`[defaults] errors`).
+    pub fn default_errors(&self) -> &errors::ErrorShape {
+        &self.errors
     }
 
     /// The first route whose method set and pattern match `path`, as

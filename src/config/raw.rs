@@ -12,6 +12,7 @@ use super::{
 };
 use crate::idempotency::canonical_json::Pointer;
 use crate::idempotency::decision::{ReleaseStatuses, StatusEntry};
+use crate::route::errors::{ErrorShape, ErrorTemplate};
 use crate::route::{FingerprintMode, InFlight, PathPattern, Preset};
 use http::{HeaderName, Method, Uri};
 use serde::de::{self, Deserializer, Visitor};
@@ -182,6 +183,8 @@ pub(super) struct RawRouteSettings {
     pub(super) fingerprint_ignore: Option<Vec<PointerValue>>,
     pub(super) in_flight: Option<InFlightValue>,
     pub(super) preset: Option<Preset>,
+    /// `errors = "problem" | "stripe" | { template = "..", content_type = ".." }`.
+    pub(super) errors: Option<ErrorShapeValue>,
 }
 
 // ===== value types that validate while parsing =====
@@ -443,6 +446,47 @@ impl<'de> Deserialize<'de> for InFlightValue {
                 }
                 let w = Wait::deserialize(de::value::MapAccessDeserializer::new(map))?;
                 Ok(InFlightValue(InFlight::Wait(w.wait.0)))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// `errors = "problem"`, `errors = "stripe"` or
+/// `errors = { template = "..", content_type = "application/json" }`
+/// (content_type defaults to `application/json`); a template is checked
+/// here, so its error names the line.
+#[derive(Clone, Debug)]
+pub(super) struct ErrorShapeValue(pub(super) ErrorShape);
+
+impl<'de> Deserialize<'de> for ErrorShapeValue {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        const EXPECTED: &str = "errors = \"problem\", \"stripe\" or { template = \"..\", content_type = \"application/json\" }";
+        impl<'de> Visitor<'de> for V {
+            type Value = ErrorShapeValue;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(EXPECTED)
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<ErrorShapeValue, E> {
+                match v {
+                    "problem" => Ok(ErrorShapeValue(ErrorShape::Problem)),
+                    "stripe" => Ok(ErrorShapeValue(ErrorShape::Stripe)),
+                    _ => Err(E::custom(format!("errors: {v:?} is not {EXPECTED}"))),
+                }
+            }
+            fn visit_map<A: de::MapAccess<'de>>(self, map: A) -> Result<ErrorShapeValue, A::Error> {
+                #[derive(Deserialize)]
+                #[serde(deny_unknown_fields)]
+                struct Template {
+                    template: String,
+                    content_type: Option<String>,
+                }
+                let t = Template::deserialize(de::value::MapAccessDeserializer::new(map))?;
+                let content_type = t.content_type.as_deref().unwrap_or("application/json");
+                ErrorTemplate::parse(&t.template, content_type)
+                    .map(|t| ErrorShapeValue(ErrorShape::Template(std::sync::Arc::new(t))))
+                    .map_err(de::Error::custom)
             }
         }
         d.deserialize_any(V)

@@ -9,6 +9,7 @@ use super::{
     DEFAULT_SCOPE_HEADER, DEFAULT_TTL, MIN_LEASE,
 };
 use crate::idempotency::canonical_json::Pointer;
+use crate::route::errors::ErrorShape;
 use crate::route::{
     FingerprintMode, InFlight, PathPattern, Preset, PresetKey, PresetSettings, RouteTable,
     DELIVERY_REFUSALS,
@@ -110,7 +111,8 @@ impl Defaults {
             }
             routes.push(route);
         }
-        Ok(RouteTable::new(routes))
+        let errors = self.raw.errors.clone().map(|e| e.0).unwrap_or_default();
+        Ok(RouteTable::new(routes, errors))
     }
 
     fn route(&self, index: usize, mut r: RawRouteSettings) -> Result<RouteConfig, String> {
@@ -241,6 +243,11 @@ impl Defaults {
                 .upstream
                 .or_else(|| defaults.upstream.clone())
                 .map(|u| Arc::from(u.into_inner())),
+            errors: r
+                .errors
+                .or_else(|| defaults.errors.clone())
+                .map(|e| e.0)
+                .unwrap_or_default(),
         })
     }
 
@@ -440,6 +447,9 @@ impl fmt::Display for RoutesDisplay<'_> {
             }
             if r.fingerprint != FingerprintMode::Raw {
                 write!(f, " fingerprint={}", r.fingerprint.as_str())?;
+            }
+            if r.errors != ErrorShape::Problem {
+                write!(f, " errors={}", r.errors)?;
             }
             for p in &r.fingerprint_ignore {
                 write!(f, " fingerprint_ignore={p}")?;

@@ -908,6 +908,26 @@ fn bad_delivery_settings_name_the_line_and_the_fix() {
             &["line 6", "unknown field"],
         ),
         ("preset = \"gitlab\"\n", &["line 6", "github"]),
+        (
+            "errors = \"json\"\n",
+            &["line 6", "errors = \"problem\", \"stripe\""],
+        ),
+        (
+            "errors = { template = \"{{nope}}\" }\n",
+            &["line 6", "unknown placeholder {{nope}}", "{{detail}}"],
+        ),
+        (
+            "errors = { template = '{\"m\": {{detail}}}' }\n",
+            &["line 6", "not JSON once filled in"],
+        ),
+        (
+            "errors = { template = \"x\", content_type = \"plain\" }\n",
+            &["line 6", "not a media type"],
+        ),
+        (
+            "errors = { template = \"x\", type = \"text/plain\" }\n",
+            &["line 6", "unknown field `type`"],
+        ),
         ("preset = \"github\"\nttl = \"1s\"\n", &["route #1", "ttl"]),
     ];
     for (route, needles) in cases {
@@ -1076,5 +1096,45 @@ fn a_relative_store_path_is_read_from_the_config_files_directory() {
     assert_eq!(
         parse(MINIMAL).unwrap().restart.store.path,
         PathBuf::from(DEFAULT_SQLITE_PATH)
+    );
+}
+
+/// `errors`: the route's own, else `[defaults]`'s, else problem details;
+/// `[defaults]`'s also shapes answers outside every route.
+#[test]
+fn error_shapes_come_from_the_route_then_defaults() {
+    use crate::route::errors::{ErrorFields, ErrorShape};
+    let text = format!(
+        "{MINIMAL}[defaults]\nerrors = \"stripe\"\n\
+         [[route]]\nmethods = [\"POST\"]\npath = \"/a\"\n\
+         [[route]]\nmethods = [\"POST\"]\npath = \"/b\"\nerrors = \"problem\"\n\
+         [[route]]\nmethods = [\"POST\"]\npath = \"/c\"\n\
+         errors = {{ template = '{{\"code\":\"{{{{code}}}}\",\"status\":{{{{status}}}}}}', content_type = \"application/vnd.api+json\" }}\n"
+    );
+    let cfg = parse(&text).unwrap();
+    let r: Vec<_> = cfg.routes.iter().collect();
+    assert_eq!(r[0].errors, ErrorShape::Stripe);
+    assert_eq!(r[1].errors, ErrorShape::Problem);
+    let ErrorShape::Template(t) = &r[2].errors else {
+        panic!("{:?}", r[2].errors)
+    };
+    assert_eq!(t.content_type(), "application/vnd.api+json");
+    let fields = ErrorFields {
+        status: 409,
+        code: "in-flight",
+        type_uri: "",
+        title: "",
+        detail: "",
+        key_id: None,
+        instance: None,
+    };
+    assert_eq!(t.render(&fields), r#"{"code":"in-flight","status":409}"#);
+    assert_eq!(cfg.routes.default_errors(), &ErrorShape::Stripe);
+    assert!(cfg
+        .to_string()
+        .contains("errors=template (application/vnd.api+json)"));
+    assert_eq!(
+        parse(MINIMAL).unwrap().routes.default_errors(),
+        &ErrorShape::Problem
     );
 }
