@@ -8,6 +8,7 @@ use crate::body::{full, ProxyBody};
 use crate::error::{ForwardError, ProxyError};
 use crate::lease::KeyFate;
 use crate::metrics::Outcome;
+use crate::route::errors::{ErrorFields, ErrorShape};
 use http::{header, HeaderValue, Response, StatusCode};
 
 /// Base of the `type` URIs; each problem's page section in the README.
@@ -242,33 +243,113 @@ impl Problem {
         }
     }
 
-    pub fn into_response(self) -> Response<ProxyBody> {
-        let mut body = serde_json::json!({
-            "type": format!("{TYPE_BASE}{}", self.slug),
-            "title": self.title,
-            "status": self.status.as_u16(),
-            "detail": self.detail,
-        });
-        if let Some(instance) = self.instance {
-            body["instance"] = instance.into();
-        }
-        if let Some(key_id) = self.key_id {
-            body["key_id"] = key_id.into();
-        }
-        body["safe_new_key"] = self.safe_new_key.into();
-        let mut resp = Response::new(full(body.to_string()));
+    /// The answer in the route's error shape. Every shape carries the same
+    /// status, `Retry-After` and `Cache-Control: no-store`.
+    pub fn into_response(self, shape: &ErrorShape) -> Response<ProxyBody> {
+        let type_uri = format!("{TYPE_BASE}{}", self.slug);
+        let (content_type, body) = match shape {
+            ErrorShape::Problem => (PROBLEM_JSON, self.problem_json(&type_uri).to_string()),
+            ErrorShape::Stripe => {
+                let mut body = self.problem_json(&type_uri);
+                let (kind, code) = stripe_error(self.slug);
+                let mut error = serde_json::json!({ "type": kind, "message": self.detail });
+                if let Some(code) = code {
+                    error["code"] = code.into();
+                }
+                body["error"] = error;
+                // stripe-node and the other Stripe SDKs read their error
+                // from `error` only when the body is JSON they recognise.
+                ("application/json", body.to_string())
+            }
+            ErrorShape::Template(t) => (
+                t.content_type(),
+                t.render(&ErrorFields {
+                    status: self.status.as_u16(),
+                    code: self.slug,
+                    type_uri: &type_uri,
+                    title: self.title,
+                    detail: &self.detail,
+                    key_id: self.key_id.as_deref(),
+                    instance: self.instance.as_deref(),
+                }),
+            ),
+        };
+        let mut resp = Response::new(full(body));
         *resp.status_mut() = self.status;
         let h = resp.headers_mut();
         h.insert(
             header::CONTENT_TYPE,
-            HeaderValue::from_static("application/problem+json"),
+            // Checked as a media type of visible ASCII when the config loaded.
+            HeaderValue::from_str(content_type).unwrap_or(HeaderValue::from_static(PROBLEM_JSON)),
         );
         h.insert(header::CONTENT_LANGUAGE, HeaderValue::from_static("en"));
         h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
         if let Some(secs) = self.retry_after_secs {
             h.insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
+        if *shape == ErrorShape::Stripe {
+            if let Some(retry) = self.stripe_should_retry() {
+                h.insert(STRIPE_SHOULD_RETRY, HeaderValue::from_static(retry));
+            }
+        }
         resp
+    }
+
+    fn problem_json(&self, type_uri: &str) -> serde_json::Value {
+        let mut body = serde_json::json!({
+            "type": type_uri,
+            "title": self.title,
+            "status": self.status.as_u16(),
+            "detail": self.detail,
+        });
+        if let Some(instance) = &self.instance {
+            body["instance"] = instance.as_str().into();
+        }
+        if let Some(key_id) = &self.key_id {
+            body["key_id"] = key_id.as_str().into();
+        }
+        body["safe_new_key"] = self.safe_new_key.into();
+        body
+    }
+
+    /// `Stripe-Should-Retry`, which the Stripe SDKs obey over their own
+    /// rules: `true` where the same request with the same key will be
+    /// answered (in flight, overloaded, store down, key released), `false`
+    /// where repeating it only repeats this answer.
+    fn stripe_should_retry(&self) -> Option<&'static str> {
+        match self.status {
+            StatusCode::CONFLICT | StatusCode::SERVICE_UNAVAILABLE => Some("true"),
+            StatusCode::BAD_GATEWAY | StatusCode::GATEWAY_TIMEOUT => {
+                Some(if self.safe_new_key { "true" } else { "false" })
+            }
+            StatusCode::INTERNAL_SERVER_ERROR => None,
+            _ => Some("false"),
+        }
+    }
+}
+
+const PROBLEM_JSON: &str = "application/problem+json";
+const STRIPE_SHOULD_RETRY: header::HeaderName =
+    header::HeaderName::from_static("stripe-should-retry");
+
+/// `errors = "stripe"`: Stripe's `error.type` for a problem, and its
+/// `error.code` where Stripe's error-code catalogue has one that means the
+/// same (`parameter_missing`, `idempotency_key_in_use`); README "Error
+/// shapes" lists them.
+fn stripe_error(slug: &str) -> (&'static str, Option<&'static str>) {
+    match slug {
+        "key-missing" => ("invalid_request_error", Some("parameter_missing")),
+        "in-flight" | "too-many-waiters" => ("idempotency_error", Some("idempotency_key_in_use")),
+        "key-reused" | "response-not-stored" | "outcome-unknown" => ("idempotency_error", None),
+        "key-invalid"
+        | "scope-header-repeated"
+        | "request-invalid"
+        | "transfer-coding-unsupported"
+        | "body-too-large"
+        | "body-unreadable"
+        | "body-timeout"
+        | "upgrade-refused" => ("invalid_request_error", None),
+        _ => ("api_error", None),
     }
 }
 
@@ -362,6 +443,55 @@ mod tests {
             assert!(p.detail.starts_with("the upstream "), "{}", p.detail);
             for leak in ["tcp", "Connect", "reset", "10.0.0.7"] {
                 assert!(!p.detail.contains(leak), "{leak} in {}", p.detail);
+            }
+        }
+    }
+
+    /// `errors = "stripe"`: every problem's Stripe type and code, so a new
+    /// problem is placed on purpose (stripe-node raises StripeIdempotencyError
+    /// for `idempotency_error` on a 400, and picks its class by status
+    /// otherwise).
+    #[test]
+    fn every_problem_has_a_stripe_type() {
+        let invalid = ("invalid_request_error", None);
+        let idem = ("idempotency_error", None);
+        let api = ("api_error", None);
+        let rows = [
+            ("key-missing", ("invalid_request_error", Some("parameter_missing"))),
+            ("key-invalid", invalid),
+            ("scope-header-repeated", invalid),
+            ("request-invalid", invalid),
+            ("transfer-coding-unsupported", invalid),
+            ("body-too-large", invalid),
+            ("body-unreadable", invalid),
+            ("body-timeout", invalid),
+            ("upgrade-refused", invalid),
+            ("in-flight", ("idempotency_error", Some("idempotency_key_in_use"))),
+            ("too-many-waiters", ("idempotency_error", Some("idempotency_key_in_use"))),
+            ("key-reused", idem),
+            ("response-not-stored", idem),
+            ("outcome-unknown", idem),
+            ("overloaded", api),
+            ("store-unavailable", api),
+            ("upstream-failed", api),
+            ("upstream-tls", api),
+            ("upstream-timeout", api),
+            ("tunnels-exhausted", api),
+            ("internal", api),
+        ];
+        for (slug, want) in rows {
+            assert_eq!(stripe_error(slug), want, "{slug}");
+        }
+        // Every slug `from_error` writes (a string alone on its line) has a row.
+        let source = include_str!("problem.rs");
+        for slug in source
+            .split('"')
+            .skip(1)
+            .step_by(2)
+            .filter(|s| s.len() > 3 && s.chars().all(|c| c.is_ascii_lowercase() || c == '-'))
+        {
+            if source.contains(&format!("                \"{slug}\",\n")) {
+                assert!(rows.iter().any(|(s, _)| *s == slug), "{slug} has no row");
             }
         }
     }
@@ -526,7 +656,7 @@ mod tests {
             (ProxyError::Internal("x".into()), 500, None, false),
         ];
         for (err, status, retry_after, safe_new_key) in cases {
-            let resp = Problem::from_error(&err).into_response();
+            let resp = Problem::from_error(&err).into_response(&ErrorShape::Problem);
             assert_eq!(resp.status().as_u16(), status, "{err}");
             let h = resp.headers();
             assert_eq!(h[header::CONTENT_TYPE], "application/problem+json");
@@ -555,7 +685,7 @@ mod tests {
         let mut p = Problem::from_error(&ProxyError::OutcomeUnknown);
         p.key_id = Some("0123456789abcdef".into());
         p.instance = Some("urn:idemgate:request:r-1".into());
-        let json = body_json(p.into_response()).await;
+        let json = body_json(p.into_response(&ErrorShape::Problem)).await;
         assert_eq!(json["key_id"], "0123456789abcdef");
         assert_eq!(json["safe_new_key"], false);
         assert_eq!(json["status"], 424);

@@ -181,7 +181,7 @@ impl Proxy {
         peer: SocketAddr,
         id: RequestId,
     ) -> Response<ProxyBody> {
-        let mut log = RequestLog::start(&req, peer, id);
+        let mut log = RequestLog::start(&req, peer, id, self.routes.default_errors());
         let metrics = &self.services.metrics;
         if let Err(e) = admission::admit(&mut req) {
             return log.conclude(metrics, Err(e));
@@ -191,7 +191,7 @@ impl Proxy {
             let served = self.forwarder.passthrough(None, req.map(boxed), peer);
             return log.conclude(metrics, served.await);
         };
-        log.set_route(&route.label);
+        log.set_route(&route);
         trace::set_route(&route.label);
         if let Err(e) = admission::refuse_protected_upgrade(&route, &req) {
             return log.conclude(metrics, Err(e));

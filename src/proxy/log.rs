@@ -9,6 +9,8 @@ use crate::body::ProxyBody;
 use crate::error::{Origin, ProxyError};
 use crate::metrics::{Metrics, Outcome};
 use crate::problem::Problem;
+use crate::route::errors::ErrorShape;
+use crate::route::RouteConfig;
 use crate::telemetry::trace;
 use http::{header, Method, Request, Response, Version};
 use http_body::Body;
@@ -29,6 +31,7 @@ pub fn respond(
     result: Result<Served, ProxyError>,
     id: Option<&RequestId>,
     key_id: Option<&str>,
+    shape: &ErrorShape,
 ) -> Served {
     let (outcome, resp) = match result {
         Ok(served) => served,
@@ -41,7 +44,7 @@ pub fn respond(
             let mut problem = Problem::from_error(&err);
             problem.instance = id.map(RequestId::instance);
             problem.key_id = key_id.map(str::to_string);
-            (problem.outcome, problem.into_response())
+            (problem.outcome, problem.into_response(shape))
         }
     };
     trace::record(outcome, resp.status());
@@ -60,6 +63,9 @@ pub struct RequestLog {
     route: Arc<String>,
     /// The short non-reversible key id (`RecordKey::log_id`), once known.
     key_id: Option<String>,
+    /// The shape of idemgate's error answers: the route's once it is
+    /// known, else `[defaults] errors`.
+    errors: ErrorShape,
     peer: SocketAddr,
     started: Instant,
     request_id: RequestId,
@@ -80,7 +86,12 @@ pub struct UpstreamTime(pub Duration);
 const MAX_USER_AGENT: usize = 256;
 
 impl RequestLog {
-    pub fn start<B>(req: &Request<B>, peer: SocketAddr, request_id: RequestId) -> Self {
+    pub fn start<B>(
+        req: &Request<B>,
+        peer: SocketAddr,
+        request_id: RequestId,
+        errors: &ErrorShape,
+    ) -> Self {
         let user_agent = req
             .headers()
             .get(header::USER_AGENT)
@@ -92,6 +103,7 @@ impl RequestLog {
             path: req.uri().path().to_string(),
             route: UNROUTED.clone(),
             key_id: None,
+            errors: errors.clone(),
             peer,
             started: Instant::now(),
             request_id,
@@ -101,8 +113,9 @@ impl RequestLog {
         }
     }
 
-    pub fn set_route(&mut self, label: &Arc<String>) {
-        self.route = label.clone();
+    pub fn set_route(&mut self, route: &RouteConfig) {
+        self.route = route.label.clone();
+        self.errors = route.errors.clone();
     }
 
     pub fn set_key_id(&mut self, id: String) {
@@ -115,7 +128,12 @@ impl RequestLog {
 
     /// [`respond`] with this request's id and key id.
     pub fn respond(&self, result: Result<Served, ProxyError>) -> Served {
-        respond(result, Some(&self.request_id), self.key_id.as_deref())
+        respond(
+            result,
+            Some(&self.request_id),
+            self.key_id.as_deref(),
+            &self.errors,
+        )
     }
 
     /// [`respond`], then [`RequestLog::finish`]: a request answered where

@@ -174,7 +174,8 @@ impl Proxy {
                 let forwarded = Request::from_parts(req.parts, full(req.body));
                 let served = self.forwarder.passthrough(upstream, forwarded, peer).await;
                 let key_id = req.record_key.log_id();
-                let (_, resp) = respond(served, id.as_ref(), Some(&key_id));
+                let shape = &req.route.errors;
+                let (_, resp) = respond(served, id.as_ref(), Some(&key_id), shape);
                 Ok((Outcome::Unguarded, resp))
             }
         }

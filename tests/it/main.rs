@@ -9,6 +9,7 @@
 mod support;
 
 mod demo_docs;
+mod error_shapes;
 mod faults;
 mod fd_limit;
 mod forwarding;
