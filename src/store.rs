@@ -189,6 +189,39 @@ impl Completion {
     }
 }
 
+/// An operator's verdict on an outcome-unknown record (`idemgate keys resolve`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// The upstream did not execute it: the record goes, and the next
+    /// request with the key claims it fresh.
+    NotApplied,
+    /// The upstream executed it: the record becomes unstored with
+    /// [`RESOLVED_STATUS`] (retries get 410, never run), and keeps `reason`.
+    Applied { reason: String },
+}
+
+impl Verdict {
+    /// As logs and metric labels name it.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Verdict::NotApplied => "not_applied",
+            Verdict::Applied { .. } => "applied",
+        }
+    }
+}
+
+/// The status of a record an operator resolved as applied: no answer came,
+/// so there is none to name.
+pub const RESOLVED_STATUS: u16 = 0;
+
+/// What a record resolved as applied keeps of its resolution.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Resolution {
+    /// When (unix millis; a shared backend's own clock, see [`Span`]).
+    pub at: UnixMillis,
+    pub reason: String,
+}
+
 /// Why the store could not answer. Every variant means "unknown": the
 /// proxy must not forward unguarded on any of them.
 #[derive(Debug, thiserror::Error)]
@@ -269,6 +302,20 @@ pub trait Store: Send + Sync + 'static {
 
     /// Deletes a record whatever its state (operator repair). True if one was there.
     async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError>;
+
+    /// Settles an outcome-unknown record (operator repair) in one atomic
+    /// step: only a record still in the `unknown` state changes, as
+    /// [`Verdict`] says; `now` stamps the resolution (a shared backend uses
+    /// its own clock). False, changing nothing, when no such record is there.
+    async fn resolve(
+        &self,
+        key: &RecordKey,
+        verdict: &Verdict,
+        now: UnixMillis,
+    ) -> Result<bool, StoreError>;
+
+    /// The resolution kept by a record resolved as applied, if it is one.
+    async fn resolution(&self, key: &RecordKey) -> Result<Option<Resolution>, StoreError>;
 
     /// Deletes up to `batch` records whose ttl ran out before `now` (never a
     /// live lease; a shared backend judges by its own clock, see [`Span`]).

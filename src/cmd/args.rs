@@ -118,4 +118,46 @@ mod tests {
             assert!(scope_of(bad).is_err(), "{bad:?} should be refused");
         }
     }
+
+    #[test]
+    fn resolve_takes_exactly_one_verdict_and_a_reason() {
+        use crate::store::Verdict;
+        let parse = |args: &[&str]| -> Result<Verdict, clap::Error> {
+            let all = [
+                &["idemgate", "keys", "resolve", "--anonymous"],
+                args,
+                &["k"],
+            ]
+            .concat();
+            match Cli::try_parse_from(all)?.command {
+                Command::Keys {
+                    command:
+                        KeysCommand::Resolve {
+                            verdict, reason, ..
+                        },
+                    ..
+                } => Ok(verdict.verdict(&reason)),
+                other => panic!("parsed as {other:?}"),
+            }
+        };
+        assert_eq!(
+            parse(&["--not-applied", "--reason", "refunded"]).unwrap(),
+            Verdict::NotApplied
+        );
+        assert_eq!(
+            parse(&["--applied", "--reason", " shipped "]).unwrap(),
+            Verdict::Applied {
+                reason: "shipped".into()
+            }
+        );
+        for bad in [
+            &["--reason", "why"][..],
+            &["--applied", "--not-applied", "--reason", "why"],
+            &["--applied"],
+            &["--applied", "--reason", ""],
+            &["--applied", "--reason", "  "],
+        ] {
+            assert!(parse(bad).is_err(), "{bad:?} should be refused");
+        }
+    }
 }

@@ -7,7 +7,9 @@
 use crate::clock::Clock;
 use crate::config::{Config, RouteConfig, Secret};
 use crate::idempotency::{IdempotencyKey, RecordKey, Scope};
-use crate::store::{Record, RecordState, Store, StoreError, UnixMillis};
+use crate::store::{
+    Record, RecordState, Resolution, Store, StoreError, UnixMillis, Verdict, RESOLVED_STATUS,
+};
 use anyhow::Context;
 use http::HeaderName;
 use std::fmt::{self, Write};
@@ -163,7 +165,8 @@ pub async fn show(store: &dyn Store, key: &RecordKey, clock: &Clock) -> Result<S
     let Some(record) = store.get(key).await? else {
         return Ok(absent(key));
     };
-    Ok(describe(key, &record, now))
+    let resolution = store.resolution(key).await?;
+    Ok(describe(key, &record, resolution.as_ref(), now))
 }
 
 fn absent(key: &RecordKey) -> String {
@@ -174,7 +177,13 @@ fn absent(key: &RecordKey) -> String {
     )
 }
 
-pub fn describe(key: &RecordKey, r: &Record, now: UnixMillis) -> String {
+/// `resolution` is what an operator's `keys resolve --applied` kept, if any.
+pub fn describe(
+    key: &RecordKey,
+    r: &Record,
+    resolution: Option<&Resolution>,
+    now: UnixMillis,
+) -> String {
     let mut out = String::new();
     let expired = r.expires_at <= now;
     let _ = writeln!(out, "key id       {}", key.log_id());
@@ -219,20 +228,86 @@ pub fn describe(key: &RecordKey, r: &Record, now: UnixMillis) -> String {
                 let _ = writeln!(out, "  {name}: {}", String::from_utf8_lossy(value));
             }
         }
-        RecordState::Unstored { status } => {
-            let _ = writeln!(
-                out,
-                "status       {status} (response was too large to store; retries get 410)"
-            );
-        }
+        RecordState::Unstored { status } => match resolution {
+            // Resolved as applied: no answer came, so there is no status.
+            Some(res) => {
+                let _ = writeln!(
+                    out,
+                    "status       none (executed, response not stored; retries get 410)"
+                );
+                let _ = writeln!(
+                    out,
+                    "resolved     applied at {} ({}): {}",
+                    time(res.at),
+                    relative(res.at, now),
+                    res.reason
+                );
+            }
+            None => {
+                let _ = writeln!(
+                    out,
+                    "status       {status} (response was too large to store; retries get 410)"
+                );
+            }
+        },
         RecordState::Unknown => {
             let _ = writeln!(
                 out,
-                "outcome      unknown: sent upstream, never answered; retries get 424 until this key is deleted"
+                "outcome      unknown: sent upstream, never answered; retries get 424 until this key is resolved (keys resolve) or deleted"
             );
         }
     }
     out
+}
+
+/// The longest `--reason` `keys resolve` keeps.
+pub const MAX_REASON_CHARS: usize = 500;
+
+/// A `--reason`: what the operator found out, kept with an applied record
+/// and logged, so one line of printable text, and bounded.
+pub fn parse_reason(s: &str) -> Result<String, String> {
+    let reason = s.trim();
+    if reason.is_empty() {
+        return Err("say why (e.g. \"the ledger shows payment 81 once\")".into());
+    }
+    if reason.chars().count() > MAX_REASON_CHARS {
+        return Err(format!("at most {MAX_REASON_CHARS} characters"));
+    }
+    if reason.chars().any(char::is_control) {
+        return Err("one line of text, without control characters".into());
+    }
+    Ok(reason.to_string())
+}
+
+/// Why `resolve` left a record that is not outcome unknown alone.
+fn not_unknown(key: &RecordKey, r: &Record, now: UnixMillis) -> String {
+    let state = match &r.state {
+        RecordState::InFlight { locked_until } if *locked_until > now => format!(
+            "in flight: its lease is live until {} (a request is running); wait for it to end",
+            time(*locked_until)
+        ),
+        RecordState::InFlight { .. } => {
+            "in flight, lease expired: the next retry takes it over".to_string()
+        }
+        RecordState::Completed(resp) => {
+            format!("completed with status {}: retries replay it", resp.status)
+        }
+        RecordState::Unstored {
+            status: RESOLVED_STATUS,
+        } => "already resolved as applied: retries get 410".to_string(),
+        RecordState::Unstored { status } => {
+            format!("completed with status {status}, response not stored: retries get 410")
+        }
+        // Resolved or deleted by someone else in between.
+        RecordState::Unknown => {
+            "outcome unknown, but it changed while resolving; run it again".to_string()
+        }
+    };
+    format!(
+        "key id {} is not outcome-unknown (state {}): it is {state}; resolve settles only unknown outcomes (keys delete removes a record in any state)",
+        key.log_id(),
+        r.state.as_str()
+    )
 }
 
 fn time(ms: UnixMillis) -> String {
@@ -270,6 +345,12 @@ pub async fn purge_expired(
 pub enum KeysAction {
     Show(RecordKey),
     Delete(RecordKey),
+    /// `reason` is logged for either verdict (an applied record keeps it too).
+    Resolve {
+        key: RecordKey,
+        verdict: Verdict,
+        reason: String,
+    },
     PurgeExpired,
 }
 
@@ -358,8 +439,46 @@ pub enum KeysCommand {
         scope: ScopeArgs,
         key: String,
     },
+    /// Settle an outcome-unknown key (on_ambiguous = "keep") once you know
+    /// whether the upstream executed it: --not-applied lets the next retry
+    /// run; --applied makes retries get 410 and never run.
+    Resolve {
+        #[command(flatten)]
+        scope: ScopeArgs,
+        #[command(flatten)]
+        verdict: VerdictArgs,
+        /// What you found out, kept with an --applied record and logged
+        /// (one line, at most 500 characters).
+        #[arg(long, value_parser = parse_reason)]
+        reason: String,
+        key: String,
+    },
     /// Delete every expired record now.
     PurgeExpired,
+}
+
+/// Whether the upstream executed the request (exactly one).
+#[derive(Debug, clap::Args)]
+#[group(required = true, multiple = false)]
+pub struct VerdictArgs {
+    /// It executed: keep the key as completed without a stored response.
+    #[arg(long)]
+    pub applied: bool,
+    /// It did not execute: release the key.
+    #[arg(long)]
+    pub not_applied: bool,
+}
+
+impl VerdictArgs {
+    pub fn verdict(&self, reason: &str) -> Verdict {
+        if self.applied {
+            Verdict::Applied {
+                reason: reason.to_string(),
+            }
+        } else {
+            Verdict::NotApplied
+        }
+    }
 }
 
 /// `idemgate keys COMMAND`, its exit code: 0, [`EXIT_NO_RECORD`], 1 for a
@@ -370,6 +489,20 @@ pub fn command(cfg: Config, command: &KeysCommand) -> std::process::ExitCode {
     let action = match command {
         KeysCommand::Show { scope, key } => named(scope, key).map(KeysAction::Show),
         KeysCommand::Delete { scope, key } => named(scope, key).map(KeysAction::Delete),
+        KeysCommand::Resolve {
+            scope,
+            verdict,
+            reason,
+            key,
+        } => {
+            // The resolve is logged: the operator's record of it.
+            crate::telemetry::init(cfg.restart.log.format, &cfg.restart.log.level);
+            named(scope, key).map(|key| KeysAction::Resolve {
+                key,
+                verdict: verdict.verdict(reason),
+                reason: reason.clone(),
+            })
+        }
         KeysCommand::PurgeExpired => Ok(KeysAction::PurgeExpired),
     };
     let action = match action {
@@ -412,7 +545,43 @@ pub async fn run(config: Config, action: KeysAction) -> anyhow::Result<KeysOutco
                 print!("{}", absent(&key));
                 return Ok(KeysOutcome::NoRecord);
             };
-            print!("{}", describe(&key, &record, Clock::system().now_millis()));
+            let resolution = store.resolution(&key).await?;
+            let now = Clock::system().now_millis();
+            print!("{}", describe(&key, &record, resolution.as_ref(), now));
+        }
+        KeysAction::Resolve {
+            key,
+            verdict,
+            reason,
+        } => {
+            let now = Clock::system().now_millis();
+            if !store.resolve(&key, &verdict, now).await? {
+                let Some(record) = store.get(&key).await? else {
+                    eprint!("idemgate keys: nothing to resolve: {}", absent(&key));
+                    return Ok(KeysOutcome::NoRecord);
+                };
+                anyhow::bail!("{}", not_unknown(&key, &record, now));
+            }
+            // The keys command has no metrics registry (the proxy's is in
+            // another process): this line, and an applied record's stored
+            // resolution, are the account of it.
+            tracing::info!(
+                key.id = %key.log_id(),
+                scope = %key.scope.to_hex(),
+                decision = verdict.as_str(),
+                reason = %reason,
+                "outcome-unknown key resolved by an operator"
+            );
+            match verdict {
+                Verdict::NotApplied => println!(
+                    "resolved key id {} as not applied: released, the next request with it executes",
+                    key.log_id()
+                ),
+                Verdict::Applied { .. } => println!(
+                    "resolved key id {} as applied: retries get 410 and never execute",
+                    key.log_id()
+                ),
+            }
         }
         KeysAction::Delete(key) => {
             // Deleting an absent key leaves what was asked for: exit 0.
@@ -487,6 +656,120 @@ mod tests {
             .unwrap()
             .starts_with("no record"));
         assert_eq!(purge_expired(&store, 10, &clock).await.unwrap(), 0);
+    }
+
+    /// A record left outcome-unknown in `store`, with its key.
+    async fn unknown_record(store: &MemoryStore, name: &str) -> RecordKey {
+        let key = record_key(name, &ScopeArg::Anonymous, &config(&[])).unwrap();
+        let (token, now) = (LeaseToken::random(), Clock::system().now_millis());
+        let claim = Claim {
+            key,
+            fingerprint: Fingerprint([7; 32]),
+            token,
+            now,
+            lease_ms: 30_000,
+            ttl_ms: 60_000,
+        };
+        store.claim(&claim).await.unwrap();
+        let keep = Span { now, ms: 60_000 };
+        let done = store.complete(&key, &token, &Completion::Unknown, keep);
+        assert_eq!(done.await.unwrap(), crate::store::Fence::Held);
+        key
+    }
+
+    #[tokio::test]
+    async fn resolve_settles_only_an_unknown_outcome_and_show_prints_an_applied_one() {
+        let store = MemoryStore::new();
+        let clock = Clock::system();
+        let now = clock.now_millis();
+        let released = unknown_record(&store, "k-released").await;
+        assert!(store
+            .resolve(&released, &Verdict::NotApplied, now)
+            .await
+            .unwrap());
+        assert_eq!(store.get(&released).await.unwrap(), None);
+        // Nothing is left to resolve.
+        assert!(!store
+            .resolve(&released, &Verdict::NotApplied, now)
+            .await
+            .unwrap());
+
+        let applied = unknown_record(&store, "k-applied").await;
+        let verdict = Verdict::Applied {
+            reason: "ledger shows it once".into(),
+        };
+        assert!(store.resolve(&applied, &verdict, now).await.unwrap());
+        let record = store.get(&applied).await.unwrap().unwrap();
+        assert_eq!(
+            record.state,
+            RecordState::Unstored {
+                status: RESOLVED_STATUS
+            }
+        );
+        let text = show(&store, &applied, &clock).await.unwrap();
+        assert!(text.contains("state        unstored"), "{text}");
+        assert!(text.contains("status       none (executed"), "{text}");
+        assert!(text.contains(": ledger shows it once\n"), "{text}");
+        assert!(text.contains("resolved     applied at "), "{text}");
+        assert!(!text.contains("k-applied"), "{text}");
+        // Settled once: neither verdict applies again.
+        assert!(!store
+            .resolve(&applied, &Verdict::NotApplied, now)
+            .await
+            .unwrap());
+        let refusal = not_unknown(&applied, &record, now);
+        assert!(refusal.contains("already resolved as applied"), "{refusal}");
+        assert!(refusal.contains(&applied.log_id().to_string()), "{refusal}");
+    }
+
+    #[test]
+    fn a_refusal_says_what_state_the_record_is_in() {
+        let key = record_key("k", &ScopeArg::Anonymous, &config(&[])).unwrap();
+        let record = |state| Record {
+            fingerprint: Fingerprint([1; 32]),
+            state,
+            created_at: 0,
+            expires_at: 10_000,
+        };
+        let resp = StoredResponse {
+            status: 201,
+            headers: vec![],
+            body: Bytes::new(),
+        };
+        for (state, says) in [
+            (
+                RecordState::InFlight {
+                    locked_until: 5_000,
+                },
+                "its lease is live until",
+            ),
+            (RecordState::InFlight { locked_until: 500 }, "lease expired"),
+            (RecordState::Completed(resp), "completed with status 201"),
+            (
+                RecordState::Unstored { status: 200 },
+                "status 200, response not stored",
+            ),
+        ] {
+            let text = not_unknown(&key, &record(state), 1_000);
+            assert!(text.contains(says), "{text}");
+            assert!(
+                text.contains("resolve settles only unknown outcomes"),
+                "{text}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_reason_is_one_bounded_line_of_text() {
+        assert_eq!(
+            parse_reason("  checked the ledger \n").unwrap(),
+            "checked the ledger"
+        );
+        for bad in ["", "   ", "two\nlines", "bell\u{7}"] {
+            assert!(parse_reason(bad).is_err(), "{bad:?}");
+        }
+        assert!(parse_reason(&"é".repeat(MAX_REASON_CHARS)).is_ok());
+        assert!(parse_reason(&"x".repeat(MAX_REASON_CHARS + 1)).is_err());
     }
 
     const SECRET: &str = "a-long-enough-secret";

@@ -9,7 +9,8 @@
 //! not undone (it may still land; the caller's token decides what it means).
 
 use super::{
-    Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, Span, Store, StoreError, UnixMillis,
+    Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, Resolution, Span, Store,
+    StoreError, UnixMillis, Verdict,
 };
 use crate::idempotency::RecordKey;
 use crate::metrics::Metrics;
@@ -29,6 +30,7 @@ pub enum Op {
     Release,
     Get,
     Delete,
+    Resolve,
     Sweep,
     Ping,
 }
@@ -42,6 +44,7 @@ impl Op {
             Op::Release => "release",
             Op::Get => "get",
             Op::Delete => "delete",
+            Op::Resolve => "resolve",
             Op::Sweep => "sweep",
             Op::Ping => "ping",
         }
@@ -142,6 +145,20 @@ impl Store for Instrumented {
 
     async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
         self.call(Op::Delete, self.inner.delete(key)).await
+    }
+
+    async fn resolve(
+        &self,
+        key: &RecordKey,
+        verdict: &Verdict,
+        now: UnixMillis,
+    ) -> Result<bool, StoreError> {
+        self.call(Op::Resolve, self.inner.resolve(key, verdict, now))
+            .await
+    }
+
+    async fn resolution(&self, key: &RecordKey) -> Result<Option<Resolution>, StoreError> {
+        self.call(Op::Get, self.inner.resolution(key)).await
     }
 
     async fn sweep(&self, now: UnixMillis, batch: u32) -> Result<u64, StoreError> {

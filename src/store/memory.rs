@@ -4,7 +4,7 @@
 
 use super::{
     is_claimable, is_sweepable, Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record,
-    RecordState, Span, Store, StoreError, UnixMillis,
+    RecordState, Resolution, Span, Store, StoreError, UnixMillis, Verdict, RESOLVED_STATUS,
 };
 use crate::config::DEFAULT_STORE_TIMEOUT;
 use crate::idempotency::RecordKey;
@@ -23,6 +23,7 @@ pub struct MemoryStore {
 struct Entry {
     record: Record,
     token: Option<LeaseToken>,
+    resolution: Option<Resolution>,
 }
 
 impl Default for MemoryStore {
@@ -82,6 +83,7 @@ impl Store for MemoryStore {
                         expires_at: claim.expires_at(),
                     },
                     token: Some(claim.token),
+                    resolution: None,
                 },
             );
             ClaimOutcome::Claimed { takeover }
@@ -139,6 +141,41 @@ impl Store for MemoryStore {
 
     async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
         Ok(self.with(|map| map.remove(key).is_some()))
+    }
+
+    async fn resolve(
+        &self,
+        key: &RecordKey,
+        verdict: &Verdict,
+        now: UnixMillis,
+    ) -> Result<bool, StoreError> {
+        Ok(self.with(|map| {
+            let Some(entry) = map
+                .get_mut(key)
+                .filter(|entry| entry.record.state == RecordState::Unknown)
+            else {
+                return false;
+            };
+            match verdict {
+                Verdict::NotApplied => {
+                    map.remove(key);
+                }
+                Verdict::Applied { reason } => {
+                    entry.record.state = RecordState::Unstored {
+                        status: RESOLVED_STATUS,
+                    };
+                    entry.resolution = Some(Resolution {
+                        at: now,
+                        reason: reason.clone(),
+                    });
+                }
+            }
+            true
+        }))
+    }
+
+    async fn resolution(&self, key: &RecordKey) -> Result<Option<Resolution>, StoreError> {
+        Ok(self.with(|map| map.get(key).and_then(|entry| entry.resolution.clone())))
     }
 
     async fn sweep(&self, now: UnixMillis, batch: u32) -> Result<u64, StoreError> {

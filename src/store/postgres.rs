@@ -51,14 +51,15 @@ use super::batch::{Batcher, Completing};
 use super::pg_connect::describe_transport;
 use super::sql::{KeyParams, OwnerParams};
 use super::{
-    Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, Span, Store, StoreError, UnixMillis,
+    Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, Resolution, Span, Store,
+    StoreError, UnixMillis, Verdict, RESOLVED_STATUS,
 };
 use crate::config::{MigrationLock, StoreConfig};
 use crate::idempotency::RecordKey;
 use async_trait::async_trait;
 use batch::{batcher_gone, decode_row};
 use deadpool_postgres::ClientWrapper;
-use pool::{Core, CALL_BOUND_MARGIN};
+use pool::{Core, Param, CALL_BOUND_MARGIN};
 use std::sync::{Arc, OnceLock, PoisonError};
 use std::time::Duration;
 use tokio_postgres::types::Type;
@@ -225,6 +226,60 @@ impl Store for PostgresStore {
         )
         .await
         .map(|n| n > 0)
+    }
+
+    async fn resolve(
+        &self,
+        key: &RecordKey,
+        verdict: &Verdict,
+        _now: UnixMillis,
+    ) -> Result<bool, StoreError> {
+        let core = &*self.core;
+        let key = KeyParams::new(key);
+        let scope: Param = (&key.scope, Type::BYTEA);
+        let key: Param = (&key.key, Type::BYTEA);
+        let changed = match verdict {
+            Verdict::NotApplied => {
+                core.write(&core.sql.resolve_not_applied, &[scope, key])
+                    .await
+            }
+            Verdict::Applied { reason } => {
+                let status = i32::from(RESOLVED_STATUS);
+                core.write(
+                    &core.sql.resolve_applied,
+                    &[
+                        scope,
+                        key,
+                        (&status, Type::INT4),
+                        (&core.clock_offset_ms, Type::INT8),
+                        (reason, Type::TEXT),
+                    ],
+                )
+                .await
+            }
+        };
+        changed.map(|n| n > 0)
+    }
+
+    async fn resolution(&self, key: &RecordKey) -> Result<Option<Resolution>, StoreError> {
+        let core = &*self.core;
+        let key = KeyParams::new(key);
+        let rows = core
+            .read(
+                &core.sql.resolution,
+                &[(&key.scope, Type::BYTEA), (&key.key, Type::BYTEA)],
+            )
+            .await?;
+        let corrupt =
+            |err: tokio_postgres::Error| StoreError::Corrupt(format!("postgres row: {err}"));
+        rows.first()
+            .map(|row| {
+                Ok(Resolution {
+                    at: row.try_get(0).map_err(corrupt)?,
+                    reason: row.try_get(1).map_err(corrupt)?,
+                })
+            })
+            .transpose()
     }
 
     async fn sweep(&self, _now: UnixMillis, batch: u32) -> Result<u64, StoreError> {

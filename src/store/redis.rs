@@ -55,8 +55,8 @@ use scripts::{Locking, Scripts};
 use stale::{heal, lock, StaleSet, MAX_STALE};
 
 use super::{
-    Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, RecordState, Span, Store,
-    StoreError, UnixMillis,
+    Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, RecordState, Resolution, Span,
+    Store, StoreError, UnixMillis, Verdict,
 };
 use crate::clock::Clock;
 use crate::config::RedisConfig;
@@ -419,6 +419,22 @@ impl RedisFastPath {
         }
     }
 
+    /// Removes the Redis copy of `key` after the inner store changed or
+    /// deleted the record; [`StoreError::StaleCopy`] when Redis cannot be
+    /// told, so the operator knows a replica could still answer from it.
+    async fn drop_copy(&self, key: &RecordKey) -> Result<(), StoreError> {
+        let name = self.redis_key(key);
+        let mut conn = self.conn.clone();
+        let cmd = redis::cmd("DEL").arg(&name).to_owned();
+        let removed = tokio::time::timeout(self.timeout, cmd.query_async::<i64>(&mut conn)).await;
+        let source = match removed {
+            Ok(Ok(_)) => return Ok(()),
+            Ok(Err(err)) => err.into(),
+            Err(_) => "redis did not answer in time".into(),
+        };
+        Err(StoreError::StaleCopy { name, source })
+    }
+
     /// Answers a claim from what Redis holds, if it can.
     fn answer(claim: &Claim, value: &[u8], pttl: i64) -> Option<ClaimOutcome> {
         match decode(value).ok()? {
@@ -579,16 +595,28 @@ impl Store for RedisFastPath {
     /// could still replay the deleted response.
     async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
         let deleted = self.inner.delete(key).await?;
-        let name = self.redis_key(key);
-        let mut conn = self.conn.clone();
-        let cmd = redis::cmd("DEL").arg(&name).to_owned();
-        let removed = tokio::time::timeout(self.timeout, cmd.query_async::<i64>(&mut conn)).await;
-        let source = match removed {
-            Ok(Ok(_)) => return Ok(deleted),
-            Ok(Err(err)) => err.into(),
-            Err(_) => "redis did not answer in time".into(),
-        };
-        Err(StoreError::StaleCopy { name, source })
+        self.drop_copy(key).await?;
+        Ok(deleted)
+    }
+
+    /// Resolves the record in the inner store, then removes its Redis copy
+    /// as [`Store::delete`] does: whatever Redis held for an outcome-unknown
+    /// key (a lock left behind) must not answer for the settled record.
+    async fn resolve(
+        &self,
+        key: &RecordKey,
+        verdict: &Verdict,
+        now: UnixMillis,
+    ) -> Result<bool, StoreError> {
+        let resolved = self.inner.resolve(key, verdict, now).await?;
+        if resolved {
+            self.drop_copy(key).await?;
+        }
+        Ok(resolved)
+    }
+
+    async fn resolution(&self, key: &RecordKey) -> Result<Option<Resolution>, StoreError> {
+        self.inner.resolution(key).await
     }
 
     async fn sweep(&self, now: UnixMillis, batch: u32) -> Result<u64, StoreError> {

@@ -4,7 +4,8 @@
 
 use super::memory::MemoryStore;
 use super::{
-    Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, Span, Store, StoreError, UnixMillis,
+    Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, Resolution, Span, Store,
+    StoreError, UnixMillis, Verdict,
 };
 use crate::idempotency::RecordKey;
 use async_trait::async_trait;
@@ -130,6 +131,17 @@ impl Store for FlakyStore {
     }
     async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
         self.inner.delete(key).await
+    }
+    async fn resolve(
+        &self,
+        key: &RecordKey,
+        verdict: &Verdict,
+        now: UnixMillis,
+    ) -> Result<bool, StoreError> {
+        self.inner.resolve(key, verdict, now).await
+    }
+    async fn resolution(&self, key: &RecordKey) -> Result<Option<Resolution>, StoreError> {
+        self.inner.resolution(key).await
     }
     async fn sweep(&self, now: UnixMillis, batch: u32) -> Result<u64, StoreError> {
         self.inner.sweep(now, batch).await

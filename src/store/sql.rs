@@ -74,6 +74,12 @@ DROP TABLE idempotency_records;
 ALTER TABLE idempotency_records_v2 RENAME TO idempotency_records;
 CREATE INDEX idempotency_records_expires_at ON idempotency_records (expires_at);
 "#,
+    r#"
+-- 3: an operator's resolution of an outcome-unknown key as applied
+-- (`idemgate keys resolve`): when, and why. NULL on every other record.
+ALTER TABLE idempotency_records ADD COLUMN resolved_at INTEGER;
+ALTER TABLE idempotency_records ADD COLUMN resolve_reason TEXT;
+"#,
 ];
 
 /// PostgreSQL's ordered schema migrations; `{schema}` is replaced by the
@@ -105,6 +111,13 @@ ALTER TABLE {schema}.idempotency_records
     DROP CONSTRAINT idempotency_records_state_check,
     ADD CONSTRAINT idempotency_records_state_check
         CHECK (state IN ('in_flight', 'completed', 'unstored', 'unknown'));
+"#,
+    r#"
+-- 3: an operator's resolution of an outcome-unknown key as applied
+-- (`idemgate keys resolve`): when, and why. NULL on every other record.
+ALTER TABLE {schema}.idempotency_records
+    ADD COLUMN resolved_at bigint,
+    ADD COLUMN resolve_reason text;
 "#,
 ];
 
@@ -154,6 +167,9 @@ pub(crate) const OWNED: &str = "scope = $1 AND key = $2 AND token = $3 AND state
 /// One record by its key.
 const BY_KEY: &str = "scope = $1 AND key = $2";
 
+/// The one record an operator's resolve may change: still outcome unknown.
+const UNKNOWN: &str = "scope = $1 AND key = $2 AND state = 'unknown'";
+
 /// The record columns, in [`super::codec::RecordRow`]'s order.
 const COLUMNS: &str =
     "fingerprint, state, locked_until, created_at, expires_at, status, headers, body";
@@ -169,7 +185,7 @@ fn upsert(table: &str, rows: &str, claimable: &str, returning: &str) -> String {
            fingerprint = EXCLUDED.fingerprint, state = 'in_flight', token = EXCLUDED.token, \
            locked_until = EXCLUDED.locked_until, created_at = EXCLUDED.created_at, \
            expires_at = EXCLUDED.expires_at, status = NULL, headers = NULL, body = NULL, \
-           takeover = (r.state = 'in_flight') \
+           resolved_at = NULL, resolve_reason = NULL, takeover = (r.state = 'in_flight') \
          WHERE {claimable} \
          RETURNING {returning}"
     )
@@ -211,6 +227,14 @@ pub(crate) struct Statements {
     pub release: String,
     /// Binds scope, key.
     pub delete: String,
+    /// Binds scope, key, status, now, reason: an outcome-unknown record
+    /// becomes unstored, keeping when and why.
+    pub resolve_applied: String,
+    /// Binds scope, key: deletes the record if it is outcome unknown.
+    pub resolve_not_applied: String,
+    /// Binds scope, key; returns `resolved_at`, `resolve_reason` of a
+    /// record resolved as applied (no row for any other).
+    pub resolution: String,
     /// Binds now, batch: deletes up to `batch` sweepable records, oldest first.
     pub sweep: String,
 }
@@ -320,6 +344,16 @@ impl Statements {
             )),
             release: placeholders(format!("DELETE FROM {table} WHERE {OWNED}")),
             delete: placeholders(format!("DELETE FROM {table} WHERE {BY_KEY}")),
+            resolve_applied: placeholders(format!(
+                "UPDATE {table} SET state = 'unstored', status = $3, resolved_at = {}, \
+                 resolve_reason = $5 WHERE {UNKNOWN}",
+                now(4)
+            )),
+            resolve_not_applied: placeholders(format!("DELETE FROM {table} WHERE {UNKNOWN}")),
+            resolution: placeholders(format!(
+                "SELECT resolved_at, resolve_reason FROM {table} \
+                 WHERE {BY_KEY} AND state = 'unstored' AND resolved_at IS NOT NULL"
+            )),
             sweep: placeholders(format!(
                 "DELETE FROM {table} WHERE (scope, key) IN ( \
                    SELECT scope, key FROM {table} \
@@ -386,14 +420,16 @@ mod tests {
             digests(SQLITE_MIGRATIONS),
             [
                 "5bc37de04ce31204af736792c70bab12dcfe0acf51ccfdcd04ae56fa18855f9a",
-                "bac05e27f3f9bd9ce056711d9a13913ca572e14140432b39022ceea6487bf133"
+                "bac05e27f3f9bd9ce056711d9a13913ca572e14140432b39022ceea6487bf133",
+                "bef07a51036175b142813044310d1885097530d4467f0cf8cd6975f6dc74ca69"
             ]
         );
         assert_eq!(
             digests(POSTGRES_MIGRATIONS),
             [
                 "3d5ebb9cdc43db1e853dc49350dfb03b2922485086ab12c3b6d43663ba57c775",
-                "a58c49c091676b6b3d18cde1fbc145ce179a4f820f5e7637eca3d52ee49c9a07"
+                "a58c49c091676b6b3d18cde1fbc145ce179a4f820f5e7637eca3d52ee49c9a07",
+                "a993d5a9813793fc91ed0d30afba8f2c7406bfb59788f8bdb5020b5a34a7b21b"
             ]
         );
     }

@@ -11,7 +11,8 @@ use super::batch::{Batcher, Completing};
 use super::codec::RecordRow;
 use super::sql::{Dialect, KeyParams, OwnerParams, Statements, SQLITE_MIGRATIONS};
 use super::{
-    Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, Span, Store, StoreError, UnixMillis,
+    Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, Resolution, Span, Store,
+    StoreError, UnixMillis, Verdict, RESOLVED_STATUS,
 };
 use crate::config::{SqliteSync, DEFAULT_STORE_TIMEOUT};
 use crate::idempotency::RecordKey;
@@ -361,6 +362,48 @@ impl Store for SqliteStore {
         self.call(move |conn| {
             let key = KeyParams::new(&key);
             execute(conn, &SQL.delete, params![key.scope, key.key]).map(|n| n > 0)
+        })
+        .await
+    }
+
+    async fn resolve(
+        &self,
+        key: &RecordKey,
+        verdict: &Verdict,
+        now: UnixMillis,
+    ) -> Result<bool, StoreError> {
+        let (key, verdict) = (*key, verdict.clone());
+        self.call(move |conn| {
+            let key = KeyParams::new(&key);
+            let changed = match &verdict {
+                Verdict::NotApplied => {
+                    execute(conn, &SQL.resolve_not_applied, params![key.scope, key.key])?
+                }
+                Verdict::Applied { reason } => execute(
+                    conn,
+                    &SQL.resolve_applied,
+                    params![key.scope, key.key, RESOLVED_STATUS, now, reason],
+                )?,
+            };
+            Ok(changed > 0)
+        })
+        .await
+    }
+
+    async fn resolution(&self, key: &RecordKey) -> Result<Option<Resolution>, StoreError> {
+        let key = *key;
+        self.call(move |conn| {
+            let key = KeyParams::new(&key);
+            conn.prepare_cached(&SQL.resolution)
+                .map_err(db_err)?
+                .query_row(params![key.scope, key.key], |row| {
+                    Ok(Resolution {
+                        at: row.get(0)?,
+                        reason: row.get(1)?,
+                    })
+                })
+                .optional()
+                .map_err(db_err)
         })
         .await
     }

@@ -589,6 +589,216 @@ async fn keys_show_and_delete_work_against_a_postgres_backed_proxy() {
     drop_schema(&database_url(), &schema).await;
 }
 
+// ===== keys resolve =====
+
+/// A route that keeps unanswered keys as outcome unknown.
+const KEEP: &str = "/keep";
+
+/// `store`'s config plus [`KEEP`], with a 2 s upstream timeout.
+fn with_keep_route(config: TestConfig) -> TestConfig {
+    config
+        .set("server.upstream_timeout", "2s")
+        .route(Route::post(KEEP).set("on_ambiguous", "keep"))
+}
+
+/// `idemgate keys <args> --config <config>` logging at info, whatever
+/// its exit code.
+async fn keys_run(config: &Path, args: &[&str]) -> Run {
+    let mut all = vec!["keys", "--config", config.to_str().expect("utf-8 path")];
+    all.extend_from_slice(args);
+    run_to_completion(&all, &[("RUST_LOG", "info")]).await
+}
+
+/// `keys resolve` of `key` in the test's scope, with `args` before it.
+async fn resolve(config: &Path, args: &[&str], key: &str) -> Run {
+    let all = [
+        &["resolve", "--scope-header-value", CREDENTIAL][..],
+        args,
+        &[key],
+    ]
+    .concat();
+    keys_run(config, &all).await
+}
+
+/// Two keys left outcome unknown, each way resolved; the refusals.
+async fn resolve_settles_only_outcome_unknown_keys(setup: &Setup, up: &Upstream) {
+    let gate = setup.start().await;
+    let keep = |key: &str| {
+        gate.post(KEEP)
+            .header("authorization", CREDENTIAL)
+            .key(key)
+            .body(BODY)
+    };
+    up.push(Action::Delay(Duration::from_secs(4)));
+    up.push(Action::Delay(Duration::from_secs(4)));
+    let (a, b) = tokio::join!(keep("k-not-applied").send(), keep("k-applied").send());
+    a.assert_problem(504);
+    b.assert_problem(504);
+    keep("k-applied").send().await.assert_problem(424);
+    assert_eq!(up.hits(KEEP), 2);
+    let unknown = show(&setup.config, "k-applied").await;
+    assert!(unknown.contains("keys resolve"), "{unknown}");
+
+    // The command line: exactly one verdict, and a reason.
+    for bad in [
+        &["--reason", "why"][..],
+        &["--applied", "--not-applied", "--reason", "why"],
+        &["--applied"],
+        &["--applied", "--reason", " "],
+    ] {
+        let run = resolve(&setup.config, bad, "k-applied").await;
+        assert_eq!(run.code, 2, "{bad:?}: {}{}", run.stdout, run.stderr);
+    }
+    let long = "x".repeat(501);
+    let run = resolve(
+        &setup.config,
+        &["--applied", "--reason", &long],
+        "k-applied",
+    )
+    .await;
+    assert_eq!(run.code, 2, "{}", run.stderr);
+    assert!(
+        run.stderr.contains("at most 500 characters"),
+        "{}",
+        run.stderr
+    );
+
+    // Only an outcome-unknown record is settled.
+    let absent = resolve(&setup.config, &["--applied", "--reason", "r"], "never-sent").await;
+    assert_eq!(absent.code, 3, "{}{}", absent.stdout, absent.stderr);
+    assert!(
+        absent.stderr.contains("no record for key id"),
+        "{}",
+        absent.stderr
+    );
+    assert!(!absent.stderr.contains("never-sent"), "{}", absent.stderr);
+    assert_eq!(gate.order("k-done").send().await.status(), 201);
+    let done = resolve(&setup.config, &["--not-applied", "--reason", "r"], "k-done").await;
+    assert_eq!(done.code, 1, "{}{}", done.stdout, done.stderr);
+    assert!(
+        done.stderr
+            .contains("not outcome-unknown (state completed)")
+            && done.stderr.contains("completed with status 201"),
+        "{}",
+        done.stderr
+    );
+    assert!(gate.order("k-done").send().await.replayed());
+    up.push(Action::Delay(Duration::from_secs(30)));
+    let busy = tokio::spawn(keep("k-busy").try_send());
+    up.wait_hits(KEEP, 3).await;
+    let in_flight = resolve(&setup.config, &["--not-applied", "--reason", "r"], "k-busy").await;
+    assert_eq!(in_flight.code, 1, "{}", in_flight.stderr);
+    assert!(
+        in_flight.stderr.contains("(state in_flight)")
+            && in_flight.stderr.contains("its lease is live until"),
+        "{}",
+        in_flight.stderr
+    );
+    busy.abort();
+
+    // Not applied: released, the retry executes once.
+    let released = resolve(
+        &setup.config,
+        &["--not-applied", "--reason", "no charge in the ledger"],
+        "k-not-applied",
+    )
+    .await;
+    assert_eq!(released.code, 0, "{}", released.stderr);
+    assert!(
+        released.stdout.starts_with("resolved key id "),
+        "{}",
+        released.stdout
+    );
+    assert!(
+        !released.stdout.contains("k-not-applied"),
+        "{}",
+        released.stdout
+    );
+    assert!(
+        released.stderr.contains("decision=\"not_applied\"")
+            || released.stderr.contains("decision=not_applied"),
+        "the resolve is logged: {}",
+        released.stderr
+    );
+    assert!(
+        !released.stderr.contains("k-not-applied"),
+        "{}",
+        released.stderr
+    );
+    let rerun = keep("k-not-applied").send().await;
+    assert_eq!(rerun.status(), 200, "{}", rerun.text());
+    assert!(!rerun.replayed());
+    assert!(keep("k-not-applied").send().await.replayed());
+    assert_eq!(up.hits(KEEP), 4, "the released key executed once more");
+
+    // Applied: retries get 410 and never reach the upstream.
+    let reason = "order 81 shipped, per the warehouse";
+    let applied = resolve(
+        &setup.config,
+        &["--applied", "--reason", reason],
+        "k-applied",
+    )
+    .await;
+    assert_eq!(applied.code, 0, "{}", applied.stderr);
+    for _ in 0..2 {
+        keep("k-applied").send().await.assert_problem(410);
+    }
+    assert_eq!(up.hits(KEEP), 4, "the applied key never executes again");
+    let out = show(&setup.config, "k-applied").await;
+    assert!(out.contains("state        unstored\n"), "{out}");
+    assert!(out.contains("status       none (executed"), "{out}");
+    assert!(
+        show_field(&out, "resolved").starts_with("applied at ")
+            && out.contains(&format!(": {reason}\n")),
+        "{out}"
+    );
+    let again = resolve(&setup.config, &["--applied", "--reason", "r"], "k-applied").await;
+    assert_eq!(again.code, 1, "{}", again.stderr);
+    assert!(
+        again.stderr.contains("already resolved as applied"),
+        "{}",
+        again.stderr
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_resolve_settles_an_unknown_outcome_on_sqlite() {
+    let up = Upstream::start().await;
+    let setup = Setup::new(up.addr, |c, dir| with_keep_route(sqlite_store(c, dir)));
+    resolve_settles_only_outcome_unknown_keys(&setup, &up).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_resolve_settles_an_unknown_outcome_on_postgres() {
+    require_postgres(&database_url()).await;
+    let schema = unique_schema("resolve");
+    let up = Upstream::start().await;
+    let url = database_url();
+    let setup = Setup::new(up.addr, |c, _| {
+        with_keep_route(postgres_store(c, &url, &schema))
+    });
+    resolve_settles_only_outcome_unknown_keys(&setup, &up).await;
+    drop_schema(&database_url(), &schema).await;
+}
+
+/// Through the Redis fast path: the 410s after an applied resolve are
+/// answered alike from PostgreSQL and from the copy Redis caches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_resolve_settles_an_unknown_outcome_behind_the_redis_fast_path() {
+    require_postgres(&database_url()).await;
+    support::services::require_redis(&support::services::redis_url());
+    let schema = unique_schema("resolve_redis");
+    let up = Upstream::start().await;
+    let (url, redis) = (database_url(), support::services::redis_url());
+    let setup = Setup::new(up.addr, |c, _| {
+        with_keep_route(postgres_store(c, &url, &schema))
+            .set("redis.url", redis.as_str())
+            .set("redis.prefix", schema.as_str())
+    });
+    resolve_settles_only_outcome_unknown_keys(&setup, &up).await;
+    drop_schema(&database_url(), &schema).await;
+}
+
 // ===== environment overrides =====
 
 /// A postgres config without `store.url`.

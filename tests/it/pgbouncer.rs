@@ -52,7 +52,11 @@ async fn protected_traffic_and_migrations_work_through_pgbouncer() {
     // `idemgate migrate` through the pooler, then again: nothing left to do.
     let (code, out) = run(&["migrate"], &url, &schema).await;
     assert_eq!(code, 0, "{out}");
-    assert!(out.contains("2 migration(s) applied now"), "{out}");
+    let all = idemgate::store::postgres::MIGRATIONS.len();
+    assert!(
+        out.contains(&format!("{all} migration(s) applied now")),
+        "{out}"
+    );
     let (code, out) = run(&["migrate"], &url, &schema).await;
     assert_eq!(code, 0, "{out}");
     assert!(out.contains("0 migration(s) applied now"), "{out}");

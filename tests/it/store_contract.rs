@@ -871,7 +871,8 @@ async fn postgres_migrations_are_idempotent_and_safe_concurrently() {
 }
 
 /// A schema migrated by an older release (the first migration only) keeps
-/// its records and gains the `unknown` state on the next start.
+/// its records and gains the `unknown` state and resolutions on the next
+/// start.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_upgrades_an_older_schema_in_place() {
     let url = database_url();
@@ -896,8 +897,8 @@ async fn postgres_upgrades_an_older_schema_in_place() {
     let store = postgres(&schema).await;
     assert_eq!(
         store.migrate().await.unwrap(),
-        1,
-        "the second migration ran"
+        idemgate::store::postgres::MIGRATIONS.len() as u32 - 1,
+        "the later migrations ran"
     );
     let rows: i64 = client
         .query_one(
@@ -921,6 +922,12 @@ async fn postgres_upgrades_an_older_schema_in_place() {
         store.get(&c.key).await.unwrap().unwrap().state,
         RecordState::Unknown
     );
+    let applied = idemgate::store::Verdict::Applied {
+        reason: "checked".into(),
+    };
+    assert!(store.resolve(&c.key, &applied, 0).await.unwrap());
+    let resolution = store.resolution(&c.key).await.unwrap().expect("kept");
+    assert_eq!(resolution.reason, "checked");
     drop(client);
     drop_schema(&url, &schema).await;
 }
