@@ -50,7 +50,7 @@ pub enum ProxyError {
     TooManyWaiters { retry_after_secs: u64 },
     #[error("this key was already used for a different request")]
     Mismatch,
-    #[error("the original response (status {status}) could not be stored: it was larger than the route's max_response_body, or the upstream cut it off")]
+    #[error("{}", not_replayable(*status))]
     NotReplayable { status: u16 },
     #[error("the first request with this key was sent upstream but never answered, so whether it executed is unknown")]
     OutcomeUnknown,
@@ -184,4 +184,14 @@ pub enum ForwardError {
     /// nothing was sent.
     #[error("too many upgraded connections (WebSocket) are open; nothing was forwarded")]
     TunnelsExhausted,
+}
+
+/// Why a completed record has no answer to replay.
+fn not_replayable(status: u16) -> String {
+    if status == crate::store::RESOLVED_STATUS {
+        return "an operator settled this key as executed (idemgate keys resolve --applied); \
+                its response was never received, so there is none to replay"
+            .to_string();
+    }
+    format!("the original response (status {status}) could not be stored: it was larger than the route's max_response_body, or the upstream cut it off")
 }

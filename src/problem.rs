@@ -457,7 +457,10 @@ mod tests {
         let idem = ("idempotency_error", None);
         let api = ("api_error", None);
         let rows = [
-            ("key-missing", ("invalid_request_error", Some("parameter_missing"))),
+            (
+                "key-missing",
+                ("invalid_request_error", Some("parameter_missing")),
+            ),
             ("key-invalid", invalid),
             ("scope-header-repeated", invalid),
             ("request-invalid", invalid),
@@ -466,8 +469,14 @@ mod tests {
             ("body-unreadable", invalid),
             ("body-timeout", invalid),
             ("upgrade-refused", invalid),
-            ("in-flight", ("idempotency_error", Some("idempotency_key_in_use"))),
-            ("too-many-waiters", ("idempotency_error", Some("idempotency_key_in_use"))),
+            (
+                "in-flight",
+                ("idempotency_error", Some("idempotency_key_in_use")),
+            ),
+            (
+                "too-many-waiters",
+                ("idempotency_error", Some("idempotency_key_in_use")),
+            ),
             ("key-reused", idem),
             ("response-not-stored", idem),
             ("outcome-unknown", idem),

@@ -741,7 +741,15 @@ async fn resolve_settles_only_outcome_unknown_keys(setup: &Setup, up: &Upstream)
     .await;
     assert_eq!(applied.code, 0, "{}", applied.stderr);
     for _ in 0..2 {
-        keep("k-applied").send().await.assert_problem(410);
+        let gone = keep("k-applied").send().await.assert_problem(410);
+        // Not the too-large-to-store sentence: nothing was received.
+        assert!(
+            gone["detail"]
+                .as_str()
+                .unwrap()
+                .contains("settled this key as executed"),
+            "{gone}"
+        );
     }
     assert_eq!(up.hits(KEEP), 4, "the applied key never executes again");
     let out = show(&setup.config, "k-applied").await;
