@@ -393,6 +393,19 @@ impl Config {
     pub fn warnings(&self) -> Vec<String> {
         let mut out = Vec::new();
         for r in self.routes.iter() {
+            // Safe methods (RFC 9110 §9.2.1, and QUERY) change nothing: a
+            // repeat is harmless, so demanding a key for them only costs a
+            // store round trip and replays stale answers. A routing-only
+            // entry (`require_key = false`, e.g. a WebSocket GET) is fine.
+            let safe = ["GET", "HEAD", "OPTIONS", "TRACE", "QUERY"];
+            if r.require_key && r.methods.iter().all(|m| safe.contains(&m.as_str())) {
+                out.push(format!(
+                    "route #{} {}: protects only safe methods ({}): repeating them changes nothing, so protection only replays stored answers; list the methods that change state (POST, PUT, PATCH, DELETE)",
+                    r.index,
+                    r.path,
+                    r.methods.iter().map(http::Method::as_str).collect::<Vec<_>>().join(", ")
+                ));
+            }
             // The route's own upstream's timeout.
             let upstream_timeout = r
                 .upstream

@@ -76,6 +76,14 @@ pub struct RouteConfig {
 }
 
 impl RouteConfig {
+    /// Whether a request by `method` without a key is refused (400).
+    /// QUERY (RFC 10008) is safe and idempotent by definition: a route
+    /// that lists it protects a QUERY that carries a key and passes one
+    /// without, whatever `require_key` says.
+    pub fn key_required(&self, method: &Method) -> bool {
+        self.require_key && method.as_str() != "QUERY"
+    }
+
     /// The scope headers as `check-config` prints them, for messages:
     /// `authorization,stripe-account`.
     pub fn scope_label(&self) -> String {

@@ -386,12 +386,13 @@ fn preset_key(key: PresetKey) -> KeySpec {
     }
 }
 
-/// The methods of RFC 9110 §9 and PATCH (RFC 5789). Another name is much
+/// The methods of RFC 9110 §9, PATCH (RFC 5789) and QUERY (RFC 10008). Another name is much
 /// more likely a typo (`"PSOT"`) than a method clients send, and a route
 /// that never matches lets its traffic through unprotected: refused unless
 /// the route sets `allow_custom_methods = true`.
 fn check_methods(methods: &[Method], allow_custom: bool) -> Result<(), String> {
-    const REGISTERED: [Method; 9] = [
+    let query = Method::from_bytes(b"QUERY").expect("a valid method name");
+    let registered: [Method; 10] = [
         Method::GET,
         Method::HEAD,
         Method::POST,
@@ -401,10 +402,11 @@ fn check_methods(methods: &[Method], allow_custom: bool) -> Result<(), String> {
         Method::OPTIONS,
         Method::TRACE,
         Method::PATCH,
+        query,
     ];
-    match methods.iter().find(|m| !REGISTERED.contains(m)) {
+    match methods.iter().find(|m| !registered.contains(m)) {
         Some(m) if !allow_custom => Err(format!(
-            "method {:?} is not a standard HTTP method (GET, HEAD, POST, PUT, DELETE, CONNECT, OPTIONS, TRACE, PATCH): a typo would leave the route unprotected; set allow_custom_methods = true if clients really send it",
+            "method {:?} is not a standard HTTP method (GET, HEAD, POST, PUT, DELETE, CONNECT, OPTIONS, TRACE, PATCH, QUERY): a typo would leave the route unprotected; set allow_custom_methods = true if clients really send it",
             m.as_str()
         )),
         _ => Ok(()),

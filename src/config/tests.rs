@@ -1138,3 +1138,34 @@ fn error_shapes_come_from_the_route_then_defaults() {
         &ErrorShape::Problem
     );
 }
+
+/// QUERY (RFC 10008) is a registered method; a route demanding keys for
+/// safe methods only is a warning, a routing-only GET route is not.
+#[test]
+fn query_is_registered_and_safe_only_routes_warn() {
+    let cfg = parse(&with_route("").replace("[\"POST\"]", "[\"QUERY\"]")).unwrap();
+    let route = cfg.routes.iter().next().unwrap();
+    assert_eq!(route.methods[0].as_str(), "QUERY");
+    let query = http::Method::from_bytes(b"QUERY").unwrap();
+    assert!(!route.key_required(&query), "QUERY never demands a key");
+    assert!(route.key_required(&http::Method::POST));
+    let warnings = cfg.warnings();
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w.contains("route #1 /orders: protects only safe methods (QUERY)")),
+        "{warnings:?}"
+    );
+    let routing =
+        parse(&with_route("require_key = false\n").replace("[\"POST\"]", "[\"GET\"]")).unwrap();
+    assert!(
+        routing
+            .warnings()
+            .iter()
+            .all(|w| !w.contains("safe methods")),
+        "{:?}",
+        routing.warnings()
+    );
+    let mixed = parse(&with_route("").replace("[\"POST\"]", "[\"GET\", \"POST\"]")).unwrap();
+    assert!(mixed.warnings().iter().all(|w| !w.contains("safe methods")));
+}

@@ -54,7 +54,12 @@ impl Proxy {
     ) -> Response<ProxyBody> {
         let metrics = &self.services.metrics;
         let upstream = route.upstream.as_deref();
-        let plan = match plan_key(&route, req.headers(), self.services.scope_secret.as_ref()) {
+        let plan = match plan_key(
+            &route,
+            req.method(),
+            req.headers(),
+            self.services.scope_secret.as_ref(),
+        ) {
             Ok(KeyPlan::Absent) => {
                 let served = self.forwarder.passthrough(upstream, req.map(boxed), peer);
                 return log.conclude(metrics, served.await);

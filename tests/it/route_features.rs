@@ -28,6 +28,7 @@ backend_tests!(
     a_tenant_header_in_scope_headers_keeps_tenants_of_one_api_key_apart,
     with_only_the_credential_as_scope_tenants_of_one_api_key_share_keys,
     an_unanswered_request_on_a_keep_route_is_never_sent_twice,
+    a_query_without_a_key_passes_and_with_one_is_protected,
     a_refused_connection_releases_the_key_even_on_a_keep_route,
 );
 
@@ -324,4 +325,42 @@ async fn a_refused_connection_releases_the_key_even_on_a_keep_route(backend: Bac
         let detail = problem["detail"].as_str().unwrap_or_default();
         assert!(detail.contains("released"), "{detail}");
     }
+}
+
+/// QUERY (RFC 10008) on a route that lists it beside POST: never refused
+/// for lacking a key (it is safe), protected when it carries one; a POST
+/// without a key is still refused.
+async fn a_query_without_a_key_passes_and_with_one_is_protected(backend: Backend) {
+    let up = Upstream::start().await;
+    let proxy = Proxy::builder(backend, up.addr)
+        .routes(vec![
+            Route::post(ORDERS).set("methods", vec!["POST", "QUERY"])
+        ])
+        .start()
+        .await;
+    let query = || {
+        proxy
+            .request(http::Method::from_bytes(b"QUERY").unwrap(), ORDERS)
+            .header("content-type", "application/json")
+            .body(r#"{"status":"open"}"#)
+    };
+    let bare = query().send().await;
+    assert_eq!(bare.status(), 200, "{}", bare.text());
+    assert!(!bare.replayed());
+    let first = query().key("q-1").send().await;
+    let again = query().key("q-1").send().await;
+    assert_eq!(first.status(), 200, "{}", first.text());
+    assert!(again.replayed(), "{again:?}");
+    assert_eq!(
+        up.hits(ORDERS),
+        2,
+        "the keyless QUERY and the first keyed one"
+    );
+    proxy
+        .post(ORDERS)
+        .body("{}")
+        .send()
+        .await
+        .assert_problem(400);
+    assert_eq!(up.hits(ORDERS), 2);
 }

@@ -13,7 +13,7 @@ use crate::idempotency::{Fingerprint, IdempotencyKey, RecordKey, Scope};
 use crate::proxy::headers::{content_length, fields};
 use crate::route::{normalize_path, FingerprintMode, RouteConfig};
 use bytes::Bytes;
-use http::{request, HeaderMap, HeaderValue};
+use http::{request, HeaderMap, HeaderValue, Method};
 use hyper::body::Incoming;
 use std::borrow::Cow;
 use std::net::SocketAddr;
@@ -58,8 +58,9 @@ pub fn scope_of(
 pub enum KeyPlan {
     /// From a header.
     Ready(RecordKey),
-    /// In the body (`key = { json = .. }`), in this scope.
-    InBody(Scope),
+    /// In the body (`key = { json = .. }`), in this scope; `required`:
+    /// whether its absence is refused ([`RouteConfig::key_required`]).
+    InBody { scope: Scope, required: bool },
     /// No key, on a route that does not require one: passed through.
     Absent,
 }
@@ -68,11 +69,14 @@ pub enum KeyPlan {
 /// body is read (a bad header or scope is refused without reading it).
 pub fn plan_key(
     route: &RouteConfig,
+    method: &Method,
     headers: &HeaderMap,
     scope_secret: Option<&Secret>,
 ) -> Result<KeyPlan, ProxyError> {
+    let required = route.key_required(method);
     if route.key_json.is_some() {
-        return Ok(KeyPlan::InBody(scope_of(route, headers, scope_secret)?));
+        let scope = scope_of(route, headers, scope_secret)?;
+        return Ok(KeyPlan::InBody { scope, required });
     }
     let sent: Vec<&[u8]> = headers
         .get_all(&route.key_header)
@@ -88,7 +92,7 @@ pub fn plan_key(
             let scope = scope_of(route, headers, scope_secret)?;
             Ok(KeyPlan::Ready(RecordKey::new(scope, &key)))
         }
-        None if route.require_key => Err(ProxyError::MissingKey {
+        None if required => Err(ProxyError::MissingKey {
             header: route.key_header.clone(),
         }),
         None => Ok(KeyPlan::Absent),
@@ -112,16 +116,16 @@ pub fn resolve_key(
     plan: KeyPlan,
     doc: Option<&Result<Json, JsonError>>,
 ) -> Result<Option<RecordKey>, ProxyError> {
-    let scope = match plan {
+    let (scope, required) = match plan {
         KeyPlan::Ready(key) => return Ok(Some(key)),
         KeyPlan::Absent => return Ok(None),
-        KeyPlan::InBody(scope) => scope,
+        KeyPlan::InBody { scope, required } => (scope, required),
     };
     let Some(pointer) = &route.key_json else {
         return Err(ProxyError::Internal("a body key without a pointer".into()));
     };
     let refuse = |reason: BodyKeyError| {
-        if reason.is_missing() && !route.require_key {
+        if reason.is_missing() && !required {
             return Ok(None);
         }
         Err(ProxyError::BodyKey {
@@ -276,7 +280,7 @@ mod tests {
 
     /// The key a header gives (`None`: absent, on a route without one).
     fn header_key(r: &RouteConfig, h: &HeaderMap) -> Result<Option<RecordKey>, ProxyError> {
-        plan_key(r, h, None).map(|plan| match plan {
+        plan_key(r, &Method::POST, h, None).map(|plan| match plan {
             KeyPlan::Ready(key) => Some(key),
             _ => None,
         })
@@ -361,8 +365,8 @@ mod tests {
             "key = { json = \"/message/messageId\" }\nscope = { value = \"c\" }\nrequire_key = false",
         );
         let resolve = |r: &RouteConfig, body: &str| {
-            let plan = plan_key(r, &parts(&[]).headers, None).unwrap();
-            assert!(matches!(plan, KeyPlan::InBody(_)));
+            let plan = plan_key(r, &Method::POST, &parts(&[]).headers, None).unwrap();
+            assert!(matches!(plan, KeyPlan::InBody { .. }));
             let doc = parse_body(r, body.as_bytes());
             resolve_key(r, plan, doc.as_ref())
         };
@@ -401,8 +405,8 @@ mod tests {
         // The scope is the route's consumer, whatever the credential.
         let with_auth = |auth: &str| {
             let h = parts(&[("authorization", auth)]).headers;
-            match plan_key(&required, &h, None).unwrap() {
-                KeyPlan::InBody(scope) => scope,
+            match plan_key(&required, &Method::POST, &h, None).unwrap() {
+                KeyPlan::InBody { scope, .. } => scope,
                 other => panic!("{other:?}"),
             }
         };
