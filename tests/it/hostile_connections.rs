@@ -536,11 +536,8 @@ async fn body_flood_memory_stays_within_the_budget() {
     };
     let (under, refused, after) = flood(0, before + RSS_RESIDUE_MIB * 1024).await;
     let peak_bound = before + (budget_mib + RSS_SLACK_MIB) * 1024;
-    // The later floods settle only down to what their check asks: waiting
-    // for RSS to fall below the first flood's residue (which it rarely
-    // does) spent the whole 10 s of settling twice and checked no more.
-    flood(1, peak_bound + 1).await;
-    let (_, _, again) = flood(2, peak_bound + 1).await;
+    flood(1, after).await;
+    let (_, _, again) = flood(2, after).await;
     eprintln!(
         "RSS before {} MiB, under the flood {} MiB, after {} MiB, after three floods {} MiB; {refused} of 200 refused",
         before / 1024,
