@@ -184,12 +184,23 @@ impl Proxy {
         let mut log = RequestLog::start(&req, peer, id, self.routes.default_errors());
         let metrics = &self.services.metrics;
         if let Err(e) = admission::admit(&mut req) {
+            // Refused before routing, but a protected route's answer still
+            // says what idempotency did (`Idempotency-Status`).
+            let path = normalize_path(req.uri().path());
+            if let Some(route) = self.routes.find(req.method(), &path) {
+                log.set_route(route);
+            }
             return log.conclude(metrics, Err(e));
         }
         let path = normalize_path(req.uri().path());
         let Some(route) = self.routes.find(req.method(), &path).cloned() else {
+            let keyed = log::carries_key(self.routes.key_headers(), req.headers());
             let served = self.forwarder.passthrough(None, req.map(boxed), peer);
-            return log.conclude(metrics, served.await);
+            let mut resp = log.conclude(metrics, served.await);
+            if keyed {
+                log::mark_ignored(resp.headers_mut());
+            }
+            return resp;
         };
         log.set_route(&route);
         trace::set_route(&route.label);

@@ -519,6 +519,9 @@ fn decode_unreserved(path: &str) -> String {
 #[derive(Clone, Debug)]
 pub struct RouteTable {
     routes: Vec<Arc<RouteConfig>>,
+    /// Every route's key header, and `Idempotency-Key`: an unrouted request
+    /// carrying one is told its key was ignored.
+    key_headers: Vec<HeaderName>,
     /// `[defaults] errors`: the shape of error answers to requests that
     /// match no route.
     errors: errors::ErrorShape,
@@ -526,10 +529,22 @@ pub struct RouteTable {
 
 impl RouteTable {
     pub fn new(routes: Vec<RouteConfig>, errors: errors::ErrorShape) -> Self {
+        let mut key_headers = vec![HeaderName::from_static("idempotency-key")];
+        for r in routes.iter().filter(|r| r.key_json.is_none()) {
+            if !key_headers.contains(&r.key_header) {
+                key_headers.push(r.key_header.clone());
+            }
+        }
         Self {
             routes: routes.into_iter().map(Arc::new).collect(),
+            key_headers,
             errors,
         }
+    }
+
+    /// The key headers an unrouted request may carry in vain.
+    pub fn key_headers(&self) -> &[HeaderName] {
+        &self.key_headers
     }
 
     /// The shape of error answers outside any route (`[defaults] errors`).

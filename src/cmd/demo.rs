@@ -198,19 +198,19 @@ pub fn walkthrough(proxy: std::net::SocketAddr, config: &std::path::Path) -> Str
         r#"
 idemgate demo: proxy on {u}, in front of a demo orders API.
 
-1. Create an order (new key: forwarded, stored, 201):
+1. Create an order (new key: forwarded, stored, 201, Idempotency-Status: created):
    curl -i -X POST {u}/orders -H 'Authorization: Bearer demo' -H 'Idempotency-Key: order-1' -H 'Content-Type: application/json' -d '{{"item":"book","qty":1}}'
-2. Retry it (same key, same body: replayed, Idempotent-Replayed: true, same order id):
+2. Retry it (same key, same body: replayed, Idempotency-Status: replayed, same order id):
    curl -i -X POST {u}/orders -H 'Authorization: Bearer demo' -H 'Idempotency-Key: order-1' -H 'Content-Type: application/json' -d '{{"item":"book","qty":1}}'
-3. Change the body under the same key (422):
+3. Change the body under the same key (422, Idempotency-Status: key-reused):
    curl -i -X POST {u}/orders -H 'Authorization: Bearer demo' -H 'Idempotency-Key: order-1' -H 'Content-Type: application/json' -d '{{"item":"pen","qty":9}}'
-4. Start a slow request, and retry it while it runs (409 with Retry-After):
+4. Start a slow request, and retry it while it runs (409 with Retry-After, Idempotency-Status: in-flight):
    curl -s -X POST '{u}/orders?slow=5' -H 'Authorization: Bearer demo' -H 'Idempotency-Key: order-2' -d '{{"item":"lamp"}}' &
    sleep 1; curl -i -X POST '{u}/orders?slow=5' -H 'Authorization: Bearer demo' -H 'Idempotency-Key: order-2' -d '{{"item":"lamp"}}'
-5. An upstream failure (503) releases the key; the retry runs again and succeeds:
+5. An upstream failure (503, Idempotency-Status: released) frees the key; the retry runs again and succeeds:
    curl -i -X POST '{u}/orders?fail_once=1' -H 'Authorization: Bearer demo' -H 'Idempotency-Key: order-3' -d '{{"item":"mug"}}'
    curl -i -X POST '{u}/orders?fail_once=1' -H 'Authorization: Bearer demo' -H 'Idempotency-Key: order-3' -d '{{"item":"mug"}}'
-6. Forget the key (400):
+6. Forget the key (400, Idempotency-Status: key-missing):
    curl -i -X POST {u}/orders -H 'Authorization: Bearer demo' -d '{{"item":"book"}}'
 7. See how many orders the API really created:
    curl -s {u}/orders

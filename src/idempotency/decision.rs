@@ -44,18 +44,24 @@ fn retry_after_secs(locked_until: UnixMillis, now: UnixMillis) -> u64 {
     ms.div_ceil(1000).max(1)
 }
 
+/// `Retry-After` for a 409 before a route has an observed latency: most
+/// protected calls finish within a second or two, and an SDK that honours
+/// the header (Stainless, stripe-node) should not sleep for the whole lease.
+pub const DEFAULT_RETRY_AFTER_SECS: u64 = 1;
+
 /// `Retry-After` for a 409: when the answer is likely ready. `lease_secs`
 /// is what the record says (seconds until its lease runs out, at least 1),
-/// `typical` the route's usual upstream latency. Without an observation
-/// the lease is all there is; with one, a client that honours the header
-/// comes back after about one execution, never later than the lease
-/// (when a dead holder's key can be taken over) and never before 1 s.
+/// `typical` the route's usual upstream latency. A client that honours the
+/// header comes back after about one execution (1 s before any was seen),
+/// never later than the lease (when a dead holder's key can be taken
+/// over) and never before 1 s.
 pub fn retry_after_hint(lease_secs: u64, typical: Option<std::time::Duration>) -> u64 {
     let lease_secs = lease_secs.max(1);
-    match typical {
-        None => lease_secs,
-        Some(t) => (t.as_millis() as u64).div_ceil(1000).clamp(1, lease_secs),
-    }
+    let secs = match typical {
+        None => DEFAULT_RETRY_AFTER_SECS,
+        Some(t) => (t.as_millis() as u64).div_ceil(1000),
+    };
+    secs.clamp(1, lease_secs)
 }
 
 /// What to do with the key once the upstream answered with `status`.
@@ -221,7 +227,8 @@ mod tests {
         let ms = Duration::from_millis;
         // (lease seconds left, typical latency, want)
         let cases = [
-            (30, None, 30),
+            // Nothing observed yet: about a second, not the lease.
+            (30, None, 1),
             (30, Some(ms(1)), 1),
             (30, Some(ms(900)), 1),
             (30, Some(ms(1000)), 1),

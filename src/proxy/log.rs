@@ -12,7 +12,8 @@ use crate::problem::Problem;
 use crate::route::errors::ErrorShape;
 use crate::route::RouteConfig;
 use crate::telemetry::trace;
-use http::{header, Method, Request, Response, Version};
+use http::header::{HeaderName, HeaderValue};
+use http::{header, HeaderMap, Method, Request, Response, Version};
 use http_body::Body;
 use std::net::SocketAddr;
 use std::sync::{Arc, LazyLock};
@@ -33,6 +34,18 @@ pub fn respond(
     key_id: Option<&str>,
     shape: &ErrorShape,
 ) -> Served {
+    let (served, _) = respond_naming(result, id, key_id, shape);
+    served
+}
+
+/// [`respond`], and the slug of the problem it answered with, if any.
+fn respond_naming(
+    result: Result<Served, ProxyError>,
+    id: Option<&RequestId>,
+    key_id: Option<&str>,
+    shape: &ErrorShape,
+) -> (Served, Option<&'static str>) {
+    let mut slug = None;
     let (outcome, resp) = match result {
         Ok(served) => served,
         Err(err) => {
@@ -44,11 +57,56 @@ pub fn respond(
             let mut problem = Problem::from_error(&err);
             problem.instance = id.map(RequestId::instance);
             problem.key_id = key_id.map(str::to_string);
+            slug = Some(problem.slug);
             (problem.outcome, problem.into_response(shape))
         }
     };
     trace::record(outcome, resp.status());
-    (outcome, resp)
+    ((outcome, resp), slug)
+}
+
+/// What idempotency did for a request: on every answer to a request that
+/// matched a protected route, and (`ignored`) to one that carried a key
+/// header but matched none. README "Idempotency-Status" lists the values.
+pub const IDEMPOTENCY_STATUS: HeaderName = HeaderName::from_static("idempotency-status");
+
+/// Put in a response's extensions by a request that executed but whose
+/// answer was too large to store: `Idempotency-Status: unstored`.
+#[derive(Clone, Copy, Debug)]
+pub struct Unstored;
+
+/// The `Idempotency-Status` of a routed request that ended with `outcome`,
+/// or with idemgate's own error answer `problem` (its type's slug, which
+/// names the problem as the README's problem table does).
+fn status_value(outcome: Outcome, problem: Option<&'static str>, unstored: bool) -> &'static str {
+    if let Some(slug) = problem {
+        return slug;
+    }
+    match outcome {
+        Outcome::Forwarded if unstored => "unstored",
+        Outcome::Forwarded => "created",
+        Outcome::Replayed => "replayed",
+        // An upstream answer in `release_statuses`: nothing ran, the key is free.
+        Outcome::UpstreamError => "released",
+        Outcome::Unguarded => "unguarded",
+        // A protected route, but no key where none is required.
+        Outcome::Passthrough => "no-key",
+        // Only idemgate's own errors end so, and they name a problem.
+        other => other.as_str(),
+    }
+}
+
+/// Whether an unrouted request carries one of the routes' key headers: its
+/// answer says `Idempotency-Status: ignored` ([`mark_ignored`]).
+pub fn carries_key(key_headers: &[HeaderName], req: &HeaderMap) -> bool {
+    key_headers.iter().any(|h| req.contains_key(h))
+}
+
+/// `Idempotency-Status: ignored`, unless the upstream (which may implement
+/// idempotency itself) set the header.
+pub fn mark_ignored(resp: &mut HeaderMap) {
+    resp.entry(IDEMPOTENCY_STATUS)
+        .or_insert(HeaderValue::from_static("ignored"));
 }
 
 /// The route label of requests no route matched.
@@ -61,6 +119,9 @@ pub struct RequestLog {
     /// The path as the client sent it (never the query: it may hold secrets).
     path: String,
     route: Arc<String>,
+    /// Whether a protected route matched: its answers carry
+    /// `Idempotency-Status`.
+    routed: bool,
     /// The short non-reversible key id (`RecordKey::log_id`), once known.
     key_id: Option<String>,
     /// The shape of idemgate's error answers: the route's once it is
@@ -102,6 +163,7 @@ impl RequestLog {
             method: req.method().clone(),
             path: req.uri().path().to_string(),
             route: UNROUTED.clone(),
+            routed: false,
             key_id: None,
             errors: errors.clone(),
             peer,
@@ -115,6 +177,7 @@ impl RequestLog {
 
     pub fn set_route(&mut self, route: &RouteConfig) {
         self.route = route.label.clone();
+        self.routed = true;
         self.errors = route.errors.clone();
     }
 
@@ -126,14 +189,19 @@ impl RequestLog {
         self.bytes_in = Some(n);
     }
 
-    /// [`respond`] with this request's id and key id.
+    /// [`respond`] with this request's id and key id, and on a protected
+    /// route its `Idempotency-Status` (replacing any the upstream sent).
     pub fn respond(&self, result: Result<Served, ProxyError>) -> Served {
-        respond(
-            result,
-            Some(&self.request_id),
-            self.key_id.as_deref(),
-            &self.errors,
-        )
+        let id = Some(&self.request_id);
+        let ((outcome, mut resp), slug) =
+            respond_naming(result, id, self.key_id.as_deref(), &self.errors);
+        if self.routed {
+            let unstored = resp.extensions().get::<Unstored>().is_some();
+            let value = status_value(outcome, slug, unstored);
+            resp.headers_mut()
+                .insert(IDEMPOTENCY_STATUS, HeaderValue::from_static(value));
+        }
+        (outcome, resp)
     }
 
     /// [`respond`], then [`RequestLog::finish`]: a request answered where
@@ -185,5 +253,54 @@ impl RequestLog {
             client_left,
             "request"
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_outcome_of_a_protected_request_has_a_status() {
+        let cases = [
+            (Outcome::Forwarded, None, false, "created"),
+            (Outcome::Forwarded, None, true, "unstored"),
+            (Outcome::Replayed, None, false, "replayed"),
+            (Outcome::UpstreamError, None, false, "released"),
+            (Outcome::Unguarded, None, false, "unguarded"),
+            (Outcome::Passthrough, None, false, "no-key"),
+            // idemgate's own answers name their problem, whatever the outcome.
+            (Outcome::Conflict, Some("in-flight"), false, "in-flight"),
+            (Outcome::Mismatch, Some("key-reused"), false, "key-reused"),
+            (
+                Outcome::UpstreamError,
+                Some("upstream-failed"),
+                false,
+                "upstream-failed",
+            ),
+        ];
+        for (outcome, problem, unstored, want) in cases {
+            assert_eq!(
+                status_value(outcome, problem, unstored),
+                want,
+                "{outcome:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn ignored_marks_only_keyed_requests_and_keeps_the_upstreams_own_status() {
+        let keys = [HeaderName::from_static("idempotency-key")];
+        let mut req = HeaderMap::new();
+        assert!(!carries_key(&keys, &req));
+        req.insert("idempotency-key", HeaderValue::from_static("k"));
+        assert!(carries_key(&keys, &req));
+        let mut resp = HeaderMap::new();
+        mark_ignored(&mut resp);
+        assert_eq!(resp[IDEMPOTENCY_STATUS], "ignored");
+        let mut theirs = HeaderMap::new();
+        theirs.insert(IDEMPOTENCY_STATUS, HeaderValue::from_static("replayed"));
+        mark_ignored(&mut theirs);
+        assert_eq!(theirs[IDEMPOTENCY_STATUS], "replayed");
     }
 }

@@ -16,7 +16,7 @@
 pub(crate) mod prepare;
 pub(super) mod wait;
 
-use super::log::{respond, RequestLog, Served};
+use super::log::{respond, RequestLog, Served, Unstored};
 use super::replay::{capture, replay};
 use super::request_id::RequestId;
 use super::Proxy;
@@ -304,7 +304,9 @@ impl Proxy {
                     "response larger than max_response_body; key completed without a stored body");
                 lease.complete(Completion::Unstored { status }).await;
                 let body = Prefixed::new(chunks, body);
-                return Ok((Outcome::Forwarded, Response::from_parts(parts, boxed(body))));
+                let mut resp = Response::from_parts(parts, boxed(body));
+                resp.extensions_mut().insert(Unstored);
+                return Ok((Outcome::Forwarded, resp));
             }
         }
         let body = concat(chunks);

@@ -157,6 +157,9 @@ async fn transfer_codings_other_than_chunked_get_501() {
             assert_eq!(resp.header("cache-control"), Some("no-store"));
             assert_eq!(problem["safe_new_key"], true, "{problem}");
             assert!(problem.get("key_id").is_none(), "{problem}");
+            // Refused before routing, yet a protected route's answer says so.
+            let status = (path == ORDERS).then_some("transfer-coding-unsupported");
+            assert_eq!(resp.header("idempotency-status"), status, "{path}");
         }
         let twice = "transfer-encoding: chunked, chunked\r\n";
         raw(proxy.addr, &post(path, key, twice))
@@ -506,6 +509,7 @@ async fn a_body_shorter_than_its_length_is_never_forwarded() {
     let text = answer(short("k-short-stall").await).await;
     assert!(text.starts_with("HTTP/1.1 408"), "{text}");
     assert!(text.contains("#problem-body-timeout"), "{text}");
+    assert!(text.contains("idempotency-status: body-timeout"), "{text}");
 
     // Closes its sending side: the body can never be complete (400).
     let mut half = short("k-short-half").await;

@@ -17,6 +17,7 @@ mod gateway;
 mod h2_refused;
 mod hostile_connections;
 mod hostile_requests;
+mod idempotency_status;
 mod invariants;
 mod lifecycle;
 mod operations;
