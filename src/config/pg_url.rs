@@ -121,6 +121,16 @@ impl PgUrl {
                         "{unsupported} is not supported: use an unencrypted key file, and no CRL"
                     ))
                 }
+                // Read-write is what a store that writes needs, and what
+                // `pg_config` sets when the URL says nothing.
+                "target_session_attrs" => match value()?.as_str() {
+                    "read-write" | "primary" => {}
+                    other => {
+                        return Err(format!(
+                            "target_session_attrs={other:?}: idemgate writes to its store; use read-write (the default here), so that a standby among the hosts is skipped"
+                        ))
+                    }
+                },
                 // libpq's default; no other value means anything here.
                 "sslsni" => {}
                 _ => kept.push(pair),
@@ -184,6 +194,10 @@ impl PgUrl {
         // The parser's own message names the bad part, never the password.
         let mut pg =
             tokio_postgres::Config::from_str(&self.rest).map_err(|err| Chain(&err).to_string())?;
+        // Every host is tried in order until one accepts writes: after a
+        // failover the promoted standby is found, and a server in recovery
+        // (or read-only) is never claimed on.
+        pg.target_session_attrs(tokio_postgres::config::TargetSessionAttrs::ReadWrite);
         pg.ssl_mode(match self.sslmode {
             SslMode::Disable => tokio_postgres::config::SslMode::Disable,
             SslMode::Allow | SslMode::Prefer => tokio_postgres::config::SslMode::Prefer,
@@ -273,6 +287,33 @@ mod tests {
         assert_eq!(pg.get_ports(), [6432]);
         assert_eq!(parse("postgres://u@h/db").rest, "postgres://u@h/db");
         assert!(!parse("postgres://u@h/db?pgbouncer=false").pgbouncer);
+    }
+
+    #[test]
+    fn every_host_is_tried_for_a_writable_server() {
+        use tokio_postgres::config::{Host, TargetSessionAttrs};
+        for url in [
+            "postgres://u@db-a:5432,db-b:5433/idemgate",
+            "postgres://u@db-a:5432,db-b:5433/idemgate?target_session_attrs=read-write",
+            "postgres://u@db-a:5432,db-b:5433/idemgate?target_session_attrs=primary",
+        ] {
+            let pg = parse(url).pg_config().unwrap();
+            assert_eq!(
+                pg.get_target_session_attrs(),
+                TargetSessionAttrs::ReadWrite,
+                "{url}"
+            );
+            assert_eq!(
+                pg.get_hosts(),
+                [Host::Tcp("db-a".into()), Host::Tcp("db-b".into())]
+            );
+            assert_eq!(pg.get_ports(), [5432, 5433]);
+        }
+        for other in ["any", "read-only", "standby", "prefer-standby"] {
+            let url = format!("postgres://h/db?target_session_attrs={other}");
+            let err = PgUrl::parse(&url).unwrap_err();
+            assert!(err.contains("use read-write"), "{url}: {err}");
+        }
     }
 
     #[test]

@@ -115,6 +115,7 @@ pub(super) struct RawStore {
     pub(super) connect_timeout: Option<HumanDuration>,
     pub(super) statement_timeout: Option<HumanDuration>,
     pub(super) migration_lock: Option<MigrationLock>,
+    pub(super) require_synchronous_replication: Option<bool>,
     pub(super) timeout: Option<HumanDuration>,
     pub(super) sweep_interval: Option<HumanDuration>,
     pub(super) sweep_batch: Option<u32>,

@@ -70,6 +70,9 @@ pub struct StoreConfig {
     pub statement_timeout: Duration,
     /// PostgreSQL only: see [`MigrationLock`].
     pub migration_lock: MigrationLock,
+    /// PostgreSQL only: claim only while the primary has a synchronous
+    /// standby (a failover then loses no acknowledged claim or answer).
+    pub require_synchronous_replication: bool,
     pub timeout: Duration,
     pub sweep_interval: Duration,
     pub sweep_batch: u32,
@@ -159,12 +162,19 @@ impl TryFrom<RawStore> for StoreConfig {
             ("store.connect_timeout", s.connect_timeout.is_some()),
             ("store.statement_timeout", s.statement_timeout.is_some()),
             ("store.migration_lock", s.migration_lock.is_some()),
+            (
+                "store.require_synchronous_replication",
+                s.require_synchronous_replication.is_some(),
+            ),
         ];
         if let Some((key, _)) = postgres_only
             .iter()
             .find(|(_, set)| *set && backend != Backend::Postgres)
         {
-            return Err(Invalid::field(*key, "store.pool_size, store.schema, store.connect_timeout, store.statement_timeout and store.migration_lock only apply to backend = \"postgres\""));
+            return Err(Invalid::field(
+                *key,
+                format!("{key} only applies to backend = \"postgres\""),
+            ));
         }
         let pool_size = at_least_one(
             "store.pool_size",
@@ -203,6 +213,7 @@ impl TryFrom<RawStore> for StoreConfig {
             connect_timeout: dur(s.connect_timeout, DEFAULT_PG_CONNECT_TIMEOUT),
             statement_timeout: dur(s.statement_timeout, DEFAULT_PG_STATEMENT_TIMEOUT),
             migration_lock: s.migration_lock.unwrap_or(MigrationLock::Advisory),
+            require_synchronous_replication: s.require_synchronous_replication.unwrap_or(false),
             timeout,
             sweep_interval,
             sweep_batch,
@@ -249,6 +260,10 @@ impl fmt::Debug for StoreConfig {
             .field("connect_timeout", &self.connect_timeout)
             .field("statement_timeout", &self.statement_timeout)
             .field("migration_lock", &self.migration_lock)
+            .field(
+                "require_synchronous_replication",
+                &self.require_synchronous_replication,
+            )
             .field("timeout", &self.timeout)
             .field("sweep_interval", &self.sweep_interval)
             .field("sweep_batch", &self.sweep_batch)

@@ -258,7 +258,14 @@ fn errors_name_file_line_and_field() {
             &[
                 "test.toml",
                 "line 5",
-                "only apply to backend = \"postgres\"",
+                "only applies to backend = \"postgres\"",
+            ],
+        ),
+        (
+            "[store]\nrequire_synchronous_replication = true\n",
+            &[
+                "line 4",
+                "store.require_synchronous_replication only applies to backend = \"postgres\"",
             ],
         ),
         (

@@ -80,7 +80,15 @@ pub async fn check_connect(cfg: &Config) -> Result<Vec<String>, String> {
             let mut reached = vec![
                 format!("{target}: ok, {}", probe.transport),
                 format!("postgres {commit}"),
+                format!("postgres {}", probe.replication.describe()),
             ];
+            if cfg.restart.store.require_synchronous_replication {
+                if let Err(why) = probe.replication.synchronous() {
+                    return Err(format!(
+                        "{target}: store.require_synchronous_replication = true, and protected requests would get 503: {why}"
+                    ));
+                }
+            }
             // Redis is a hint (serve runs on PostgreSQL alone without it),
             // but an operator testing connections wants its cause too.
             if let Some(redis) = &cfg.restart.redis {

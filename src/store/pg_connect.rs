@@ -73,6 +73,11 @@ impl PgTarget {
             (None, None) if chain.contains("server does not support TLS") => {
                 "the server does not support TLS (it refused SSL): turn ssl on in the server, or use sslmode=prefer".into()
             }
+            // tokio-postgres's words when no host accepted writes
+            // (`target_session_attrs=read-write`, always set here).
+            (None, None) if chain.contains("database does not allow writes") => {
+                format!("{STANDBY}: no host in store.url accepts writes")
+            }
             (None, None) => chain,
         };
         // A server that answered needs no address.
@@ -153,7 +158,16 @@ fn endpoint(config: &tokio_postgres::Config) -> String {
 
 /// A server error, with a hint where a connection pooler is the likely
 /// cause (their errors look like these).
+/// What a server in recovery (or a read-only one) is called in every
+/// message: at start-up, in `/healthz/store` and `check-config --connect`.
+pub const STANDBY: &str = "store.url points at a standby (in recovery) or a read-only server";
+
 pub fn describe_db(message: &str, code: &str) -> String {
+    // 25006 read_only_sql_transaction: a connection opened before its
+    // server went into recovery, or a `default_transaction_read_only` one.
+    if code == "25006" {
+        return format!("{STANDBY}: {message} ({code})");
+    }
     let pooler = message.contains("unsupported startup parameter")
         || (message.starts_with("prepared statement") && (code == "26000" || code == "42P05"));
     if pooler {

@@ -117,9 +117,11 @@ impl PostgresStore {
         let client = core.connection(deadline).await?;
         let commit = core.settle_commit_report(client, deadline).await?;
         let tls = *core.last_tls.lock().unwrap_or_else(PoisonError::into_inner);
+        let replication = core.replication_report(deadline).await?;
         Ok(Probe {
             transport: describe_transport(tls, core.target.url.sslmode),
             commit,
+            replication,
         })
     }
 
@@ -149,6 +151,7 @@ impl PostgresStore {
 #[async_trait]
 impl Store for PostgresStore {
     async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
+        self.core.require_sync().await?;
         (self.claims().call(claim.clone()).await).unwrap_or_else(|| Err(batcher_gone()))
     }
 
@@ -324,7 +327,9 @@ impl Store for PostgresStore {
         let deadline = core.deadline();
         let client = core.checkout(deadline).await?;
         let res = tokio::time::timeout_at(deadline, client.simple_query("SELECT 1")).await;
-        core.settle(client, res).map(|_| ())
+        core.settle(client, res)?;
+        // Healthy only while claims would be taken.
+        core.require_sync().await
     }
 
     fn backend(&self) -> &'static str {

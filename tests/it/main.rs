@@ -22,6 +22,7 @@ mod invariants;
 mod lifecycle;
 mod operations;
 mod ops_metrics;
+mod pg_failover;
 mod pgbouncer;
 mod postgres_durability;
 mod postgres_retries;

@@ -49,7 +49,7 @@ async fn whole_file_checks_name_the_line() {
         ),
         (
             &format!("{MINIMAL}[store]\nbackend = \"sqlite\"\nschema = \"x\"\n") as &str,
-            "FILE: line 5: store.pool_size, store.schema",
+            "FILE: line 5: store.schema only applies to backend = \"postgres\"",
         ),
         (
             &format!("{MINIMAL}[redis]\nurl = \"redis://127.0.0.1\"\n"),

@@ -1,7 +1,9 @@
 //! `synchronous_commit`: every session of this store commits at least
 //! `on` (a weaker server, database, role or URL default is raised for
 //! idemgate's own sessions, a stronger one kept), and what the server had
-//! is told once at start-up and by `check-config --connect`.
+//! is told once at start-up and by `check-config --connect`; likewise
+//! whether the primary has a synchronous standby ([`ReplicationReport`]),
+//! which `store.require_synchronous_replication` demands before a claim.
 
 /// `synchronous_commit` values that acknowledge a commit before it is
 /// durable: `off` before the WAL is flushed (a server crash loses it),
@@ -73,12 +75,82 @@ impl CommitReport {
     }
 }
 
+/// The primary's standbys as `pg_stat_replication` lists them: how many
+/// stream, how many of those are synchronous (`sync` or `quorum`), and how
+/// many hide their state from this role (it lacks `pg_monitor`).
+pub(super) const REPLICATION_REPORT: &str = "SELECT current_setting('synchronous_standby_names'), \
+     count(*), \
+     count(*) FILTER (WHERE sync_state IN ('sync', 'quorum')), \
+     count(*) FILTER (WHERE sync_state IS NULL) \
+     FROM pg_stat_replication";
+
+/// Run on every new connection with `store.require_synchronous_replication`:
+/// fails (SQLSTATE P0001, with this message) unless the server has a
+/// synchronous standby, so that after a failover not one claim goes to a
+/// primary without one before [`ReplicationReport`]'s periodic check sees it.
+pub(super) const REQUIRE_SYNC_ON_CONNECT: &str = "DO $$ BEGIN \
+     IF current_setting('synchronous_standby_names') = '' OR NOT EXISTS \
+       (SELECT 1 FROM pg_stat_replication WHERE sync_state IN ('sync', 'quorum')) THEN \
+       RAISE EXCEPTION 'store.require_synchronous_replication: this server has no synchronous standby (synchronous_standby_names, pg_stat_replication)'; \
+     END IF; END $$";
+
+/// Whether a commit acknowledged by the primary is also on a standby.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReplicationReport {
+    /// `synchronous_standby_names`; empty: commits never wait for a standby.
+    pub standby_names: String,
+    pub streaming: i64,
+    pub synchronous: i64,
+    /// Standbys whose `sync_state` this role may not read.
+    pub hidden: i64,
+}
+
+impl ReplicationReport {
+    /// `Ok`: a failover to a synchronous standby keeps every acknowledged
+    /// claim and answer; `Err` says why that is not known to hold.
+    pub fn synchronous(&self) -> Result<String, String> {
+        let Self {
+            standby_names,
+            streaming,
+            synchronous,
+            hidden,
+        } = self;
+        if *hidden > 0 {
+            return Err(format!(
+                "{hidden} standby(s) hide their sync_state from idemgate's role: grant it pg_monitor to see whether replication is synchronous"
+            ));
+        }
+        if standby_names.is_empty() {
+            return Err(format!(
+                "no synchronous standby (synchronous_standby_names is empty; {streaming} asynchronous standby(s)): a claim or answer acknowledged just before a failover can be lost, and its retry runs again"
+            ));
+        }
+        if *synchronous == 0 {
+            return Err(format!(
+                "synchronous_standby_names = '{standby_names}' but no synchronous standby is connected ({streaming} streaming): commits wait until one is"
+            ));
+        }
+        Ok(format!(
+            "{synchronous} synchronous standby(s) of {streaming} streaming (synchronous_standby_names = '{standby_names}'): an acknowledged claim or answer survives a failover to them"
+        ))
+    }
+
+    /// One sentence, good or bad, for start-up and `check-config --connect`.
+    pub fn describe(&self) -> String {
+        match self.synchronous() {
+            Ok(good) => format!("replication: {good}"),
+            Err(bad) => format!("replication: {bad}"),
+        }
+    }
+}
+
 /// What `check-config --connect` learned from one connection.
 #[derive(Clone, Debug)]
 pub struct Probe {
     /// TLS (which version) or plaintext (why).
     pub transport: String,
     pub commit: CommitReport,
+    pub replication: ReplicationReport,
 }
 
 #[cfg(test)]
@@ -104,6 +176,41 @@ mod tests {
         }
         assert!(raise_commit_sql(true).contains("'on', true)"));
         assert!(raise_commit_sql(false).contains("'on', false)"));
+    }
+
+    #[test]
+    fn replication_is_synchronous_only_with_a_connected_synchronous_standby() {
+        let report = |names: &str, streaming, synchronous, hidden| ReplicationReport {
+            standby_names: names.into(),
+            streaming,
+            synchronous,
+            hidden,
+        };
+        let cases = [
+            (
+                report("", 0, 0, 0),
+                Err("synchronous_standby_names is empty"),
+            ),
+            (report("", 2, 0, 0), Err("2 asynchronous standby(s)")),
+            (
+                report("*", 0, 0, 0),
+                Err("no synchronous standby is connected"),
+            ),
+            (report("*", 1, 0, 1), Err("grant it pg_monitor")),
+            (
+                report("ANY 1 (a, b)", 2, 2, 0),
+                Ok("2 synchronous standby(s) of 2"),
+            ),
+            (report("*", 2, 1, 0), Ok("1 synchronous standby(s) of 2")),
+        ];
+        for (report, want) in cases {
+            let got = report.synchronous();
+            match (&got, want) {
+                (Ok(s), Ok(w)) | (Err(s), Err(w)) => assert!(s.contains(w), "{s}"),
+                _ => panic!("{report:?}: {got:?}, want {want:?}"),
+            }
+            assert!(report.describe().starts_with("replication: "));
+        }
     }
 
     #[test]

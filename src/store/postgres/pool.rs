@@ -5,7 +5,10 @@
 //! aborted it for a serialization failure or deadlock) and settled back,
 //! and how every failure maps to [`StoreError`].
 
-use super::durability::{raise_commit_sql, CommitReport, COMMIT_REPORT};
+use super::durability::{
+    raise_commit_sql, CommitReport, ReplicationReport, COMMIT_REPORT, REPLICATION_REPORT,
+    REQUIRE_SYNC_ON_CONNECT,
+};
 use crate::config::{MigrationLock, StoreConfig};
 use crate::net::backoff::Backoff;
 use crate::store::pg_connect::{MakeRustls, PgFailure, PgTarget};
@@ -17,7 +20,7 @@ use deadpool_postgres::{
 };
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 use tokio::sync::OnceCell;
@@ -73,6 +76,30 @@ pub(super) struct Core {
     pub(super) last_tls: Arc<Mutex<Option<&'static str>>>,
     /// The operator has been told what `synchronous_commit` runs with.
     pub(super) commit_told: AtomicBool,
+    /// `store.require_synchronous_replication`: claims wait for its word.
+    pub(super) sync_gate: Option<SyncGate>,
+    /// Connections opened so far: a new one may be to another server (a
+    /// failover), so a verdict on replication made before it is stale.
+    pub(super) opened: Arc<AtomicU64>,
+}
+
+/// How long a verdict on the primary's synchronous standbys stands: a
+/// standby that drops out is noticed within this (its commits would wait
+/// for it anyway), and a busy proxy asks once per period, not per claim.
+const SYNC_CHECK_EVERY: Duration = Duration::from_secs(1);
+
+/// When, after how many connections opened, and what was found.
+type SyncVerdict = (Instant, u64, Result<(), String>);
+
+/// `store.require_synchronous_replication`: the latest verdict on whether
+/// the primary has a synchronous standby, refreshed by the first claim
+/// after it is [`SYNC_CHECK_EVERY`] old or the pool opened a connection
+/// since (one check at a time).
+#[derive(Default)]
+pub(super) struct SyncGate {
+    last: tokio::sync::Mutex<Option<SyncVerdict>>,
+    /// Whether claims are being refused now: each change is logged once.
+    refusing: AtomicBool,
 }
 
 /// Opens the pool's connections: TLS as the URL says, recording which the
@@ -80,6 +107,11 @@ pub(super) struct Core {
 /// `synchronous_commit` is raised where weak before the pool hands it out.
 struct Connector {
     tls: MakeRustls,
+    /// Counts the connections opened ([`Core::opened`]).
+    opened: Arc<AtomicU64>,
+    /// `store.require_synchronous_replication`: a connection to a server
+    /// without a synchronous standby is refused before any claim uses it.
+    require_sync: bool,
     /// [`raise_commit_sql`] for a session, or `None` behind a pooler.
     session: Option<String>,
     last_tls: Arc<Mutex<Option<&'static str>>>,
@@ -102,13 +134,18 @@ impl deadpool_postgres::Connect for Connector {
                     tracing::warn!(target: "deadpool.postgres", "Connection error: {}", e);
                 }
             });
-            if let Some(sql) = &self.session {
+            let checks = [
+                self.session.as_deref(),
+                self.require_sync.then_some(REQUIRE_SYNC_ON_CONNECT),
+            ];
+            for sql in checks.into_iter().flatten() {
                 if let Err(err) = client.batch_execute(sql).await {
                     task.abort();
                     return Err(err);
                 }
             }
             *self.last_tls.lock().unwrap_or_else(PoisonError::into_inner) = seen.get().copied();
+            self.opened.fetch_add(1, Ordering::Relaxed);
             Ok((client, task))
         })
     }
@@ -180,8 +217,11 @@ impl Core {
             pg.application_name("idemgate");
         }
         let last_tls = Arc::new(Mutex::new(None));
+        let opened = Arc::new(AtomicU64::new(0));
         let connector = Connector {
             tls: target.tls.clone(),
+            opened: opened.clone(),
+            require_sync: cfg.require_synchronous_replication,
             // A URL's own `options=-c synchronous_commit=off` is applied at
             // startup, so this sees (and raises) it too.
             session: pooled.is_none().then(|| raise_commit_sql(false)),
@@ -219,6 +259,8 @@ impl Core {
             migration_lock: cfg.migration_lock,
             last_tls,
             commit_told: AtomicBool::new(false),
+            sync_gate: cfg.require_synchronous_replication.then(SyncGate::default),
+            opened,
         })
     }
 
@@ -365,8 +407,17 @@ impl Core {
         mut client: InUse,
         res: Result<Result<T, tokio_postgres::Error>, tokio::time::error::Elapsed>,
     ) -> Result<T, StoreError> {
-        if res.is_ok() {
-            drop(client.0.take());
+        match &res {
+            // Its server went into recovery, or is shutting down (a
+            // failover is under way): this connection will never write
+            // again, and neither will the idle ones opened beside it, so
+            // they all leave the pool and the next call connects afresh
+            // (to whichever host accepts writes now).
+            Ok(Err(err)) if is_gone_read_only(err.code()) => {
+                self.pool.retain(|_, _| false);
+            }
+            Ok(_) => drop(client.0.take()),
+            Err(_) => {}
         }
         match res {
             Ok(Ok(v)) => Ok(v),
@@ -379,6 +430,9 @@ impl Core {
         if err.code() == Some(&SqlState::QUERY_CANCELED) {
             // statement_timeout fired.
             return StoreError::Timeout;
+        }
+        if err.code() == Some(&SqlState::RAISE_EXCEPTION) {
+            self.unsynchronized();
         }
         StoreError::Postgres(self.target.failure(err))
     }
@@ -397,6 +451,21 @@ impl Core {
             other => StoreError::caused("postgres pool", other),
         }
     }
+}
+
+/// The server answered that it cannot write, now or ever on this
+/// connection: it is a standby (25006, a read-only transaction) or it is
+/// going down (57P01 admin shutdown, 57P02 crash shutdown, 57P03 cannot
+/// connect now: starting up or in recovery).
+fn is_gone_read_only(code: Option<&SqlState>) -> bool {
+    [
+        SqlState::READ_ONLY_SQL_TRANSACTION,
+        SqlState::ADMIN_SHUTDOWN,
+        SqlState::CRASH_SHUTDOWN,
+        SqlState::CANNOT_CONNECT_NOW,
+    ]
+    .iter()
+    .any(|c| code == Some(c))
 }
 
 /// A serialization failure or a deadlock: PostgreSQL aborted the statement
@@ -451,6 +520,90 @@ impl Core {
             .ok_or_else(|| StoreError::Corrupt("pg_settings has no synchronous_commit".into()))
     }
 
+    /// [`REPLICATION_REPORT`] as one call on a pooled connection.
+    pub(super) async fn replication_report(
+        &self,
+        deadline: Instant,
+    ) -> Result<ReplicationReport, StoreError> {
+        let client = self.connection(deadline).await?;
+        let on: &ClientWrapper = &client;
+        let res = tokio::time::timeout_at(
+            deadline,
+            self.unit(on, false, || async move {
+                let rows = self.query(on, REPLICATION_REPORT, &[]).await?;
+                Ok(rows.first().map(|row| ReplicationReport {
+                    standby_names: row.get(0),
+                    streaming: row.get(1),
+                    synchronous: row.get(2),
+                    hidden: row.get(3),
+                }))
+            }),
+        )
+        .await;
+        self.settle(client, res)?
+            .ok_or_else(|| StoreError::Corrupt("pg_stat_replication gave no row".into()))
+    }
+
+    /// A new connection found no synchronous standby (a failover): said
+    /// once, and the gate's verdict dropped so the next claim asks again.
+    fn unsynchronized(&self) {
+        let Some(gate) = &self.sync_gate else {
+            return;
+        };
+        if !gate.refusing.swap(true, Ordering::Relaxed) {
+            tracing::error!("store.require_synchronous_replication: refusing protected requests (503): the primary has no synchronous standby (synchronous_standby_names, pg_stat_replication)");
+        }
+        if let Ok(mut last) = gate.last.try_lock() {
+            *last = None;
+        }
+    }
+
+    /// With `store.require_synchronous_replication`, refuses (503) while the
+    /// primary has no synchronous standby; otherwise nothing.
+    pub(super) async fn require_sync(&self) -> Result<(), StoreError> {
+        let Some(gate) = &self.sync_gate else {
+            return Ok(());
+        };
+        let mut last = gate.last.lock().await;
+        let opened = self.opened.load(Ordering::Relaxed);
+        let verdict = match &*last {
+            Some((at, seen, verdict)) if at.elapsed() < SYNC_CHECK_EVERY && *seen == opened => {
+                verdict.clone()
+            }
+            _ => {
+                let verdict = match self.replication_report(self.deadline()).await {
+                    Ok(report) => report.synchronous().map(|_| ()),
+                    // A new connection refused by REQUIRE_SYNC_ON_CONNECT.
+                    Err(StoreError::Postgres(f))
+                        if f.source.as_ref().and_then(|e| e.code())
+                            == Some(&SqlState::RAISE_EXCEPTION) =>
+                    {
+                        Err("the primary has no synchronous standby (synchronous_standby_names, pg_stat_replication)".to_string())
+                    }
+                    Err(err) => return Err(err),
+                };
+                // The count after the check's own connection, if it opened one.
+                let opened = self.opened.load(Ordering::Relaxed);
+                let refusing = verdict.is_err();
+                if gate.refusing.swap(refusing, Ordering::Relaxed) != refusing {
+                    match &verdict {
+                        Err(why) => tracing::error!(
+                            "store.require_synchronous_replication: refusing protected requests (503): {why}"
+                        ),
+                        Ok(()) => tracing::warn!(
+                            "store.require_synchronous_replication: a synchronous standby is back; claiming again"
+                        ),
+                    }
+                }
+                *last = Some((Instant::now(), opened, verdict.clone()));
+                verdict
+            }
+        };
+        verdict.map_err(|why| {
+            StoreError::unavailable(format!("store.require_synchronous_replication: {why}"))
+        })
+    }
+
     /// Once per store (a process has one), when the database first answers:
     /// a warning naming the server's `synchronous_commit` where idemgate
     /// raised it, an error where it could not.
@@ -480,7 +633,15 @@ impl Core {
                 // itself does not depend on this.
                 self.commit_told.store(false, Ordering::Relaxed);
                 tracing::debug!(error = %err, "could not read synchronous_commit");
+                return;
             }
+        }
+        match self.replication_report(self.deadline()).await {
+            Ok(report) => match report.synchronous() {
+                Ok(good) => tracing::info!("postgres replication: {good}"),
+                Err(bad) => tracing::warn!("postgres replication: {bad}"),
+            },
+            Err(err) => tracing::debug!(error = %err, "could not read pg_stat_replication"),
         }
     }
 }
@@ -504,6 +665,22 @@ mod tests {
         ];
         for (code, rerun) in cases {
             assert_eq!(is_conflict(code.as_ref()), rerun, "{code:?}");
+        }
+    }
+
+    #[test]
+    fn connections_to_a_server_that_cannot_write_leave_the_pool() {
+        let cases = [
+            (Some(SqlState::READ_ONLY_SQL_TRANSACTION), true),
+            (Some(SqlState::ADMIN_SHUTDOWN), true),
+            (Some(SqlState::CRASH_SHUTDOWN), true),
+            (Some(SqlState::CANNOT_CONNECT_NOW), true),
+            (Some(SqlState::UNIQUE_VIOLATION), false),
+            (Some(SqlState::QUERY_CANCELED), false),
+            (None, false),
+        ];
+        for (code, gone) in cases {
+            assert_eq!(is_gone_read_only(code.as_ref()), gone, "{code:?}");
         }
     }
 

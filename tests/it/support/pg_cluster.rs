@@ -125,7 +125,8 @@ impl PgCluster {
              hostssl all {CERT_USER} 127.0.0.1/32 trust clientcert=verify-full\n\
              hostssl all {SCRAM_USER} 127.0.0.1/32 scram-sha-256\n\
              host all {CERT_USER} 127.0.0.1/32 reject\n\
-             host all all 127.0.0.1/32 trust\n"
+             host all all 127.0.0.1/32 trust\n\
+             host replication all 127.0.0.1/32 trust\n"
         );
         std::fs::write(data.join("pg_hba.conf"), hba).expect("write pg_hba.conf");
         let mut cluster = Self {
@@ -216,6 +217,98 @@ impl PgCluster {
             assert!(
                 Instant::now() < deadline,
                 "private postgres did not start in 30 s:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// A streaming standby of this cluster (`pg_basebackup -R`), on a port
+    /// and in a directory of its own, with `settings` appended, started;
+    /// its TLS files are this cluster's, so it must not outlive it.
+    pub fn standby(&self, settings: &str) -> PgCluster {
+        let bin = postgres_bin_dir();
+        let (uid, gid) = postgres_ids();
+        let dir = tempfile::Builder::new()
+            .prefix("idemgate-pg-standby-")
+            .tempdir()
+            .expect("tempdir for the standby");
+        std::os::unix::fs::chown(dir.path(), Some(uid), Some(gid)).expect("chown the standby dir");
+        let data = dir.path().join("data");
+        let mut backup = Command::new(bin.join("pg_basebackup"));
+        backup
+            .args([
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-U",
+                "postgres",
+            ])
+            .args(["-D", &data.display().to_string()])
+            .args(["-R", "-X", "stream", "--no-sync", "--checkpoint=fast"])
+            .env("PGSSLMODE", "disable");
+        run_as_postgres(backup, "pg_basebackup");
+        let port = super::free_port().port();
+        append(
+            &data.join("postgresql.conf"),
+            &format!(
+                "\nport = {port}\nunix_socket_directories = '{}'\nhot_standby = on\n{settings}\n",
+                dir.path().display()
+            ),
+        );
+        let mut standby = Self {
+            port,
+            ca: self.ca.clone(),
+            other_ca: self.other_ca.clone(),
+            client_cert: self.client_cert.clone(),
+            client_key: self.client_key.clone(),
+            dir,
+            data,
+            postmaster: None,
+        };
+        standby.spawn_postmaster(&bin);
+        standby
+    }
+
+    /// `pg_ctl promote`: a standby becomes a primary (waits until it is).
+    pub fn promote(&self) {
+        let mut pg_ctl = Command::new(postgres_bin_dir().join("pg_ctl"));
+        pg_ctl.args(["promote", "-w", "-D"]).arg(&self.data);
+        run_as_postgres(pg_ctl, "pg_ctl promote");
+    }
+
+    /// The first column of the first row of `sql`, as text.
+    pub fn query(&self, sql: &str) -> String {
+        let (uid, gid) = postgres_ids();
+        let out = Command::new(postgres_bin_dir().join("psql"))
+            .args(["-h", &self.dir.path().display().to_string()])
+            .args(["-p", &self.port.to_string(), "-U", "postgres"])
+            .args(["-d", "postgres", "-v", "ON_ERROR_STOP=1", "-tAqc", sql])
+            .uid(uid)
+            .gid(gid)
+            .stdin(Stdio::null())
+            .output()
+            .expect("run psql");
+        assert!(
+            out.status.success(),
+            "psql {sql:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    }
+
+    /// Waits (up to 30 s) until `sql` gives `want`.
+    pub fn wait_for_value(&self, sql: &str, want: &str) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let got = self.query(sql);
+            if got == want {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{sql:?} gave {got:?}, not {want:?}, for 30 s:\n{}",
                 self.log()
             );
             std::thread::sleep(Duration::from_millis(50));

@@ -114,6 +114,7 @@ pub fn pg_store_config(url: &str, schema: &str) -> StoreConfig {
         connect_timeout: Duration::from_secs(1),
         statement_timeout: Duration::from_secs(2),
         migration_lock: MigrationLock::Advisory,
+        require_synchronous_replication: false,
         timeout: Duration::from_secs(2),
         sweep_interval: Duration::from_secs(60),
         sweep_batch: 500,
