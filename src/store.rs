@@ -304,9 +304,11 @@ pub trait Store: Send + Sync + 'static {
     async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError>;
 
     /// Settles an outcome-unknown record (operator repair) in one atomic
-    /// step: only a record still in the `unknown` state changes, as
-    /// [`Verdict`] says; `now` stamps the resolution (a shared backend uses
-    /// its own clock). False, changing nothing, when no such record is there.
+    /// step: only a record still in the `unknown` state and not expired at
+    /// `now` changes, as [`Verdict`] says; `now` stamps the resolution (a
+    /// shared backend uses its own clock for both). False, changing
+    /// nothing, when no such record is there: an expired one is left for
+    /// the next claim to take as new, never settled back to life.
     async fn resolve(
         &self,
         key: &RecordKey,

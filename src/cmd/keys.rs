@@ -177,6 +177,16 @@ fn absent(key: &RecordKey) -> String {
     )
 }
 
+/// A record whose ttl ran out: as good as absent (the sweeper has not
+/// deleted it yet), so there is nothing left to settle.
+fn expired(key: &RecordKey) -> String {
+    format!(
+        "no live record for key id {} in scope {} (it expired: the next request with this key runs as new)\n",
+        key.log_id(),
+        key.scope.to_hex()
+    )
+}
+
 /// `resolution` is what an operator's `keys resolve --applied` kept, if any.
 pub fn describe(
     key: &RecordKey,
@@ -560,6 +570,10 @@ pub async fn run(config: Config, action: KeysAction) -> anyhow::Result<KeysOutco
                     eprint!("idemgate keys: nothing to resolve: {}", absent(&key));
                     return Ok(KeysOutcome::NoRecord);
                 };
+                if record.expires_at <= now {
+                    eprint!("idemgate keys: nothing to resolve: {}", expired(&key));
+                    return Ok(KeysOutcome::NoRecord);
+                }
                 anyhow::bail!("{}", not_unknown(&key, &record, now));
             }
             // The keys command has no metrics registry (the proxy's is in

@@ -153,6 +153,8 @@ impl Store for MemoryStore {
             let Some(entry) = map
                 .get_mut(key)
                 .filter(|entry| entry.record.state == RecordState::Unknown)
+                // Expired: every claim takes it as new already.
+                .filter(|entry| entry.record.expires_at > now)
             else {
                 return false;
             };

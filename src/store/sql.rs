@@ -167,8 +167,12 @@ pub(crate) const OWNED: &str = "scope = $1 AND key = $2 AND token = $3 AND state
 /// One record by its key.
 const BY_KEY: &str = "scope = $1 AND key = $2";
 
-/// The one record an operator's resolve may change: still outcome unknown.
-const UNKNOWN: &str = "scope = $1 AND key = $2 AND state = 'unknown'";
+/// The one record an operator's resolve may change: still outcome unknown,
+/// and live at `now` (an expired record is gone for every claim already:
+/// settling it would report a verdict no request will ever see).
+fn unknown_live(now: &str) -> String {
+    format!("scope = $1 AND key = $2 AND state = 'unknown' AND expires_at > {now}")
+}
 
 /// The record columns, in [`super::codec::RecordRow`]'s order.
 const COLUMNS: &str =
@@ -227,10 +231,11 @@ pub(crate) struct Statements {
     pub release: String,
     /// Binds scope, key.
     pub delete: String,
-    /// Binds scope, key, status, now, reason: an outcome-unknown record
-    /// becomes unstored, keeping when and why.
+    /// Binds scope, key, status, now, reason: a live outcome-unknown
+    /// record becomes unstored, keeping when and why.
     pub resolve_applied: String,
-    /// Binds scope, key: deletes the record if it is outcome unknown.
+    /// Binds scope, key, now: deletes the record if it is outcome unknown
+    /// and live.
     pub resolve_not_applied: String,
     /// Binds scope, key; returns `resolved_at`, `resolve_reason` of a
     /// record resolved as applied (no row for any other).
@@ -346,10 +351,14 @@ impl Statements {
             delete: placeholders(format!("DELETE FROM {table} WHERE {BY_KEY}")),
             resolve_applied: placeholders(format!(
                 "UPDATE {table} SET state = 'unstored', status = $3, resolved_at = {}, \
-                 resolve_reason = $5 WHERE {UNKNOWN}",
-                now(4)
+                 resolve_reason = $5 WHERE {}",
+                now(4),
+                unknown_live(&now(4))
             )),
-            resolve_not_applied: placeholders(format!("DELETE FROM {table} WHERE {UNKNOWN}")),
+            resolve_not_applied: placeholders(format!(
+                "DELETE FROM {table} WHERE {}",
+                unknown_live(&now(3))
+            )),
             resolution: placeholders(format!(
                 "SELECT resolved_at, resolve_reason FROM {table} \
                  WHERE {BY_KEY} AND state = 'unstored' AND resolved_at IS NOT NULL"

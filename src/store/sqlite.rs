@@ -377,7 +377,8 @@ impl Store for SqliteStore {
             let key = KeyParams::new(&key);
             let changed = match &verdict {
                 Verdict::NotApplied => {
-                    execute(conn, &SQL.resolve_not_applied, params![key.scope, key.key])?
+                    let params = params![key.scope, key.key, now];
+                    execute(conn, &SQL.resolve_not_applied, params)?
                 }
                 Verdict::Applied { reason } => execute(
                     conn,

@@ -20,7 +20,7 @@ use idemgate::store::redis::{FastPathCounters, RedisFastPath};
 use idemgate::store::sqlite::SqliteStore;
 use idemgate::store::{
     Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, RecordState, Span, Store,
-    StoreError, StoredResponse,
+    StoreError, StoredResponse, Verdict, RESOLVED_STATUS,
 };
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -145,6 +145,7 @@ pub(crate) async fn run_contract(store: Arc<dyn Store>, later: Arc<dyn Store>) {
     live_lease_outlives_the_ttl(&*store).await;
     unstored_completion(&*store).await;
     delete_removes_any_record(&*store).await;
+    resolve_settles_only_live_outcome_unknown_records(&*store).await;
     store.ping().await.expect("ping");
 }
 
@@ -478,6 +479,116 @@ async fn delete_removes_any_record(store: &dyn Store) {
     // An in-flight record can be deleted too (operator repair).
     assert!(store.delete(&c.key).await.unwrap());
     assert_eq!(store.get(&c.key).await.unwrap(), None);
+}
+
+/// A record left outcome unknown (`on_ambiguous = "keep"`) under a new key.
+async fn unknown_record(store: &dyn Store, lease_ms: i64, ttl_ms: i64) -> Claim {
+    let c = claim_for(record_key(), lease_ms, ttl_ms);
+    assert!(claimed(&store.claim(&c).await.unwrap()));
+    let done = store.complete(&c.key, &c.token, &Completion::Unknown, keep());
+    assert_eq!(done.await.unwrap(), Fence::Held);
+    c
+}
+
+/// `keys resolve`: an outcome-unknown record is settled either way, in one
+/// step; a completed or in-flight one is refused and left as it was; and
+/// an expired one is as good as absent. Pins: an expired outcome-unknown
+/// record (ttl over, not swept yet) was "resolved" (`keys resolve` said
+/// retries get 410, but the next request ran as new).
+async fn resolve_settles_only_live_outcome_unknown_records(store: &dyn Store) {
+    let applied = Verdict::Applied {
+        reason: "the ledger shows it once".into(),
+    };
+    let verdicts = [Verdict::NotApplied, applied.clone()];
+
+    // Applied: unstored with no status, retries find it (410), the reason kept.
+    let c = unknown_record(store, LEASE_MS, TTL_MS).await;
+    assert!(store.resolve(&c.key, &applied, now_millis()).await.unwrap());
+    let want = Record {
+        fingerprint: c.fingerprint,
+        state: RecordState::Unstored {
+            status: RESOLVED_STATUS,
+        },
+        created_at: c.now,
+        expires_at: c.expires_at(),
+    };
+    assert_same_record(&store.get(&c.key).await.unwrap().unwrap(), &want);
+    let resolution = store.resolution(&c.key).await.unwrap().expect("kept");
+    assert_eq!(resolution.reason, "the ledger shows it once");
+    assert_near(resolution.at, now_millis(), "resolved at");
+    for _ in 0..2 {
+        assert_same_record(&existing(store.claim(&again(&c)).await.unwrap()), &want);
+    }
+    // Settled once: neither verdict changes it again.
+    for verdict in &verdicts {
+        assert!(!store.resolve(&c.key, verdict, now_millis()).await.unwrap());
+        assert_same_record(&store.get(&c.key).await.unwrap().unwrap(), &want);
+    }
+
+    // Not applied: the record goes, and the same request claims it fresh.
+    let c = unknown_record(store, LEASE_MS, TTL_MS).await;
+    let not_applied = &Verdict::NotApplied;
+    assert!(store
+        .resolve(&c.key, not_applied, now_millis())
+        .await
+        .unwrap());
+    assert_eq!(store.get(&c.key).await.unwrap(), None);
+    assert_eq!(store.resolution(&c.key).await.unwrap(), None);
+    assert!(!store
+        .resolve(&c.key, not_applied, now_millis())
+        .await
+        .unwrap());
+    assert_eq!(
+        store.claim(&again(&c)).await.unwrap(),
+        ClaimOutcome::Claimed { takeover: false }
+    );
+    assert!(!store.resolve(&c.key, &applied, now_millis()).await.unwrap());
+
+    // Completed: refused either way, the replay unchanged.
+    let c = claim_for(record_key(), LEASE_MS, TTL_MS);
+    assert!(claimed(&store.claim(&c).await.unwrap()));
+    let done = Completion::Stored(response());
+    let completing = store.complete(&c.key, &c.token, &done, keep());
+    assert_eq!(completing.await.unwrap(), Fence::Held);
+    // Read it once so a cache holds it too.
+    existing(store.claim(&again(&c)).await.unwrap());
+    for verdict in &verdicts {
+        assert!(!store.resolve(&c.key, verdict, now_millis()).await.unwrap());
+        let found = existing(store.claim(&again(&c)).await.unwrap());
+        assert_eq!(found.state, RecordState::Completed(response()));
+        assert_eq!(store.resolution(&c.key).await.unwrap(), None);
+    }
+
+    // In flight: refused either way, and the holder still owns it.
+    let c = claim_for(record_key(), LEASE_MS, TTL_MS);
+    assert!(claimed(&store.claim(&c).await.unwrap()));
+    for verdict in &verdicts {
+        assert!(!store.resolve(&c.key, verdict, now_millis()).await.unwrap());
+        let found = existing(store.claim(&again(&c)).await.unwrap());
+        assert!(
+            matches!(found.state, RecordState::InFlight { .. }),
+            "{found:?}"
+        );
+    }
+    let completing = store.complete(&c.key, &c.token, &done, keep());
+    assert_eq!(completing.await.unwrap(), Fence::Held);
+
+    // Expired (ttl over, not swept yet): nothing to resolve, and it stays
+    // dead: the next request with the key runs as new, under either verdict.
+    for verdict in &verdicts {
+        let c = unknown_record(store, 100, 300).await;
+        sleep_ms(450).await;
+        assert!(
+            !store.resolve(&c.key, verdict, now_millis()).await.unwrap(),
+            "{verdict:?} settled an expired record"
+        );
+        assert_eq!(store.resolution(&c.key).await.unwrap(), None);
+        assert_eq!(
+            store.claim(&again(&c)).await.unwrap(),
+            ClaimOutcome::Claimed { takeover: false },
+            "{verdict:?}: the expired record came back to life"
+        );
+    }
 }
 
 // ===== backends =====
