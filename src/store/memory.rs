@@ -81,6 +81,7 @@ impl Store for MemoryStore {
                         },
                         created_at: claim.now,
                         expires_at: claim.expires_at(),
+                        first_use: claim.first_use.clone(),
                     },
                     token: Some(claim.token),
                     resolution: None,

@@ -19,7 +19,7 @@ use idemgate::store::postgres::PostgresStore;
 use idemgate::store::redis::{FastPathCounters, RedisFastPath};
 use idemgate::store::sqlite::SqliteStore;
 use idemgate::store::{
-    Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, RecordState, Span, Store,
+    Claim, ClaimOutcome, Completion, Fence, FirstUse, LeaseToken, Record, RecordState, Span, Store,
     StoreError, StoredResponse, Verdict, RESOLVED_STATUS,
 };
 use std::sync::atomic::Ordering;
@@ -54,6 +54,7 @@ fn assert_same_record(got: &Record, want: &Record) {
     }
     assert_near(got.created_at, want.created_at, "created_at");
     assert_near(got.expires_at, want.expires_at, "expires_at");
+    assert_eq!(got.first_use, want.first_use);
 }
 
 /// `ms` from now, by the caller's clock.
@@ -87,6 +88,10 @@ fn claim_for(key: RecordKey, lease_ms: i64, ttl_ms: i64) -> Claim {
         now: now_millis(),
         lease_ms,
         ttl_ms,
+        first_use: Some(FirstUse::new(
+            "POST",
+            &format!("/orders/{}", rand::random::<u32>()),
+        )),
     }
 }
 
@@ -142,6 +147,7 @@ pub(crate) async fn run_contract(store: Arc<dyn Store>, later: Arc<dyn Store>) {
     complete_stores_exactly(&*store).await;
     release_frees_the_key(&*store).await;
     expired_record_is_claimable_again(&*store).await;
+    first_use_is_kept_with_the_record(&*store).await;
     live_lease_outlives_the_ttl(&*store).await;
     unstored_completion(&*store).await;
     delete_removes_any_record(&*store).await;
@@ -163,6 +169,7 @@ async fn new_key_claims(store: &dyn Store) {
         },
         created_at: c.now,
         expires_at: c.expires_at(),
+        first_use: c.first_use.clone(),
     };
     assert_same_record(&r, &want);
 }
@@ -172,9 +179,12 @@ async fn duplicate_claim_reports_in_flight(store: &dyn Store) {
     assert!(claimed(&store.claim(&first).await.unwrap()));
     let mut second = again(&first);
     second.fingerprint = Fingerprint(rand::random());
+    second.first_use = Some(FirstUse::new("PUT", "/elsewhere"));
     let r = existing(store.claim(&second).await.unwrap());
-    // The record's fingerprint is the holder's, so the caller can 422.
+    // The record's fingerprint and first use are the holder's, so the
+    // caller can 422 saying what the key was first used for.
     assert_eq!(r.fingerprint, first.fingerprint);
+    assert_eq!(r.first_use, first.first_use);
     match r.state {
         // A cache may derive locked_until from its own ttl: allow clock slack.
         RecordState::InFlight { locked_until } => assert!(
@@ -286,6 +296,7 @@ async fn an_abandoned_claim_is_taken_over_only_by_the_same_request(store: &dyn S
         found.fingerprint, dead.fingerprint,
         "a different request is 422"
     );
+    assert_eq!(found.first_use, dead.first_use);
     assert_eq!(
         store.claim(&again(&dead)).await.unwrap(),
         ClaimOutcome::Claimed { takeover: true },
@@ -316,6 +327,7 @@ async fn complete_stores_exactly(store: &dyn Store) {
         state: RecordState::Completed(resp),
         created_at: c.now,
         expires_at: c.expires_at(),
+        first_use: c.first_use.clone(),
     };
     assert_same_record(&store.get(&c.key).await.unwrap().unwrap(), &want);
     // A retry sees the same record (from a cache, if there is one).
@@ -358,7 +370,55 @@ async fn expired_record_is_claimable_again(store: &dyn Store) {
     );
     let r = store.get(&c.key).await.unwrap().unwrap();
     assert_eq!(r.fingerprint, next.fingerprint);
+    assert_eq!(r.first_use, next.first_use, "the new claim's own first use");
     assert!(matches!(r.state, RecordState::InFlight { .. }));
+}
+
+/// What a claim keeps of its request comes back with the record, from
+/// the store and from a cache alike; a claim that keeps none (as records
+/// written before first uses) reads back none; a takeover keeps its own.
+async fn first_use_is_kept_with_the_record(store: &dyn Store) {
+    for first_use in [None, Some(FirstUse::new("DELETE", "/é/ü"))] {
+        let c = Claim {
+            first_use,
+            ..claim_for(record_key(), LEASE_MS, TTL_MS)
+        };
+        assert!(claimed(&store.claim(&c).await.unwrap()));
+        for completion in [
+            Completion::Stored(response()),
+            Completion::Unstored { status: 200 },
+        ] {
+            let c = Claim {
+                key: record_key(),
+                ..c.clone()
+            };
+            assert!(claimed(&store.claim(&c).await.unwrap()));
+            let done = store.complete(&c.key, &c.token, &completion, keep());
+            assert_eq!(done.await.unwrap(), Fence::Held);
+            for _ in 0..2 {
+                let found = existing(store.claim(&again(&c)).await.unwrap());
+                assert_eq!(found.first_use, c.first_use, "{completion:?}");
+            }
+        }
+        assert_eq!(
+            store.get(&c.key).await.unwrap().unwrap().first_use,
+            c.first_use
+        );
+        assert_eq!(store.release(&c.key, &c.token).await.unwrap(), Fence::Held);
+    }
+    let dead = claim_for(record_key(), 200, TTL_MS);
+    assert!(claimed(&store.claim(&dead).await.unwrap()));
+    sleep_ms(300).await;
+    let retry = Claim {
+        first_use: Some(FirstUse::new("POST", "/retried")),
+        ..again(&dead)
+    };
+    assert_eq!(
+        store.claim(&retry).await.unwrap(),
+        ClaimOutcome::Claimed { takeover: true }
+    );
+    let r = store.get(&dead.key).await.unwrap().unwrap();
+    assert_eq!(r.first_use, retry.first_use);
 }
 
 async fn sweep_deletes_only_expired_and_respects_batch(store: &dyn Store, later: &dyn Store) {
@@ -451,6 +511,7 @@ async fn unstored_completion(store: &dyn Store) {
         state: RecordState::Unstored { status: 200 },
         created_at: c.now,
         expires_at: c.expires_at(),
+        first_use: c.first_use.clone(),
     };
     assert_same_record(&store.get(&c.key).await.unwrap().unwrap(), &want);
     for _ in 0..2 {
@@ -511,6 +572,7 @@ async fn resolve_settles_only_live_outcome_unknown_records(store: &dyn Store) {
         },
         created_at: c.now,
         expires_at: c.expires_at(),
+        first_use: c.first_use.clone(),
     };
     assert_same_record(&store.get(&c.key).await.unwrap().unwrap(), &want);
     let resolution = store.resolution(&c.key).await.unwrap().expect("kept");
