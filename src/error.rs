@@ -4,7 +4,7 @@
 //! where it came from ([`Origin`], pingora's `ErrorSource` idea);
 //! `problem.rs` is the one place that turns them into responses.
 
-use crate::idempotency::{KeyError, RepeatedScopeHeader};
+use crate::idempotency::{KeyError, KeyReuse, RepeatedScopeHeader, UnixMillis};
 use crate::lease::KeyFate;
 use crate::net::errors::{BoxError, Chain};
 use crate::store::StoreError;
@@ -48,8 +48,9 @@ pub enum ProxyError {
     /// `in_flight = { wait }`: too many duplicates wait already.
     #[error("too many requests are waiting for the answer to one already in flight")]
     TooManyWaiters { retry_after_secs: u64 },
-    #[error("this key was already used for a different request")]
-    Mismatch,
+    /// The key's record is another request's (in this scope).
+    #[error("{}", reused(.0))]
+    Mismatch(KeyReuse),
     #[error("{}", not_replayable(*status))]
     NotReplayable { status: u16 },
     #[error("the first request with this key was sent upstream but never answered, so whether it executed is unknown")]
@@ -126,7 +127,7 @@ impl ProxyError {
                 ..
             }
             | ProxyError::InFlight { .. }
-            | ProxyError::Mismatch
+            | ProxyError::Mismatch(_)
             | ProxyError::NotReplayable { .. }
             | ProxyError::OutcomeUnknown
             | ProxyError::UpgradeOnProtectedRoute => Origin::Client,
@@ -184,6 +185,26 @@ pub enum ForwardError {
     /// nothing was sent.
     #[error("too many upgraded connections (WebSocket) are open; nothing was forwarded")]
     TunnelsExhausted,
+}
+
+/// A reused key's sentence: "this key was first used for POST /payments at
+/// 2026-12-04T13:55:01Z with a different request" (the time alone for a
+/// record that did not keep its request).
+fn reused(reuse: &KeyReuse) -> String {
+    let at = rfc3339_seconds(reuse.first_used_at);
+    match &reuse.first_use {
+        Some(first) => format!(
+            "this key was first used for {} {} at {at} with a different request",
+            first.method, first.path
+        ),
+        None => format!("this key was first used at {at} with a different request"),
+    }
+}
+
+/// RFC 3339 in UTC, to the second: `2026-12-04T13:55:01Z`.
+pub fn rfc3339_seconds(ms: UnixMillis) -> String {
+    let t = std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms.max(0) as u64);
+    humantime::format_rfc3339_seconds(t).to_string()
 }
 
 /// Why a completed record has no answer to replay.

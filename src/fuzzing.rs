@@ -33,7 +33,7 @@ pub fn redis_decode(value: &[u8]) -> Result<Cached, StoreError> {
 
 /// The row a SQL backend holds after writing `completion`: its `state`,
 /// `status`, `headers` and `body` columns as the backends write them, the
-/// others as given.
+/// others as given (no first use: a record claimed before migration 4).
 pub fn completion_row(
     completion: &Completion,
     fingerprint: &Fingerprint,
@@ -50,5 +50,7 @@ pub fn completion_row(
         status: columns.status.map(i64::from),
         headers: columns.headers,
         body: columns.body.map(<[u8]>::to_vec),
+        first_method: None,
+        first_path: None,
     }
 }

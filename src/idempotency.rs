@@ -26,4 +26,4 @@ pub mod record;
 pub use decision::{decide, settle, Decision, Settlement};
 pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, KeyError, RecordKey, RepeatedScopeHeader, Scope};
-pub use record::{Record, RecordState, StoredResponse, UnixMillis};
+pub use record::{FirstUse, KeyReuse, Record, RecordState, StoredResponse, UnixMillis};

@@ -20,7 +20,7 @@
 //! | give back (a claim whose answer was lost) | the claim's lease would have run out | nothing left to free |
 
 use crate::clock::{millis, Clock};
-use crate::idempotency::{Fingerprint, RecordKey};
+use crate::idempotency::{Fingerprint, FirstUse, RecordKey};
 use crate::metrics::Metrics;
 use crate::net::backoff::Backoff;
 use crate::store::{
@@ -187,6 +187,8 @@ pub struct ClaimRequest {
     pub ttl: Duration,
     /// The route's label, for metrics and logs.
     pub route: Arc<String>,
+    /// What the claim keeps of its request, for a later 422.
+    pub first_use: Option<FirstUse>,
 }
 
 /// The answer to a claim.
@@ -241,6 +243,7 @@ impl Leases {
             now: self.clock.now_millis(),
             lease_ms: millis(req.lease),
             ttl_ms: millis(req.ttl),
+            first_use: req.first_use,
         };
         let answer = self.store.claim(&claim).await;
         let fenced = Fenced {

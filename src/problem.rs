@@ -5,7 +5,8 @@
 //! 409 in flight, 422 reused with another request) and RFC 9110 for the rest.
 
 use crate::body::{full, ProxyBody};
-use crate::error::{ForwardError, ProxyError};
+use crate::error::{rfc3339_seconds, ForwardError, ProxyError};
+use crate::idempotency::KeyReuse;
 use crate::lease::KeyFate;
 use crate::metrics::Outcome;
 use crate::route::errors::{ErrorFields, ErrorShape};
@@ -35,6 +36,9 @@ pub struct Problem {
     /// Extension member: whether the same operation may be sent again under
     /// a new key without risking a second execution ([`safe_new_key`]).
     pub safe_new_key: bool,
+    /// Extension members of a 422: when and for what the key was first
+    /// used (`first_used_at`, `first_method`, `first_path`).
+    pub reuse: Option<KeyReuse>,
 }
 
 impl Problem {
@@ -51,6 +55,7 @@ impl Problem {
             instance: None,
             key_id: None,
             safe_new_key,
+            reuse: None,
         };
         let key_missing = || {
             p(
@@ -135,12 +140,15 @@ impl Problem {
                     Outcome::Conflict,
                 )
             },
-            ProxyError::Mismatch => p(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "key-reused",
-                "Idempotency-Key is already used",
-                Outcome::Mismatch,
-            ),
+            ProxyError::Mismatch(reuse) => Problem {
+                reuse: Some(reuse.clone()),
+                ..p(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "key-reused",
+                    "Idempotency-Key is already used",
+                    Outcome::Mismatch,
+                )
+            },
             ProxyError::NotReplayable { .. } => Problem {
                 detail: format!(
                     "{detail}; the request was executed once and will not be executed again. \
@@ -309,6 +317,13 @@ impl Problem {
             body["key_id"] = key_id.as_str().into();
         }
         body["safe_new_key"] = self.safe_new_key.into();
+        if let Some(reuse) = &self.reuse {
+            body["first_used_at"] = rfc3339_seconds(reuse.first_used_at).into();
+            if let Some(first) = &reuse.first_use {
+                body["first_method"] = first.method.as_str().into();
+                body["first_path"] = first.path.as_str().into();
+            }
+        }
         body
     }
 
@@ -375,7 +390,7 @@ fn safe_new_key(err: &ProxyError) -> bool {
         // A record exists: its request is running, ran, or may have run.
         ProxyError::InFlight { .. }
         | ProxyError::TooManyWaiters { .. }
-        | ProxyError::Mismatch
+        | ProxyError::Mismatch(_)
         | ProxyError::NotReplayable { .. }
         | ProxyError::OutcomeUnknown => false,
         ProxyError::Upstream { error, key } => match key {
@@ -596,7 +611,7 @@ mod tests {
                 None,
                 true,
             ),
-            (ProxyError::Mismatch, 422, None, false),
+            (ProxyError::Mismatch(reuse(None)), 422, None, false),
             (ProxyError::NotReplayable { status: 200 }, 410, None, false),
             (ProxyError::OutcomeUnknown, 424, None, false),
             (ProxyError::Store(StoreError::Timeout), 503, Some("2"), true),
@@ -679,6 +694,47 @@ mod tests {
             assert_eq!(json["safe_new_key"], safe_new_key, "{err}");
             assert!(json.get("key_id").is_none(), "{err}: {json}");
         }
+    }
+
+    fn reuse(first_use: Option<crate::idempotency::FirstUse>) -> KeyReuse {
+        KeyReuse {
+            // 2026-12-04T13:55:01.250Z
+            first_used_at: 1_796_392_501_250,
+            first_use,
+        }
+    }
+
+    /// A 422 says when and for what the key was first used, in its detail
+    /// and as members; a record that kept no request gives the time alone.
+    #[tokio::test]
+    async fn a_reused_key_says_when_and_for_what_it_was_first_used() {
+        let first = crate::idempotency::FirstUse::new("POST", "/payments");
+        for shape in [ErrorShape::Problem, ErrorShape::Stripe] {
+            let p = Problem::from_error(&ProxyError::Mismatch(reuse(Some(first.clone()))));
+            let json = body_json(p.into_response(&shape)).await;
+            assert_eq!(
+                json["detail"],
+                "this key was first used for POST /payments at 2026-12-04T13:55:01Z \
+                 with a different request"
+            );
+            assert_eq!(json["first_used_at"], "2026-12-04T13:55:01Z");
+            assert_eq!(json["first_method"], "POST");
+            assert_eq!(json["first_path"], "/payments");
+            assert_eq!(json["status"], 422);
+        }
+        let p = Problem::from_error(&ProxyError::Mismatch(reuse(None)));
+        let json = body_json(p.into_response(&ErrorShape::Problem)).await;
+        assert_eq!(
+            json["detail"],
+            "this key was first used at 2026-12-04T13:55:01Z with a different request"
+        );
+        assert_eq!(json["first_used_at"], "2026-12-04T13:55:01Z");
+        assert!(json.get("first_method").is_none(), "{json}");
+        assert!(json.get("first_path").is_none(), "{json}");
+        // Only a 422 has them.
+        let p = Problem::from_error(&ProxyError::OutcomeUnknown);
+        let json = body_json(p.into_response(&ErrorShape::Problem)).await;
+        assert!(json.get("first_used_at").is_none(), "{json}");
     }
 
     async fn body_json(resp: Response<ProxyBody>) -> serde_json::Value {

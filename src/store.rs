@@ -35,7 +35,7 @@ pub(crate) mod scripted;
 pub(crate) mod sql;
 pub mod sqlite;
 
-pub use crate::idempotency::record::{Record, RecordState, StoredResponse, UnixMillis};
+pub use crate::idempotency::record::{FirstUse, Record, RecordState, StoredResponse, UnixMillis};
 pub use open::{check_connect, migrate, open, open_with_metrics};
 
 use crate::idempotency::{Fingerprint, RecordKey};
@@ -93,6 +93,10 @@ pub struct Claim {
     pub lease_ms: i64,
     /// `expires_at = now + ttl_ms`.
     pub ttl_ms: i64,
+    /// Kept with the record while this claim's request owns it (a takeover
+    /// or a claim after expiry writes its own); read back as
+    /// [`Record::first_use`].
+    pub first_use: Option<FirstUse>,
 }
 
 impl Claim {
@@ -304,9 +308,11 @@ pub trait Store: Send + Sync + 'static {
     async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError>;
 
     /// Settles an outcome-unknown record (operator repair) in one atomic
-    /// step: only a record still in the `unknown` state changes, as
-    /// [`Verdict`] says; `now` stamps the resolution (a shared backend uses
-    /// its own clock). False, changing nothing, when no such record is there.
+    /// step: only a record still in the `unknown` state and not expired at
+    /// `now` changes, as [`Verdict`] says; `now` stamps the resolution (a
+    /// shared backend uses its own clock for both). False, changing
+    /// nothing, when no such record is there: an expired one is left for
+    /// the next claim to take as new, never settled back to life.
     async fn resolve(
         &self,
         key: &RecordKey,
@@ -380,5 +386,6 @@ pub(crate) fn sample_claim() -> Claim {
         now: 1_000,
         lease_ms: 30_000,
         ttl_ms: 86_400_000,
+        first_use: Some(FirstUse::new("POST", "/payments")),
     }
 }

@@ -80,6 +80,8 @@ fn any_row_decodes_or_errs(u: &mut Unstructured<'_>) -> Result<()> {
         status: u.arbitrary()?,
         headers: u.arbitrary()?,
         body: u.arbitrary()?,
+        first_method: u.arbitrary()?,
+        first_path: u.arbitrary()?,
     };
     let _ = row.into_record();
     Ok(())

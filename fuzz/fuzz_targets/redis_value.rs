@@ -2,13 +2,13 @@
 //! records). Decoding any bytes never panics; a value that decodes is the
 //! canonical encoding of what it decodes to (so the Lua scripts' byte
 //! offsets hold for it); and every cacheable record and every lock
-//! round-trip.
+//! round-trip, with or without a first use.
 #![no_main]
 
 use bytes::Bytes;
 use idemgate::fuzzing::{redis_decode, redis_encode_lock, redis_encode_record, Cached};
 use idemgate::idempotency::{Fingerprint, Record, RecordKey, RecordState, Scope, StoredResponse};
-use idemgate::store::{Claim, LeaseToken};
+use idemgate::store::{Claim, FirstUse, LeaseToken};
 use libfuzzer_sys::arbitrary::{Result, Unstructured};
 use libfuzzer_sys::fuzz_target;
 
@@ -22,6 +22,7 @@ fuzz_target!(|raw: &[u8]| {
             fingerprint,
             created_at,
             expires_at,
+            first_use,
         }) => {
             if let Some(ttl_ms) = expires_at.checked_sub(created_at) {
                 let claim = Claim {
@@ -34,6 +35,7 @@ fuzz_target!(|raw: &[u8]| {
                     now: created_at,
                     lease_ms: 0,
                     ttl_ms,
+                    first_use,
                 };
                 assert_eq!(redis_encode_lock(&claim), raw);
             }
@@ -74,11 +76,15 @@ fn round_trips(u: &mut Unstructured<'_>) -> Result<()> {
         state,
         RecordState::Completed(_) | RecordState::Unstored { .. }
     );
+    let first_use = u
+        .arbitrary::<Option<(String, String)>>()?
+        .map(|(method, path)| FirstUse::new(&method, &path));
     let record = Record {
         fingerprint,
         state,
         created_at,
         expires_at,
+        first_use: first_use.clone(),
     };
     match redis_encode_record(&record) {
         Some(value) => {
@@ -100,6 +106,7 @@ fn round_trips(u: &mut Unstructured<'_>) -> Result<()> {
         now,
         lease_ms: u.int_in_range(0..=ttl_ms)?,
         ttl_ms,
+        first_use: first_use.clone(),
     };
     let value = redis_encode_lock(&claim);
     // The Lua scripts read the token at bytes 50..=65 (1-based).
@@ -111,6 +118,7 @@ fn round_trips(u: &mut Unstructured<'_>) -> Result<()> {
             fingerprint,
             created_at: now,
             expires_at: claim.expires_at(),
+            first_use,
         })
     );
     Ok(())

@@ -177,6 +177,16 @@ fn absent(key: &RecordKey) -> String {
     )
 }
 
+/// A record whose ttl ran out: as good as absent (the sweeper has not
+/// deleted it yet), so there is nothing left to settle.
+fn expired(key: &RecordKey) -> String {
+    format!(
+        "no live record for key id {} in scope {} (it expired: the next request with this key runs as new)\n",
+        key.log_id(),
+        key.scope.to_hex()
+    )
+}
+
 /// `resolution` is what an operator's `keys resolve --applied` kept, if any.
 pub fn describe(
     key: &RecordKey,
@@ -200,6 +210,15 @@ pub fn describe(
     );
     let _ = writeln!(out, "fingerprint  {}", r.fingerprint.to_hex());
     let _ = writeln!(out, "created      {}", time(r.created_at));
+    // Only this record's own request: the key is already the scope's.
+    match &r.first_use {
+        Some(first) => {
+            let _ = writeln!(out, "first use    {} {}", first.method, first.path);
+        }
+        None => {
+            let _ = writeln!(out, "first use    not kept (claimed by an earlier version)");
+        }
+    }
     let _ = writeln!(
         out,
         "expires      {} ({})",
@@ -560,6 +579,10 @@ pub async fn run(config: Config, action: KeysAction) -> anyhow::Result<KeysOutco
                     eprint!("idemgate keys: nothing to resolve: {}", absent(&key));
                     return Ok(KeysOutcome::NoRecord);
                 };
+                if record.expires_at <= now {
+                    eprint!("idemgate keys: nothing to resolve: {}", expired(&key));
+                    return Ok(KeysOutcome::NoRecord);
+                }
                 anyhow::bail!("{}", not_unknown(&key, &record, now));
             }
             // The keys command has no metrics registry (the proxy's is in
@@ -604,7 +627,7 @@ mod tests {
     use super::*;
     use crate::idempotency::Fingerprint;
     use crate::store::memory::MemoryStore;
-    use crate::store::{Claim, Completion, LeaseToken, Span, StoredResponse};
+    use crate::store::{Claim, Completion, FirstUse, LeaseToken, Span, StoredResponse};
     use bytes::Bytes;
 
     #[tokio::test]
@@ -625,11 +648,13 @@ mod tests {
                 now,
                 lease_ms: 30_000,
                 ttl_ms: 60_000,
+                first_use: Some(FirstUse::new("POST", "/orders?item=book")),
             })
             .await
             .unwrap();
         let text = show(&store, &key, &clock).await.unwrap();
         assert!(text.contains("state        in_flight"), "{text}");
+        assert!(text.contains("first use    POST /orders\n"), "{text}");
         let resp = StoredResponse {
             status: 201,
             headers: vec![("location".into(), Bytes::from_static(b"/o/1"))],
@@ -669,6 +694,7 @@ mod tests {
             now,
             lease_ms: 30_000,
             ttl_ms: 60_000,
+            first_use: None,
         };
         store.claim(&claim).await.unwrap();
         let keep = Span { now, ms: 60_000 };
@@ -730,6 +756,7 @@ mod tests {
             state,
             created_at: 0,
             expires_at: 10_000,
+            first_use: None,
         };
         let resp = StoredResponse {
             status: 201,

@@ -1,7 +1,7 @@
 //! What to do with a request, given what the store said, and what to do with
 //! the upstream's answer. Pure functions with table tests.
 
-use super::{Fingerprint, Record, RecordState, StoredResponse, UnixMillis};
+use super::{Fingerprint, KeyReuse, Record, RecordState, StoredResponse, UnixMillis};
 use std::fmt;
 use std::str::FromStr;
 
@@ -12,8 +12,9 @@ pub enum Decision {
     Replay(StoredResponse),
     /// Another request holds the lease: 409 with `Retry-After` (§2.7).
     InFlight { retry_after_secs: u64 },
-    /// Same key, different request: 422 (§2.7).
-    Mismatch,
+    /// Same key, different request: 422 (§2.7), saying when and for what
+    /// the key was first used.
+    Mismatch(KeyReuse),
     /// Executed, but its response was too large to keep: a definite error,
     /// never a second execution.
     NotReplayable { status: u16 },
@@ -23,10 +24,15 @@ pub enum Decision {
 }
 
 /// Interprets the record a claim found. The fingerprint is checked first:
-/// a different request learns nothing about the original's state.
+/// a different request learns nothing about the original's state, only
+/// when and for what its key was first used (in its own scope: a record
+/// is keyed by scope, so another client's request never finds it).
 pub fn decide(existing: Record, fingerprint: &Fingerprint, now: UnixMillis) -> Decision {
     if existing.fingerprint != *fingerprint {
-        return Decision::Mismatch;
+        return Decision::Mismatch(KeyReuse {
+            first_used_at: existing.created_at,
+            first_use: existing.first_use,
+        });
     }
     match existing.state {
         RecordState::Completed(resp) => Decision::Replay(resp),
@@ -249,6 +255,7 @@ mod tests {
     }
 
     use super::*;
+    use crate::idempotency::FirstUse;
     use bytes::Bytes;
 
     fn resp(status: u16) -> StoredResponse {
@@ -263,8 +270,9 @@ mod tests {
         Record {
             fingerprint: Fingerprint([fp; 32]),
             state,
-            created_at: 0,
+            created_at: 4_000,
             expires_at: 1_000_000,
+            first_use: Some(FirstUse::new("POST", "/payments")),
         }
     }
 
@@ -281,6 +289,11 @@ mod tests {
             )
         };
         let retry = |retry_after_secs| Decision::InFlight { retry_after_secs };
+        // Whatever the record's state: only when and for what.
+        let mismatch = Decision::Mismatch(KeyReuse {
+            first_used_at: 4_000,
+            first_use: Some(FirstUse::new("POST", "/payments")),
+        });
         let cases = [
             (
                 record(1, RecordState::Completed(resp(201))),
@@ -292,23 +305,36 @@ mod tests {
             ),
             (
                 record(2, RecordState::Completed(resp(201))),
-                Decision::Mismatch,
+                mismatch.clone(),
             ),
             (in_flight(1, 29_001), retry(30)),
             (in_flight(1, 1), retry(1)),
             // A lease that ran out between claim and read still says "retry soon".
             (in_flight(1, -5), retry(1)),
-            (in_flight(2, 5_000), Decision::Mismatch),
+            (in_flight(2, 5_000), mismatch.clone()),
+            // A dead holder's key: the same answer, no hint that it is abandoned.
+            (in_flight(2, -5), mismatch.clone()),
             (
                 record(1, RecordState::Unstored { status: 200 }),
                 Decision::NotReplayable { status: 200 },
             ),
             (
                 record(2, RecordState::Unstored { status: 200 }),
-                Decision::Mismatch,
+                mismatch.clone(),
             ),
             (record(1, RecordState::Unknown), Decision::OutcomeUnknown),
-            (record(2, RecordState::Unknown), Decision::Mismatch),
+            (record(2, RecordState::Unknown), mismatch),
+            // A record written before first uses were kept: the time alone.
+            (
+                Record {
+                    first_use: None,
+                    ..record(2, RecordState::Completed(resp(201)))
+                },
+                Decision::Mismatch(KeyReuse {
+                    first_used_at: 4_000,
+                    first_use: None,
+                }),
+            ),
         ];
         for (i, (rec, want)) in cases.into_iter().enumerate() {
             assert_eq!(decide(rec, &same, now), want, "case {i}");

@@ -92,6 +92,7 @@ fn request(fp: u8) -> ClaimRequest {
         lease: LEASE,
         ttl: Duration::from_secs(3_600),
         route: Arc::new("r".into()),
+        first_use: None,
     }
 }
 

@@ -135,7 +135,7 @@ impl Proxy {
             Decision::InFlight { retry_after_secs } => Err(ProxyError::InFlight {
                 retry_after_secs: retry_after_hint(retry_after_secs, typical),
             }),
-            Decision::Mismatch => Err(ProxyError::Mismatch),
+            Decision::Mismatch(reuse) => Err(ProxyError::Mismatch(reuse)),
             Decision::NotReplayable { status } => Err(ProxyError::NotReplayable { status }),
             Decision::OutcomeUnknown => Err(ProxyError::OutcomeUnknown),
         }
@@ -162,6 +162,7 @@ impl Proxy {
             lease: req.route.lease,
             ttl: req.route.ttl,
             route: req.route.label.clone(),
+            first_use: Some(req.first_use()),
         }
     }
 

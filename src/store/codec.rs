@@ -2,7 +2,7 @@
 //! (SQL columns and Redis values), and [`RecordRow`], the one mapping from a
 //! SQL row's columns to a [`Record`]. No I/O here.
 
-use super::{Record, RecordState, StoreError, StoredResponse};
+use super::{FirstUse, Record, RecordState, StoreError, StoredResponse};
 use crate::idempotency::Fingerprint;
 use bytes::Bytes;
 
@@ -64,6 +64,9 @@ pub struct RecordRow {
     pub status: Option<i64>,
     pub headers: Option<Vec<u8>>,
     pub body: Option<Vec<u8>>,
+    /// NULL on a record claimed before migration 4.
+    pub first_method: Option<String>,
+    pub first_path: Option<String>,
 }
 
 impl RecordRow {
@@ -91,6 +94,10 @@ impl RecordRow {
             state,
             created_at: self.created_at,
             expires_at: self.expires_at,
+            first_use: self
+                .first_method
+                .zip(self.first_path)
+                .map(|(method, path)| FirstUse { method, path }),
         })
     }
 }

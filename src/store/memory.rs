@@ -81,6 +81,7 @@ impl Store for MemoryStore {
                         },
                         created_at: claim.now,
                         expires_at: claim.expires_at(),
+                        first_use: claim.first_use.clone(),
                     },
                     token: Some(claim.token),
                     resolution: None,
@@ -153,6 +154,8 @@ impl Store for MemoryStore {
             let Some(entry) = map
                 .get_mut(key)
                 .filter(|entry| entry.record.state == RecordState::Unknown)
+                // Expired: every claim takes it as new already.
+                .filter(|entry| entry.record.expires_at > now)
             else {
                 return false;
             };

@@ -243,7 +243,8 @@ impl Store for PostgresStore {
         let key: Param = (&key.key, Type::BYTEA);
         let changed = match verdict {
             Verdict::NotApplied => {
-                core.write(&core.sql.resolve_not_applied, &[scope, key])
+                let now: Param = (&core.clock_offset_ms, Type::INT8);
+                core.write(&core.sql.resolve_not_applied, &[scope, key, now])
                     .await
             }
             Verdict::Applied { reason } => {

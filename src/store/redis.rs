@@ -49,7 +49,7 @@ mod value;
 
 pub(crate) use conn::RedisConn;
 pub use value::Cached;
-pub(crate) use value::{decode, encode_lock, encode_record};
+pub(crate) use value::{decode, encode_lock, encode_record, with_first_use};
 
 use scripts::{Locking, Scripts};
 use stale::{heal, lock, StaleSet, MAX_STALE};
@@ -446,6 +446,7 @@ impl RedisFastPath {
                 fingerprint,
                 created_at,
                 expires_at,
+                first_use,
                 // A lock for another request (another fingerprint) may belong to
                 // a claimant that lost in the inner store and left its lock
                 // behind; only the inner store may answer that with a 422.
@@ -457,6 +458,7 @@ impl RedisFastPath {
                     },
                     created_at,
                     expires_at,
+                    first_use,
                 }))
             }
             _ => None,
@@ -552,19 +554,22 @@ impl Store for RedisFastPath {
             return Ok(fence);
         }
         let record = Record {
-            // Placeholders: the script takes all three from our lock.
+            // Placeholders: the script takes all four from our lock.
             fingerprint: Fingerprint([0; 32]),
             state: RecordState::from(completion),
             created_at: 0,
             expires_at: 0,
+            first_use: None,
         };
         if let Some(value) = encode_record(&record) {
+            let tagged = [with_first_use(value[0])];
             let mut inv = self.scripts.complete.prepare_invoke();
             inv.key(&name)
                 .arg(&token.0[..])
                 .arg(value)
                 .arg(keep.now)
-                .arg(keep.ms);
+                .arg(keep.ms)
+                .arg(&tagged[..]);
             let written: Option<i64> = self.run(inv.invoke_async(&mut self.conn.clone())).await;
             if written.is_none() {
                 self.mark_stale(name);

@@ -80,6 +80,12 @@ CREATE INDEX idempotency_records_expires_at ON idempotency_records (expires_at);
 ALTER TABLE idempotency_records ADD COLUMN resolved_at INTEGER;
 ALTER TABLE idempotency_records ADD COLUMN resolve_reason TEXT;
 "#,
+    r#"
+-- 4: what the claiming request was (its method, and its path without the
+-- query), for the 422 a reused key gets. NULL on records claimed before.
+ALTER TABLE idempotency_records ADD COLUMN first_method TEXT;
+ALTER TABLE idempotency_records ADD COLUMN first_path TEXT;
+"#,
 ];
 
 /// PostgreSQL's ordered schema migrations; `{schema}` is replaced by the
@@ -118,6 +124,13 @@ ALTER TABLE {schema}.idempotency_records
 ALTER TABLE {schema}.idempotency_records
     ADD COLUMN resolved_at bigint,
     ADD COLUMN resolve_reason text;
+"#,
+    r#"
+-- 4: what the claiming request was (its method, and its path without the
+-- query), for the 422 a reused key gets. NULL on records claimed before.
+ALTER TABLE {schema}.idempotency_records
+    ADD COLUMN first_method text,
+    ADD COLUMN first_path text;
 "#,
 ];
 
@@ -167,24 +180,33 @@ pub(crate) const OWNED: &str = "scope = $1 AND key = $2 AND token = $3 AND state
 /// One record by its key.
 const BY_KEY: &str = "scope = $1 AND key = $2";
 
-/// The one record an operator's resolve may change: still outcome unknown.
-const UNKNOWN: &str = "scope = $1 AND key = $2 AND state = 'unknown'";
+/// The one record an operator's resolve may change: still outcome unknown,
+/// and live at `now` (an expired record is gone for every claim already:
+/// settling it would report a verdict no request will ever see).
+fn unknown_live(now: &str) -> String {
+    format!("scope = $1 AND key = $2 AND state = 'unknown' AND expires_at > {now}")
+}
 
 /// The record columns, in [`super::codec::RecordRow`]'s order.
-const COLUMNS: &str =
-    "fingerprint, state, locked_until, created_at, expires_at, status, headers, body";
+const COLUMNS: &str = "fingerprint, state, locked_until, created_at, expires_at, status, \
+     headers, body, first_method, first_path";
+
+/// How many [`COLUMNS`] there are: a statement's columns after them start here.
+pub(crate) const RECORD_COLUMNS: usize = 10;
 
 /// The claim's write into `table`: a new in-flight record from `rows`, or
 /// one taking over the record there where `claimable` holds.
 fn upsert(table: &str, rows: &str, claimable: &str, returning: &str) -> String {
     format!(
         "INSERT INTO {table} AS r \
-           (scope, key, fingerprint, state, token, locked_until, created_at, expires_at, takeover) \
+           (scope, key, fingerprint, state, token, locked_until, created_at, expires_at, takeover, \
+            first_method, first_path) \
          {rows} \
          ON CONFLICT (scope, key) DO UPDATE SET \
            fingerprint = EXCLUDED.fingerprint, state = 'in_flight', token = EXCLUDED.token, \
            locked_until = EXCLUDED.locked_until, created_at = EXCLUDED.created_at, \
            expires_at = EXCLUDED.expires_at, status = NULL, headers = NULL, body = NULL, \
+           first_method = EXCLUDED.first_method, first_path = EXCLUDED.first_path, \
            resolved_at = NULL, resolve_reason = NULL, takeover = (r.state = 'in_flight') \
          WHERE {claimable} \
          RETURNING {returning}"
@@ -195,8 +217,9 @@ fn upsert(table: &str, rows: &str, claimable: &str, returning: &str) -> String {
 
 /// Every statement a SQL backend runs, in its dialect, for its table.
 pub(crate) struct Statements {
-    /// Binds scope, key, fingerprint, token, lease_ms, now, ttl_ms;
-    /// returns `takeover` when it claimed, no row when a live record is there.
+    /// Binds scope, key, fingerprint, token, lease_ms, now, ttl_ms,
+    /// first_method, first_path; returns `takeover` when it claimed, no
+    /// row when a live record is there.
     pub claim: String,
     /// PostgreSQL: the claim that writes nothing when a live record is
     /// there (a replay costs no row lock, no WAL flush): binds as `claim`;
@@ -205,8 +228,8 @@ pub(crate) struct Statements {
     /// SQLite has no data-modifying CTEs; it runs `claim` in a transaction.
     pub claim_or_read: String,
     /// PostgreSQL: `claim_or_read` for many keys at once (group commit):
-    /// binds arrays of scope, key, fingerprint, token, lease_ms, ttl_ms, and
-    /// the offset; returns per input row (in order): its ordinal, `takeover`
+    /// binds arrays of scope, key, fingerprint, token, lease_ms, ttl_ms, the
+    /// offset, then arrays of first_method, first_path; returns per input row (in order): its ordinal, `takeover`
     /// (NULL unless claimed), "now", and the record found. The keys must be
     /// distinct. SQLite: empty (its batches are one transaction).
     pub claim_many: String,
@@ -217,7 +240,8 @@ pub(crate) struct Statements {
     /// Binds scope, key; returns the columns of [`super::codec::RecordRow`].
     pub select: String,
     /// Binds scope, key, now; returns [`Statements::select`]'s columns and
-    /// the "now" they were read at, to shift them into the caller's frame.
+    /// the "now" they were read at (column [`RECORD_COLUMNS`]), to shift
+    /// them into the caller's frame.
     pub select_at: String,
     /// Binds scope, key, token, now, lease_ms.
     pub renew: String,
@@ -227,10 +251,11 @@ pub(crate) struct Statements {
     pub release: String,
     /// Binds scope, key.
     pub delete: String,
-    /// Binds scope, key, status, now, reason: an outcome-unknown record
-    /// becomes unstored, keeping when and why.
+    /// Binds scope, key, status, now, reason: a live outcome-unknown
+    /// record becomes unstored, keeping when and why.
     pub resolve_applied: String,
-    /// Binds scope, key: deletes the record if it is outcome unknown.
+    /// Binds scope, key, now: deletes the record if it is outcome unknown
+    /// and live.
     pub resolve_not_applied: String,
     /// Binds scope, key; returns `resolved_at`, `resolve_reason` of a
     /// record resolved as applied (no row for any other).
@@ -270,7 +295,7 @@ impl Statements {
             claim: placeholders(upsert(
                 table,
                 &format!(
-                    "VALUES ($1, $2, $3, 'in_flight', $4, {claim_now} + $5, {claim_now}, {claim_now} + $7, FALSE)"
+                    "VALUES ($1, $2, $3, 'in_flight', $4, {claim_now} + $5, {claim_now}, {claim_now} + $7, FALSE, $8, $9)"
                 ),
                 &claimable_here,
                 "takeover",
@@ -284,7 +309,8 @@ impl Statements {
                     table,
                     &format!(
                         "SELECT $1::bytea, $2::bytea, $3::bytea, 'in_flight', $4::bytea, \
-                         {claim_now} + $5::bigint, {claim_now}, {claim_now} + $7::bigint, FALSE \
+                         {claim_now} + $5::bigint, {claim_now}, {claim_now} + $7::bigint, FALSE, \
+                         $8::text, $9::text \
                          WHERE NOT EXISTS (SELECT 1 FROM cur WHERE NOT ({live}))"
                     ),
                     &claimable_here,
@@ -294,13 +320,15 @@ impl Statements {
             claim_many: postgres_only(format!(
                 "WITH i AS ( \
                    SELECT * FROM unnest($1::bytea[], $2::bytea[], $3::bytea[], $4::bytea[], \
-                                        $5::bigint[], $6::bigint[]) WITH ORDINALITY \
-                     AS i(scope, key, fingerprint, token, lease_ms, ttl_ms, n)), \
+                                        $5::bigint[], $6::bigint[], $8::text[], $9::text[]) \
+                     WITH ORDINALITY \
+                     AS i(scope, key, fingerprint, token, lease_ms, ttl_ms, first_method, \
+                          first_path, n)), \
                  c AS (SELECT t.*, i.n FROM {table} t JOIN i ON t.scope = i.scope AND t.key = i.key), \
                  ins AS ( {}) \
                  SELECT i.n, ins.takeover, {many_now}, \
                         c.fingerprint, c.state, c.locked_until, c.created_at, c.expires_at, \
-                        c.status, c.headers, c.body \
+                        c.status, c.headers, c.body, c.first_method, c.first_path \
                  FROM i LEFT JOIN ins ON ins.scope = i.scope AND ins.key = i.key \
                         LEFT JOIN c ON c.n = i.n \
                  ORDER BY i.n",
@@ -308,7 +336,8 @@ impl Statements {
                     table,
                     &format!(
                         "SELECT i.scope, i.key, i.fingerprint, 'in_flight', i.token, \
-                         {many_now} + i.lease_ms, {many_now}, {many_now} + i.ttl_ms, FALSE \
+                         {many_now} + i.lease_ms, {many_now}, {many_now} + i.ttl_ms, FALSE, \
+                         i.first_method, i.first_path \
                          FROM i WHERE NOT EXISTS (SELECT 1 FROM c WHERE c.n = i.n AND {live_many})"
                     ),
                     &claimable_many,
@@ -346,10 +375,14 @@ impl Statements {
             delete: placeholders(format!("DELETE FROM {table} WHERE {BY_KEY}")),
             resolve_applied: placeholders(format!(
                 "UPDATE {table} SET state = 'unstored', status = $3, resolved_at = {}, \
-                 resolve_reason = $5 WHERE {UNKNOWN}",
-                now(4)
+                 resolve_reason = $5 WHERE {}",
+                now(4),
+                unknown_live(&now(4))
             )),
-            resolve_not_applied: placeholders(format!("DELETE FROM {table} WHERE {UNKNOWN}")),
+            resolve_not_applied: placeholders(format!(
+                "DELETE FROM {table} WHERE {}",
+                unknown_live(&now(3))
+            )),
             resolution: placeholders(format!(
                 "SELECT resolved_at, resolve_reason FROM {table} \
                  WHERE {BY_KEY} AND state = 'unstored' AND resolved_at IS NOT NULL"
@@ -421,7 +454,8 @@ mod tests {
             [
                 "5bc37de04ce31204af736792c70bab12dcfe0acf51ccfdcd04ae56fa18855f9a",
                 "bac05e27f3f9bd9ce056711d9a13913ca572e14140432b39022ceea6487bf133",
-                "bef07a51036175b142813044310d1885097530d4467f0cf8cd6975f6dc74ca69"
+                "bef07a51036175b142813044310d1885097530d4467f0cf8cd6975f6dc74ca69",
+                "ee35ac8fa7466f4a12c2c329c4c7ac0db4a7d8fd8279e125d4c9936c35f7c3a8"
             ]
         );
         assert_eq!(
@@ -429,9 +463,15 @@ mod tests {
             [
                 "3d5ebb9cdc43db1e853dc49350dfb03b2922485086ab12c3b6d43663ba57c775",
                 "a58c49c091676b6b3d18cde1fbc145ce179a4f820f5e7637eca3d52ee49c9a07",
-                "a993d5a9813793fc91ed0d30afba8f2c7406bfb59788f8bdb5020b5a34a7b21b"
+                "a993d5a9813793fc91ed0d30afba8f2c7406bfb59788f8bdb5020b5a34a7b21b",
+                "e8af560b341a10e3de201c7daf8ac37e9accb4ffadfb3ea9e98f202ed9865a18"
             ]
         );
+    }
+
+    #[test]
+    fn record_columns_counts_the_columns() {
+        assert_eq!(COLUMNS.split(',').count(), RECORD_COLUMNS);
     }
 
     #[test]

@@ -191,6 +191,8 @@ fn read_record(conn: &Connection, key: &RecordKey) -> Result<Option<Record>, Sto
                 status: row.get(5)?,
                 headers: row.get(6)?,
                 body: row.get(7)?,
+                first_method: row.get(8)?,
+                first_path: row.get(9)?,
             })
         })
         .optional()
@@ -266,6 +268,8 @@ fn claim_in(conn: &Connection, claim: &Claim) -> Result<ClaimOutcome, StoreError
                 claim.lease_ms,
                 claim.now,
                 claim.ttl_ms,
+                claim.first_use.as_ref().map(|f| &f.method),
+                claim.first_use.as_ref().map(|f| &f.path),
             ],
             |row| row.get(0),
         )
@@ -377,7 +381,8 @@ impl Store for SqliteStore {
             let key = KeyParams::new(&key);
             let changed = match &verdict {
                 Verdict::NotApplied => {
-                    execute(conn, &SQL.resolve_not_applied, params![key.scope, key.key])?
+                    let params = params![key.scope, key.key, now];
+                    execute(conn, &SQL.resolve_not_applied, params)?
                 }
                 Verdict::Applied { reason } => execute(
                     conn,
@@ -433,7 +438,8 @@ mod tests {
     use crate::store::{sample_claim, Completion, RecordState, Span};
 
     /// A database written by the first schema keeps its records when the
-    /// second (the `unknown` state) is applied on open.
+    /// later ones (the `unknown` state, resolutions, first uses) are
+    /// applied on open; the old record has no first use.
     #[tokio::test]
     async fn an_older_database_is_migrated_with_its_records() {
         let dir = tempfile::tempdir().unwrap();
@@ -458,6 +464,7 @@ mod tests {
         let record = store.get(&old).await.unwrap().expect("kept");
         assert_eq!(record.state, RecordState::Unstored { status: 200 });
         assert_eq!(record.created_at, 5);
+        assert_eq!(record.first_use, None);
 
         let mut claim = sample_claim();
         claim.key.key = [9; 32];
@@ -474,6 +481,7 @@ mod tests {
         assert_eq!(fence, Fence::Held);
         let unknown = store.get(&claim.key).await.unwrap().unwrap();
         assert_eq!(unknown.state, RecordState::Unknown);
+        assert_eq!(unknown.first_use, sample_claim().first_use);
         let conn = store.conn.lock().unwrap();
         let version: usize = conn
             .query_row("PRAGMA user_version", [], |row| row.get(0))

@@ -174,6 +174,7 @@ async fn prepared_statements_lost_between_server_connections_say_to_add_pgbounce
                 now: idemgate::clock::Clock::system().now_millis(),
                 lease_ms: 10_000,
                 ttl_ms: 60_000,
+                first_use: Some(idemgate::store::FirstUse::new("POST", "/orders")),
             };
             tokio::spawn(async move { store.claim(&claim).await })
         });

@@ -68,6 +68,7 @@ async fn concurrent_claims_under_serializable_isolation_get_answers_not_errors()
                 now: idemgate::clock::Clock::system().now_millis(),
                 lease_ms: 10_000,
                 ttl_ms: 60_000,
+                first_use: Some(idemgate::store::FirstUse::new("POST", "/orders")),
             };
             tokio::spawn(async move { store.claim(&claim).await })
         });

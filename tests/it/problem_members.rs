@@ -1,16 +1,19 @@
 //! What idemgate's own error answers say beyond RFC 9457's standard
 //! members: `Cache-Control: no-store`, the `key_id` the logs name the key
 //! by, and `safe_new_key` (whether the operation may be sent again under a
-//! new key); and that upstream answers, replayed or passed on, get none of
-//! it.
+//! new key), and on a 422 when and for what the key was first used; and
+//! that upstream answers, replayed or passed on, get none of it.
 
-use crate::support::services::{database_url, postgres_addr, require_postgres, TcpRelay};
+use crate::support::services::{
+    database_url, drop_schema, postgres_addr, require_postgres, unique_schema, TcpRelay,
+};
 use crate::support::{
-    backend_tests, bounded, database_url_via, free_port, wait_for, Action, Backend, Proxy, Resp,
-    Route, ServeProcess, TestConfig, Upstream, ORDERS,
+    backend_tests, bounded, database_url_via, free_port, run_to_completion, wait_for, Action,
+    Backend, Proxy, Resp, Route, ServeProcess, TestConfig, Upstream, ORDERS,
 };
 use serde_json::Value;
-use std::time::Duration;
+use std::path::Path;
+use std::time::{Duration, SystemTime};
 
 backend_tests!(
     refused_keys_say_a_new_key_is_safe_and_name_no_key,
@@ -191,4 +194,131 @@ async fn the_key_id_is_the_one_the_access_log_names() {
     })
     .await;
     assert_eq!(logged["key.id"], id.as_str(), "{logged}");
+}
+
+// ===== a reused key's first use =====
+
+/// The route both clients send to, besides [`ORDERS`].
+const PAYMENTS: &str = "/payments";
+
+/// A 422's first-use members: method, path and a time within `window`;
+/// the detail says the same. Returns `first_used_at`.
+fn first_use(p: &Value, method: &str, path: &str, window: (SystemTime, SystemTime)) -> String {
+    assert_eq!(p["first_method"], method, "{p}");
+    assert_eq!(p["first_path"], path, "{p}");
+    let at = p["first_used_at"].as_str().unwrap_or_else(|| panic!("{p}"));
+    let parsed = humantime::parse_rfc3339(at).unwrap_or_else(|e| panic!("{at}: {e}"));
+    // Whole seconds: the window's start rounds down to one.
+    let (from, to) = window;
+    assert!(
+        parsed + Duration::from_secs(1) > from && parsed <= to,
+        "{at} outside the test"
+    );
+    assert!(
+        at.ends_with('Z') && !at.contains('.'),
+        "RFC 3339 UTC, seconds: {at}"
+    );
+    let detail = p["detail"].as_str().unwrap();
+    let want =
+        format!("this key was first used for {method} {path} at {at} with a different request");
+    assert_eq!(detail, want, "{p}");
+    at.to_string()
+}
+
+/// Through the real binary: a 422 says when and for what the key was first
+/// used (the method, the path without its query), as members and in its
+/// detail, and `keys show` prints it. The same key sent by another client
+/// (another value of the route's scope header) is a new key there: it runs,
+/// and its own 422 later names its own first use, never the other's.
+async fn a_reused_key_names_its_first_use_in_its_scope_only(
+    store: impl FnOnce(TestConfig, &Path) -> TestConfig,
+) {
+    let up = Upstream::start().await;
+    let dir = tempfile::TempDir::new().expect("tempdir");
+    let (listen, admin) = (free_port(), free_port());
+    let config = dir.path().join("idemgate.toml");
+    let base = TestConfig::new(up.addr)
+        .listen(listen, admin)
+        .route(Route::post(ORDERS))
+        .route(Route::post(PAYMENTS));
+    store(base, dir.path()).write(&config);
+    let gate = ServeProcess::start(&config, listen, admin, &[]).await;
+    let (alice, mallory) = ("Bearer alice-7c1", "Bearer mallory-2d9");
+    let send = |who: &str, path: &str, body: &'static str| {
+        gate.post(path)
+            .header("authorization", who)
+            .key("k-first-use-3a")
+            .body(body)
+    };
+
+    let before = SystemTime::now();
+    let first = send(alice, "/orders?coupon=c-secret-41", BODY).send().await;
+    assert_eq!(first.status(), 201, "{}", first.text());
+    let window = (before, SystemTime::now());
+    let reused = send(alice, ORDERS, "{}").send().await;
+    let p = problem(&reused, 422, false);
+    let at = first_use(&p, "POST", ORDERS, window);
+    key_id(&p, "k-first-use-3a");
+    for leak in ["c-secret-41", "coupon", "kettle", "alice"] {
+        assert!(!p.to_string().contains(leak), "{leak} in {p}");
+    }
+
+    // Another client, the same key: a new key in its scope, run as such.
+    let theirs = send(mallory, PAYMENTS, "{}").send().await;
+    assert_eq!(theirs.status(), 200, "{}", theirs.text());
+    assert!(!theirs.replayed(), "another scope's response was replayed");
+    for name in ["first_used_at", "first_method", "first_path"] {
+        assert!(!theirs.text().contains(name), "{}", theirs.text());
+    }
+    assert_eq!(up.hits(PAYMENTS), 1);
+    let window = (window.1, SystemTime::now());
+    // Its own reuse names its own first use; the first client's is unchanged.
+    let p = problem(&send(mallory, ORDERS, BODY).send().await, 422, false);
+    first_use(&p, "POST", PAYMENTS, window);
+    let p = problem(&send(alice, PAYMENTS, "{}").send().await, 422, false);
+    assert_eq!(first_use(&p, "POST", ORDERS, (before, window.1)), at);
+    assert_eq!(up.hits(ORDERS), 1, "no reuse reached the upstream");
+
+    let cfg = config.to_str().expect("utf-8 path");
+    let args = [
+        "keys",
+        "--config",
+        cfg,
+        "show",
+        "--scope-header-value",
+        alice,
+    ];
+    let shown = run_to_completion(&[&args[..], &["k-first-use-3a"]].concat(), &[]).await;
+    assert_eq!(shown.code, 0, "{}", shown.stderr);
+    assert!(
+        shown.stdout.contains("\nfirst use    POST /orders\n"),
+        "{}",
+        shown.stdout
+    );
+    assert!(!shown.stdout.contains("c-secret-41"), "{}", shown.stdout);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reused_key_names_its_first_use_on_sqlite() {
+    a_reused_key_names_its_first_use_in_its_scope_only(|c, dir| {
+        c.set("store.backend", "sqlite")
+            .set("store.path", dir.join("first.db").display().to_string())
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reused_key_names_its_first_use_on_postgres() {
+    let url = database_url();
+    require_postgres(&url).await;
+    let schema = unique_schema("first_use");
+    a_reused_key_names_its_first_use_in_its_scope_only(|c, _| {
+        c.set("store.backend", "postgres")
+            .set("store.url", url.as_str())
+            .set("store.schema", schema.as_str())
+            .set("store.pool_size", 4)
+            .set("store.timeout", "2s")
+    })
+    .await;
+    drop_schema(&url, &schema).await;
 }

@@ -17,7 +17,7 @@ use idemgate::idempotency::key::MAX_KEY_LEN;
 use idemgate::idempotency::{
     Fingerprint, IdempotencyKey, Record, RecordKey, RecordState, Scope, StoredResponse,
 };
-use idemgate::store::{Claim, Completion, LeaseToken};
+use idemgate::store::{Claim, Completion, FirstUse, LeaseToken};
 use proptest::prelude::*;
 use std::sync::OnceLock;
 
@@ -374,6 +374,7 @@ proptest! {
             state: RecordState::from(&completion),
             created_at,
             expires_at,
+            first_use: None,
         });
     }
 
@@ -388,13 +389,16 @@ proptest! {
         token in any::<[u8; 16]>(),
         now in 0..i64::MAX / 4,
         ttl_ms in 0..i64::MAX / 4,
+        first in prop::option::of(("[A-Z]{0,40}", "\\PC{0,300}")),
     ) {
         let fingerprint = Fingerprint(fp);
+        let first_use = first.map(|(method, path)| FirstUse::new(&method, &path));
         let record = Record {
             fingerprint,
             state: RecordState::from(&completion),
             created_at,
             expires_at,
+            first_use: first_use.clone(),
         };
         match redis_encode_record(&record) {
             Some(value) => prop_assert_eq!(redis_decode(&value).ok(), Some(Cached::Record(record))),
@@ -407,6 +411,7 @@ proptest! {
             now,
             lease_ms: ttl_ms / 2,
             ttl_ms,
+            first_use: first_use.clone(),
         };
         let value = redis_encode_lock(&claim);
         prop_assert_eq!(&value[49..65], &token[..]);
@@ -417,6 +422,7 @@ proptest! {
                 fingerprint,
                 created_at: now,
                 expires_at: now + ttl_ms,
+                first_use,
             })
         );
     }

@@ -237,6 +237,7 @@ async fn a_postgres_call_cut_off_mid_statement_does_not_block_the_next_one() {
         now: 1_000,
         lease_ms: 60_000,
         ttl_ms: 60_000,
+        first_use: None,
     };
     store.claim(&claim(1)).await.unwrap();
 

@@ -19,8 +19,8 @@ use idemgate::store::postgres::PostgresStore;
 use idemgate::store::redis::{FastPathCounters, RedisFastPath};
 use idemgate::store::sqlite::SqliteStore;
 use idemgate::store::{
-    Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, RecordState, Span, Store,
-    StoreError, StoredResponse,
+    Claim, ClaimOutcome, Completion, Fence, FirstUse, LeaseToken, Record, RecordState, Span, Store,
+    StoreError, StoredResponse, Verdict, RESOLVED_STATUS,
 };
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -54,6 +54,7 @@ fn assert_same_record(got: &Record, want: &Record) {
     }
     assert_near(got.created_at, want.created_at, "created_at");
     assert_near(got.expires_at, want.expires_at, "expires_at");
+    assert_eq!(got.first_use, want.first_use);
 }
 
 /// `ms` from now, by the caller's clock.
@@ -87,6 +88,10 @@ fn claim_for(key: RecordKey, lease_ms: i64, ttl_ms: i64) -> Claim {
         now: now_millis(),
         lease_ms,
         ttl_ms,
+        first_use: Some(FirstUse::new(
+            "POST",
+            &format!("/orders/{}", rand::random::<u32>()),
+        )),
     }
 }
 
@@ -142,9 +147,11 @@ pub(crate) async fn run_contract(store: Arc<dyn Store>, later: Arc<dyn Store>) {
     complete_stores_exactly(&*store).await;
     release_frees_the_key(&*store).await;
     expired_record_is_claimable_again(&*store).await;
+    first_use_is_kept_with_the_record(&*store).await;
     live_lease_outlives_the_ttl(&*store).await;
     unstored_completion(&*store).await;
     delete_removes_any_record(&*store).await;
+    resolve_settles_only_live_outcome_unknown_records(&*store).await;
     store.ping().await.expect("ping");
 }
 
@@ -162,6 +169,7 @@ async fn new_key_claims(store: &dyn Store) {
         },
         created_at: c.now,
         expires_at: c.expires_at(),
+        first_use: c.first_use.clone(),
     };
     assert_same_record(&r, &want);
 }
@@ -171,9 +179,12 @@ async fn duplicate_claim_reports_in_flight(store: &dyn Store) {
     assert!(claimed(&store.claim(&first).await.unwrap()));
     let mut second = again(&first);
     second.fingerprint = Fingerprint(rand::random());
+    second.first_use = Some(FirstUse::new("PUT", "/elsewhere"));
     let r = existing(store.claim(&second).await.unwrap());
-    // The record's fingerprint is the holder's, so the caller can 422.
+    // The record's fingerprint and first use are the holder's, so the
+    // caller can 422 saying what the key was first used for.
     assert_eq!(r.fingerprint, first.fingerprint);
+    assert_eq!(r.first_use, first.first_use);
     match r.state {
         // A cache may derive locked_until from its own ttl: allow clock slack.
         RecordState::InFlight { locked_until } => assert!(
@@ -285,6 +296,7 @@ async fn an_abandoned_claim_is_taken_over_only_by_the_same_request(store: &dyn S
         found.fingerprint, dead.fingerprint,
         "a different request is 422"
     );
+    assert_eq!(found.first_use, dead.first_use);
     assert_eq!(
         store.claim(&again(&dead)).await.unwrap(),
         ClaimOutcome::Claimed { takeover: true },
@@ -315,6 +327,7 @@ async fn complete_stores_exactly(store: &dyn Store) {
         state: RecordState::Completed(resp),
         created_at: c.now,
         expires_at: c.expires_at(),
+        first_use: c.first_use.clone(),
     };
     assert_same_record(&store.get(&c.key).await.unwrap().unwrap(), &want);
     // A retry sees the same record (from a cache, if there is one).
@@ -357,7 +370,55 @@ async fn expired_record_is_claimable_again(store: &dyn Store) {
     );
     let r = store.get(&c.key).await.unwrap().unwrap();
     assert_eq!(r.fingerprint, next.fingerprint);
+    assert_eq!(r.first_use, next.first_use, "the new claim's own first use");
     assert!(matches!(r.state, RecordState::InFlight { .. }));
+}
+
+/// What a claim keeps of its request comes back with the record, from
+/// the store and from a cache alike; a claim that keeps none (as records
+/// written before first uses) reads back none; a takeover keeps its own.
+async fn first_use_is_kept_with_the_record(store: &dyn Store) {
+    for first_use in [None, Some(FirstUse::new("DELETE", "/é/ü"))] {
+        let c = Claim {
+            first_use,
+            ..claim_for(record_key(), LEASE_MS, TTL_MS)
+        };
+        assert!(claimed(&store.claim(&c).await.unwrap()));
+        for completion in [
+            Completion::Stored(response()),
+            Completion::Unstored { status: 200 },
+        ] {
+            let c = Claim {
+                key: record_key(),
+                ..c.clone()
+            };
+            assert!(claimed(&store.claim(&c).await.unwrap()));
+            let done = store.complete(&c.key, &c.token, &completion, keep());
+            assert_eq!(done.await.unwrap(), Fence::Held);
+            for _ in 0..2 {
+                let found = existing(store.claim(&again(&c)).await.unwrap());
+                assert_eq!(found.first_use, c.first_use, "{completion:?}");
+            }
+        }
+        assert_eq!(
+            store.get(&c.key).await.unwrap().unwrap().first_use,
+            c.first_use
+        );
+        assert_eq!(store.release(&c.key, &c.token).await.unwrap(), Fence::Held);
+    }
+    let dead = claim_for(record_key(), 200, TTL_MS);
+    assert!(claimed(&store.claim(&dead).await.unwrap()));
+    sleep_ms(300).await;
+    let retry = Claim {
+        first_use: Some(FirstUse::new("POST", "/retried")),
+        ..again(&dead)
+    };
+    assert_eq!(
+        store.claim(&retry).await.unwrap(),
+        ClaimOutcome::Claimed { takeover: true }
+    );
+    let r = store.get(&dead.key).await.unwrap().unwrap();
+    assert_eq!(r.first_use, retry.first_use);
 }
 
 async fn sweep_deletes_only_expired_and_respects_batch(store: &dyn Store, later: &dyn Store) {
@@ -450,6 +511,7 @@ async fn unstored_completion(store: &dyn Store) {
         state: RecordState::Unstored { status: 200 },
         created_at: c.now,
         expires_at: c.expires_at(),
+        first_use: c.first_use.clone(),
     };
     assert_same_record(&store.get(&c.key).await.unwrap().unwrap(), &want);
     for _ in 0..2 {
@@ -478,6 +540,117 @@ async fn delete_removes_any_record(store: &dyn Store) {
     // An in-flight record can be deleted too (operator repair).
     assert!(store.delete(&c.key).await.unwrap());
     assert_eq!(store.get(&c.key).await.unwrap(), None);
+}
+
+/// A record left outcome unknown (`on_ambiguous = "keep"`) under a new key.
+async fn unknown_record(store: &dyn Store, lease_ms: i64, ttl_ms: i64) -> Claim {
+    let c = claim_for(record_key(), lease_ms, ttl_ms);
+    assert!(claimed(&store.claim(&c).await.unwrap()));
+    let done = store.complete(&c.key, &c.token, &Completion::Unknown, keep());
+    assert_eq!(done.await.unwrap(), Fence::Held);
+    c
+}
+
+/// `keys resolve`: an outcome-unknown record is settled either way, in one
+/// step; a completed or in-flight one is refused and left as it was; and
+/// an expired one is as good as absent. Pins: an expired outcome-unknown
+/// record (ttl over, not swept yet) was "resolved" (`keys resolve` said
+/// retries get 410, but the next request ran as new).
+async fn resolve_settles_only_live_outcome_unknown_records(store: &dyn Store) {
+    let applied = Verdict::Applied {
+        reason: "the ledger shows it once".into(),
+    };
+    let verdicts = [Verdict::NotApplied, applied.clone()];
+
+    // Applied: unstored with no status, retries find it (410), the reason kept.
+    let c = unknown_record(store, LEASE_MS, TTL_MS).await;
+    assert!(store.resolve(&c.key, &applied, now_millis()).await.unwrap());
+    let want = Record {
+        fingerprint: c.fingerprint,
+        state: RecordState::Unstored {
+            status: RESOLVED_STATUS,
+        },
+        created_at: c.now,
+        expires_at: c.expires_at(),
+        first_use: c.first_use.clone(),
+    };
+    assert_same_record(&store.get(&c.key).await.unwrap().unwrap(), &want);
+    let resolution = store.resolution(&c.key).await.unwrap().expect("kept");
+    assert_eq!(resolution.reason, "the ledger shows it once");
+    assert_near(resolution.at, now_millis(), "resolved at");
+    for _ in 0..2 {
+        assert_same_record(&existing(store.claim(&again(&c)).await.unwrap()), &want);
+    }
+    // Settled once: neither verdict changes it again.
+    for verdict in &verdicts {
+        assert!(!store.resolve(&c.key, verdict, now_millis()).await.unwrap());
+        assert_same_record(&store.get(&c.key).await.unwrap().unwrap(), &want);
+    }
+
+    // Not applied: the record goes, and the same request claims it fresh.
+    let c = unknown_record(store, LEASE_MS, TTL_MS).await;
+    let not_applied = &Verdict::NotApplied;
+    assert!(store
+        .resolve(&c.key, not_applied, now_millis())
+        .await
+        .unwrap());
+    assert_eq!(store.get(&c.key).await.unwrap(), None);
+    assert_eq!(store.resolution(&c.key).await.unwrap(), None);
+    assert!(!store
+        .resolve(&c.key, not_applied, now_millis())
+        .await
+        .unwrap());
+    assert_eq!(
+        store.claim(&again(&c)).await.unwrap(),
+        ClaimOutcome::Claimed { takeover: false }
+    );
+    assert!(!store.resolve(&c.key, &applied, now_millis()).await.unwrap());
+
+    // Completed: refused either way, the replay unchanged.
+    let c = claim_for(record_key(), LEASE_MS, TTL_MS);
+    assert!(claimed(&store.claim(&c).await.unwrap()));
+    let done = Completion::Stored(response());
+    let completing = store.complete(&c.key, &c.token, &done, keep());
+    assert_eq!(completing.await.unwrap(), Fence::Held);
+    // Read it once so a cache holds it too.
+    existing(store.claim(&again(&c)).await.unwrap());
+    for verdict in &verdicts {
+        assert!(!store.resolve(&c.key, verdict, now_millis()).await.unwrap());
+        let found = existing(store.claim(&again(&c)).await.unwrap());
+        assert_eq!(found.state, RecordState::Completed(response()));
+        assert_eq!(store.resolution(&c.key).await.unwrap(), None);
+    }
+
+    // In flight: refused either way, and the holder still owns it.
+    let c = claim_for(record_key(), LEASE_MS, TTL_MS);
+    assert!(claimed(&store.claim(&c).await.unwrap()));
+    for verdict in &verdicts {
+        assert!(!store.resolve(&c.key, verdict, now_millis()).await.unwrap());
+        let found = existing(store.claim(&again(&c)).await.unwrap());
+        assert!(
+            matches!(found.state, RecordState::InFlight { .. }),
+            "{found:?}"
+        );
+    }
+    let completing = store.complete(&c.key, &c.token, &done, keep());
+    assert_eq!(completing.await.unwrap(), Fence::Held);
+
+    // Expired (ttl over, not swept yet): nothing to resolve, and it stays
+    // dead: the next request with the key runs as new, under either verdict.
+    for verdict in &verdicts {
+        let c = unknown_record(store, 100, 300).await;
+        sleep_ms(450).await;
+        assert!(
+            !store.resolve(&c.key, verdict, now_millis()).await.unwrap(),
+            "{verdict:?} settled an expired record"
+        );
+        assert_eq!(store.resolution(&c.key).await.unwrap(), None);
+        assert_eq!(
+            store.claim(&again(&c)).await.unwrap(),
+            ClaimOutcome::Claimed { takeover: false },
+            "{verdict:?}: the expired record came back to life"
+        );
+    }
 }
 
 // ===== backends =====

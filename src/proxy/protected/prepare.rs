@@ -9,7 +9,7 @@ use crate::body::{drain, read_limited, ReadError};
 use crate::config::Secret;
 use crate::error::{BodyKeyError, ProxyError};
 use crate::idempotency::canonical_json::{self, Json, JsonError};
-use crate::idempotency::{Fingerprint, IdempotencyKey, RecordKey, Scope};
+use crate::idempotency::{Fingerprint, FirstUse, IdempotencyKey, RecordKey, Scope};
 use crate::proxy::headers::{content_length, fields};
 use crate::route::{normalize_path, FingerprintMode, RouteConfig};
 use bytes::Bytes;
@@ -34,6 +34,15 @@ pub struct ProtectedRequest {
     pub record_key: RecordKey,
     pub fingerprint: Fingerprint,
     pub peer: SocketAddr,
+}
+
+impl ProtectedRequest {
+    /// What the claim keeps of this request for a later 422: its method
+    /// and its path as the client sent it (before dot-segments are
+    /// resolved for the upstream), without the query.
+    pub fn first_use(&self) -> FirstUse {
+        FirstUse::new(self.parts.method.as_str(), self.parts.uri.path())
+    }
 }
 
 /// Whose key it is: the route's fixed consumer name (`scope = { value }`),

@@ -449,6 +449,7 @@ mod tests {
             state: RecordState::Unknown,
             created_at: 0,
             expires_at: 0,
+            first_use: None,
         };
         a.publish(record.clone());
         // Woken by the publication.

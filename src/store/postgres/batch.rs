@@ -7,7 +7,7 @@ use super::PostgresStore;
 use crate::idempotency::{RecordKey, Scope};
 use crate::store::batch::{Batcher, Completing};
 use crate::store::codec::{array_from, RecordRow};
-use crate::store::sql::{KeyParams, OwnerParams};
+use crate::store::sql::{KeyParams, OwnerParams, RECORD_COLUMNS};
 use crate::store::{is_claimable, Claim, ClaimOutcome, Fence, Record, RecordState, StoreError};
 use deadpool_postgres::ClientWrapper;
 use tokio_postgres::types::Type;
@@ -76,6 +76,8 @@ pub(super) fn decode_row(row: &tokio_postgres::Row, at: usize) -> Result<Record,
             .map(i64::from),
         headers: row.try_get(at + 6).map_err(corrupt)?,
         body: row.try_get(at + 7).map_err(corrupt)?,
+        first_method: row.try_get(at + 8).map_err(corrupt)?,
+        first_path: row.try_get(at + 9).map_err(corrupt)?,
     }
     .into_record()
 }
@@ -154,7 +156,9 @@ impl Core {
         let key = KeyParams::new(&claim.key);
         let fingerprint = &claim.fingerprint.0[..];
         let token = &claim.token.0[..];
-        let params: [Param<'_>; 7] = [
+        let method = claim.first_use.as_ref().map(|f| f.method.as_str());
+        let path = claim.first_use.as_ref().map(|f| f.path.as_str());
+        let params: [Param<'_>; 9] = [
             (&key.scope, Type::BYTEA),
             (&key.key, Type::BYTEA),
             (&fingerprint, Type::BYTEA),
@@ -162,6 +166,8 @@ impl Core {
             (&claim.lease_ms, Type::INT8),
             (&self.clock_offset_ms, Type::INT8),
             (&claim.ttl_ms, Type::INT8),
+            (&method, Type::TEXT),
+            (&path, Type::TEXT),
         ];
         // One round trip in the common cases: it claims, or it finds a
         // live record and writes nothing (a replay takes no row lock).
@@ -199,7 +205,7 @@ impl Core {
                 .await?;
             if let Some(outcome) = rows
                 .first()
-                .and_then(|row| existing(row, 0, row.get(8), claim))
+                .and_then(|row| existing(row, 0, row.get(RECORD_COLUMNS), claim))
             {
                 return Ok(outcome);
             }
@@ -220,6 +226,14 @@ impl Core {
         let tokens: Vec<&[u8]> = claims.iter().map(|c| &c.token.0[..]).collect();
         let leases: Vec<i64> = claims.iter().map(|c| c.lease_ms).collect();
         let ttls: Vec<i64> = claims.iter().map(|c| c.ttl_ms).collect();
+        let methods: Vec<Option<&str>> = claims
+            .iter()
+            .map(|c| c.first_use.as_ref().map(|f| f.method.as_str()))
+            .collect();
+        let paths: Vec<Option<&str>> = claims
+            .iter()
+            .map(|c| c.first_use.as_ref().map(|f| f.path.as_str()))
+            .collect();
         let rows = self
             .read(
                 &self.sql.claim_many,
@@ -231,6 +245,8 @@ impl Core {
                     (&leases, Type::INT8_ARRAY),
                     (&ttls, Type::INT8_ARRAY),
                     (&self.clock_offset_ms, Type::INT8),
+                    (&methods, Type::TEXT_ARRAY),
+                    (&paths, Type::TEXT_ARRAY),
                 ],
             )
             .await?;

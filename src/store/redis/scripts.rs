@@ -12,8 +12,8 @@ pub(super) struct Scripts {
     /// Re-arms the caller's lock with a new PX.
     pub(super) extend: Script,
     /// Replaces the caller's lock with the completed value, carrying the
-    /// lock's `created_at` and fingerprint over (a completion carries
-    /// neither). Without our lock there it deletes whatever is there (older
+    /// lock's `created_at`, fingerprint and first use over (a completion
+    /// carries none of them). Without our lock there it deletes whatever is there (older
     /// than this completion): the next claim reads the record from the
     /// inner store and caches it then.
     pub(super) complete: Script,
@@ -57,11 +57,13 @@ end
 return 0
 "#;
 
-// ARGV: token, the completed value (its created_at, expires_at and
-// fingerprint are placeholders), now, keep_ms. The lock's own expires_at
-// (the claim's, in the claiming process's clock, which is this one) gives
-// the expiry: max(claim's expiry, now + keep), written into the value and
-// turned into a relative PX, so no clock but the holder's is consulted.
+// ARGV: token, the completed value without a first use (its created_at,
+// expires_at and fingerprint are placeholders), now, keep_ms, and the tag
+// for the value with one. The lock's own expires_at (the claim's, in the
+// claiming process's clock, which is this one) gives the expiry: max(claim's
+// expiry, now + keep), written into the value and turned into a relative
+// PX, so no clock but the holder's is consulted. The lock's first use
+// (bytes 66 on, if any) goes right after the head, under that tag.
 const COMPLETE_LUA: &str = r#"
 local v = redis.call('GET', KEYS[1])
 if v and string.byte(v, 1) == 1 and string.sub(v, 50, 65) == ARGV[1] then
@@ -71,8 +73,10 @@ if v and string.byte(v, 1) == 1 and string.sub(v, 50, 65) == ARGV[1] then
   exp = math.max(exp, now + tonumber(ARGV[4]))
   local bytes, n = {}, exp
   for i = 8, 1, -1 do bytes[i] = string.char(n % 256); n = math.floor(n / 256) end
-  local val = string.sub(ARGV[2], 1, 1) .. string.sub(v, 2, 9) .. table.concat(bytes)
-    .. string.sub(v, 18, 49) .. string.sub(ARGV[2], 50)
+  local tag, first = string.sub(ARGV[2], 1, 1), string.sub(v, 66)
+  if first ~= '' then tag = ARGV[5] end
+  local val = tag .. string.sub(v, 2, 9) .. table.concat(bytes)
+    .. string.sub(v, 18, 49) .. first .. string.sub(ARGV[2], 50)
   redis.call('SET', KEYS[1], val, 'PX', exp - now)
   return 1
 end
