@@ -83,3 +83,41 @@ async fn a_partial_overlap_is_a_warning_saying_which_requests_go_where() {
         "{warning}"
     );
 }
+
+/// Pins: a Service named `idemgate-admin` in the namespace made Kubernetes
+/// inject `IDEMGATE_ADMIN_PORT=tcp://...`, which the environment overlay
+/// read as key `port` of `[admin]`: the pod never started.
+#[tokio::test]
+async fn kubernetes_service_link_variables_are_not_read_as_settings() {
+    let links = [
+        ("IDEMGATE_ADMIN_SERVICE_HOST", "10.0.0.1"),
+        ("IDEMGATE_ADMIN_SERVICE_PORT", "9090"),
+        ("IDEMGATE_ADMIN_SERVICE_PORT_METRICS", "9090"),
+        ("IDEMGATE_ADMIN_PORT", "tcp://10.0.0.1:9090"),
+        ("IDEMGATE_ADMIN_PORT_9090_TCP", "tcp://10.0.0.1:9090"),
+        ("IDEMGATE_ADMIN_PORT_9090_TCP_PROTO", "tcp"),
+        ("IDEMGATE_ADMIN_PORT_9090_TCP_PORT", "9090"),
+        ("IDEMGATE_ADMIN_PORT_9090_TCP_ADDR", "10.0.0.1"),
+        ("IDEMGATE_REDIS_PORT", "tcp://10.0.0.2:6379"),
+        ("IDEMGATE_STORE_SERVICE_HOST", "10.0.0.3"),
+    ];
+    let text = format!("{MINIMAL}[admin]\nlisten = \"127.0.0.1:9901\"\n");
+    let mut env = links.to_vec();
+    env.push(("IDEMGATE_SERVER_UPSTREAM_TIMEOUT", "7s"));
+    let (run, _) = run_on_config_text(&["check-config"], &text, &env).await;
+    assert_eq!(run.code, 0, "{run:?}");
+    assert!(run.stdout.contains("timeout 7s"), "{}", run.stdout);
+    // A genuinely unknown IDEMGATE_ variable still fails, as does a link's
+    // name with a value of another form.
+    for bad in [
+        ("IDEMGATE_ADMIN_BOGUS", "1"),
+        ("IDEMGATE_ADMIN_PORT", "9090"),
+    ] {
+        let mut env = links.to_vec();
+        env.retain(|(k, _)| *k != bad.0);
+        env.push(bad);
+        let (run, _) = run_on_config_text(&["check-config"], &text, &env).await;
+        assert_eq!(run.code, 64, "{bad:?}: {run:?}");
+        assert!(run.stderr.contains(bad.0), "{}", run.stderr);
+    }
+}
