@@ -542,12 +542,12 @@ pub async fn run(config: Config, action: KeysAction) -> anyhow::Result<KeysOutco
     match action {
         KeysAction::Show(key) => {
             let Some(record) = store.get(&key).await? else {
-                print!("{}", absent(&key));
+                out!("{}", absent(&key));
                 return Ok(KeysOutcome::NoRecord);
             };
             let resolution = store.resolution(&key).await?;
             let now = Clock::system().now_millis();
-            print!("{}", describe(&key, &record, resolution.as_ref(), now));
+            out!("{}", describe(&key, &record, resolution.as_ref(), now));
         }
         KeysAction::Resolve {
             key,
@@ -573,11 +573,11 @@ pub async fn run(config: Config, action: KeysAction) -> anyhow::Result<KeysOutco
                 "outcome-unknown key resolved by an operator"
             );
             match verdict {
-                Verdict::NotApplied => println!(
+                Verdict::NotApplied => outln!(
                     "resolved key id {} as not applied: released, the next request with it executes",
                     key.log_id()
                 ),
-                Verdict::Applied { .. } => println!(
+                Verdict::Applied { .. } => outln!(
                     "resolved key id {} as applied: retries get 410 and never execute",
                     key.log_id()
                 ),
@@ -586,14 +586,14 @@ pub async fn run(config: Config, action: KeysAction) -> anyhow::Result<KeysOutco
         KeysAction::Delete(key) => {
             // Deleting an absent key leaves what was asked for: exit 0.
             if store.delete(&key).await? {
-                println!("deleted key id {}", key.log_id());
+                outln!("deleted key id {}", key.log_id());
             } else {
-                println!("no record for key id {}", key.log_id());
+                outln!("no record for key id {}", key.log_id());
             }
         }
         KeysAction::PurgeExpired => {
             let n = purge_expired(store.as_ref(), settings.sweep_batch, &Clock::system()).await?;
-            println!("deleted {n} expired records");
+            outln!("deleted {n} expired records");
         }
     }
     Ok(KeysOutcome::Done)

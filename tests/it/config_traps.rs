@@ -121,3 +121,69 @@ async fn kubernetes_service_link_variables_are_not_read_as_settings() {
         assert!(run.stderr.contains(bad.0), "{}", run.stderr);
     }
 }
+
+/// `idemgate <args>` with its stdout a pipe whose reader is gone before it
+/// writes (as `| head -1` leaves it): its exit code and stderr.
+fn run_into_closed_pipe(args: &[&str], env: &[(&str, &str)]) -> (i32, String) {
+    let mut cmd = crate::support::process::command();
+    cmd.args(args)
+        .envs(env.iter().copied())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let mut child = cmd.spawn().expect("spawn idemgate");
+    // Closed at once: the binary reads and checks its config first.
+    drop(child.stdout.take());
+    let out = child.wait_with_output().expect("wait for idemgate");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    (
+        out.status.code().expect("an exit code, not a signal"),
+        stderr,
+    )
+}
+
+/// Pins: `idemgate check-config | head -1` panicked on the broken pipe
+/// (exit 101); every command that prints ends with its own status.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commands_whose_reader_left_exit_with_their_own_status_without_a_panic() {
+    use crate::support::services::{database_url, drop_schema, require_postgres, unique_schema};
+    let dir = tempfile::TempDir::new().expect("tempdir");
+    let sqlite = dir.path().join("sqlite.toml");
+    std::fs::write(
+        &sqlite,
+        format!(
+            "{MINIMAL}[store]\nbackend = \"sqlite\"\npath = \"keys.db\"\n{}",
+            route(r#"["POST"]"#, "/orders", "")
+        ),
+    )
+    .unwrap();
+    let sqlite = sqlite.to_str().unwrap();
+    // Creates the store, as serve would.
+    let (code, err) = run_into_closed_pipe(&["check-config", "--connect", "-c", sqlite], &[]);
+    assert_eq!((code, err.as_str()), (0, ""));
+    for (args, want) in [
+        (&["keys", "-c", sqlite, "show", "--anonymous", "k-1"][..], 3),
+        (&["keys", "-c", sqlite, "delete", "--anonymous", "k-1"], 0),
+        (&["keys", "-c", sqlite, "purge-expired"], 0),
+    ] {
+        let (code, err) = run_into_closed_pipe(args, &[]);
+        assert_eq!(code, want, "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+
+    let url = database_url();
+    require_postgres(&url).await;
+    let schema = unique_schema("pipe");
+    let pg = dir.path().join("pg.toml");
+    std::fs::write(
+        &pg,
+        format!(
+            "{MINIMAL}[store]\nbackend = \"postgres\"\nurl = \"{url}\"\nschema = \"{schema}\"\n"
+        ),
+    )
+    .unwrap();
+    let (code, err) = run_into_closed_pipe(&["migrate", "-c", pg.to_str().unwrap()], &[]);
+    drop_schema(&url, &schema).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
