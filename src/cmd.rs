@@ -52,6 +52,14 @@ pub fn run(cli: Cli) -> ExitCode {
             exit(block_on(migrate::run(cfg)))
         }),
         Command::Keys { config, command } => {
+            if !config.exists() {
+                // Never a store of its own: only the proxy's file names it.
+                eprintln!(
+                    "idemgate keys: no config at {} (keys reads the proxy's own config: give --config FILE or set IDEMGATE_CONFIG; the default is read from the working directory)",
+                    config.display()
+                );
+                return ExitCode::from(EX_USAGE);
+            }
             with_config(&config, &|cfg| keys::command(cfg, &command))
         }
         Command::Demo { listen, db } => {

@@ -187,3 +187,172 @@ async fn commands_whose_reader_left_exit_with_their_own_status_without_a_panic()
     assert_eq!(code, 0, "{err}");
     assert!(!err.contains("panicked"), "{err}");
 }
+
+/// Pins: `keys` without `--config` read `config/idemgate.toml` from the
+/// working directory; a missing one must be an error, never a new store.
+#[tokio::test]
+async fn keys_without_a_config_refuses_and_creates_nothing() {
+    let dir = tempfile::TempDir::new().expect("tempdir");
+    let run = crate::support::process::run_in(
+        Some(dir.path()),
+        &["keys", "show", "--anonymous", "k-1"],
+        &[],
+    )
+    .await;
+    assert_eq!(run.code, 64, "{run:?}");
+    assert!(
+        run.stderr.contains("no config at config/idemgate.toml") && run.stderr.contains("--config"),
+        "{}",
+        run.stderr
+    );
+    let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+    assert!(left.is_empty(), "keys created {left:?}");
+}
+
+/// Pins: `--scope-header-value` on a route with two scope headers derived
+/// another scope and said "no record". It is refused, saying how to name
+/// each header; and the access log's `key.id` leads to the record: a key
+/// and scope that do not give it are refused, naming a credential-free
+/// scope that does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_name_the_scope_of_a_logged_request_or_say_why_not() {
+    use crate::support::{free_port, process::ServeProcess, Route, TestConfig, Upstream, ORDERS};
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("idemgate.toml");
+    let (listen, admin) = (free_port(), free_port());
+    TestConfig::new(up.addr)
+        .listen(listen, admin)
+        .set("store.backend", "sqlite")
+        .set("store.path", "keys.db")
+        .set("log.level", "info")
+        .set("log.format", "json")
+        .route(Route::post(ORDERS).set("scope_headers", vec!["Authorization", "X-Tenant"]))
+        .write(&path);
+    let secret = [("IDEMGATE_SCOPE_SECRET", "a-long-enough-secret")];
+    let serve_env = [secret[0], ("RUST_LOG", "info")];
+    let gate = ServeProcess::start(&path, listen, admin, &serve_env).await;
+    let sent = gate
+        .post(ORDERS)
+        .header("authorization", "Bearer t")
+        .header("x-tenant", "t1")
+        .key("k-logged")
+        .body("{}")
+        .send()
+        .await;
+    assert_eq!(sent.status(), 201, "{}", sent.text());
+    let anonymous = gate.post(ORDERS).key("k-open").body("{}").send().await;
+    assert_eq!(anonymous.status(), 201, "{}", anonymous.text());
+    // The access log lines' key.id, in order.
+    let mut ids = Vec::new();
+    for _ in 0..50 {
+        ids = gate
+            .log()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|l| l["fields"]["message"] == "request" || l["message"] == "request")
+            .filter_map(|l| {
+                let id = l.pointer("/fields/key.id").or_else(|| l.get("key.id"))?;
+                id.as_str().map(str::to_string)
+            })
+            .collect();
+        if ids.len() == 2 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        ids.len(),
+        2,
+        "access log lines with key.id in:\n{}",
+        gate.log()
+    );
+    let config = path.to_str().unwrap();
+    let keys = |args: &[&str]| {
+        let mut all = vec!["keys", "--config", config];
+        all.extend_from_slice(args);
+        all.iter().map(|s| s.to_string()).collect::<Vec<_>>()
+    };
+    let run = |args: Vec<String>| async move {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        crate::support::process::run_to_completion(&args, &secret).await
+    };
+
+    let one = run(keys(&[
+        "show",
+        "--scope-header-value",
+        "Bearer t",
+        "k-logged",
+    ]))
+    .await;
+    assert_eq!(one.code, 64, "{one:?}");
+    assert!(
+        one.stderr.contains("scopes keys by authorization,x-tenant")
+            && one
+                .stderr
+                .contains("--scope-header 'authorization=...' --scope-header 'x-tenant=...'"),
+        "{}",
+        one.stderr
+    );
+    let each = [
+        "show",
+        "--scope-header",
+        "Authorization=Bearer t",
+        "--scope-header",
+        "X-Tenant=t1",
+        "--key-id",
+        &ids[0],
+        "k-logged",
+    ];
+    let found = run(keys(&each)).await;
+    assert_eq!(found.code, 0, "{found:?}");
+    assert!(
+        found.stdout.contains(&format!("key id       {}\n", ids[0])),
+        "{}",
+        found.stdout
+    );
+    assert!(
+        found.stdout.contains("status       201\n"),
+        "{}",
+        found.stdout
+    );
+
+    // The wrong tenant: refused, not "no record".
+    let mut wrong = each;
+    wrong[4] = "X-Tenant=t2";
+    let refused = run(keys(&wrong)).await;
+    assert_eq!(refused.code, 64, "{refused:?}");
+    assert!(
+        refused.stderr.contains(&format!(
+            "key id {} is not this key in the scope named",
+            ids[0]
+        )),
+        "{}",
+        refused.stderr
+    );
+    // A request without the scope headers: the refusal names its scope.
+    let guess = [
+        "show",
+        "--scope-header",
+        "Authorization=Bearer t",
+        "--key-id",
+        &ids[1],
+        "k-open",
+    ];
+    let named = run(keys(&guess)).await;
+    assert_eq!(named.code, 64, "{named:?}");
+    assert!(
+        named.stderr.contains("it is this key with --anonymous"),
+        "{}",
+        named.stderr
+    );
+    let open = run(keys(&[
+        "show",
+        "--anonymous",
+        "--key-id",
+        &ids[1],
+        "k-open",
+    ]))
+    .await;
+    assert_eq!(open.code, 0, "{open:?}");
+}
