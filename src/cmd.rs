@@ -1,6 +1,22 @@
 //! The subcommands, one file each. [`run`] starts the one asked for and
 //! turns its result into the process's exit code.
 
+/// `print!` for what a command prints: a reader that went away (`idemgate
+/// check-config | head -1`: EPIPE) is no failure and no panic, and the
+/// command still ends with its own status ([`write_out`]).
+macro_rules! out {
+    ($($arg:tt)*) => {
+        $crate::cmd::write_out(format_args!($($arg)*))
+    };
+}
+
+/// `println!` as [`out!`].
+macro_rules! outln {
+    ($($arg:tt)*) => {
+        $crate::cmd::write_out(format_args!("{}\n", format_args!($($arg)*)))
+    };
+}
+
 pub mod args;
 pub mod check_config;
 pub mod demo;
@@ -11,7 +27,9 @@ pub mod serve;
 use crate::config::Config;
 use args::{Cli, Command};
 use std::future::Future;
+use std::io::Write;
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// sysexits.h EX_USAGE: a bad config is the operator's input error.
 const EX_USAGE: u8 = 64;
@@ -34,6 +52,14 @@ pub fn run(cli: Cli) -> ExitCode {
             exit(block_on(migrate::run(cfg)))
         }),
         Command::Keys { config, command } => {
+            if !config.exists() {
+                // Never a store of its own: only the proxy's file names it.
+                eprintln!(
+                    "idemgate keys: no config at {} (keys reads the proxy's own config: give --config FILE or set IDEMGATE_CONFIG; the default is read from the working directory)",
+                    config.display()
+                );
+                return ExitCode::from(EX_USAGE);
+            }
             with_config(&config, &|cfg| keys::command(cfg, &command))
         }
         Command::Demo { listen, db } => {
@@ -71,6 +97,28 @@ fn exit(result: anyhow::Result<()>) -> ExitCode {
         Err(e) => {
             eprintln!("idemgate: {e:#}");
             ExitCode::FAILURE
+        }
+    }
+}
+
+/// Set once stdout cannot be written (its reader went away): what follows
+/// is dropped, as a shell pipeline drops it.
+static STDOUT_GONE: AtomicBool = AtomicBool::new(false);
+
+/// Writes a command's output to stdout. `println!` panics when it cannot
+/// (exit 101 under `| head`); here a closed pipe only ends the output: the
+/// command goes on (a `keys delete` that ran is not undone by its reader
+/// leaving) and exits with its own status. Another write error is said
+/// once on stderr.
+pub(crate) fn write_out(args: std::fmt::Arguments<'_>) {
+    if STDOUT_GONE.load(Ordering::Relaxed) {
+        return;
+    }
+    let mut stdout = std::io::stdout().lock();
+    if let Err(e) = stdout.write_fmt(args).and_then(|()| stdout.flush()) {
+        STDOUT_GONE.store(true, Ordering::Relaxed);
+        if e.kind() != std::io::ErrorKind::BrokenPipe {
+            eprintln!("idemgate: cannot write the output: {e}");
         }
     }
 }

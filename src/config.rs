@@ -423,6 +423,7 @@ impl Config {
                 ));
             }
         }
+        out.extend(routes::shadowing_warnings(&self.routes));
         // The URI (so HTTP/2's :authority) is always the upstream's; a kept
         // client Host then disagrees with it, which RFC 9113 §8.3.1 lets an
         // HTTP/2 server refuse as malformed.

@@ -15,6 +15,7 @@
 //! `/orders;v=2` is a reuse (422), never a replay of the other's answer.
 
 pub mod errors;
+pub mod overlap;
 
 use crate::idempotency::canonical_json::Pointer;
 use crate::idempotency::decision::ReleaseStatuses;

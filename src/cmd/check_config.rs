@@ -5,15 +5,15 @@ use crate::config::Config;
 use std::process::ExitCode;
 
 pub fn run(path: &std::path::Path, cfg: &Config, connect: bool) -> ExitCode {
-    println!("{}: ok\n{}", path.display(), cfg);
+    outln!("{}: ok\n{}", path.display(), cfg);
     for w in cfg.warnings() {
-        println!("warning: {w}");
+        outln!("warning: {w}");
     }
     // What `serve` would do with this process's limits.
     match crate::server::fd_limit::preview(cfg) {
-        Ok(plan) if plan.lowered() => println!("warning: {plan}"),
-        Ok(plan) => println!("{plan}"),
-        Err(e) => println!("warning: cannot read the file-descriptor limit: {e}"),
+        Ok(plan) if plan.lowered() => outln!("warning: {plan}"),
+        Ok(plan) => outln!("{plan}"),
+        Err(e) => outln!("warning: cannot read the file-descriptor limit: {e}"),
     }
     if !connect {
         return ExitCode::SUCCESS;
@@ -23,7 +23,7 @@ pub fn run(path: &std::path::Path, cfg: &Config, connect: bool) -> ExitCode {
             .await
             .map_err(|e| anyhow::anyhow!("cannot connect: {e}"))?;
         for line in reached {
-            println!("connect: {line}");
+            outln!("connect: {line}");
         }
         Ok(())
     }))

@@ -269,7 +269,7 @@ pub async fn run(listen: std::net::SocketAddr, db: std::path::PathBuf) -> anyhow
     let addr = listeners.proxy.local_addr()?;
     let metrics = Arc::new(Metrics::new());
     let server = server::Server::open(config, metrics, listeners).await?;
-    println!("{}", walkthrough(addr, &config_path));
+    outln!("{}", walkthrough(addr, &config_path));
     server
         .reload_on(server::reload::ReloadSource {
             path: config_path,

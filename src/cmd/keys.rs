@@ -38,7 +38,10 @@ impl ScopeArg {
     pub fn resolve(&self, config: &Config) -> Result<Scope, String> {
         let secret = config.scope_secret.as_ref().map(Secret::expose);
         match self {
-            ScopeArg::HeaderValue(v) => Ok(Scope::derive(Some(v.as_bytes()), secret)),
+            ScopeArg::HeaderValue(v) => {
+                one_scope_header(config)?;
+                Ok(Scope::derive(Some(v.as_bytes()), secret))
+            }
             ScopeArg::Headers { sent, route } => scope_of_headers(sent, *route, config),
             ScopeArg::Anonymous => Ok(Scope::derive(None, secret)),
             ScopeArg::Value(v) => Ok(Scope::of_value(v, secret)),
@@ -50,6 +53,73 @@ impl ScopeArg {
             }
         }
     }
+}
+
+/// `--scope-header-value` names the value of a route's one scope header.
+/// On a config with a route that scopes keys by several, it cannot say
+/// whose value it is, nor which others the request sent: the scope it
+/// derives is another than that route's (the lookup would say "no
+/// record"), so it is refused, saying how to name each header.
+fn one_scope_header(config: &Config) -> Result<(), String> {
+    let Some(r) = config
+        .routes
+        .iter()
+        .find(|r| r.scope_value.is_none() && r.scope_headers.len() > 1)
+    else {
+        return Ok(());
+    };
+    let each: Vec<String> = r
+        .scope_headers
+        .iter()
+        .map(|h| format!("--scope-header '{h}=...'"))
+        .collect();
+    Err(format!(
+        "--scope-header-value gives one header's value, but route #{} {} scopes keys by {}: name each header the request sent as NAME=VALUE ({}), leaving out those it did not send",
+        r.index,
+        r.path,
+        r.scope_label(),
+        each.join(" ")
+    ))
+}
+
+/// `--key-id ID`: the `key.id` of the request's access log line. The key
+/// and scope named must give it; if they do not, the scope is the wrong
+/// one (a lookup would say "no record" of a record that exists), and the
+/// scopes that need no credential are tried to say which one it is.
+pub fn check_key_id(
+    key: &str,
+    named: &RecordKey,
+    want: &str,
+    config: &Config,
+) -> Result<(), String> {
+    let want = want.trim().to_ascii_lowercase();
+    if want.len() != 16 || !want.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(format!(
+            "--key-id {want:?}: expected the 16 hex characters of a log line's key.id"
+        ));
+    }
+    if named.log_id() == want {
+        return Ok(());
+    }
+    let secret = config.scope_secret.as_ref().map(Secret::expose);
+    let parsed = IdempotencyKey::parse(key.as_bytes()).map_err(|e| format!("invalid key: {e}"))?;
+    let mut open: Vec<(String, Scope)> = vec![("--anonymous".into(), Scope::derive(None, secret))];
+    for r in config.routes.iter() {
+        if let Some(v) = &r.scope_value {
+            open.push((format!("--scope-value '{v}'"), Scope::of_value(v, secret)));
+        }
+    }
+    let hint = match open
+        .iter()
+        .find(|(_, scope)| RecordKey::new(*scope, &parsed).log_id() == want)
+    {
+        Some((arg, _)) => format!("it is this key with {arg}"),
+        None => "nor is it this key with --anonymous or a route's scope value: check the key, the header values (each one the request sent), and IDEMGATE_SCOPE_SECRET".to_string(),
+    };
+    Err(format!(
+        "key id {want} is not this key in the scope named (that is key id {}): {hint}",
+        named.log_id()
+    ))
 }
 
 /// One `--scope-header NAME=VALUE`.
@@ -396,6 +466,10 @@ pub struct ScopeArgs {
     /// these headers would derive different scopes from them.
     #[arg(long, value_name = "N", conflicts_with_all = ["scope_header_value", "scope", "scope_value", "anonymous"])]
     pub route: Option<usize>,
+    /// The `key.id` of the request's access log line: refuse a key and
+    /// scope that do not give it (rather than say "no record").
+    #[arg(long, value_name = "ID")]
+    pub key_id: Option<String>,
 }
 
 /// The scope, named one way (exactly one).
@@ -403,8 +477,8 @@ pub struct ScopeArgs {
 #[group(required = true, multiple = false)]
 pub struct ScopeNamed {
     /// The scope header's value as the client sent it (e.g. "Bearer abc"),
-    /// for a route with one scope header (or a request that sent only the
-    /// first of several).
+    /// on a config whose routes each have one scope header (refused where
+    /// one has several: use --scope-header for each).
     #[arg(long)]
     pub scope_header_value: Option<String>,
     /// For a route with several scope headers: one header the client sent,
@@ -504,7 +578,13 @@ impl VerdictArgs {
 /// failure, 64 for a key or scope the command line got wrong.
 pub fn command(cfg: Config, command: &KeysCommand) -> std::process::ExitCode {
     use std::process::ExitCode;
-    let named = |scope: &ScopeArgs, key: &str| record_key(key, &scope.to_arg(), &cfg);
+    let named = |scope: &ScopeArgs, key: &str| {
+        let named = record_key(key, &scope.to_arg(), &cfg)?;
+        match &scope.key_id {
+            Some(id) => check_key_id(key, &named, id, &cfg).map(|()| named),
+            None => Ok(named),
+        }
+    };
     let action = match command {
         KeysCommand::Show { scope, key } => named(scope, key).map(KeysAction::Show),
         KeysCommand::Delete { scope, key } => named(scope, key).map(KeysAction::Delete),
@@ -561,12 +641,12 @@ pub async fn run(config: Config, action: KeysAction) -> anyhow::Result<KeysOutco
     match action {
         KeysAction::Show(key) => {
             let Some(record) = store.get(&key).await? else {
-                print!("{}", absent(&key));
+                out!("{}", absent(&key));
                 return Ok(KeysOutcome::NoRecord);
             };
             let resolution = store.resolution(&key).await?;
             let now = Clock::system().now_millis();
-            print!("{}", describe(&key, &record, resolution.as_ref(), now));
+            out!("{}", describe(&key, &record, resolution.as_ref(), now));
         }
         KeysAction::Resolve {
             key,
@@ -596,11 +676,11 @@ pub async fn run(config: Config, action: KeysAction) -> anyhow::Result<KeysOutco
                 "outcome-unknown key resolved by an operator"
             );
             match verdict {
-                Verdict::NotApplied => println!(
+                Verdict::NotApplied => outln!(
                     "resolved key id {} as not applied: released, the next request with it executes",
                     key.log_id()
                 ),
-                Verdict::Applied { .. } => println!(
+                Verdict::Applied { .. } => outln!(
                     "resolved key id {} as applied: retries get 410 and never execute",
                     key.log_id()
                 ),
@@ -609,14 +689,14 @@ pub async fn run(config: Config, action: KeysAction) -> anyhow::Result<KeysOutco
         KeysAction::Delete(key) => {
             // Deleting an absent key leaves what was asked for: exit 0.
             if store.delete(&key).await? {
-                println!("deleted key id {}", key.log_id());
+                outln!("deleted key id {}", key.log_id());
             } else {
-                println!("no record for key id {}", key.log_id());
+                outln!("no record for key id {}", key.log_id());
             }
         }
         KeysAction::PurgeExpired => {
             let n = purge_expired(store.as_ref(), settings.sweep_batch, &Clock::system()).await?;
-            println!("deleted {n} expired records");
+            outln!("deleted {n} expired records");
         }
     }
     Ok(KeysOutcome::Done)
@@ -835,6 +915,52 @@ mod tests {
         }
         let sent = crate::proxy::headers::fields(&h, &route.scope_headers);
         Scope::of_fields(&sent, Some(SECRET.as_bytes())).unwrap()
+    }
+
+    #[test]
+    fn a_scope_header_value_is_refused_where_a_route_has_several_scope_headers() {
+        let value = ScopeArg::HeaderValue("Bearer t".into());
+        let one = config(&[r#"["Authorization"]"#, r#"["X-Api-Key"]"#]);
+        assert!(value.resolve(&one).is_ok());
+        let several = config(&[r#"["Authorization"]"#, r#"["Authorization", "X-Tenant"]"#]);
+        let err = value.resolve(&several).unwrap_err();
+        assert!(
+            err.contains("route #2 /r2 scopes keys by authorization,x-tenant")
+                && err.contains("--scope-header 'authorization=...' --scope-header 'x-tenant=...'"),
+            "{err}"
+        );
+        // The form it points to names the same scope as the proxy.
+        let sent = [("authorization", "Bearer t"), ("x-tenant", "t1")];
+        let each = headers(&["Authorization=Bearer t", "X-Tenant=t1"], None);
+        assert_eq!(each.resolve(&several), Ok(proxy_scope(&several, 2, &sent)));
+    }
+
+    #[test]
+    fn a_key_id_from_a_log_line_refuses_another_scope_and_names_the_open_one() {
+        let text = "[server]\nupstream = \"http://127.0.0.1:1\"\n[[route]]\npath = \"/hooks/stripe\"\npreset = \"stripe\"\n";
+        let env = [("IDEMGATE_SCOPE_SECRET".to_string(), SECRET.to_string())].into();
+        let config = Config::parse_with_env(text, "t.toml", &env).unwrap();
+        let logged = record_key(
+            "evt_1",
+            &ScopeArg::Value("stripe:/hooks/stripe".into()),
+            &config,
+        )
+        .unwrap();
+        let id = logged.log_id();
+        assert_eq!(
+            check_key_id("evt_1", &logged, &id.to_uppercase(), &config),
+            Ok(())
+        );
+        let wrong = record_key("evt_1", &ScopeArg::Anonymous, &config).unwrap();
+        let err = check_key_id("evt_1", &wrong, &id, &config).unwrap_err();
+        assert!(
+            err.contains(&format!("key id {id} is not this key in the scope named"))
+                && err.contains("it is this key with --scope-value 'stripe:/hooks/stripe'"),
+            "{err}"
+        );
+        let err = check_key_id("evt_2", &wrong, &id, &config).unwrap_err();
+        assert!(err.contains("nor is it this key"), "{err}");
+        assert!(check_key_id("evt_1", &logged, "abc", &config).is_err());
     }
 
     #[test]

@@ -18,6 +18,9 @@
 //! of keys is kept here, and an unknown key is the same error as in the
 //! file. Variables for other sections (routes, `[defaults]`, or names such
 //! as `IDEMGATE_CONFIG`) are not this module's business and are left alone.
+//! Neither are the service-link variables Kubernetes injects for each
+//! Service (`IDEMGATE_ADMIN_PORT=tcp://10.0.0.1:9090` for a Service named
+//! `idemgate-admin`; [`is_service_link`]): skipped, never read as keys.
 //!
 //! Two aliases ([`ALIASES`]) name the settings most deployments set, and
 //! `IDEMGATE_SCOPE_SECRET` ([`scope_secret`]) is read from the environment
@@ -74,6 +77,13 @@ pub(super) fn settings<'e>(
     let mut out = Vec::new();
     for (name, value) in env {
         if value.is_empty() || ALIASES.iter().any(|(alias, _)| alias == name) {
+            continue;
+        }
+        if name.starts_with("IDEMGATE_") && is_service_link(name, value) {
+            tracing::debug!(
+                variable = %name,
+                "skipped a kubernetes service-link variable"
+            );
             continue;
         }
         let setting = if let Some(rest) = name.strip_prefix("IDEMGATE_UPSTREAMS_") {
@@ -181,6 +191,72 @@ fn location(name: &str) -> Option<(&'static str, String)> {
     })
 }
 
+/// Whether `name=value` is one of the variables Kubernetes injects for
+/// each Service in the namespace (unless the pod spec sets
+/// `enableServiceLinks: false`): a Service `idemgate-admin` at
+/// 10.0.0.1:9090/TCP brings
+///
+/// ```text
+/// IDEMGATE_ADMIN_SERVICE_HOST=10.0.0.1
+/// IDEMGATE_ADMIN_SERVICE_PORT=9090
+/// IDEMGATE_ADMIN_SERVICE_PORT_<PORT NAME>=9090   (a named port)
+/// IDEMGATE_ADMIN_PORT=tcp://10.0.0.1:9090
+/// IDEMGATE_ADMIN_PORT_9090_TCP=tcp://10.0.0.1:9090
+/// IDEMGATE_ADMIN_PORT_9090_TCP_PROTO=tcp
+/// IDEMGATE_ADMIN_PORT_9090_TCP_PORT=9090
+/// IDEMGATE_ADMIN_PORT_9090_TCP_ADDR=10.0.0.1
+/// ```
+///
+/// which would read as keys `port`, `service_host`, ... of `[admin]` and
+/// stop the pod at start. Only a name of one of these shapes whose value
+/// has that shape's form too (an IP address, a port number,
+/// `proto://IP:PORT`) counts: any other variable is read as a setting.
+fn is_service_link(name: &str, value: &str) -> bool {
+    let is_ip = |v: &str| v.parse::<std::net::IpAddr>().is_ok();
+    let is_port = |v: &str| matches!(v.parse::<u16>(), Ok(1..)) && !v.starts_with(['0', '+']);
+    // `tcp://10.0.0.1:9090`, `udp://[fd00::1]:53`
+    let is_url = |v: &str, proto: Option<&str>, port: Option<&str>| {
+        let Some((scheme, addr)) = v.split_once("://") else {
+            return false;
+        };
+        let Ok(addr) = addr.parse::<std::net::SocketAddr>() else {
+            return false;
+        };
+        matches!(scheme, "tcp" | "udp" | "sctp")
+            && proto.is_none_or(|p| p.to_ascii_lowercase() == scheme)
+            && addr.port() != 0
+            && port.is_none_or(|p| p == addr.port().to_string())
+    };
+    let is_proto = |p: &str| matches!(p, "TCP" | "UDP" | "SCTP");
+    if name.ends_with("_SERVICE_HOST") {
+        return is_ip(value);
+    }
+    if name.ends_with("_SERVICE_PORT") {
+        return is_port(value);
+    }
+    if let Some((_, port_name)) = name.rsplit_once("_SERVICE_PORT_") {
+        let spelled = |c: char| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_';
+        return !port_name.is_empty() && port_name.chars().all(spelled) && is_port(value);
+    }
+    if name.ends_with("_PORT") && is_url(value, None, None) {
+        return true;
+    }
+    // `_PORT_<N>_<PROTO>` and its `_PROTO`, `_PORT`, `_ADDR`.
+    let parts: Vec<&str> = name.rsplit('_').collect();
+    match parts.as_slice() {
+        [proto, n, "PORT", _, ..] if is_proto(proto) && is_port(n) => {
+            is_url(value, Some(proto), Some(n))
+        }
+        [field, proto, n, "PORT", _, ..] if is_proto(proto) && is_port(n) => match *field {
+            "PROTO" => value == proto.to_ascii_lowercase(),
+            "PORT" => value == *n,
+            "ADDR" => is_ip(value),
+            _ => false,
+        },
+        _ => false,
+    }
+}
+
 // === impl Setting ===
 
 impl<'e> Setting<'e> {
@@ -268,6 +344,77 @@ fn one_value(text: &str) -> Option<DeValue<'_>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kubernetes_service_links_are_told_from_settings_by_name_and_value() {
+        let cases: &[(&str, &str, bool)] = &[
+            ("IDEMGATE_ADMIN_SERVICE_HOST", "10.0.0.1", true),
+            ("IDEMGATE_ADMIN_SERVICE_HOST", "fd00::1", true),
+            ("IDEMGATE_ADMIN_SERVICE_PORT", "9090", true),
+            ("IDEMGATE_ADMIN_SERVICE_PORT_METRICS", "9090", true),
+            ("IDEMGATE_ADMIN_PORT", "tcp://10.0.0.1:9090", true),
+            ("IDEMGATE_REDIS_PORT", "tcp://[fd00::1]:6379", true),
+            ("IDEMGATE_STORE_PORT_5432_TCP", "tcp://10.0.0.2:5432", true),
+            ("IDEMGATE_STORE_PORT_5432_TCP_PROTO", "tcp", true),
+            ("IDEMGATE_STORE_PORT_5432_TCP_PORT", "5432", true),
+            ("IDEMGATE_STORE_PORT_5432_TCP_ADDR", "10.0.0.2", true),
+            ("IDEMGATE_LOG_PORT_53_UDP", "udp://10.0.0.3:53", true),
+            ("IDEMGATE_UPSTREAMS_BILLING_SERVICE_HOST", "10.0.0.4", true),
+            // The name's shape with a value of another form is a setting
+            // (and an unknown key, refused as one).
+            ("IDEMGATE_ADMIN_PORT", "9090", false),
+            ("IDEMGATE_ADMIN_PORT", "http://10.0.0.1:9090", false),
+            ("IDEMGATE_ADMIN_PORT", "tcp://admin:9090", false),
+            ("IDEMGATE_ADMIN_SERVICE_HOST", "admin.local", false),
+            ("IDEMGATE_ADMIN_SERVICE_PORT", "99999", false),
+            ("IDEMGATE_ADMIN_SERVICE_PORT", "0", false),
+            ("IDEMGATE_ADMIN_SERVICE_PORT_METRICS", "x", false),
+            ("IDEMGATE_ADMIN_SERVICE_PORT_", "9090", false),
+            ("IDEMGATE_STORE_PORT_5432_TCP", "tcp://10.0.0.2:5433", false),
+            ("IDEMGATE_STORE_PORT_5432_TCP", "udp://10.0.0.2:5432", false),
+            ("IDEMGATE_STORE_PORT_5432_TCP_PROTO", "udp", false),
+            ("IDEMGATE_STORE_PORT_5432_TCP_PORT", "5433", false),
+            ("IDEMGATE_STORE_PORT_5432_TCP_ADDR", "db", false),
+            (
+                "IDEMGATE_STORE_PORT_5432_HTTP",
+                "tcp://10.0.0.2:5432",
+                false,
+            ),
+            // Genuine settings.
+            ("IDEMGATE_ADMIN_LISTEN", "10.0.0.1:9090", false),
+            ("IDEMGATE_SERVER_UPSTREAM", "http://10.0.0.1:3000", false),
+            ("IDEMGATE_STORE_POOL_SIZE", "32", false),
+        ];
+        for (name, value, want) in cases {
+            assert_eq!(is_service_link(name, value), *want, "{name}={value}");
+        }
+    }
+
+    #[test]
+    fn service_links_are_skipped_and_other_variables_still_read() {
+        let env: BTreeMap<String, String> = [
+            ("IDEMGATE_ADMIN_PORT", "tcp://10.0.0.1:9090"),
+            ("IDEMGATE_ADMIN_SERVICE_HOST", "10.0.0.1"),
+            ("IDEMGATE_REDIS_PORT_6379_TCP_ADDR", "10.0.0.5"),
+            ("IDEMGATE_STORE_POOL_SIZE", "32"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        let read = settings(&env, &[]).unwrap();
+        let keys: Vec<String> = read
+            .iter()
+            .map(|s| format!("{}.{}", s.section, s.key))
+            .collect();
+        assert_eq!(keys, ["store.pool_size"]);
+        let mut unknown = env.clone();
+        unknown.insert("IDEMGATE_ADMIN_PORT".into(), "9090".into());
+        let err = settings(&unknown, &[]).err().unwrap();
+        assert!(
+            err.contains("IDEMGATE_ADMIN_PORT: unknown field `port`"),
+            "{err}"
+        );
+    }
 
     #[test]
     fn every_alias_names_a_key_of_a_section() {

@@ -222,6 +222,21 @@ fn parse_upstream(s: &str) -> Result<Uri, String> {
     if uri.authority().is_none() {
         return Err(format!("invalid upstream URL {s:?}: missing host"));
     }
+    // `Uri` keeps any digits as the port; a connect would fail on each
+    // request, long after check-config said "ok".
+    // (`Uri::port` is `None` for one that is no `u16`.)
+    let authority = uri.authority().map_or("", |a| a.as_str());
+    let port = authority
+        .rsplit_once(':')
+        .filter(|(host, _)| !host.starts_with('[') || host.ends_with(']'))
+        .map(|(_, port)| port);
+    if let Some(port) = port.filter(|p| !p.is_empty()) {
+        if !matches!(port.parse::<u16>(), Ok(1..)) {
+            return Err(format!(
+                "invalid upstream URL {s:?}: port {port} is out of range (1 to 65535)"
+            ));
+        }
+    }
     if uri.query().is_some() {
         return Err(format!("invalid upstream URL {s:?}: must not have a query"));
     }

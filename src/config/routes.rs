@@ -3,18 +3,20 @@
 
 use super::raw::{HeaderNameValue, KeySpec, PointerValue, RawRouteSettings, ScopeSpec};
 use super::units::{format_duration, format_size};
-use super::{Invalid, OnStoreError, RouteConfig};
+use super::{Invalid, OnStoreError, RouteConfig, DEFAULT_UPSTREAM_NAME};
 use super::{
     DEFAULT_KEY_HEADER, DEFAULT_LEASE, DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_RESPONSE_BODY,
     DEFAULT_SCOPE_HEADER, DEFAULT_TTL, MIN_LEASE,
 };
 use crate::idempotency::canonical_json::Pointer;
 use crate::route::errors::ErrorShape;
+use crate::route::overlap::{self, Shadowing, Shape};
 use crate::route::{
     FingerprintMode, InFlight, PathPattern, Preset, PresetKey, PresetSettings, RouteTable,
     DELIVERY_REFUSALS,
 };
 use http::{HeaderName, Method};
+use std::borrow::Borrow;
 use std::fmt;
 use std::sync::Arc;
 use toml::Spanned;
@@ -110,6 +112,24 @@ impl Defaults {
                 )));
             }
             routes.push(route);
+        }
+        let found = shadowing(&routes);
+        if let Some((later, by)) = routes
+            .iter()
+            .zip(&found)
+            .find_map(|(r, s)| Some((r, s.never.as_ref()?)))
+        {
+            let takers: Vec<String> = by.iter().map(|&j| describe(&routes[j])).collect();
+            return Err(Invalid::field(
+                format!("route.{}.path", later.index - 1),
+                format!(
+                    "route #{later_index} {later_shape}: never matches: {takers} {verb} every request it would (routes are tried in file order), so its settings never apply; put the more specific route first, or remove it",
+                    later_index = later.index,
+                    later_shape = shape(later),
+                    takers = takers.join(" and "),
+                    verb = if by.len() == 1 { "takes" } else { "take" },
+                ),
+            ));
         }
         let errors = self.raw.errors.clone().map(|e| e.0).unwrap_or_default();
         Ok(RouteTable::new(routes, errors))
@@ -422,7 +442,9 @@ impl fmt::Display for RoutesDisplay<'_> {
         if self.0.iter().next().is_none() {
             writeln!(f, "  (none: every request passes through unprotected)")?;
         }
-        for r in self.0.iter() {
+        let table: Vec<&RouteConfig> = self.0.iter().map(|r| r.as_ref()).collect();
+        let found = shadowing(&table);
+        for (r, s) in table.iter().zip(&found) {
             write!(
                 f,
                 "  #{} {} {}  key={} required={} scope={} ttl={} lease={} max_request_body={} max_response_body={} on_store_error={} release={} on_ambiguous={}",
@@ -462,6 +484,15 @@ impl fmt::Display for RoutesDisplay<'_> {
             if let Some(p) = r.preset {
                 write!(f, " preset={}", p.as_str())?;
             }
+            write!(f, " upstream={}", upstream_name(r))?;
+            if !s.taken.is_empty() {
+                let by: Vec<String> = s
+                    .taken
+                    .iter()
+                    .map(|t| format!("#{}", table[t.by].index))
+                    .collect();
+                write!(f, " shadowed_by={}", by.join(","))?;
+            }
             writeln!(f)?;
         }
         Ok(())
@@ -474,4 +505,79 @@ fn join_methods(methods: &[Method]) -> String {
         .map(Method::as_str)
         .collect::<Vec<_>>()
         .join(",")
+}
+
+/// What the routes before each route take from it ([`overlap::shadowing`]).
+pub(super) fn shadowing<R: Borrow<RouteConfig>>(routes: &[R]) -> Vec<Shadowing> {
+    let shapes: Vec<Shape<'_>> = routes
+        .iter()
+        .map(|r| Shape {
+            methods: &r.borrow().methods,
+            path: &r.borrow().path,
+        })
+        .collect();
+    overlap::shadowing(&shapes)
+}
+
+/// The `check-config` warnings about routes that take some of a later
+/// route's requests: which requests go where.
+pub(super) fn shadowing_warnings(table: &RouteTable) -> Vec<String> {
+    let routes: Vec<&RouteConfig> = table.iter().map(|r| r.as_ref()).collect();
+    let mut out = Vec::new();
+    for (later, s) in routes.iter().zip(shadowing(&routes)) {
+        for t in &s.taken {
+            let by = routes[t.by];
+            let methods = join_methods(&t.methods);
+            let rest: Vec<Method> = later
+                .methods
+                .iter()
+                .filter(|m| !t.methods.contains(m))
+                .cloned()
+                .collect();
+            out.push(match &t.paths {
+                None => format!(
+                    "route #{} {} (upstream {}): its {methods} requests go to route #{} {}, listed before it; {}: put the more specific route first if that is not what you want",
+                    later.index,
+                    shape(later),
+                    upstream_name(later),
+                    by.index,
+                    describe_one(by),
+                    if rest.is_empty() {
+                        "only others reach it".to_string()
+                    } else {
+                        format!("only {} reach it", join_methods(&rest))
+                    },
+                ),
+                Some(paths) => format!(
+                    "route #{} {} (upstream {}): its {methods} requests to {paths} go to route #{} {}, listed before it; its other requests reach it: put the more specific route first if that is not what you want",
+                    later.index,
+                    shape(later),
+                    upstream_name(later),
+                    by.index,
+                    describe_one(by),
+                ),
+            });
+        }
+    }
+    out
+}
+
+/// `POST,PUT /payments`
+fn shape(r: &RouteConfig) -> String {
+    format!("{} {}", join_methods(&r.methods), r.path)
+}
+
+/// `route #1 (POST /payments/*, upstream default)`
+fn describe(r: &RouteConfig) -> String {
+    format!("route #{} {}", r.index, describe_one(r))
+}
+
+/// `(POST /payments/*, upstream default)`
+fn describe_one(r: &RouteConfig) -> String {
+    format!("({}, upstream {})", shape(r), upstream_name(r))
+}
+
+/// The route's upstream as logs and metrics name it.
+fn upstream_name(r: &RouteConfig) -> &str {
+    r.upstream.as_deref().unwrap_or(DEFAULT_UPSTREAM_NAME)
 }

@@ -206,6 +206,15 @@ fn errors_name_file_line_and_field() {
             &["line 6", "route #2", "duplicate route", "route #1"],
         ),
         (
+            "[[route]]\nmethods = [\"POST\"]\npath = \"/p/*\"\n\
+             [[route]]\nmethods = [\"POST\"]\npath = \"/p\"\n",
+            &[
+                "line 8",
+                "route #2 POST /p: never matches",
+                "route #1 (POST /p/*, upstream default)",
+            ],
+        ),
+        (
             "[defaults]\npath = \"/x\"\n",
             &["defaults", "belong in a [[route]]"],
         ),

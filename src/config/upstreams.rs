@@ -317,6 +317,14 @@ mod tests {
                 "scheme \"ftp\" is not supported (use http:// or https://)",
             ),
             (
+                "[upstreams.orders]\nurl = \"http://127.0.0.1:99999\"\n",
+                "t.toml: TOML parse error at line 4, column 7",
+            ),
+            (
+                "[upstreams.orders]\nurl = \"http://a:0/base\"\n",
+                "invalid upstream URL \"http://a:0/base\": port 0 is out of range (1 to 65535)",
+            ),
+            (
                 "[upstreams.orders]\nurl = \"http://a:1\"\ntimeout = \"0\"\n",
                 "upstreams.orders.timeout must be greater than 0",
             ),

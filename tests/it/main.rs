@@ -8,6 +8,7 @@
 
 mod support;
 
+mod config_traps;
 mod demo_docs;
 mod error_shapes;
 mod faults;
