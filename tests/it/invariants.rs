@@ -881,6 +881,13 @@ fn the_checker_reports_each_broken_invariant_and_nothing_else() {
     let resp = |e: &Execution, replayed: bool| {
         let p = e.produced.clone().expect("produced");
         let mut headers = p.headers;
+        // What idemgate says it did, as the proxy sets it.
+        let said = match (replayed, p.status) {
+            (true, _) => "replayed",
+            (false, 408 | 425 | 429 | 500..) => "released",
+            (false, _) => "created",
+        };
+        headers.insert("idempotency-status", HeaderValue::from_static(said));
         if replayed {
             headers.insert("idempotent-replayed", HeaderValue::from_static("true"));
         }
@@ -919,6 +926,20 @@ fn the_checker_reports_each_broken_invariant_and_nothing_else() {
         at: at(ms),
         kind: EventKind::Killed(0),
     };
+
+    // An execution's answer must say what idemgate did with it.
+    let e1 = exec(1, 1, alice, &body_a, answer(201), 0);
+    let mut wrong = resp(&e1, false);
+    if let Seen::Response(r) = &mut wrong {
+        r.headers
+            .insert("idempotency-status", HeaderValue::from_static("released"));
+    }
+    let v = verdict(vec![e1], vec![obs(1, alice, &body_a, 0, wrong)], vec![]);
+    assert_eq!(v.len(), 1, "{v:?}");
+    assert!(
+        v[0].contains("with Idempotency-Status Some(\"released\")"),
+        "{v:?}"
+    );
 
     // Two executions: lawful after a 503, a violation after a 201.
     for (first, expected) in [(503, None), (201, Some("executed twice without a release"))] {

@@ -107,6 +107,10 @@ const PER_RESPONSE: [&str; 5] = [
     "x-request-id",
 ];
 
+/// What idemgate says it did for a protected request: its own header,
+/// never the upstream's, so checked on its own.
+const STATUS: &str = "idempotency-status";
+
 /// `(name, value)` pairs in `HeaderMap` order, without `skip`.
 fn header_list(headers: &HeaderMap, skip: &[&str]) -> Vec<(String, String)> {
     headers
@@ -358,8 +362,15 @@ impl Checker<'_> {
         let altered = e.produced.as_ref().is_none_or(|p| {
             r.status() != p.status
                 || r.body != p.body
-                || header_list(&r.headers, &[]) != header_list(&p.headers, &[])
+                || header_list(&r.headers, &[STATUS]) != header_list(&p.headers, &[])
         });
+        // What idemgate says it did: executed (stored, or too large to
+        // store), or released for an answer that means "not executed".
+        let said = r.header(STATUS);
+        let honest = match &e.produced {
+            Some(p) if releases_key(p.status) => said == Some("released"),
+            _ => matches!(said, Some("created" | "unstored")),
+        };
         if e.request_id != Some(o.id) {
             self.flag(
                 o,
@@ -368,6 +379,9 @@ impl Checker<'_> {
             );
         } else if altered {
             self.flag(o, "got something else than its execution produced", e);
+        } else if !honest {
+            let what = format!("got its execution with Idempotency-Status {said:?}");
+            self.flag(o, &what, e);
         }
     }
 
@@ -383,7 +397,7 @@ impl Checker<'_> {
             return self.flag(o, "got a replay of an answer never produced", e);
         };
         let late = matches!(e.behaviour, Behaviour::Answer { delay, .. } if delay >= self.t.upstream_timeout);
-        let replayed = header_list(&r.headers, &["idempotent-replayed"]);
+        let replayed = header_list(&r.headers, &["idempotent-replayed", STATUS]);
         let checks = [
             (
                 e.scope.as_deref() != o.scope,
@@ -413,6 +427,10 @@ impl Checker<'_> {
                 r.status() != p.status || r.body != p.body || replayed != stored_headers(p),
                 "got a replay that differs from the original",
             ),
+            (
+                r.header(STATUS) != Some("replayed"),
+                "got a replay without Idempotency-Status: replayed",
+            ),
         ];
         if let Some((_, what)) = checks.iter().find(|(broken, _)| *broken) {
             return self.flag(o, what, e);
@@ -428,7 +446,7 @@ impl Checker<'_> {
         if let Some(f) = original {
             if f.status != r.status
                 || f.body != r.body
-                || header_list(&f.headers, &["set-cookie"]) != replayed
+                || header_list(&f.headers, &["set-cookie", STATUS]) != replayed
             {
                 return self.flag(
                     o,
