@@ -84,6 +84,28 @@ struct RequestLabels {
     outcome: &'static str,
 }
 
+/// Every label bounded: a route label, a registered method (or "other"),
+/// a status class, an outcome.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DurationLabels {
+    route: Arc<String>,
+    method: &'static str,
+    status_class: &'static str,
+    outcome: &'static str,
+}
+
+/// One request as counted: [`Metrics::request`].
+#[derive(Clone, Copy, Debug)]
+pub struct RequestSample<'a> {
+    pub route: &'a Arc<String>,
+    pub outcome: Outcome,
+    /// A registered method's name, or `"other"`: never the client's text.
+    pub method: &'static str,
+    pub status: u16,
+    /// From the request's head to its answer's head.
+    pub took: Duration,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RouteLabels {
     route: Arc<String>,
@@ -117,6 +139,7 @@ struct BuildLabels {
 pub struct Metrics {
     registry: Registry,
     requests: Family<RequestLabels, Counter>,
+    request_duration: Family<DurationLabels, Histogram>,
     takeovers: Family<RouteLabels, Counter>,
     lost_fences: Family<RouteLabels, Counter>,
     store_latency: Family<OpLabels, Histogram>,
@@ -134,6 +157,18 @@ pub struct Metrics {
     open_connections: Gauge,
     upstream_in_flight: Family<UpstreamLabels, Gauge>,
     tunnels: TunnelMetrics,
+}
+
+/// `"2xx"` and so on; anything outside 100..=599 is `"other"`.
+fn status_class(status: u16) -> &'static str {
+    match status / 100 {
+        1 => "1xx",
+        2 => "2xx",
+        3 => "3xx",
+        4 => "4xx",
+        5 => "5xx",
+        _ => "other",
+    }
 }
 
 fn latency_family<S: Clone + Eq + std::hash::Hash>() -> Family<S, Histogram> {
@@ -176,6 +211,12 @@ impl Metrics {
         // which is the order of these fields.
         let metrics = Self {
             requests: add(registry, "requests", "Requests by route and outcome"),
+            request_duration: add_metric(
+                registry,
+                "request_duration_seconds",
+                "Time from a request's head to its answer's head, for all traffic served (protected, replayed, refused, passed through), by route, method, status class and outcome",
+                latency_family(),
+            ),
             takeovers: add(
                 registry,
                 "lease_takeovers",
@@ -316,13 +357,22 @@ impl Metrics {
         &self.open_connections
     }
 
-    pub fn request(&self, route: &Arc<String>, outcome: Outcome) {
+    pub fn request(&self, r: RequestSample<'_>) {
+        let outcome = r.outcome.as_str();
         self.requests
             .get_or_create(&RequestLabels {
-                route: route.clone(),
-                outcome: outcome.as_str(),
+                route: r.route.clone(),
+                outcome,
             })
             .inc();
+        self.request_duration
+            .get_or_create(&DurationLabels {
+                route: r.route.clone(),
+                method: r.method,
+                status_class: status_class(r.status),
+                outcome,
+            })
+            .observe(r.took.as_secs_f64());
     }
 
     /// Creates every route's series at zero, so dashboards and "absent"
@@ -491,19 +541,32 @@ mod tests {
     fn exposition_has_prefixed_names_and_labels() {
         let m = Metrics::new();
         let route = Arc::new("/orders".to_string());
-        m.request(&route, Outcome::Replayed);
-        m.request(&route, Outcome::Replayed);
+        let sample = RequestSample {
+            route: &route,
+            outcome: Outcome::Replayed,
+            method: "POST",
+            status: 201,
+            took: Duration::from_millis(3),
+        };
+        m.request(sample);
+        m.request(sample);
+        m.request(RequestSample {
+            status: 999,
+            ..sample
+        });
         m.takeover(&route);
         m.attach_fast_path(Arc::new(FixedStats));
         let text = m.encode();
         for line in [
-            r#"idemgate_requests_total{route="/orders",outcome="replayed"} 2"#,
+            r#"idemgate_requests_total{route="/orders",outcome="replayed"} 3"#,
+            r#"idemgate_request_duration_seconds_count{route="/orders",method="POST",status_class="2xx",outcome="replayed"} 2"#,
+            r#"idemgate_request_duration_seconds_count{route="/orders",method="POST",status_class="other",outcome="replayed"} 1"#,
             r#"idemgate_lease_takeovers_total{route="/orders"} 1"#,
             "idemgate_redis_fast_path_hits_total 3",
         ] {
             assert!(text.contains(line), "{line}\n{text}");
         }
-        assert_eq!(m.request_count("/orders", Outcome::Replayed), 2);
+        assert_eq!(m.request_count("/orders", Outcome::Replayed), 3);
     }
 
     /// The operations series are there from the start; process_* keep

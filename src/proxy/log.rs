@@ -7,7 +7,7 @@ use super::headers::content_length;
 use super::request_id::RequestId;
 use crate::body::ProxyBody;
 use crate::error::{Origin, ProxyError};
-use crate::metrics::{Metrics, Outcome};
+use crate::metrics::{Metrics, Outcome, RequestSample};
 use crate::problem::Problem;
 use crate::route::errors::ErrorShape;
 use crate::route::RouteConfig;
@@ -107,6 +107,27 @@ pub fn carries_key(key_headers: &[HeaderName], req: &HeaderMap) -> bool {
 pub fn mark_ignored(resp: &mut HeaderMap) {
     resp.entry(IDEMPOTENCY_STATUS)
         .or_insert(HeaderValue::from_static("ignored"));
+}
+
+/// A method as a metric label: the registered ones by name, any other as
+/// `"other"` (a client's invented method must not mint a series).
+fn method_label(method: &Method) -> &'static str {
+    const KNOWN: [Method; 9] = [
+        Method::GET,
+        Method::HEAD,
+        Method::POST,
+        Method::PUT,
+        Method::DELETE,
+        Method::PATCH,
+        Method::OPTIONS,
+        Method::CONNECT,
+        Method::TRACE,
+    ];
+    match KNOWN.iter().find(|m| *m == method) {
+        Some(m) => m.as_str(),
+        None if method.as_str() == "QUERY" => "QUERY",
+        None => "other",
+    }
 }
 
 /// The route label of requests no route matched.
@@ -226,7 +247,14 @@ impl RequestLog {
         resp: &Response<B>,
         client_left: bool,
     ) {
-        metrics.request(&self.route, outcome);
+        let latency = self.started.elapsed();
+        metrics.request(RequestSample {
+            route: &self.route,
+            outcome,
+            method: method_label(&self.method),
+            status: resp.status().as_u16(),
+            took: latency,
+        });
         let bytes_out = resp.body().size_hint().exact();
         let upstream_ms = resp
             .extensions()
@@ -243,7 +271,7 @@ impl RequestLog {
             route = %self.route,
             outcome = outcome.as_str(),
             status = resp.status().as_u16(),
-            latency_ms = self.started.elapsed().as_secs_f64() * 1000.0,
+            latency_ms = latency.as_secs_f64() * 1000.0,
             upstream_ms,
             bytes_in = self.bytes_in,
             bytes_out,
@@ -285,6 +313,20 @@ mod tests {
                 want,
                 "{outcome:?}"
             );
+        }
+    }
+
+    #[test]
+    fn methods_outside_the_registered_set_are_one_label() {
+        for (method, label) in [
+            ("GET", "GET"),
+            ("POST", "POST"),
+            ("QUERY", "QUERY"),
+            ("PSOT", "other"),
+            ("BREW", "other"),
+        ] {
+            let m = Method::from_bytes(method.as_bytes()).unwrap();
+            assert_eq!(method_label(&m), label);
         }
     }
 

@@ -52,3 +52,65 @@ async fn upstream_requests_in_flight_and_open_connections_are_gauged() {
     }
     until(&proxy, "idemgate_open_connections", 0).await;
 }
+
+/// Every request served is timed, unrouted ones and refusals included,
+/// with bounded labels: an invented method is `other`, never its name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_request_served_is_in_the_duration_histogram() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start(Backend::Memory, up.addr).await;
+    assert_eq!(proxy.get("/catalog").send().await.status(), 200);
+    let body = "{\"item\":\"mug\"}";
+    assert_eq!(
+        proxy
+            .post(ORDERS)
+            .key("k-h")
+            .body(body)
+            .send()
+            .await
+            .status(),
+        201
+    );
+    assert!(proxy
+        .post(ORDERS)
+        .key("k-h")
+        .body(body)
+        .send()
+        .await
+        .replayed());
+    proxy
+        .post(ORDERS)
+        .body(body)
+        .send()
+        .await
+        .assert_problem(400);
+    let brew = http::Method::from_bytes(b"BREW").unwrap();
+    proxy.request(brew, "/pot").send().await;
+    let count = |labels: &str| format!("idemgate_request_duration_seconds_count{{{labels}}}");
+    for (labels, want) in [
+        (
+            r#"route="unrouted",method="GET",status_class="2xx",outcome="passthrough""#,
+            1,
+        ),
+        (
+            r#"route="/orders",method="POST",status_class="2xx",outcome="forwarded""#,
+            1,
+        ),
+        (
+            r#"route="/orders",method="POST",status_class="2xx",outcome="replayed""#,
+            1,
+        ),
+        (
+            r#"route="/orders",method="POST",status_class="4xx",outcome="missing_key""#,
+            1,
+        ),
+    ] {
+        until(&proxy, &count(labels), want).await;
+    }
+    let text = proxy.metrics.encode();
+    assert!(!text.contains("BREW"), "a client's method became a label");
+    assert!(
+        text.contains(r#"route="unrouted",method="other""#),
+        "{text}"
+    );
+}
