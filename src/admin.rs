@@ -17,6 +17,7 @@ use crate::metrics::Metrics;
 use crate::store::Store;
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
@@ -37,10 +38,26 @@ pub struct Admin {
     pub draining: CancellationToken,
     pub readiness: Readiness,
     pub health: Arc<StoreHealth>,
+    /// Reloads the config; `None` where there is no file to reload.
+    pub reload: Option<Arc<dyn Reload>>,
 }
 
+/// A config reload asked for over the admin listener; the server's
+/// reloader implements it (this module knows nothing of how).
+#[async_trait::async_trait]
+pub trait Reload: Send + Sync {
+    /// Reloads; `Err` says why the reload was refused or could not run.
+    async fn reload(&self) -> Result<(), String>;
+}
+
+/// Longer than any reload takes (it reads one file and builds clients).
+const RELOAD_TIMEOUT: Duration = Duration::from_secs(10);
+
 impl Admin {
-    pub async fn handle(&self, req: Request<Incoming>) -> Response<ProxyBody> {
+    pub async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
+        if req.uri().path() == "/-/reload" {
+            return self.reload(req.method(), peer).await;
+        }
         if req.method() != Method::GET && req.method() != Method::HEAD {
             return text(StatusCode::METHOD_NOT_ALLOWED, "use GET\n");
         }
@@ -78,7 +95,39 @@ impl Admin {
             ),
             _ => text(
                 StatusCode::NOT_FOUND,
-                "not found: try /healthz, /readyz, /healthz/store or /metrics\n",
+                "not found: try /healthz, /readyz, /healthz/store, /metrics or POST /-/reload\n",
+            ),
+        }
+    }
+
+    /// `POST /-/reload`: only from this host (the admin port may be
+    /// reachable in the cluster; a reload is an operator's act), answered
+    /// once the reload is done or refused.
+    async fn reload(&self, method: &Method, peer: SocketAddr) -> Response<ProxyBody> {
+        if method != Method::POST {
+            return text(StatusCode::METHOD_NOT_ALLOWED, "use POST\n");
+        }
+        if !peer.ip().is_loopback() {
+            return text(
+                StatusCode::FORBIDDEN,
+                "reload is accepted from loopback only: run `idemgate reload` in the container (kubectl exec)\n",
+            );
+        }
+        let Some(reloader) = &self.reload else {
+            return text(
+                StatusCode::NOT_FOUND,
+                "this process has no config file to reload\n",
+            );
+        };
+        match tokio::time::timeout(RELOAD_TIMEOUT, reloader.reload()).await {
+            Ok(Ok(())) => text(StatusCode::OK, "config reloaded\n"),
+            Ok(Err(why)) => text(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                &format!("config reload refused, the running config stays: {why}\n"),
+            ),
+            Err(_) => text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the reload did not finish in 10 s\n",
             ),
         }
     }

@@ -22,6 +22,7 @@ pub mod check_config;
 pub mod demo;
 pub mod keys;
 pub mod migrate;
+pub mod reload;
 pub mod serve;
 
 use crate::config::Config;
@@ -61,6 +62,15 @@ pub fn run(cli: Cli) -> ExitCode {
                 return ExitCode::from(EX_USAGE);
             }
             with_config(&config, &|cfg| keys::command(cfg, &command))
+        }
+        Command::Reload { config, admin } => {
+            with_config(
+                &config,
+                &|cfg| match block_on(async { Ok(reload::run(&cfg, admin).await) }) {
+                    Ok(code) => code,
+                    Err(e) => exit(Err(e)),
+                },
+            )
         }
         Command::Demo { listen, db } => {
             crate::telemetry::init(Default::default(), "info");

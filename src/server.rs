@@ -188,6 +188,9 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
     ));
     let health = StoreHealth::new(store.backend(), metrics.clone(), clock);
     let prober = tokio::spawn(health.clone().probe_loop(store.clone(), stop.clone()));
+    let reload_trigger = reload.as_ref().map(|source| {
+        Arc::new(reload::Trigger(source.trigger.clone())) as Arc<dyn crate::admin::Reload>
+    });
     let reloader = reload.map(|source| {
         tokio::spawn(reload::reload_loop(
             source,
@@ -208,6 +211,7 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
             draining: drain.requested.clone(),
             readiness: config.restart.server.readiness,
             health: health.clone(),
+            reload: reload_trigger,
         });
         info!(addr = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(), "admin listening");
         tokio::spawn(admin_loop(listener, admin, deadlines, stop.clone()))
@@ -326,7 +330,7 @@ async fn admin_loop(
             let admin = admin.clone();
             let (svc, activity) = connection::track(move |req| {
                 let admin = admin.clone();
-                async move { admin.handle(req).await }
+                async move { admin.handle(req, peer).await }
             });
             let conn = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())

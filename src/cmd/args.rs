@@ -49,6 +49,15 @@ pub enum Command {
         #[arg(long, short, default_value = DEFAULT_CONFIG_PATH, env = "IDEMGATE_CONFIG")]
         config: PathBuf,
     },
+    /// Ask the running proxy to reload its config (as SIGHUP does), over
+    /// its admin listener from this host, and say whether it took it.
+    Reload {
+        #[arg(long, short, default_value = DEFAULT_CONFIG_PATH, env = "IDEMGATE_CONFIG")]
+        config: PathBuf,
+        /// The admin listener to ask, when not the config's `[admin] listen`.
+        #[arg(long)]
+        admin: Option<SocketAddr>,
+    },
     /// Inspect and repair stored keys.
     Keys {
         #[arg(long, short, default_value = DEFAULT_CONFIG_PATH, env = "IDEMGATE_CONFIG", global = true)]

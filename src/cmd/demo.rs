@@ -270,13 +270,7 @@ pub async fn run(listen: std::net::SocketAddr, db: std::path::PathBuf) -> anyhow
     let metrics = Arc::new(Metrics::new());
     let server = server::Server::open(config, metrics, listeners).await?;
     outln!("{}", walkthrough(addr, &config_path));
-    server
-        .reload_on(server::reload::ReloadSource {
-            path: config_path,
-            requests: hangups,
-        })
-        .run(shutdown::signal())
-        .await
+    server.reload_on(hangups).run(shutdown::signal()).await
 }
 
 /// `idemgate demo-upstream`: only the demo orders API.

@@ -32,10 +32,7 @@ pub async fn run(config: Config, path: std::path::PathBuf) -> anyhow::Result<()>
         server = server.limit_connections(limit);
     }
     server
-        .reload_on(server::reload::ReloadSource {
-            path,
-            requests: hangups,
-        })
+        .reload_on(hangups)
         .run(crate::shutdown::signal())
         .await
 }

@@ -33,6 +33,8 @@ use tracing::{debug, error, info, warn};
 pub struct ReloadSource {
     pub path: PathBuf,
     pub requests: mpsc::Receiver<ReloadRequest>,
+    /// More requests into `requests`: the admin listener's `POST /-/reload`.
+    pub trigger: mpsc::Sender<ReloadRequest>,
 }
 
 /// One reload request.
@@ -43,7 +45,39 @@ pub enum ReloadRequest {
     /// The watcher: exactly these bytes, which it judged complete
     /// ([`judge`]); the file is not read again, it may be mid-write by now.
     Content(Vec<u8>),
+    /// `POST /-/reload` (or `idemgate reload`): the file as it is, and the
+    /// outcome told back (the refusal's message).
+    Asked(Reply),
 }
+
+/// `POST /-/reload`: an [`ReloadRequest::Asked`] into the reloader's
+/// queue, answered when it has run.
+pub struct Trigger(pub mpsc::Sender<ReloadRequest>);
+
+#[async_trait::async_trait]
+impl crate::admin::Reload for Trigger {
+    async fn reload(&self) -> Result<(), String> {
+        let stopped = || "the reloader has stopped (shutting down)".to_string();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.0
+            .send(ReloadRequest::Asked(Reply(tx)))
+            .await
+            .map_err(|_| stopped())?;
+        rx.await.map_err(|_| stopped())?
+    }
+}
+
+/// Where an asked-for reload's outcome goes.
+#[derive(Debug)]
+pub struct Reply(pub tokio::sync::oneshot::Sender<Result<(), String>>);
+
+/// Two replies are never the same request.
+impl PartialEq for Reply {
+    fn eq(&self, _: &Self) -> bool {
+        false
+    }
+}
+impl Eq for Reply {}
 
 /// How often a watched config file is read for changes: a ConfigMap update
 /// takes up to a minute to reach the pod anyway.
@@ -54,11 +88,9 @@ pub const WATCH_INTERVAL: std::time::Duration = std::time::Duration::from_secs(2
 /// ones coalesce: one waits at most. Installed at once, so a SIGHUP that
 /// arrives while the server starts is a reload rather than the default
 /// (terminating the process).
-pub fn requests(
-    path: &std::path::Path,
-    watch: bool,
-) -> std::io::Result<mpsc::Receiver<ReloadRequest>> {
+pub fn requests(path: &std::path::Path, watch: bool) -> std::io::Result<ReloadSource> {
     let (tx, rx) = mpsc::channel(1);
+    let trigger = tx.clone();
     #[cfg(unix)]
     {
         use tokio::signal::unix::{signal, SignalKind};
@@ -77,7 +109,11 @@ pub fn requests(
         let path = path.to_path_buf();
         tokio::spawn(watch_file(move || read_snapshot(path.clone()), tx));
     }
-    Ok(rx)
+    Ok(ReloadSource {
+        path: path.to_path_buf(),
+        requests: rx,
+        trigger,
+    })
 }
 
 /// One read of the watched file: its bytes and which file they came from.
@@ -208,27 +244,36 @@ pub(super) async fn reload_loop(
             _ = stop.cancelled() => None,
         };
         let Some(request) = request else { return };
-        reload(&source.path, request, &running, &current, &metrics);
+        let (request, reply) = match request {
+            ReloadRequest::Asked(reply) => (ReloadRequest::Signal, Some(reply)),
+            other => (other, None),
+        };
+        let outcome = reload(&source.path, request, &running, &current, &metrics);
+        if let Some(Reply(tx)) = reply {
+            let _ = tx.send(outcome);
+        }
     }
 }
 
 /// One reload: read the file (or take the watcher's content), validate
-/// the config as it will run, swap (or refuse and keep the old config).
+/// the config as it will run, swap (or refuse and keep the old config,
+/// returning why).
 pub(super) fn reload(
     path: &std::path::Path,
     request: ReloadRequest,
     running: &Config,
     current: &ArcSwap<Proxy>,
     metrics: &Metrics,
-) {
+) -> Result<(), String> {
     let now = unix_secs();
     let refuse = |message: String| {
         error!("config reload refused, the running config stays: {message}");
         metrics.config_loaded(false, now);
+        Err(message)
     };
     let loaded = match request {
         ReloadRequest::Content(bytes) => Ok(bytes),
-        ReloadRequest::Signal => Config::read(path),
+        ReloadRequest::Signal | ReloadRequest::Asked(_) => Config::read(path),
     }
     .and_then(|bytes| Ok((Config::load_bytes(path, bytes.clone())?, bytes)));
     let (file_config, text) = match loaded {
@@ -271,6 +316,7 @@ pub(super) fn reload(
         routes = config.routes.iter().count(),
         "config reloaded"
     );
+    Ok(())
 }
 
 pub(super) fn unix_secs() -> f64 {
@@ -455,7 +501,9 @@ mod tests {
         let at = |s: f64| sleep(start + Duration::from_secs_f64(s) - Instant::now());
         let next = |rx: &mut mpsc::Receiver<ReloadRequest>| match rx.try_recv() {
             Ok(ReloadRequest::Content(c)) => Some(String::from_utf8(c).unwrap()),
-            Ok(ReloadRequest::Signal) => panic!("the watcher sends content"),
+            Ok(ReloadRequest::Signal | ReloadRequest::Asked(_)) => {
+                panic!("the watcher sends content")
+            }
             Err(_) => None,
         };
         // Reads at 0 (the start), 2, 4, 6, ...

@@ -453,3 +453,67 @@ async fn a_stalled_chunked_upload_reserves_only_what_it_sent() {
     assert_eq!(small.status(), 201, "{}", small.text());
     drop(stalled);
 }
+
+/// `idemgate reload` (and `POST /-/reload` on the admin listener, from
+/// loopback) reloads without a signal, for images without `kill`, and
+/// says how it went: a route added takes effect, a bad file is refused
+/// with check-config's message and the running config stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idemgate_reload_asks_the_running_proxy_over_its_admin_listener() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("idemgate.toml");
+    let (listen, admin) = (crate::support::free_port(), crate::support::free_port());
+    config(&up, listen, admin).write(&path);
+    let gate = ServeProcess::start(&path, listen, admin, &[]).await;
+    let file = path.to_str().unwrap();
+    assert!(gate.post("/payments").body(BODY).send().await.status() < 300);
+
+    config(&up, listen, admin)
+        .route(Route::post("/payments"))
+        .write(&path);
+    let asked = run_to_completion(&["reload", "--config", file], &[]).await;
+    assert_eq!(asked.code, 0, "{asked:?}");
+    assert_eq!(asked.stdout.trim(), "config reloaded");
+    gate.post("/payments")
+        .body(BODY)
+        .send()
+        .await
+        .assert_problem(400);
+    reloads(&gate, "ok", 1).await;
+
+    // A bad file: the command checks it first, as check-config does; the
+    // endpoint itself refuses it with the same message.
+    let bad = config(&up, listen, admin)
+        .route(Route::post("/payments").set("methods", vec!["PSOT"]))
+        .render();
+    std::fs::write(&path, bad).unwrap();
+    let asked = run_to_completion(&["reload", "--config", file], &[]).await;
+    assert_eq!(asked.code, 64, "{asked:?}");
+    assert!(asked.stderr.contains("PSOT"), "{asked:?}");
+    let url = format!("http://{admin}/-/reload");
+    let refused = Req::new(Method::POST, url.clone()).send().await;
+    assert_eq!(refused.status(), 422, "{}", refused.text());
+    assert!(
+        refused.text().starts_with(
+            "config reload refused, the running config stays: invalid configuration: "
+        ) && refused.text().contains("PSOT"),
+        "{}",
+        refused.text()
+    );
+    reloads(&gate, "error", 1).await;
+    gate.post("/payments")
+        .body(BODY)
+        .send()
+        .await
+        .assert_problem(400);
+    assert_eq!(Req::new(Method::GET, url).send().await.status(), 405);
+
+    // No admin listener to ask: a usage error that says what to do.
+    let text = TestConfig::new(up.addr)
+        .set("store.backend", "memory")
+        .render();
+    let (run, _) = crate::support::run_on_config_text(&["reload"], &text, &[]).await;
+    assert_eq!(run.code, 64, "{run:?}");
+    assert!(run.stderr.contains("no [admin] listen"), "{run:?}");
+}
