@@ -40,6 +40,16 @@ pub struct Admin {
     pub health: Arc<StoreHealth>,
     /// Reloads the config; `None` where there is no file to reload.
     pub reload: Option<Arc<dyn Reload>>,
+    /// `server.readiness = "upstream"`: asks the app whether it listens.
+    pub upstream: Option<Arc<dyn UpstreamCheck>>,
+}
+
+/// Whether the app behind the proxy answers, for `server.readiness =
+/// "upstream"`; the server implements it over the running proxy.
+#[async_trait::async_trait]
+pub trait UpstreamCheck: Send + Sync {
+    /// `Ok` once the upstream answered with any status; `Err` says why not.
+    async fn check(&self, within: Duration) -> Result<(), String>;
 }
 
 /// A config reload asked for over the admin listener; the server's
@@ -76,6 +86,19 @@ impl Admin {
                         &format!("not ready: {e}\n"),
                     ),
                 },
+                Readiness::Upstream => {
+                    let answered = match &self.upstream {
+                        Some(up) => up.check(READY_TIMEOUT).await,
+                        None => Err("no upstream check configured".to_string()),
+                    };
+                    match answered {
+                        Ok(()) => self.ready(),
+                        Err(e) => text(
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            &format!("not ready: the upstream does not answer yet: {e}\n"),
+                        ),
+                    }
+                }
             },
             "/healthz/store" => {
                 let up = self.health.check(self.store.as_ref()).await.is_ok();

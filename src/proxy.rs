@@ -150,6 +150,12 @@ impl Proxy {
         })
     }
 
+    /// Whether the default upstream answers `GET path` (any status) within
+    /// `within`: `server.readiness = "upstream"`.
+    pub async fn probe_upstream(&self, path: &str, within: Duration) -> Result<u16, String> {
+        self.forwarder.probe(path, within).await
+    }
+
     /// The key ids of completions still waiting for the store.
     pub fn pending_completions(&self) -> Vec<String> {
         self.services.leases.backlog().key_ids()

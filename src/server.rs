@@ -212,6 +212,13 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
             readiness: config.restart.server.readiness,
             health: health.clone(),
             reload: reload_trigger,
+            upstream: (config.restart.server.readiness == crate::config::Readiness::Upstream)
+                .then(|| {
+                    Arc::new(UpstreamReadiness {
+                        current: current.clone(),
+                        path: config.restart.server.readiness_path.clone(),
+                    }) as Arc<dyn crate::admin::UpstreamCheck>
+                }),
         });
         info!(addr = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(), "admin listening");
         tokio::spawn(admin_loop(listener, admin, deadlines, stop.clone()))
@@ -379,5 +386,20 @@ async fn sweep_loop(
                 }
             }
         }
+    }
+}
+
+/// `server.readiness = "upstream"`: the running proxy's default upstream
+/// answers `path`.
+struct UpstreamReadiness {
+    current: Arc<ArcSwap<Proxy>>,
+    path: String,
+}
+
+#[async_trait::async_trait]
+impl crate::admin::UpstreamCheck for UpstreamReadiness {
+    async fn check(&self, within: Duration) -> Result<(), String> {
+        let proxy = self.current.load_full();
+        proxy.probe_upstream(&self.path, within).await.map(|_| ())
     }
 }

@@ -74,6 +74,7 @@ pub(super) struct RawServer {
     pub(super) preserve_host: Option<bool>,
     pub(super) trust_forwarded_headers: Option<bool>,
     pub(super) readiness: Option<Readiness>,
+    pub(super) readiness_path: Option<String>,
     pub(super) watch_config: Option<bool>,
     pub(super) upstream_protocol: Option<UpstreamProtocol>,
     pub(super) upstream_ca_file: Option<PathBuf>,

@@ -61,6 +61,9 @@ pub struct ServerRestart {
     pub shutdown_delay: Duration,
     /// What `/readyz` reflects.
     pub readiness: Readiness,
+    /// With `readiness = "upstream"`: the default upstream's path whose
+    /// answer (any HTTP status) means the app listens.
+    pub readiness_path: String,
     /// Reload the config file when its content changes, not only on SIGHUP.
     pub watch_config: bool,
 }
@@ -79,6 +82,10 @@ pub enum Readiness {
     /// As `Serving`, and the store answers a ping (the behaviour before
     /// `readiness` existed).
     Store,
+    /// As `Serving`, and the default upstream answers `readiness_path`
+    /// with any HTTP status: a sidecar takes traffic only once its app
+    /// listens.
+    Upstream,
 }
 
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
@@ -87,6 +94,19 @@ pub struct AdminConfig {
 }
 
 // === impl ServerConfig ===
+
+/// `server.readiness_path` (default `/`): a path and query, which only
+/// `readiness = "upstream"` reads.
+fn readiness_path(path: Option<String>) -> Result<String, Invalid> {
+    match path {
+        None => Ok("/".to_string()),
+        Some(p) if p.starts_with('/') && p.parse::<http::uri::PathAndQuery>().is_ok() => Ok(p),
+        Some(p) => Err(Invalid::field(
+            "server.readiness_path",
+            format!("server.readiness_path {p:?}: expected a path starting with '/'"),
+        )),
+    }
+}
 
 /// `[server]`, split into what reloads and what a restart changes.
 pub(super) fn read(s: RawServer) -> Result<(ServerConfig, ServerRestart), Invalid> {
@@ -140,6 +160,7 @@ pub(super) fn read(s: RawServer) -> Result<(ServerConfig, ServerRestart), Invali
         shutdown_grace: dur(s.shutdown_grace, DEFAULT_SHUTDOWN_GRACE),
         shutdown_delay: dur(s.shutdown_delay, Duration::ZERO),
         readiness: s.readiness.unwrap_or_default(),
+        readiness_path: readiness_path(s.readiness_path)?,
         watch_config: s.watch_config.unwrap_or(false),
     };
     let server = ServerConfig {

@@ -71,6 +71,22 @@ impl Forwarder {
         self.upstreams.get(name).timeout()
     }
 
+    /// `GET path` on the default upstream, for `server.readiness =
+    /// "upstream"`: `Ok` with any HTTP answer (the app listens), else why
+    /// not. The body is dropped unread.
+    pub async fn probe(&self, path: &str, within: Duration) -> Result<u16, String> {
+        let req = Request::get(path)
+            .header(http::header::HOST, "localhost")
+            .body(crate::body::full(bytes::Bytes::new()))
+            .map_err(|e| e.to_string())?;
+        let peer = SocketAddr::from(([127, 0, 0, 1], 0));
+        let deadline = tokio::time::Instant::now() + within;
+        match self.send(None, req, peer, deadline).await {
+            Ok(resp) => Ok(resp.status().as_u16()),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
     /// Forwards without protection to the upstream called `name` (`None`:
     /// the default), streaming both ways.
     pub async fn passthrough(

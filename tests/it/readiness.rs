@@ -126,3 +126,31 @@ fn readiness_accepts_only_serving_or_store() {
         .to_string();
     assert!(err.contains("line 3") && err.contains("always"), "{err}");
 }
+
+/// `readiness = "upstream"`: a sidecar is not ready until its app listens.
+/// Nothing on the upstream port: 503 naming it; the app starts (any HTTP
+/// answer to `readiness_path`, even a 404): 200.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_upstream_waits_for_the_app_to_listen() {
+    let port = crate::support::free_port();
+    let proxy = Proxy::builder(Backend::Memory, port)
+        .admin()
+        .set("server.readiness", "upstream")
+        .set("server.readiness_path", "/health?status=404")
+        .start()
+        .await;
+    let r = proxy.admin_get("/readyz").send().await;
+    assert_eq!(r.status(), 503, "{}", r.text());
+    assert!(
+        r.text().contains("the upstream does not answer yet"),
+        "{}",
+        r.text()
+    );
+    let listener = tokio::net::TcpListener::bind(port)
+        .await
+        .expect("bind the app's port");
+    let app = Upstream::start_on(listener).await;
+    let ready = proxy.admin_get("/readyz").send().await;
+    assert_eq!(ready.status(), 200, "{}", ready.text());
+    assert_eq!(app.hits("/health"), 1, "the probe asked readiness_path");
+}
