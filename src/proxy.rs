@@ -210,6 +210,10 @@ impl Proxy {
         };
         log.set_route(&route);
         trace::set_route(&route.label);
+        if let Some(prefix) = &route.strip_prefix {
+            req.extensions_mut()
+                .insert(forward::StripPrefix(prefix.clone()));
+        }
         if let Err(e) = admission::refuse_protected_upgrade(&route, &req) {
             return log.conclude(metrics, Err(e));
         }

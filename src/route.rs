@@ -74,6 +74,10 @@ pub struct RouteConfig {
     pub preset: Option<Preset>,
     /// How idemgate's own error answers on this route are written.
     pub errors: errors::ErrorShape,
+    /// `strip_prefix`: these leading segments leave the path before it is
+    /// joined to the upstream's base path (`/api` turns `/api/orders` into
+    /// `/orders`); checked at load to be a literal prefix of `path`.
+    pub strip_prefix: Option<Arc<str>>,
 }
 
 impl RouteConfig {
@@ -281,7 +285,42 @@ enum Segment {
     Param,
 }
 
+/// `path` without the leading segments `prefix` (`"/api"`, never ending in
+/// `/`), on a segment boundary: `/api/orders` gives `/orders`, `/api`
+/// gives `/`; a path it does not start with is returned as it is.
+pub fn strip_path_prefix<'a>(path: &'a str, prefix: &str) -> &'a str {
+    match path.strip_prefix(prefix) {
+        Some("") => "/",
+        Some(rest) if rest.starts_with('/') => rest,
+        _ => path,
+    }
+}
+
 impl PathPattern {
+    /// Whether `prefix` can be a route's `strip_prefix`: a path of literal
+    /// segments this pattern starts with, so that every request the route
+    /// matches loses exactly it.
+    pub fn strip_prefix_of(&self, prefix: &str) -> Result<(), String> {
+        let bad = |why: &str| Err(format!("strip_prefix {prefix:?}: {why}"));
+        if !prefix.starts_with('/') || prefix.len() < 2 || prefix.ends_with('/') {
+            return bad("expected a path such as \"/api\" (a leading '/', no trailing '/')");
+        }
+        let wanted: Vec<&str> = prefix[1..].split('/').collect();
+        let fits = wanted.len() <= self.segments.len()
+            && wanted
+                .iter()
+                .zip(&self.segments)
+                .all(|(w, s)| matches!(s, Segment::Literal(l) if l == w));
+        if fits {
+            Ok(())
+        } else {
+            bad(&format!(
+                "is not a literal prefix of the route's path {:?}: requests it matches would not all start with it",
+                self.source
+            ))
+        }
+    }
+
     /// Parses a pattern, explaining what is wrong with a bad one.
     pub fn parse(source: &str) -> Result<Self, String> {
         if !source.starts_with('/') {
@@ -569,6 +608,39 @@ impl RouteTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn strip_prefix_removes_whole_leading_segments() {
+        for (path, prefix, want) in [
+            ("/api/orders", "/api", "/orders"),
+            ("/api", "/api", "/"),
+            ("/api/", "/api", "/"),
+            ("/apix/orders", "/api", "/apix/orders"),
+            ("/v1/api/orders", "/api", "/v1/api/orders"),
+            ("/a/b/c", "/a/b", "/c"),
+        ] {
+            assert_eq!(strip_path_prefix(path, prefix), want, "{path} - {prefix}");
+        }
+        let pattern = |p: &str| PathPattern::parse(p).unwrap();
+        for (route, prefix, ok) in [
+            ("/api/orders", "/api", true),
+            ("/api/*", "/api", true),
+            ("/api/v1/{id}", "/api/v1", true),
+            ("/api/orders", "/api/orders", true),
+            ("/api/{id}", "/api/x", false),
+            ("/api/orders", "/v2", false),
+            ("/api", "/api/orders", false),
+            ("/api/orders", "/api/", false),
+            ("/api/orders", "api", false),
+            ("/api/orders", "/", false),
+        ] {
+            assert_eq!(
+                pattern(route).strip_prefix_of(prefix).is_ok(),
+                ok,
+                "{route} {prefix}"
+            );
+        }
+    }
 
     #[test]
     fn patterns_match_as_documented() {

@@ -187,6 +187,8 @@ pub(super) struct RawRouteSettings {
     pub(super) preset: Option<Preset>,
     /// `errors = "problem" | "stripe" | { template = "..", content_type = ".." }`.
     pub(super) errors: Option<ErrorShapeValue>,
+    /// A route's own: leading path segments removed before forwarding.
+    pub(super) strip_prefix: Option<String>,
 }
 
 // ===== value types that validate while parsing =====

@@ -46,6 +46,12 @@ impl TryFrom<RawRouteSettings> for Defaults {
         if d.preset.is_some() {
             return Err("defaults: `preset` belongs in a [[route]], not in [defaults]".into());
         }
+        if d.strip_prefix.is_some() {
+            return Err(Invalid::field(
+                "defaults.strip_prefix",
+                "defaults: `strip_prefix` belongs in a [[route]] (it must fit the route's path), not in [defaults]",
+            ));
+        }
         one_key_form(&d).map_err(|e| Invalid::from(format!("defaults: {e}")))?;
         let scope_headers = scope_headers(&d).map_err(|e| match &d.scope_headers {
             Some(list) => Invalid::at(list.span(), format!("defaults: {e}")),
@@ -204,7 +210,13 @@ impl Defaults {
             .map(|s| s.0)
             .unwrap_or(DEFAULT_MAX_RESPONSE_BODY);
         let d = self.deliveries(&r, own_scope_headers, &path, settings)?;
+        let strip_prefix = r
+            .strip_prefix
+            .take()
+            .map(|p| path.strip_prefix_of(&p).map(|()| Arc::from(p)))
+            .transpose()?;
         Ok(RouteConfig {
+            strip_prefix,
             index,
             label: Arc::new(path.as_str().to_string()),
             methods,

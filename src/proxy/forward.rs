@@ -203,7 +203,8 @@ impl Forwarder {
         // Admission made `Host` the target's authority where it has one
         // (RFC 9112 §3.2.2, `:authority`): the host the scope saw.
         let original_host = req.headers().get(header::HOST).cloned();
-        *req.uri_mut() = upstream_uri(upstream.url(), req.uri())?;
+        let strip = req.extensions().get::<StripPrefix>().map(|s| s.0.clone());
+        *req.uri_mut() = upstream_uri(upstream.url(), req.uri(), strip.as_deref())?;
         // The client's version says nothing about the upstream's; the pooled
         // connection decides (hyper refuses an HTTP/2 request on an HTTP/1
         // connection, which ALPN may have chosen).
@@ -319,11 +320,21 @@ fn accepts_trailers(headers: &http::HeaderMap) -> bool {
 
 /// The upstream's base path joined with the request's path, its
 /// dot-segments resolved first so the result cannot leave the base.
-pub fn upstream_uri(upstream: &Uri, original: &Uri) -> Result<Uri, ForwardError> {
+pub fn upstream_uri(
+    upstream: &Uri,
+    original: &Uri,
+    strip: Option<&str>,
+) -> Result<Uri, ForwardError> {
     let base = upstream.path().trim_end_matches('/');
-    let path = match original.path() {
+    let resolved = match original.path() {
         "" => Cow::Borrowed("/"),
         path => resolve_dot_segments(path),
+    };
+    // After the dot-segments are resolved, so `/api/../api/x` loses `/api`
+    // as `/api/x` does, and before the base path is joined.
+    let path = match strip {
+        Some(prefix) => crate::route::strip_path_prefix(&resolved, prefix),
+        None => &resolved,
     };
     let joined = match original.query() {
         Some(query) => format!("{base}{path}?{query}"),
@@ -369,3 +380,8 @@ mod tests {
         }
     }
 }
+
+/// A route's `strip_prefix`, in a request's extensions: [`upstream_uri`]
+/// removes it from the path it forwards.
+#[derive(Clone, Debug)]
+pub struct StripPrefix(pub std::sync::Arc<str>);

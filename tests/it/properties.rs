@@ -224,7 +224,7 @@ proptest! {
             return Ok(());
         };
         prop_assume!(original.path().starts_with('/'));
-        let joined = upstream_uri(&config().server.upstream, &original)
+        let joined = upstream_uri(&config().server.upstream, &original, None)
             .expect("a valid target joins");
         let below = |p: &str| p == "/base" || p.starts_with("/base/");
         prop_assert!(below(joined.path()), "{} -> {}", target, joined);

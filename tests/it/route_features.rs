@@ -30,6 +30,7 @@ backend_tests!(
     an_unanswered_request_on_a_keep_route_is_never_sent_twice,
     a_query_without_a_key_passes_and_with_one_is_protected,
     a_refused_connection_releases_the_key_even_on_a_keep_route,
+    strip_prefix_leaves_the_path_before_the_upstreams_base_path,
 );
 
 const BODY: &str = r#"{"item":"book","qty":1}"#;
@@ -363,4 +364,78 @@ async fn a_query_without_a_key_passes_and_with_one_is_protected(backend: Backend
         .await
         .assert_problem(400);
     assert_eq!(up.hits(ORDERS), 2);
+}
+
+/// `strip_prefix = "/api"` on `/api/*` (Traefik's StripPrefix): the
+/// upstream, at base path `/base`, sees `/base/orders`, after the
+/// dot-segments were resolved; protection and replay are the route's;
+/// other routes' paths are left as they are.
+async fn strip_prefix_leaves_the_path_before_the_upstreams_base_path(backend: Backend) {
+    let up = Upstream::start().await;
+    let proxy = Proxy::builder(backend, up.addr)
+        .set("server.upstream", format!("http://{}/base", up.addr))
+        .routes(vec![
+            Route::post("/api/*").set("strip_prefix", "/api"),
+            Route::post(ORDERS),
+        ])
+        .start()
+        .await;
+    let first = proxy
+        .post("/api/orders?x=1")
+        .key("k-sp")
+        .body(BODY)
+        .send()
+        .await;
+    assert_eq!(
+        first.header("idempotency-status"),
+        Some("created"),
+        "{first:?}"
+    );
+    let seen = up.last();
+    assert_eq!(seen.path, "/base/orders");
+    assert_eq!(seen.query.as_deref(), Some("x=1"));
+    let again = proxy
+        .post("/api/../api/orders?x=1")
+        .key("k-sp")
+        .body(BODY)
+        .send()
+        .await;
+    assert!(again.replayed(), "{again:?}");
+    assert_eq!(up.hits("/base/orders"), 1);
+    // Unprotected requests on the route lose the prefix too.
+    proxy.get("/api/catalog").send().await;
+    assert_eq!(
+        up.last().path,
+        "/base/api/catalog",
+        "a GET matches no route"
+    );
+    proxy.post(ORDERS).key("k-o").body(BODY).send().await;
+    assert_eq!(up.last().path, "/base/orders");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_strip_prefix_that_does_not_fit_its_route_is_a_config_error() {
+    let up = Upstream::start().await;
+    for (route, defaults, says) in [
+        (
+            "[[route]]\nmethods = [\"POST\"]\npath = \"/api/orders\"\nstrip_prefix = \"/v2\"\n",
+            "",
+            "strip_prefix \"/v2\": is not a literal prefix of the route's path \"/api/orders\"",
+        ),
+        (
+            "[[route]]\nmethods = [\"POST\"]\npath = \"/api/{id}\"\nstrip_prefix = \"/api/x\"\n",
+            "",
+            "is not a literal prefix",
+        ),
+        (
+            "",
+            "[defaults]\nstrip_prefix = \"/api\"\n",
+            "belongs in a [[route]]",
+        ),
+    ] {
+        let text = format!("{}{defaults}{route}", TestConfig::new(up.addr).render());
+        let (run, _) = crate::support::run_on_config_text(&["check-config"], &text, &[]).await;
+        assert_eq!(run.code, 64, "{run:?}");
+        assert!(run.stderr.contains(says), "{says}\nnot in\n{}", run.stderr);
+    }
 }
