@@ -519,7 +519,7 @@ impl ScopeArgs {
 
 #[derive(Debug, clap::Subcommand)]
 pub enum KeysCommand {
-    /// Show a key's record: state, fingerprint, status, headers, times, lease.
+    /// Show a key's record: state, fingerprint, status, headers, times, and the lease of one in flight.
     Show {
         #[command(flatten)]
         scope: ScopeArgs,

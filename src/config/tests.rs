@@ -25,6 +25,24 @@ fn with_route(route: &str) -> String {
     format!("{MINIMAL}[[route]]\nmethods = [\"POST\"]\npath = \"/orders\"\n{route}")
 }
 
+/// Pins: uncommenting the shipped file's own `scope_headers` example was
+/// a config error (`scope_header` was set beside it). Each of the two
+/// scope lines, uncommented alone, loads.
+#[test]
+fn each_scope_line_of_the_shipped_file_uncommented_alone_loads() {
+    let text = include_str!("../../config/idemgate.toml");
+    for line in [
+        "# scope_header = \"Authorization\"",
+        "# scope_headers = [\"Authorization\", \"Stripe-Account\"]   # example",
+    ] {
+        assert!(text.contains(line), "{line}");
+        let uncommented = text.replace(line, &line[2..]);
+        let cfg = parse(&uncommented).unwrap_or_else(|e| panic!("{line}: {e}"));
+        let route = cfg.routes.iter().next().expect("the example routes");
+        assert_eq!(route.scope_headers[0], "authorization", "{line}");
+    }
+}
+
 #[test]
 fn shipped_example_parses_and_uses_every_default() {
     let text = include_str!("../../config/idemgate.toml");
