@@ -140,9 +140,6 @@ pub struct RequestLog {
     /// The path as the client sent it (never the query: it may hold secrets).
     path: String,
     route: Arc<String>,
-    /// Whether a protected route matched: its answers carry
-    /// `Idempotency-Status`.
-    routed: bool,
     /// The short non-reversible key id (`RecordKey::log_id`), once known.
     key_id: Option<String>,
     /// The shape of idemgate's error answers: the route's once it is
@@ -184,7 +181,6 @@ impl RequestLog {
             method: req.method().clone(),
             path: req.uri().path().to_string(),
             route: UNROUTED.clone(),
-            routed: false,
             key_id: None,
             errors: errors.clone(),
             peer,
@@ -198,7 +194,6 @@ impl RequestLog {
 
     pub fn set_route(&mut self, route: &RouteConfig) {
         self.route = route.label.clone();
-        self.routed = true;
         self.errors = route.errors.clone();
     }
 
@@ -216,7 +211,8 @@ impl RequestLog {
         let id = Some(&self.request_id);
         let ((outcome, mut resp), slug) =
             respond_naming(result, id, self.key_id.as_deref(), &self.errors);
-        if self.routed {
+        // A protected route matched: its answers say what idemgate did.
+        if !Arc::ptr_eq(&self.route, &UNROUTED) {
             let unstored = resp.extensions().get::<Unstored>().is_some();
             let value = status_value(outcome, slug, unstored);
             resp.headers_mut()

@@ -20,7 +20,7 @@ use deadpool_postgres::{
 };
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 use tokio::sync::OnceCell;
@@ -78,9 +78,6 @@ pub(super) struct Core {
     pub(super) commit_told: AtomicBool,
     /// `store.require_synchronous_replication`: claims wait for its word.
     pub(super) sync_gate: Option<SyncGate>,
-    /// Connections opened so far: a new one may be to another server (a
-    /// failover), so a verdict on replication made before it is stale.
-    pub(super) opened: Arc<AtomicU64>,
 }
 
 /// How long a verdict on the primary's synchronous standbys stands: a
@@ -88,13 +85,14 @@ pub(super) struct Core {
 /// for it anyway), and a busy proxy asks once per period, not per claim.
 const SYNC_CHECK_EVERY: Duration = Duration::from_secs(1);
 
-/// When, after how many connections opened, and what was found.
-type SyncVerdict = (Instant, u64, Result<(), String>);
+/// When, and what was found.
+type SyncVerdict = (Instant, Result<(), String>);
 
 /// `store.require_synchronous_replication`: the latest verdict on whether
 /// the primary has a synchronous standby, refreshed by the first claim
-/// after it is [`SYNC_CHECK_EVERY`] old or the pool opened a connection
-/// since (one check at a time).
+/// after it is [`SYNC_CHECK_EVERY`] old (one check at a time). A new
+/// connection, which may be to another server after a failover, is checked
+/// on its own when it opens ([`REQUIRE_SYNC_ON_CONNECT`]).
 #[derive(Default)]
 pub(super) struct SyncGate {
     last: tokio::sync::Mutex<Option<SyncVerdict>>,
@@ -107,8 +105,6 @@ pub(super) struct SyncGate {
 /// `synchronous_commit` is raised where weak before the pool hands it out.
 struct Connector {
     tls: MakeRustls,
-    /// Counts the connections opened ([`Core::opened`]).
-    opened: Arc<AtomicU64>,
     /// `store.require_synchronous_replication`: a connection to a server
     /// without a synchronous standby is refused before any claim uses it.
     require_sync: bool,
@@ -145,7 +141,6 @@ impl deadpool_postgres::Connect for Connector {
                 }
             }
             *self.last_tls.lock().unwrap_or_else(PoisonError::into_inner) = seen.get().copied();
-            self.opened.fetch_add(1, Ordering::Relaxed);
             Ok((client, task))
         })
     }
@@ -217,10 +212,8 @@ impl Core {
             pg.application_name("idemgate");
         }
         let last_tls = Arc::new(Mutex::new(None));
-        let opened = Arc::new(AtomicU64::new(0));
         let connector = Connector {
             tls: target.tls.clone(),
-            opened: opened.clone(),
             require_sync: cfg.require_synchronous_replication,
             // A URL's own `options=-c synchronous_commit=off` is applied at
             // startup, so this sees (and raises) it too.
@@ -260,7 +253,6 @@ impl Core {
             last_tls,
             commit_told: AtomicBool::new(false),
             sync_gate: cfg.require_synchronous_replication.then(SyncGate::default),
-            opened,
         })
     }
 
@@ -504,20 +496,13 @@ impl Core {
         client: InUse,
         deadline: Instant,
     ) -> Result<CommitReport, StoreError> {
-        let on: &ClientWrapper = &client;
-        let res = tokio::time::timeout_at(
-            deadline,
-            self.unit(on, false, || async move {
-                let rows = self.query(on, COMMIT_REPORT, &[]).await?;
-                Ok(rows.first().map(|row| CommitReport {
-                    server: row.get(0),
-                    session: row.get(1),
-                }))
-            }),
-        )
-        .await;
-        self.settle(client, res)?
-            .ok_or_else(|| StoreError::Corrupt("pg_settings has no synchronous_commit".into()))
+        let decode = |row: &Row| CommitReport {
+            server: row.get(0),
+            session: row.get(1),
+        };
+        let missing = "pg_settings has no synchronous_commit";
+        self.one_row(client, deadline, COMMIT_REPORT, decode, missing)
+            .await
     }
 
     /// [`REPLICATION_REPORT`] as one call on a pooled connection.
@@ -526,22 +511,39 @@ impl Core {
         deadline: Instant,
     ) -> Result<ReplicationReport, StoreError> {
         let client = self.connection(deadline).await?;
+        let decode = |row: &Row| ReplicationReport {
+            standby_names: row.get(0),
+            streaming: row.get(1),
+            synchronous: row.get(2),
+            hidden: row.get(3),
+        };
+        let missing = "pg_stat_replication gave no row";
+        self.one_row(client, deadline, REPLICATION_REPORT, decode, missing)
+            .await
+    }
+
+    /// `sql` (no parameters) on `client` as one call, its first row
+    /// decoded, the connection settled; no row is [`StoreError::Corrupt`].
+    async fn one_row<T>(
+        &self,
+        client: InUse,
+        deadline: Instant,
+        sql: &str,
+        decode: impl Fn(&Row) -> T,
+        missing: &'static str,
+    ) -> Result<T, StoreError> {
         let on: &ClientWrapper = &client;
+        let decode = &decode;
         let res = tokio::time::timeout_at(
             deadline,
             self.unit(on, false, || async move {
-                let rows = self.query(on, REPLICATION_REPORT, &[]).await?;
-                Ok(rows.first().map(|row| ReplicationReport {
-                    standby_names: row.get(0),
-                    streaming: row.get(1),
-                    synchronous: row.get(2),
-                    hidden: row.get(3),
-                }))
+                let rows = self.query(on, sql, &[]).await?;
+                Ok(rows.first().map(decode))
             }),
         )
         .await;
         self.settle(client, res)?
-            .ok_or_else(|| StoreError::Corrupt("pg_stat_replication gave no row".into()))
+            .ok_or_else(|| StoreError::Corrupt(missing.into()))
     }
 
     /// A new connection found no synchronous standby (a failover): said
@@ -565,11 +567,8 @@ impl Core {
             return Ok(());
         };
         let mut last = gate.last.lock().await;
-        let opened = self.opened.load(Ordering::Relaxed);
         let verdict = match &*last {
-            Some((at, seen, verdict)) if at.elapsed() < SYNC_CHECK_EVERY && *seen == opened => {
-                verdict.clone()
-            }
+            Some((at, verdict)) if at.elapsed() < SYNC_CHECK_EVERY => verdict.clone(),
             _ => {
                 let verdict = match self.replication_report(self.deadline()).await {
                     Ok(report) => report.synchronous().map(|_| ()),
@@ -582,8 +581,6 @@ impl Core {
                     }
                     Err(err) => return Err(err),
                 };
-                // The count after the check's own connection, if it opened one.
-                let opened = self.opened.load(Ordering::Relaxed);
                 let refusing = verdict.is_err();
                 if gate.refusing.swap(refusing, Ordering::Relaxed) != refusing {
                     match &verdict {
@@ -595,7 +592,7 @@ impl Core {
                         ),
                     }
                 }
-                *last = Some((Instant::now(), opened, verdict.clone()));
+                *last = Some((Instant::now(), verdict.clone()));
                 verdict
             }
         };
