@@ -52,6 +52,10 @@ cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
   psql -q "$DB_URL" -c "DROP SCHEMA IF EXISTS $schema CASCADE" >/dev/null 2>&1 || true
   redis-cli -u "$REDIS_URL" --scan --pattern "$prefix:*" 2>/dev/null | xargs -r redis-cli -u "$REDIS_URL" DEL >/dev/null 2>&1 || true
+  # The peer's keys: "<agent>:POST:<key>", the keys bench/wrk.lua sends.
+  if [ -n "${PEER_BIN:-}" ]; then
+    redis-cli -u "$REDIS_URL" --scan --pattern "*:POST:b*" 2>/dev/null | xargs -r redis-cli -u "$REDIS_URL" DEL >/dev/null 2>&1 || true
+  fi
   rm -rf "$work"
 }
 trap cleanup EXIT
@@ -60,28 +64,47 @@ say "building the release binary"
 cargo build --release --locked -q
 bin="${CARGO_TARGET_DIR:-$PWD/target}/release/idemgate"
 
-# ----- the upstream (nginx, one worker, a fixed 201) and a plain nginx proxy -----
+# ----- the upstream: nginx, one worker, a fixed 201 -----
+# The upstream and every nginx proxy row run as separate nginx processes:
+# a proxy that shared its only worker with the upstream it proxies to would
+# pay for the upstream's work too, which flatters the comparison.
 up_port=$(free_port)
-px_port=$(free_port)
-mkdir -p "$work/nginx"
-cat >"$work/nginx/nginx.conf" <<EOF
-worker_processes 1;
-pid $work/nginx/nginx.pid;
-error_log $work/nginx/error.log warn;
+nginx_common() { # dir
+  cat <<EOF
+pid $1/nginx.pid;
+error_log $1/error.log warn;
 events { worker_connections 4096; }
-http {
+EOF
+}
+nginx_http_common() { # dir
+  cat <<EOF
   access_log off;
-  client_body_temp_path $work/nginx/body;
-  proxy_temp_path $work/nginx/proxy;
-  fastcgi_temp_path $work/nginx/fastcgi;
-  uwsgi_temp_path $work/nginx/uwsgi;
-  scgi_temp_path $work/nginx/scgi;
+  client_body_temp_path $1/body;
+  proxy_temp_path $1/proxy;
+  fastcgi_temp_path $1/fastcgi;
+  uwsgi_temp_path $1/uwsgi;
+  scgi_temp_path $1/scgi;
   keepalive_requests 1000000;
-  upstream origin { server 127.0.0.1:$up_port; keepalive 64; }
+EOF
+}
+start_nginx() { # dir -> pushes the master's pid onto pids
+  nginx -c "$1/nginx.conf" -p "$1"
+  # One pid (a first `cat` that succeeded used to print it twice, and the
+  # cleanup's `kill "<pid>\n<pid>"` then left nginx running).
+  for _ in $(seq 20); do [ -s "$1/nginx.pid" ] && break; sleep 0.1; done
+  pids+=("$(cat "$1/nginx.pid")")
+}
+mkdir -p "$work/origin"
+{
+  echo "worker_processes 1;"
+  nginx_common "$work/origin"
+  echo "http {"
+  nginx_http_common "$work/origin"
+  cat <<EOF
   server {
     listen 127.0.0.1:$up_port;
     location /storm/ {
-      access_log $work/nginx/storm.log;
+      access_log $work/origin/storm.log;
       default_type application/json;
       return 201 '{"id":"ord_1","status":"created"}';
     }
@@ -90,8 +113,28 @@ http {
       return 201 '{"id":"ord_1","status":"created"}';
     }
   }
+}
+EOF
+} >"$work/origin/nginx.conf"
+start_nginx "$work/origin"
+origin_pid=${pids[-1]}
+
+# ----- nginx as the proxy, in its own process: one worker, and `auto` -----
+start_nginx_proxy() { # name workers -> sets NX_PORT, NX_H2_PORT, NX_PID
+  local dir="$work/$1"
+  NX_PORT=$(free_port)
+  NX_H2_PORT=$(free_port)
+  mkdir -p "$dir"
+  {
+    echo "worker_processes $2;"
+    nginx_common "$dir"
+    echo "http {"
+    nginx_http_common "$dir"
+    cat <<EOF
+  upstream origin { server 127.0.0.1:$up_port; keepalive 64; }
   server {
-    listen 127.0.0.1:$px_port;
+    listen 127.0.0.1:$NX_PORT;
+    listen 127.0.0.1:$NX_H2_PORT http2;
     location / {
       proxy_pass http://origin;
       proxy_http_version 1.1;
@@ -100,11 +143,10 @@ http {
   }
 }
 EOF
-nginx -c "$work/nginx/nginx.conf" -p "$work/nginx"
-# One pid (a first `cat` that succeeded used to print it twice, and the
-# cleanup's `kill "<pid>\n<pid>"` then left nginx running).
-for _ in $(seq 20); do [ -s "$work/nginx/nginx.pid" ] && break; sleep 0.1; done
-pids+=("$(cat "$work/nginx/nginx.pid")")
+  } >"$dir/nginx.conf"
+  start_nginx "$dir"
+  NX_PID=${pids[-1]}
+}
 
 # ----- idemgate, one process per store -----
 start_idemgate() { # name backend extra-toml -> sets IG_PORT, IG_PID
@@ -142,13 +184,61 @@ EOF
 
 peak_rss_mib() { awk '/VmHWM/ {printf "%.0f", $2/1024}' "/proc/$1/status" 2>/dev/null || echo "-"; }
 
+# ----- CPU per request, per process group, from /proc/PID/stat -----
+# utime + stime of every thread of a process, in clock ticks; a process
+# that exits during a row loses its ticks, so the pid sets are taken after
+# the warm-up, when the pools are open.
+tck=$(getconf CLK_TCK)
+ticks() { # pids... -> summed utime + stime
+  local t=0 p v
+  for p in "$@"; do
+    v=$(awk '{ sub(/^.*\) /, ""); print $12 + $13 }' "/proc/$p/stat" 2>/dev/null) || continue
+    t=$((t + ${v:-0}))
+  done
+  echo "$t"
+}
+family() { if [ -n "$1" ]; then echo "$1"; pgrep -P "$1" || true; fi; }
+# The stores every row may touch: PostgreSQL (every backend), Redis, PgBouncer.
+store_pids() { pgrep -x postgres || true; pgrep -x redis-server || true; pgrep -x pgbouncer || true; }
+us_per_req() { awk -v t="$1" -v k="$tck" -v n="$2" 'BEGIN { if (n > 0) printf "%.1f", t * 1e6 / k / n; else print "-" }'; }
+
+declare -A RPS P99 P999 CPU RSS
+record() { # label rps p99_ms p999_ms cpu_us rss
+  RPS[$1]=$2; P99[$1]=$3; P999[$1]=$4; CPU[$1]=$5; RSS[$1]=$6
+}
+
 rows=()
+wanted() { [ -z "${ONLY:-}" ] || [[ $1 =~ $ONLY ]]; }
+# Sets PX_PIDS/UP_PIDS/ST_PIDS and their tick counts before a measured run.
+cpu_start() { # proxy-pid
+  PX_PIDS=$(family "$1"); UP_PIDS=$(family "$origin_pid"); ST_PIDS=$(store_pids)
+  # shellcheck disable=SC2086
+  { T_PX=$(ticks $PX_PIDS); T_UP=$(ticks $UP_PIDS); T_ST=$(ticks $ST_PIDS); }
+}
+cpu_end() { # requests -> sets C_PX C_UP C_ST (µs per request)
+  # shellcheck disable=SC2086
+  { C_PX=$(us_per_req $(($(ticks $PX_PIDS) - T_PX)) "$1")
+    C_UP=$(us_per_req $(($(ticks $UP_PIDS) - T_UP)) "$1")
+    C_ST=$(us_per_req $(($(ticks $ST_PIDS) - T_ST)) "$1"); }
+  [ -n "$PX_PIDS" ] || C_PX="-"
+}
+add_row() { # label conns rps p50 p99 p999 non2xx rss execs
+  local row
+  row=$(printf '| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |' "$1" "$2" "$3" "$4" "$5" "$6" \
+    "$C_PX" "$C_UP" "$C_ST" "$7" "$8" "$9")
+  rows+=("$row")
+  record "$1" "$3" "$5" "$6" "$C_PX" "$8"
+  say "$row"
+}
+ms() { awk -v v="$1" 'BEGIN { printf "%.2f", v / 1000 }'; }
+
 run() { # label url keys conns [pid] [storm-path]
   local label=$1 url=$2 keys=$3 conns=$4 pid=${5:-} storm=${6:-}
-  if [ -n "${ONLY:-}" ] && ! [[ $label =~ $ONLY ]]; then return 0; fi
+  wanted "$label" || return 0
   local path="${PATH_:-/orders}"
   [ -n "$storm" ] && path="$storm"
   PATH_="$path" KEYS="$keys" wrk -t1 -c"$conns" -d"${WARMUP}s" -s bench/wrk.lua "$url" >/dev/null 2>&1 || true
+  cpu_start "$pid"
   local out
   out=$(PATH_="$path" KEYS="$keys" wrk -t1 -c"$conns" -d"${DURATION}s" -s bench/wrk.lua "$url" 2>&1 | grep '^RESULT' || true)
   local requests=0 duration=1 non2xx=0 p50=0 p99=0 p999=0 kv
@@ -162,27 +252,56 @@ run() { # label url keys conns [pid] [storm-path]
       p999_us=*) p999=${kv#*=} ;;
     esac
   done
+  cpu_end "$requests"
   local rps; rps=$(awk -v r="$requests" -v d="$duration" 'BEGIN { printf "%.0f", r / (d / 1e6) }')
   local rss="-"; [ -n "$pid" ] && rss=$(peak_rss_mib "$pid")
   local execs="-"
   # Warm-up included: the one key must have run exactly once in all.
-  if [ -n "$storm" ]; then execs=$(grep -c "POST $storm " "$work/nginx/storm.log" || true); fi
-  local row
-  row=$(printf '| %s | %s | %s | %.2f | %.2f | %.2f | %s | %s | %s |' "$label" "$conns" "$rps" \
-    "$(awk -v v="$p50" 'BEGIN{print v/1000}')" "$(awk -v v="$p99" 'BEGIN{print v/1000}')" \
-    "$(awk -v v="$p999" 'BEGIN{print v/1000}')" "$non2xx" "$rss" "$execs")
-  rows+=("$row")
-  say "$row"
+  if [ -n "$storm" ]; then execs=$(grep -c "POST $storm " "$work/origin/storm.log" || true); fi
+  add_row "$label" "$conns" "$rps" "$(ms "$p50")" "$(ms "$p99")" "$(ms "$p999")" "$non2xx" "$rss" "$execs"
 }
+
+# HTTP/2 without TLS (prior knowledge), h2load with one stream per
+# connection so the concurrency equals wrk's. h2load reports the mean
+# latency and the maximum, not percentiles: the p99 columns hold the
+# mean, the p99.9 column the maximum.
+run_h2() { # label url keys(none|one) [pid]
+  local label=$1 url=$2 keys=$3 pid=${4:-}
+  wanted "$label" || return 0
+  local args=(-c"$CONNS" -m1 -t1 -d "$work/body.json" -H 'content-type: application/json' -H 'authorization: Bearer bench')
+  [ "$keys" = one ] && args+=(-H 'idempotency-key: bench-h2-one')
+  h2load "${args[@]}" -D "$WARMUP" "$url" >/dev/null 2>&1 || true
+  cpu_start "$pid"
+  local out; out=$(h2load "${args[@]}" -D "$DURATION" "$url" 2>&1 || true)
+  local rps ok failed mean max
+  rps=$(awk '/^finished in/ { gsub(",", "", $4); printf "%.0f", $4 }' <<<"$out")
+  ok=$(awk '/^requests:/ { print $8 }' <<<"$out")
+  failed=$(awk '/^status codes:/ { print $5 + $7 + $9 }' <<<"$out")
+  # "time for request:  min  max  mean  sd  +/- sd", each with its unit.
+  to_ms() { awk -v v="$1" 'BEGIN { n = v + 0; if (v ~ /us$/) n /= 1000; else if (v ~ /ms$/) n += 0; else if (v ~ /s$/) n *= 1000; printf "%.2f", n }'; }
+  max=$(to_ms "$(awk '/^time for request:/ { print $5 }' <<<"$out")")
+  mean=$(to_ms "$(awk '/^time for request:/ { print $6 }' <<<"$out")")
+  cpu_end "${ok:-0}"
+  local rss="-"; [ -n "$pid" ] && rss=$(peak_rss_mib "$pid")
+  add_row "$label" "$CONNS" "${rps:-0}" "-" "$mean (mean)" "$max (max)" "${failed:-?}" "$rss" "-"
+}
+printf '%s' '{"item":"book","qty":1}' >"$work/body.json"
 
 up="http://127.0.0.1:$up_port"
 run "upstream direct (nginx)" "$up" none "$CONNS"
-run "nginx plain proxy" "http://127.0.0.1:$px_port" none "$CONNS"
+start_nginx_proxy nginx1 1
+nginx1=$NX_PORT; nginx1_h2=$NX_H2_PORT; nginx1_pid=$NX_PID
+run "nginx plain proxy, own process, 1 worker" "http://127.0.0.1:$nginx1" none "$CONNS" "$nginx1_pid"
+start_nginx_proxy nginxauto auto
+run "nginx plain proxy, own process, worker_processes auto" "http://127.0.0.1:$NX_PORT" none "$CONNS" "$NX_PID"
+kill "$NX_PID" 2>/dev/null || true
 
 start_idemgate sqlite sqlite "path = \"$work/bench.db\"
 synchronous = \"full\""
 sqlite="http://127.0.0.1:$IG_PORT"; sqlite_pid=$IG_PID
 PATH_=/plain run "idemgate pass-through (unprotected)" "$sqlite" none "$CONNS" "$sqlite_pid"
+run_h2 "h2c nginx plain proxy, own process, 1 worker" "http://127.0.0.1:$nginx1_h2/plain" none "$nginx1_pid"
+run_h2 "h2c idemgate pass-through (unprotected)" "$sqlite/plain" none "$sqlite_pid"
 # One runtime worker, like the single nginx worker it is compared with:
 # tokio reads TOKIO_WORKER_THREADS (default: one per core).
 if [ -z "${ONLY:-}" ] || [[ "idemgate pass-through, 1 worker thread" =~ $ONLY ]]; then
@@ -207,6 +326,7 @@ schema = \"$schema\""
 pg="http://127.0.0.1:$IG_PORT"; pg_pid=$IG_PID
 run "fresh keys, postgres" "$pg" fresh "$CONNS" "$pg_pid"
 run "one key replayed, postgres" "$pg" one "$CONNS" "$pg_pid"
+run_h2 "h2c one key replayed, postgres" "$pg/orders" one "$pg_pid"
 run "100 keys, postgres" "$pg" 100 "$CONNS" "$pg_pid"
 run "duplicate storm, postgres" "$pg" storm "$STORM_CONNS" "$pg_pid" /storm/postgres
 
@@ -264,8 +384,41 @@ rd="http://127.0.0.1:$IG_PORT"; rd_pid=$IG_PID
 checkpoint
 run "fresh keys, postgres + redis" "$rd" fresh "$CONNS" "$rd_pid"
 run "one key replayed, postgres + redis" "$rd" one "$CONNS" "$rd_pid"
+run_h2 "h2c one key replayed, postgres + redis" "$rd/orders" one "$rd_pid"
 run "100 keys, postgres + redis" "$rd" 100 "$CONNS" "$rd_pid"
 run "duplicate storm, postgres + redis" "$rd" storm "$STORM_CONNS" "$rd_pid" /storm/redis
+
+# ----- the peer: ldclabs/idempotent-proxy, built from source -----
+# Redis only (a lock with SET NX, the response cached in Redis: not
+# durable), the strongest open-source idempotency proxy to compare with.
+# Its source is not part of this repository: build it once with
+#   git clone https://github.com/ldclabs/idempotent-proxy && cd idempotent-proxy &&
+#   cargo build --release -p idempotent-proxy-server
+# and pass PEER_BIN=/path/to/target/release/idempotent-proxy-server.
+if [ -n "${PEER_BIN:-}" ] && wanted "idempotent-proxy"; then
+  peer_port=$(free_port)
+  mkdir -p "$work/peer"
+  # It insists on a .env file in its working directory.
+  cat >"$work/peer/.env" <<EOF
+SERVER_ADDR=127.0.0.1:$peer_port
+REDIS_URL=${REDIS_URL#redis://}
+URL_ORDERS=http://127.0.0.1:$up_port/orders
+LOG_LEVEL=warn
+EOF
+  (cd "$work/peer" && exec "$PEER_BIN" >"$work/peer/peer.log" 2>&1) &
+  peer_pid=$!
+  pids+=("$peer_pid")
+  for _ in $(seq 100); do
+    curl -s -o /dev/null "http://127.0.0.1:$peer_port/" && break
+    sleep 0.1
+  done
+  checkpoint
+  PATH_=/URL_ORDERS run "fresh keys, idempotent-proxy peer (Redis only)" "http://127.0.0.1:$peer_port" fresh "$CONNS" "$peer_pid"
+  PATH_=/URL_ORDERS run "one key replayed, idempotent-proxy peer (Redis only)" "http://127.0.0.1:$peer_port" one "$CONNS" "$peer_pid"
+  kill "$peer_pid" 2>/dev/null || true
+elif [ -z "${PEER_BIN:-}" ]; then
+  say "PEER_BIN not set: the idempotent-proxy rows are not measured"
+fi
 
 if [ -z "${ONLY:-}" ]; then
 say "loading $LIVE_KEYS live keys into PostgreSQL"
@@ -299,12 +452,51 @@ WHERE scope = sha256(('pgb' || :k)::bytea) AND key = sha256(('pgb' || :k || :t):
 EOF
 checkpoint
 pgb=$(pgbench -n -c "$CONNS" -j 1 -T "$DURATION" -f "$work/claim_complete.sql" "$DB_URL" 2>&1 | awk '/^tps/ {printf "%.0f", $3}')
-rows+=("| pgbench: claim + complete statements (requests/s) | $CONNS | $pgb | | | | | | |")
+rows+=("| pgbench: claim + complete statements (requests/s) | $CONNS | $pgb | | | | | | | | | |")
 fi
 
 echo
-echo "| row | conns | req/s | p50 ms | p99 ms | p99.9 ms | non-2xx | peak RSS MiB | upstream executions |"
-echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+echo "CPU columns: utime + stime per request, in µs, of the process under test (idemgate, the nginx proxy or the peer), of the upstream nginx, and of every PostgreSQL, Redis and PgBouncer process."
+echo
+echo "| row | conns | req/s | p50 ms | p99 ms | p99.9 ms | CPU µs/req proxy | CPU µs/req upstream | CPU µs/req stores | non-2xx | peak RSS MiB | upstream executions |"
+echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 printf '%s\n' "${rows[@]}"
+
+# ----- the targets of issue 23, as ratios within this run -----
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a + 0 > 0 && b + 0 > 0) printf "%.2f", a / b; else print "-" }'; }
+verdict() { # value op bound
+  awk -v v="$1" -v o="$2" -v b="$3" 'BEGIN { if (v == "-" || v == "") print "not measured";
+    else if ((o == ">=" && v + 0 >= b) || (o == "<=" && v + 0 <= b)) print "met"; else print "**not met**" }'
+}
+target() { # description value op bound
+  local v=${2:--}
+  echo "| $1 | $v | $3 $4 | $(verdict "$v" "$3" "$4") |"
+}
+pass="idemgate pass-through (unprotected)"; nx="nginx plain proxy, own process, 1 worker"
+peer_fresh="fresh keys, idempotent-proxy peer (Redis only)"
+echo
+echo "| target | measured | bound | verdict |"
+echo "|---|---:|---:|---|"
+target "pass-through req/s vs nginx (own process, 1 worker)" "$(ratio "${RPS[$pass]:-}" "${RPS[$nx]:-}")" ">=" 1.0
+target "pass-through p99 vs nginx" "$(ratio "${P99[$pass]:-}" "${P99[$nx]:-}")" "<=" 1.5
+target "pass-through CPU per request vs nginx" "$(ratio "${CPU[$pass]:-}" "${CPU[$nx]:-}")" "<=" 1.25
+target "fresh keys, postgres vs the Redis-only peer" "$(ratio "${RPS[fresh keys, postgres]:-}" "${RPS[$peer_fresh]:-}")" ">=" 1.0
+target "fresh keys, postgres + redis vs postgres alone" "$(ratio "${RPS[fresh keys, postgres + redis]:-}" "${RPS[fresh keys, postgres]:-}")" ">=" 1.0
+target "one key replayed, postgres vs pass-through" "$(ratio "${RPS[one key replayed, postgres]:-}" "${RPS[$pass]:-}")" ">=" 0.5
+target "one key replayed, postgres + redis vs pass-through" "$(ratio "${RPS[one key replayed, postgres + redis]:-}" "${RPS[$pass]:-}")" ">=" 1.0
+target "replay p99.9, postgres (ms)" "${P999[one key replayed, postgres]:-}" "<=" 100
+target "replay p99.9, postgres + redis (ms)" "${P999[one key replayed, postgres + redis]:-}" "<=" 100
+target "fresh keys, sqlite (synchronous = full) vs pass-through" "$(ratio "${RPS[fresh keys, sqlite (synchronous = full)]:-}" "${RPS[$pass]:-}")" ">=" 0.25
+target "h2c pass-through vs h2c nginx" "$(ratio "${RPS[h2c idemgate pass-through (unprotected)]:-}" "${RPS[h2c nginx plain proxy, own process, 1 worker]:-}")" ">=" 1.0
+target "h2c pass-through CPU per request vs h2c nginx" "$(ratio "${CPU[h2c idemgate pass-through (unprotected)]:-}" "${CPU[h2c nginx plain proxy, own process, 1 worker]:-}")" "<=" 1.25
+target "h2c one key replayed, postgres vs h2c pass-through" "$(ratio "${RPS[h2c one key replayed, postgres]:-}" "${RPS[h2c idemgate pass-through (unprotected)]:-}")" ">=" 0.5
+target "h2c one key replayed, postgres + redis vs h2c pass-through" "$(ratio "${RPS[h2c one key replayed, postgres + redis]:-}" "${RPS[h2c idemgate pass-through (unprotected)]:-}")" ">=" 1.0
+max_rss=-
+for label in "${!RSS[@]}"; do
+  case $label in *nginx*|*peer*|upstream*) continue ;; esac
+  v=${RSS[$label]}; [ "$v" = "-" ] && continue
+  if [ "$max_rss" = "-" ] || [ "$v" -gt "$max_rss" ]; then max_rss=$v; fi
+done
+target "idemgate peak RSS, every row (MiB)" "$max_rss" "<=" 64
 echo
 echo "machine: $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo), $(uname -sr); load settings: wrk -t1 -c$CONNS -d${DURATION}s after ${WARMUP}s warm-up"

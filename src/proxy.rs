@@ -217,6 +217,9 @@ impl Proxy {
         if let Err(e) = admission::refuse_protected_upgrade(&route, &req) {
             return log.conclude(metrics, Err(e));
         }
-        self.protect(route, req, peer, log).await
+        // Boxed: the protected path's state is many times a pass-through's,
+        // and every request's future is moved (copied) as large as its
+        // largest branch; boxing keeps pass-through's small.
+        Box::pin(self.protect(route, req, peer, log)).await
     }
 }

@@ -336,16 +336,24 @@ pub fn upstream_uri(
         Some(prefix) => crate::route::strip_path_prefix(&resolved, prefix),
         None => &resolved,
     };
-    let joined = match original.query() {
-        Some(query) => format!("{base}{path}?{query}"),
-        None => format!("{base}{path}"),
-    };
     let mut parts = upstream.clone().into_parts();
-    parts.path_and_query = Some(
-        joined
-            .parse()
-            .map_err(|e| ForwardError::Failed(format!("bad request path: {e}").into()))?,
-    );
+    let unchanged = base.is_empty() && path == original.path();
+    parts.path_and_query = match original.path_and_query() {
+        // Nothing to join or resolve: the client's bytes, shared, as they
+        // were parsed (no copy, no second parse).
+        Some(pq) if unchanged => Some(pq.clone()),
+        _ => {
+            let joined = match original.query() {
+                Some(query) => format!("{base}{path}?{query}"),
+                None => format!("{base}{path}"),
+            };
+            Some(
+                joined
+                    .parse()
+                    .map_err(|e| ForwardError::Failed(format!("bad request path: {e}").into()))?,
+            )
+        }
+    };
     Uri::from_parts(parts)
         .map_err(|e| ForwardError::Failed(format!("bad upstream URI: {e}").into()))
 }

@@ -8,27 +8,43 @@ use std::net::SocketAddr;
 
 /// RFC 9110 §7.6.1: these apply to one connection only and must not be
 /// forwarded, plus the legacy `Keep-Alive`/`Proxy-Connection` (RFC 9112 §9.6
-/// and common practice).
-const HOP_BY_HOP: [HeaderName; 8] = [
-    header::CONNECTION,
-    HeaderName::from_static("keep-alive"),
-    HeaderName::from_static("proxy-connection"),
-    header::PROXY_AUTHENTICATE,
-    header::PROXY_AUTHORIZATION,
-    header::TE,
-    header::TRAILER,
-    header::TRANSFER_ENCODING,
+/// and common practice) and `Upgrade`, which the forwarder puts back on the
+/// requests that may pass one. Compared as text: no hashing.
+const HOP_BY_HOP: [&str; 9] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
 ];
+
+/// Whether `name` (any case) is one of [`HOP_BY_HOP`].
+fn is_hop_by_hop(name: &str) -> bool {
+    HOP_BY_HOP.iter().any(|h| h.eq_ignore_ascii_case(name))
+}
 
 /// Removes hop-by-hop headers, including those the `Connection` header names.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let named: Vec<HeaderName> = list_items(headers, header::CONNECTION)
+    // Only the names present are removed, found in one pass: most messages
+    // carry none, or just `Connection: keep-alive`, and a hashed removal of
+    // every hop-by-hop name cost more than the rest of the rewrite.
+    let mut doomed: Vec<HeaderName> = list_items(headers, header::CONNECTION)
+        .filter(|t| !is_hop_by_hop(t))
         .filter_map(|t| HeaderName::from_bytes(t.as_bytes()).ok())
         .collect();
-    for name in named.iter().chain(HOP_BY_HOP.iter()) {
+    doomed.extend(
+        headers
+            .keys()
+            .filter(|name| is_hop_by_hop(name.as_str()))
+            .cloned(),
+    );
+    for name in doomed {
         headers.remove(name);
     }
-    headers.remove(header::UPGRADE);
 }
 
 /// The protocol an HTTP/1.1 upgrade request asks for (RFC 9110 §7.8): an
@@ -73,18 +89,19 @@ pub fn add_forwarded(
     const XFP: HeaderName = HeaderName::from_static("x-forwarded-proto");
     const XFH: HeaderName = HeaderName::from_static("x-forwarded-host");
     // Untrusted, a client's own chain could name any address as its origin.
-    let mut chain: Vec<String> = if trust {
-        headers
+    let peer_ip = ip_text(peer.ip());
+    let xff = if trust && headers.contains_key(&XFF) {
+        let mut chain: Vec<&str> = headers
             .get_all(&XFF)
             .iter()
             .filter_map(|v| v.to_str().ok())
-            .map(str::to_string)
-            .collect()
+            .collect();
+        chain.push(&peer_ip);
+        HeaderValue::from_str(&chain.join(", ")).ok()
     } else {
-        Vec::new()
+        HeaderValue::from_str(&peer_ip).ok()
     };
-    chain.push(peer.ip().to_string());
-    if let Ok(v) = HeaderValue::from_str(&chain.join(", ")) {
+    if let Some(v) = xff {
         headers.insert(XFF, v);
     }
     if !(trust && headers.contains_key(&XFP)) {
@@ -100,6 +117,29 @@ pub fn add_forwarded(
             }
         }
     }
+}
+
+/// An address as text, IPv4 without the formatting machinery (on every
+/// forwarded request, where `Display` cost more than the rest of
+/// `X-Forwarded-For`).
+fn ip_text(ip: std::net::IpAddr) -> String {
+    let std::net::IpAddr::V4(v4) = ip else {
+        return ip.to_string();
+    };
+    let mut out = String::with_capacity(15);
+    for (i, octet) in v4.octets().into_iter().enumerate() {
+        if i > 0 {
+            out.push('.');
+        }
+        if octet >= 100 {
+            out.push(char::from(b'0' + octet / 100));
+        }
+        if octet >= 10 {
+            out.push(char::from(b'0' + octet / 10 % 10));
+        }
+        out.push(char::from(b'0' + octet % 10));
+    }
+    out
 }
 
 /// RFC 9113 §8.2.3: an HTTP/2 client may split `Cookie` into several
@@ -141,6 +181,20 @@ pub fn fields<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ip_text_is_what_display_writes() {
+        for octet in 0..=255u8 {
+            for ip in [
+                std::net::Ipv4Addr::new(octet, 0, 255, octet.wrapping_mul(7)),
+                std::net::Ipv4Addr::new(10, octet, 100, 9),
+            ] {
+                assert_eq!(ip_text(ip.into()), ip.to_string());
+            }
+        }
+        let v6: std::net::IpAddr = "2001:db8::1".parse().unwrap();
+        assert_eq!(ip_text(v6), "2001:db8::1");
+    }
 
     #[test]
     fn hop_by_hop_and_connection_named_headers_are_removed() {

@@ -137,8 +137,10 @@ static UNROUTED: LazyLock<Arc<String>> = LazyLock::new(|| Arc::new("unrouted".to
 #[derive(Clone, Debug)]
 pub struct RequestLog {
     method: Method,
-    /// The path as the client sent it (never the query: it may hold secrets).
-    path: String,
+    /// The target as the client sent it; only its path is logged (never
+    /// the query: it may hold secrets). A clone shares the bytes: nothing
+    /// is copied for a line that is never written.
+    target: http::Uri,
     route: Arc<String>,
     /// The short non-reversible key id (`RecordKey::log_id`), once known.
     key_id: Option<String>,
@@ -149,7 +151,8 @@ pub struct RequestLog {
     started: Instant,
     request_id: RequestId,
     version: Version,
-    user_agent: Option<String>,
+    /// Bounded to [`MAX_USER_AGENT`] when written.
+    user_agent: Option<HeaderValue>,
     /// The request body's length: `Content-Length`, or what a protected
     /// request's buffered body measured.
     bytes_in: Option<u64>,
@@ -164,6 +167,13 @@ pub struct UpstreamTime(pub Duration);
 /// User agents are the client's text: bounded in the log.
 const MAX_USER_AGENT: usize = 256;
 
+/// The first [`MAX_USER_AGENT`] characters of a textual `User-Agent`
+/// (visible ASCII, so characters are bytes); none for one that is not text.
+fn bounded_user_agent(v: &HeaderValue) -> Option<&str> {
+    let v = v.to_str().ok()?;
+    Some(&v[..v.len().min(MAX_USER_AGENT)])
+}
+
 impl RequestLog {
     pub fn start<B>(
         req: &Request<B>,
@@ -171,15 +181,11 @@ impl RequestLog {
         request_id: RequestId,
         errors: &ErrorShape,
     ) -> Self {
-        let user_agent = req
-            .headers()
-            .get(header::USER_AGENT)
-            .and_then(|v| v.to_str().ok())
-            .map(|v| v.chars().take(MAX_USER_AGENT).collect());
+        let user_agent = req.headers().get(header::USER_AGENT).cloned();
         let bytes_in = content_length(req.headers());
         Self {
             method: req.method().clone(),
-            path: req.uri().path().to_string(),
+            target: req.uri().clone(),
             route: UNROUTED.clone(),
             key_id: None,
             errors: errors.clone(),
@@ -262,7 +268,7 @@ impl RequestLog {
             request.id = self.request_id.as_str(),
             // Absent without tracing; `finish` runs inside the request's trace.
             trace.id = crate::telemetry::trace::current_trace_id().as_deref(),
-            path = %self.path,
+            path = %self.target.path(),
             protocol = ?self.version,
             route = %self.route,
             outcome = outcome.as_str(),
@@ -273,7 +279,7 @@ impl RequestLog {
             bytes_out,
             key.id = self.key_id.as_deref().unwrap_or("-"),
             client.addr = %self.peer,
-            user_agent = self.user_agent.as_deref(),
+            user_agent = self.user_agent.as_ref().and_then(bounded_user_agent),
             client_left,
             "request"
         );
