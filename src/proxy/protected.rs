@@ -111,17 +111,21 @@ impl Proxy {
 
     /// Claims, then executes or answers from the record found.
     async fn claim_and_execute(&self, req: ProtectedRequest) -> Result<Served, ProxyError> {
+        // Each branch that awaits is boxed: this future is spawned (moved
+        // into its task) on every protected request, and unboxed it would be
+        // as large as the largest branch's state, copied on each move, while
+        // a replay needs none of them.
         match self.services.leases.acquire(self.claim_of(&req)).await {
-            Ok(Acquired::Held(lease)) => self.execute_and_notify(req, lease).await,
+            Ok(Acquired::Held(lease)) => Box::pin(self.execute_and_notify(req, lease)).await,
             Ok(Acquired::Existing(record)) => match (req.route.in_flight, &record.state) {
                 (InFlight::Wait(wait), RecordState::InFlight { .. })
                     if record.fingerprint == req.fingerprint =>
                 {
-                    self.wait_for_answer(req, wait, record).await
+                    Box::pin(self.wait_for_answer(req, wait, record)).await
                 }
                 _ => self.answer(record, &req),
             },
-            Err(e) => self.on_store_error(req, e).await,
+            Err(e) => Box::pin(self.on_store_error(req, e)).await,
         }
     }
 
