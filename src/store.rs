@@ -20,6 +20,7 @@
 //! guard); `codec` and `sql` hold what they share, and `open` builds the
 //! configured one from the config. `notify` is no store: PostgreSQL
 //! `LISTEN`/`NOTIFY` that wakes waiting duplicates on other replicas.
+//! `vault` seals stored responses at rest (the key ring and AES-256-GCM).
 
 pub(crate) mod batch;
 pub(crate) mod codec;
@@ -34,6 +35,7 @@ pub mod redis;
 pub(crate) mod scripted;
 pub(crate) mod sql;
 pub mod sqlite;
+pub mod vault;
 
 pub use crate::idempotency::record::{FirstUse, Record, RecordState, StoredResponse, UnixMillis};
 pub use open::{check_connect, migrate, open, open_with_metrics};
