@@ -48,6 +48,13 @@ const ALIASES: [(&str, &str); 2] = [
     ("IDEMGATE_UPSTREAM", "IDEMGATE_SERVER_UPSTREAM"),
 ];
 
+/// Keys whose variable is taken as written, never read as TOML: a URL
+/// (which may carry a password) and the passwords themselves, so a secret
+/// never meets the TOML parser, whose errors would quote it.
+fn taken_as_written(key: &str) -> bool {
+    key == "url" || key.ends_with("password")
+}
+
 /// The span of a value the file does not have. A value the file has keeps
 /// its span when a variable replaces it, so a message about the key still
 /// points at the line that sets it. No value in a file has an empty span.
@@ -89,12 +96,12 @@ pub(super) fn settings<'e>(
         let setting = if let Some(rest) = name.strip_prefix("IDEMGATE_UPSTREAMS_") {
             let (upstream, key) =
                 named_location(rest, upstreams).map_err(|e| format!("{name}: {e}"))?;
-            let as_written = key == "url";
+            let as_written = taken_as_written(&key);
             let mut setting = Setting::new(NAMED, key, value, as_written);
             setting.name = Some(upstream);
             setting
         } else if let Some((section, key)) = location(name) {
-            let as_written = key == "url";
+            let as_written = taken_as_written(&key);
             Setting::new(section, key, value, as_written)
         } else {
             continue;
