@@ -512,7 +512,10 @@ fn sentinel_of(r: &mut RawRedis) -> Result<Option<SentinelConfig>, Invalid> {
     let span = sentinels.span();
     let list = sentinels.into_inner();
     if list.is_empty() {
-        return Err(Invalid::at(span, "redis.sentinels is empty: list at least one \"host:port\""));
+        return Err(Invalid::at(
+            span,
+            "redis.sentinels is empty: list at least one \"host:port\"",
+        ));
     }
     let sentinels = list
         .iter()
@@ -533,7 +536,8 @@ fn sentinel_of(r: &mut RawRedis) -> Result<Option<SentinelConfig>, Invalid> {
             "redis.sentinel_master must be non-empty and contain no spaces",
         ));
     }
-    let text = |v: Option<toml::Spanned<String>>| v.map(|v| v.into_inner()).filter(|v| !v.is_empty());
+    let text =
+        |v: Option<toml::Spanned<String>>| v.map(|v| v.into_inner()).filter(|v| !v.is_empty());
     Ok(Some(SentinelConfig {
         sentinels,
         master,

@@ -145,7 +145,9 @@ impl Sentinel {
             return Ok(master);
         }
         let lookup = async {
-            let mut conn = client.get_async_connection_with_config(&self.config).await?;
+            let mut conn = client
+                .get_async_connection_with_config(&self.config)
+                .await?;
             let epoch = epoch(&mut conn).await?;
             Ok::<_, RedisError>(Master {
                 conn,
@@ -189,11 +191,19 @@ async fn epoch(conn: &mut MultiplexedConnection) -> RedisResult<String> {
             .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
             .map(|v| v.trim().to_string())
     };
-    let not_master = || RedisError::from((ErrorKind::Server(redis::ServerErrorKind::ReadOnly), "the server the sentinels named is not a master (yet)"));
+    let not_master = || {
+        RedisError::from((
+            ErrorKind::Server(redis::ServerErrorKind::ReadOnly),
+            "the server the sentinels named is not a master (yet)",
+        ))
+    };
     if field(&replication, "role").as_deref() != Some("master") {
         return Err(not_master());
     }
-    match (field(&server, "run_id"), field(&replication, "master_replid")) {
+    match (
+        field(&server, "run_id"),
+        field(&replication, "master_replid"),
+    ) {
         (Some(run_id), Some(replid)) => Ok(epoch_of(&run_id, &replid)),
         _ => Err(not_master()),
     }
