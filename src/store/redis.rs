@@ -708,7 +708,7 @@ pub async fn check_connection(cfg: &RedisConfig) -> Result<String, String> {
     let kind = conn.kind();
     ping_once(conn, cfg.timeout, plain_probe_of(cfg))
         .await
-        .map(|()| format!("{kind} at {} answered", crate::config::mask_url(&cfg.url)))
+        .map(|()| format!("{kind} at {} answered", cfg.shown_address()))
         .map_err(|(error, _)| error)
 }
 

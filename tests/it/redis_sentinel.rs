@@ -138,6 +138,19 @@ async fn failover_under_traffic() {
         (fast_path_hits(&serve).await > 0).then_some(())
     })
     .await;
+    let check = run_to_completion(
+        &["check-config", "--connect", "-c", config.to_str().unwrap()],
+        &[],
+    )
+    .await;
+    let said = format!("{}{}", check.stdout, check.stderr);
+    assert_eq!(check.code, 0, "{said}");
+    assert!(
+        said.contains(&format!(
+            "redis sentinel at sentinel master \"{MASTER_NAME}\" via 127.0.0.1:"
+        )),
+        "{said}"
+    );
     let mut known = SentinelSet::keys(first_master, &format!("{prefix}:*"));
     assert_eq!(known.len(), 1, "{known:?}");
 

@@ -24,6 +24,7 @@ use redis::{
     AsyncConnectionConfig, ConnectionAddr, ErrorKind, RedisError, RedisResult, TlsCertificates,
     TlsMode,
 };
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -43,7 +44,7 @@ pub(crate) struct Sentinel {
     client: tokio::sync::Mutex<SentinelClient>,
     current: std::sync::Mutex<Option<Master>>,
     /// Whether a background lookup is running (see [`Sentinel::pin`]).
-    looking: std::sync::atomic::AtomicBool,
+    looking: AtomicBool,
     config: AsyncConnectionConfig,
     /// Bounds one lookup: every sentinel asked, the master connected and
     /// its `INFO` read.
@@ -121,17 +122,23 @@ impl Sentinel {
         if let Some(master) = super::lock(&self.current).clone() {
             return Some(master);
         }
-        if !self.looking.swap(true, std::sync::atomic::Ordering::AcqRel) {
-            let me = self.clone();
-            tokio::spawn(async move {
-                while me.master().await.is_err() {
-                    tokio::time::sleep(LOOKUP_RETRY).await;
-                }
-                me.looking
-                    .store(false, std::sync::atomic::Ordering::Release);
-            });
-        }
+        self.look_up_in_background();
         None
+    }
+
+    /// Asks the sentinels until a master answers, unless a lookup is under
+    /// way already.
+    fn look_up_in_background(self: &Arc<Self>) {
+        if self.looking.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let me = self.clone();
+        tokio::spawn(async move {
+            while me.master().await.is_err() {
+                tokio::time::sleep(LOOKUP_RETRY).await;
+            }
+            me.looking.store(false, Ordering::Release);
+        });
     }
 
     /// The current master, asking the sentinels if none is known.
@@ -169,10 +176,12 @@ impl Sentinel {
         Ok(master)
     }
 
-    /// The fast path could not use the master: forget it, so the next use
-    /// asks the sentinels again (after a failover they name another).
-    pub(crate) fn lost(&self) {
+    /// The fast path could not use the master: forget it and ask the
+    /// sentinels again at once, so the master they promote is known by the
+    /// time the fast path's backoff ends.
+    pub(crate) fn lost(self: &Arc<Self>) {
         super::lock(&self.current).take();
+        self.look_up_in_background();
     }
 }
 
