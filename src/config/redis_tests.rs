@@ -145,6 +145,10 @@ fn sentinel_mistakes_name_their_field_and_line() {
             "t.toml: line 7: redis.sentinels: expected \"host:port\"",
         ),
         (
+            "sentinels = [\"::1:26379\"]\nsentinel_master = \"m\"",
+            "(\"[::1]:26379\" for IPv6)",
+        ),
+        (
             "sentinels = [\"s:0\"]\nsentinel_master = \"m\"",
             "redis.sentinels: expected \"host:port\"",
         ),

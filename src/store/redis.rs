@@ -775,6 +775,46 @@ async fn probe(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::sample_claim;
+
+    /// What Redis answers alone: a live record, never a lock (another
+    /// claim's lock may be stale after a failover: the inner store
+    /// confirms it before any 409), and nothing expired.
+    #[test]
+    fn redis_answers_a_live_record_alone_and_never_a_lock() {
+        let claim = sample_claim();
+        let other = Claim {
+            token: LeaseToken([7; 16]),
+            ..claim.clone()
+        };
+        let record = |expires_at| Record {
+            fingerprint: claim.fingerprint,
+            state: RecordState::Unstored { status: 200 },
+            created_at: claim.now,
+            expires_at,
+            first_use: None,
+        };
+        let live = record(claim.now + 1);
+        for (what, value, answered) in [
+            (
+                "live record",
+                encode_record(&live).unwrap(),
+                Some(live.clone()),
+            ),
+            (
+                "expired record",
+                encode_record(&record(claim.now)).unwrap(),
+                None,
+            ),
+            ("another claim's lock", encode_lock(&other), None),
+            ("our own lock", encode_lock(&claim), None),
+            ("garbage", b"x".to_vec(), None),
+        ] {
+            let got = RedisFastPath::answer(&claim, &value);
+            let want = answered.map(ClaimOutcome::Existing);
+            assert_eq!(got, want, "{what}");
+        }
+    }
 
     /// Which failures make the fast path step aside (logged once per
     /// outage) rather than warn per command: redirects and cluster
