@@ -12,7 +12,7 @@
 //! docs/deploy.md ("Failover").
 
 use crate::support::process::run_to_completion;
-use crate::support::redis_sentinel::{SentinelSet, MASTER_NAME};
+use crate::support::redis_sentinel::{Auth, SentinelSet, MASTER_NAME};
 use crate::support::services::{database_url, require_postgres, TestSchema};
 use crate::support::{metric_value, Route, ServeProcess, TestConfig, Upstream, ORDERS};
 use std::collections::HashMap;
@@ -32,6 +32,7 @@ async fn serve(
     schema: &TestSchema,
     set: &SentinelSet,
     config: &std::path::Path,
+    env: &[(&str, &str)],
 ) -> ServeProcess {
     let (listen, admin) = (crate::support::free_port(), crate::support::free_port());
     TestConfig::new(up.addr)
@@ -46,7 +47,11 @@ async fn serve(
         .set("redis.prefix", schema.prefix.as_str())
         .set("redis.timeout", "1s")
         .write(config);
-    ServeProcess::start(config, listen, admin, &[("RUST_LOG", "info")]).await
+    let env: Vec<(&str, &str)> = [("RUST_LOG", "info")]
+        .into_iter()
+        .chain(env.iter().copied())
+        .collect();
+    ServeProcess::start(config, listen, admin, &env).await
 }
 
 fn hits(metrics: &str) -> u64 {
@@ -66,8 +71,9 @@ fn executions(up: &Upstream, key: &str) -> usize {
 }
 
 /// The one name under `prefix` on `port` that is not in `known`.
-fn new_name(port: u16, prefix: &str, known: &[String]) -> Option<String> {
-    let names: Vec<String> = SentinelSet::keys(port, &format!("{prefix}:*"))
+fn new_name(set: &SentinelSet, port: u16, prefix: &str, known: &[String]) -> Option<String> {
+    let names: Vec<String> = set
+        .keys(port, &format!("{prefix}:*"))
         .into_iter()
         .filter(|n| !known.contains(n))
         .collect();
@@ -129,7 +135,7 @@ async fn failover_under_traffic() {
     let schema = TestSchema::new();
     let dir = tempfile::TempDir::new().expect("tempdir");
     let config = dir.path().join("idemgate.toml");
-    let serve = Arc::new(serve(&up, &schema, &set, &config).await);
+    let serve = Arc::new(serve(&up, &schema, &set, &config, &[]).await);
     let prefix = schema.prefix.as_str();
     let first_master = set.master_port();
     crate::support::wait_for("the fast path on the sentinels' master", || async {
@@ -151,7 +157,7 @@ async fn failover_under_traffic() {
         )),
         "{said}"
     );
-    let mut known = SentinelSet::keys(first_master, &format!("{prefix}:*"));
+    let mut known = set.keys(first_master, &format!("{prefix}:*"));
     assert_eq!(known.len(), 1, "{known:?}");
 
     // 1. A stale lock copy: the lock a request held while in flight, put
@@ -163,14 +169,14 @@ async fn failover_under_traffic() {
         .body(BODY);
     let slow = tokio::spawn(slow.send());
     let name = crate::support::wait_for("the in-flight lock in redis", || async {
-        new_name(first_master, prefix, &known)
+        new_name(&set, first_master, prefix, &known)
     })
     .await;
-    let lock = SentinelSet::get(first_master, &name).expect("the lock");
+    let lock = set.get(first_master, &name).expect("the lock");
     let done = slow.await.expect("request task");
     assert_eq!(done.status(), 201, "{}", done.text());
-    assert_ne!(SentinelSet::get(first_master, &name), Some(lock.clone()));
-    SentinelSet::set_px(first_master, &name, &lock, 60_000);
+    assert_ne!(set.get(first_master, &name), Some(lock.clone()));
+    set.set_px(first_master, &name, &lock, 60_000);
     let again = serve
         .post(&format!("{ORDERS}?delay_ms=1500"))
         .key("stale-lock")
@@ -189,10 +195,10 @@ async fn failover_under_traffic() {
     let deleted = serve.post(ORDERS).key("deleted").body(BODY).send().await;
     assert_eq!(deleted.status(), 201, "{}", deleted.text());
     let deleted_name = crate::support::wait_for("the completed copy in redis", || async {
-        new_name(first_master, prefix, &known)
+        new_name(&set, first_master, prefix, &known)
     })
     .await;
-    let deleted_copy = SentinelSet::get(first_master, &deleted_name).expect("the copy");
+    let deleted_copy = set.get(first_master, &deleted_name).expect("the copy");
     let out = run_to_completion(
         &[
             "keys",
@@ -206,7 +212,7 @@ async fn failover_under_traffic() {
     )
     .await;
     assert_eq!(out.code, 0, "{}{}", out.stdout, out.stderr);
-    assert_eq!(SentinelSet::get(first_master, &deleted_name), None);
+    assert_eq!(set.get(first_master, &deleted_name), None);
 
     // 3. Traffic, two workers of new keys; the master dies under it.
     let stop = Arc::new(AtomicBool::new(false));
@@ -263,7 +269,7 @@ async fn failover_under_traffic() {
 
     // The fast path writes the new master's copies under its own epoch;
     // the old master's (replicated) ones are still there, unread.
-    let names = SentinelSet::keys(promoted, &format!("{prefix}:*"));
+    let names = set.keys(promoted, &format!("{prefix}:*"));
     let old_epoch = epoch_of(&deleted_name, prefix);
     let new_names: Vec<&String> = names
         .iter()
@@ -277,7 +283,7 @@ async fn failover_under_traffic() {
 
     // 4. The promoted replica holds the deleted record's copy (step 2):
     // it must not replay, the key runs again.
-    SentinelSet::set_px(promoted, &deleted_name, &deleted_copy, 60_000);
+    set.set_px(promoted, &deleted_name, &deleted_copy, 60_000);
     let rerun = serve.post(ORDERS).key("deleted").body(BODY).send().await;
     assert_eq!(rerun.status(), 201, "{}", rerun.text());
     assert!(
@@ -290,6 +296,48 @@ async fn failover_under_traffic() {
         log.matches("redis sentinel: connected to the master")
             .count()
             >= 2,
+        "{log}"
+    );
+}
+
+/// The master's password (`requirepass`) and the sentinels' own, both from
+/// the environment: the fast path authenticates to each, and neither
+/// password reaches the log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinel_and_master_passwords_come_from_the_environment() {
+    require_postgres(&database_url()).await;
+    let auth = Auth {
+        master: "m4ster-secret".into(),
+        sentinel: "sent1nel-secret".into(),
+    };
+    let set = SentinelSet::start_with_auth(auth.clone());
+    assert!(
+        !set.answers_without_password(),
+        "the passwords are not required"
+    );
+    let up = Upstream::start().await;
+    let schema = TestSchema::new();
+    let dir = tempfile::TempDir::new().expect("tempdir");
+    let config = dir.path().join("idemgate.toml");
+    let env = [
+        ("IDEMGATE_REDIS_PASSWORD", auth.master.as_str()),
+        ("IDEMGATE_REDIS_SENTINEL_PASSWORD", auth.sentinel.as_str()),
+    ];
+    let serve = serve(&up, &schema, &set, &config, &env).await;
+    let first = serve.post(ORDERS).key("auth-1").body(BODY).send().await;
+    assert_eq!(first.status(), 201, "{}", first.text());
+    crate::support::wait_for("a replay from the fast path", || async {
+        let r = serve.post(ORDERS).key("auth-1").body(BODY).send().await;
+        assert!(r.replayed(), "{r:?}");
+        (fast_path_hits(&serve).await > 0).then_some(())
+    })
+    .await;
+    let names = set.keys(set.master_port(), &format!("{}:*", schema.prefix));
+    assert_eq!(names.len(), 1, "{names:?}");
+    assert_eq!(executions(&up, "auth-1"), 1);
+    let log = serve.log();
+    assert!(
+        !log.contains(&auth.master) && !log.contains(&auth.sentinel),
         "{log}"
     );
 }

@@ -6,6 +6,9 @@
 //! once every sentinel sees the replica and the two other sentinels (a
 //! failover needs a majority that knows each other). The master can be
 //! killed (SIGKILL); everything is killed and the directory removed on drop.
+//! [`SentinelSet::start_with_auth`] sets a password on the master and the
+//! replica (`requirepass`, `masterauth`, `sentinel auth-pass`) and another
+//! on the sentinels (`requirepass`, `sentinel sentinel-pass`).
 
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -21,25 +24,50 @@ struct Server {
     child: Option<Child>,
 }
 
+/// The passwords of [`SentinelSet::start_with_auth`].
+#[derive(Clone)]
+pub struct Auth {
+    pub master: String,
+    pub sentinel: String,
+}
+
 pub struct SentinelSet {
     /// `[0]` the first master, `[1]` its replica.
     servers: Vec<Server>,
+    auth: Option<Auth>,
     sentinels: Vec<Server>,
     _dir: tempfile::TempDir,
 }
 
 impl SentinelSet {
     pub fn start() -> Self {
+        Self::start_auth(None)
+    }
+
+    pub fn start_with_auth(auth: Auth) -> Self {
+        Self::start_auth(Some(auth))
+    }
+
+    fn start_auth(auth: Option<Auth>) -> Self {
         let dir = tempfile::TempDir::new().expect("tempdir");
         let master = super::free_port().port();
         let replica = super::free_port().port();
         let mut set = Self {
+            auth: auth.clone(),
             servers: Vec::new(),
             sentinels: Vec::new(),
             _dir: dir,
         };
-        set.servers.push(spawn_server(master, None));
-        set.servers.push(spawn_server(replica, Some(master)));
+        let pass = auth.as_ref().map(|a| a.master.as_str());
+        set.servers.push(spawn_server(master, None, pass));
+        set.servers.push(spawn_server(replica, Some(master), pass));
+        let auth_lines = match &auth {
+            Some(a) => format!(
+                "sentinel auth-pass {MASTER_NAME} {}\nrequirepass {}\nsentinel sentinel-pass {}\n",
+                a.master, a.sentinel, a.sentinel
+            ),
+            None => String::new(),
+        };
         for i in 0..3 {
             let port = super::free_port().port();
             let conf = set._dir.path().join(format!("sentinel-{i}.conf"));
@@ -50,7 +78,7 @@ impl SentinelSet {
                      sentinel monitor {MASTER_NAME} 127.0.0.1 {master} 2\n\
                      sentinel down-after-milliseconds {MASTER_NAME} 500\n\
                      sentinel failover-timeout {MASTER_NAME} 2000\n\
-                     sentinel parallel-syncs {MASTER_NAME} 1\n",
+                     sentinel parallel-syncs {MASTER_NAME} 1\n{auth_lines}",
                     dir = set._dir.path().display()
                 ),
             )
@@ -87,7 +115,7 @@ impl SentinelSet {
     /// The port of the server the sentinels call the master now.
     pub fn master_port(&self) -> u16 {
         for s in &self.sentinels {
-            if let Ok(addr) = query::<Vec<String>>(
+            if let Ok(addr) = self.query_sentinel::<Vec<String>>(
                 s.port,
                 redis::cmd("SENTINEL")
                     .arg("get-master-addr-by-name")
@@ -122,7 +150,7 @@ impl SentinelSet {
         let deadline = Instant::now() + SETTLE;
         loop {
             let port = self.master_port();
-            if port != old && role(port).as_deref() == Some("master") {
+            if port != old && self.role(port).as_deref() == Some("master") {
                 return port;
             }
             assert!(
@@ -134,22 +162,59 @@ impl SentinelSet {
     }
 
     /// The key names under `pattern` on the server at `port`.
-    pub fn keys(port: u16, pattern: &str) -> Vec<String> {
-        query(port, redis::cmd("KEYS").arg(pattern)).expect("KEYS")
+    pub fn keys(&self, port: u16, pattern: &str) -> Vec<String> {
+        self.query_server(port, redis::cmd("KEYS").arg(pattern))
+            .expect("KEYS")
     }
 
     /// A raw value, `None` if absent.
-    pub fn get(port: u16, name: &str) -> Option<Vec<u8>> {
-        query(port, redis::cmd("GET").arg(name)).expect("GET")
+    pub fn get(&self, port: u16, name: &str) -> Option<Vec<u8>> {
+        self.query_server(port, redis::cmd("GET").arg(name))
+            .expect("GET")
     }
 
     /// Sets a raw value with a PX expiry.
-    pub fn set_px(port: u16, name: &str, value: &[u8], px: u64) {
-        let _: () = query(
-            port,
-            redis::cmd("SET").arg(name).arg(value).arg("PX").arg(px),
-        )
-        .expect("SET");
+    pub fn set_px(&self, port: u16, name: &str, value: &[u8], px: u64) {
+        let set = redis::cmd("SET")
+            .arg(name)
+            .arg(value)
+            .arg("PX")
+            .arg(px)
+            .to_owned();
+        let _: () = self.query_server(port, &set).expect("SET");
+    }
+
+    /// Whether the master or a sentinel answers a PING without a password.
+    pub fn answers_without_password(&self) -> bool {
+        let ping = redis::cmd("PING");
+        query::<String>(self.master_port(), None, &ping).is_ok()
+            || query::<String>(self.sentinels[0].port, None, &ping).is_ok()
+    }
+
+    fn query_server<T: redis::FromRedisValue>(
+        &self,
+        port: u16,
+        cmd: &redis::Cmd,
+    ) -> redis::RedisResult<T> {
+        query(port, self.auth.as_ref().map(|a| a.master.as_str()), cmd)
+    }
+
+    fn query_sentinel<T: redis::FromRedisValue>(
+        &self,
+        port: u16,
+        cmd: &redis::Cmd,
+    ) -> redis::RedisResult<T> {
+        query(port, self.auth.as_ref().map(|a| a.sentinel.as_str()), cmd)
+    }
+
+    /// `role:` from `INFO replication`, `None` if the server does not answer.
+    fn role(&self, port: u16) -> Option<String> {
+        let info: String = self
+            .query_server(port, redis::cmd("INFO").arg("replication"))
+            .ok()?;
+        info.lines()
+            .find_map(|l| l.strip_prefix("role:"))
+            .map(|r| r.trim().to_string())
     }
 
     /// Until every sentinel sees the replica and the two other sentinels.
@@ -157,7 +222,7 @@ impl SentinelSet {
         let deadline = Instant::now() + SETTLE;
         loop {
             let ready = self.sentinels.iter().all(|s| {
-                let Ok(info) = query::<std::collections::HashMap<String, String>>(
+                let Ok(info) = self.query_sentinel::<std::collections::HashMap<String, String>>(
                     s.port,
                     redis::cmd("SENTINEL").arg("master").arg(MASTER_NAME),
                 ) else {
@@ -197,7 +262,7 @@ impl Drop for SentinelSet {
     }
 }
 
-fn spawn_server(port: u16, replica_of: Option<u16>) -> Server {
+fn spawn_server(port: u16, replica_of: Option<u16>, password: Option<&str>) -> Server {
     let mut args = vec![
         "--port".to_string(),
         port.to_string(),
@@ -211,6 +276,14 @@ fn spawn_server(port: u16, replica_of: Option<u16>) -> Server {
         "--repl-diskless-sync-delay".into(),
         "0".into(),
     ];
+    if let Some(pass) = password {
+        args.extend([
+            "--requirepass".into(),
+            pass.into(),
+            "--masterauth".into(),
+            pass.into(),
+        ]);
+    }
     if let Some(master) = replica_of {
         args.extend(["--replicaof".into(), "127.0.0.1".into(), master.to_string()]);
     }
@@ -225,7 +298,7 @@ fn spawn_server(port: u16, replica_of: Option<u16>) -> Server {
         child: Some(child),
     };
     let deadline = Instant::now() + Duration::from_secs(10);
-    while query::<String>(port, &redis::cmd("PING")).is_err() {
+    while query::<String>(port, password, &redis::cmd("PING")).is_err() {
         if let Some(Ok(Some(status))) = server.child.as_mut().map(|c| c.try_wait()) {
             panic!("redis-server on port {port} exited: {status}");
         }
@@ -238,17 +311,14 @@ fn spawn_server(port: u16, replica_of: Option<u16>) -> Server {
     server
 }
 
-/// `role:` from `INFO replication`, `None` if the server does not answer.
-fn role(port: u16) -> Option<String> {
-    let info: String = query(port, redis::cmd("INFO").arg("replication")).ok()?;
-    info.lines()
-        .find_map(|l| l.strip_prefix("role:"))
-        .map(|r| r.trim().to_string())
-}
-
 /// One command to `127.0.0.1:port` on a fresh connection (500 ms bounds).
-fn query<T: redis::FromRedisValue>(port: u16, cmd: &redis::Cmd) -> redis::RedisResult<T> {
-    let client = redis::Client::open(format!("redis://127.0.0.1:{port}"))?;
+fn query<T: redis::FromRedisValue>(
+    port: u16,
+    password: Option<&str>,
+    cmd: &redis::Cmd,
+) -> redis::RedisResult<T> {
+    let auth = password.map(|p| format!(":{p}@")).unwrap_or_default();
+    let client = redis::Client::open(format!("redis://{auth}127.0.0.1:{port}"))?;
     let mut conn = client.get_connection_with_timeout(Duration::from_millis(500))?;
     conn.set_read_timeout(Some(Duration::from_millis(500)))?;
     cmd.query(&mut conn)
