@@ -9,9 +9,9 @@
 //! for a NAME the file defines: the environment changes an upstream, it
 //! never creates one (a route must name it in the file anyway).
 //! The value is read as one TOML value, or else taken as a string; a `url`
-//! is always taken as written, so a password in it never meets the TOML
-//! parser (whose errors would quote it). An empty variable counts as unset,
-//! and a variable wins over the file.
+//! and any `*password` key are always taken as written, so a password never
+//! meets the TOML parser (whose errors would quote it). An empty variable
+//! counts as unset, and a variable wins over the file.
 //!
 //! The variables are laid onto the parsed file before it is read into typed
 //! settings, so whatever key a section accepts can be set this way: no list
