@@ -36,7 +36,7 @@ pub struct SentinelSet {
     servers: Vec<Server>,
     auth: Option<Auth>,
     sentinels: Vec<Server>,
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
 }
 
 impl SentinelSet {
@@ -56,11 +56,13 @@ impl SentinelSet {
             auth: auth.clone(),
             servers: Vec::new(),
             sentinels: Vec::new(),
-            _dir: dir,
+            dir,
         };
         let pass = auth.as_ref().map(|a| a.master.as_str());
-        set.servers.push(spawn_server(master, None, pass));
-        set.servers.push(spawn_server(replica, Some(master), pass));
+        let dir = set.dir.path().to_path_buf();
+        set.servers.push(spawn_server(&dir, master, None, pass));
+        set.servers
+            .push(spawn_server(&dir, replica, Some(master), pass));
         let auth_lines = match &auth {
             Some(a) => format!(
                 "sentinel auth-pass {MASTER_NAME} {}\nrequirepass {}\nsentinel sentinel-pass {}\n",
@@ -70,7 +72,7 @@ impl SentinelSet {
         };
         for i in 0..3 {
             let port = super::free_port().port();
-            let conf = set._dir.path().join(format!("sentinel-{i}.conf"));
+            let conf = set.dir.path().join(format!("sentinel-{i}.conf"));
             std::fs::write(
                 &conf,
                 format!(
@@ -79,13 +81,14 @@ impl SentinelSet {
                      sentinel down-after-milliseconds {MASTER_NAME} 500\n\
                      sentinel failover-timeout {MASTER_NAME} 2000\n\
                      sentinel parallel-syncs {MASTER_NAME} 1\n{auth_lines}",
-                    dir = set._dir.path().display()
+                    dir = set.dir.path().display()
                 ),
             )
             .expect("write a sentinel config");
             let child = Command::new("redis-server")
                 .arg(&conf)
                 .arg("--sentinel")
+                .current_dir(set.dir.path())
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
                 .spawn()
@@ -262,7 +265,14 @@ impl Drop for SentinelSet {
     }
 }
 
-fn spawn_server(port: u16, replica_of: Option<u16>, password: Option<&str>) -> Server {
+/// Runs in `dir`: a replica writes the master's snapshot there when it
+/// syncs (`--save ""` does not stop that), never into the checkout.
+fn spawn_server(
+    dir: &std::path::Path,
+    port: u16,
+    replica_of: Option<u16>,
+    password: Option<&str>,
+) -> Server {
     let mut args = vec![
         "--port".to_string(),
         port.to_string(),
@@ -289,6 +299,7 @@ fn spawn_server(port: u16, replica_of: Option<u16>, password: Option<&str>) -> S
     }
     let child = Command::new("redis-server")
         .args(&args)
+        .current_dir(dir)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
