@@ -35,8 +35,9 @@
 //! [`BACKOFF`] and the inner store answers alone, then it probes again, so
 //! Redis coming back needs no restart.
 //!
-//! Key names are `{prefix}:{hex(scope)}:{hex(key)}`: digests only, never a
-//! raw credential or idempotency key.
+//! Key names are `{prefix}:{hex(scope)}:{hex(key)}` (under Sentinel
+//! `{prefix}:{epoch}:{hex(scope)}:{hex(key)}`): digests only, never a raw
+//! credential or idempotency key.
 //!
 //! **After a failover** the new master may hold copies the old one had
 //! replaced or deleted (replication is asynchronous). Under Sentinel the
@@ -45,7 +46,7 @@
 //! master and its names ([`RedisConn::pin`]). A stale lock copy elsewhere
 //! (one node behind a managed endpoint, a cluster shard) is confirmed with
 //! the inner store as above; a stale record copy there can replay until
-//! it expires (see docs/deploy.md, "Failover").
+//! it expires (see docs/deploy.md, "Redis failover").
 //!
 //! Redis is reached through [`RedisConn`] (`conn.rs`): one node, a Redis
 //! Cluster (`redis.cluster`) or the master Redis Sentinel names
@@ -247,8 +248,10 @@ impl RedisFastPath {
         self.counters.clone()
     }
 
-    /// The Redis key for `key` (for tests and operators); under Sentinel
-    /// the master's epoch follows the prefix (`{prefix}:{epoch}:...`).
+    /// The Redis key for `key` (for tests and operators), as one node or a
+    /// cluster names it; under Sentinel the name sent carries the master's
+    /// epoch after the prefix ([`conn::Pinned::name`]). The stale set keeps
+    /// these names, whatever the epoch.
     pub fn redis_key(&self, key: &RecordKey) -> String {
         format!(
             "{}:{}:{}",
@@ -327,6 +330,15 @@ impl RedisFastPath {
                 self.counters.errors.fetch_add(1, Ordering::Relaxed);
                 None
             }
+        }
+    }
+
+    /// [`Self::target`] unless in [`BACKOFF`].
+    fn target_if_enabled(&self, key: &RecordKey) -> Option<Target> {
+        if self.enabled() {
+            self.target(key)
+        } else {
+            None
         }
     }
 
@@ -558,7 +570,7 @@ impl Store for RedisFastPath {
         lease: Span,
     ) -> Result<Fence, StoreError> {
         let fence = self.inner.renew(key, token, lease).await?;
-        match (self.enabled().then(|| self.target(key)).flatten(), fence) {
+        match (self.target_if_enabled(key), fence) {
             (Some(at), Fence::Held) => {
                 let mut inv = self.scripts.extend.prepare_invoke();
                 inv.key(&at.name).arg(&token.0[..]).arg(lease.ms.max(1));
@@ -582,7 +594,7 @@ impl Store for RedisFastPath {
     ) -> Result<Fence, StoreError> {
         // The inner store records it first: Redis never knows more than it.
         let fence = self.inner.complete(key, token, completion, keep).await?;
-        let Some(at) = self.enabled().then(|| self.target(key)).flatten() else {
+        let Some(at) = self.target_if_enabled(key) else {
             // Redis may hold anything older; it must not answer this key
             // until that is gone.
             let base = self.redis_key(key);
@@ -627,7 +639,7 @@ impl Store for RedisFastPath {
 
     async fn release(&self, key: &RecordKey, token: &LeaseToken) -> Result<Fence, StoreError> {
         let fence = self.inner.release(key, token).await?;
-        match self.enabled().then(|| self.target(key)).flatten() {
+        match self.target_if_enabled(key) {
             Some(at) => self.unlock(&at, token).await,
             None => self.unlock_in_background(self.redis_key(key), *token),
         }
