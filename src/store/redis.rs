@@ -250,7 +250,7 @@ impl RedisFastPath {
 
     /// The Redis key for `key` (for tests and operators), as one node or a
     /// cluster names it; under Sentinel the name sent carries the master's
-    /// epoch after the prefix ([`conn::Pinned::name`]). The stale set keeps
+    /// epoch after the prefix (`Pinned::name` in `conn.rs`). The stale set keeps
     /// these names, whatever the epoch.
     pub fn redis_key(&self, key: &RecordKey) -> String {
         format!(
