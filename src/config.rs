@@ -39,7 +39,7 @@ pub use log::{LogConfig, LogFormat};
 // Other modules still name these through `config`; they live in `route`.
 pub use crate::route::{OnAmbiguous, OnStoreError, RouteConfig};
 pub use server::{AdminConfig, Readiness, ServerConfig, ServerRestart};
-pub use store::{Backend, MigrationLock, RedisConfig, SqliteSync, StoreConfig};
+pub use store::{Backend, MigrationLock, RedisConfig, SentinelConfig, SqliteSync, StoreConfig};
 pub use tracing::TracingConfig;
 pub use upstreams::{UpstreamConfig, UpstreamProtocol, UpstreamTls, DEFAULT_UPSTREAM_NAME};
 

@@ -9,9 +9,9 @@
 //! for a NAME the file defines: the environment changes an upstream, it
 //! never creates one (a route must name it in the file anyway).
 //! The value is read as one TOML value, or else taken as a string; a `url`
-//! is always taken as written, so a password in it never meets the TOML
-//! parser (whose errors would quote it). An empty variable counts as unset,
-//! and a variable wins over the file.
+//! and any `*password` key are always taken as written, so a password never
+//! meets the TOML parser (whose errors would quote it). An empty variable
+//! counts as unset, and a variable wins over the file.
 //!
 //! The variables are laid onto the parsed file before it is read into typed
 //! settings, so whatever key a section accepts can be set this way: no list
@@ -47,6 +47,13 @@ const ALIASES: [(&str, &str); 2] = [
     ("IDEMGATE_LISTEN", "IDEMGATE_SERVER_LISTEN"),
     ("IDEMGATE_UPSTREAM", "IDEMGATE_SERVER_UPSTREAM"),
 ];
+
+/// Keys whose variable is taken as written, never read as TOML: a URL
+/// (which may carry a password) and the passwords themselves, so a secret
+/// never meets the TOML parser, whose errors would quote it.
+fn taken_as_written(key: &str) -> bool {
+    key == "url" || key.ends_with("password")
+}
 
 /// The span of a value the file does not have. A value the file has keeps
 /// its span when a variable replaces it, so a message about the key still
@@ -89,12 +96,12 @@ pub(super) fn settings<'e>(
         let setting = if let Some(rest) = name.strip_prefix("IDEMGATE_UPSTREAMS_") {
             let (upstream, key) =
                 named_location(rest, upstreams).map_err(|e| format!("{name}: {e}"))?;
-            let as_written = key == "url";
+            let as_written = taken_as_written(&key);
             let mut setting = Setting::new(NAMED, key, value, as_written);
             setting.name = Some(upstream);
             setting
         } else if let Some((section, key)) = location(name) {
-            let as_written = key == "url";
+            let as_written = taken_as_written(&key);
             Setting::new(section, key, value, as_written)
         } else {
             continue;

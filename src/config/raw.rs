@@ -134,6 +134,18 @@ pub(super) struct RawRedis {
     pub(super) ca_file: Option<Spanned<PathBuf>>,
     pub(super) cert_file: Option<Spanned<PathBuf>>,
     pub(super) key_file: Option<Spanned<PathBuf>>,
+    /// Redis Sentinel instead of `url`: the sentinels' `host:port`s and
+    /// the master's name (both or neither), and the settings a URL would
+    /// otherwise carry: the master's credentials, TLS (for the master and
+    /// the sentinels), and the sentinels' own credentials. Spanned: each is
+    /// reported at its line when it does not fit.
+    pub(super) sentinels: Option<Spanned<Vec<String>>>,
+    pub(super) sentinel_master: Option<Spanned<String>>,
+    pub(super) username: Option<Spanned<String>>,
+    pub(super) password: Option<Spanned<String>>,
+    pub(super) tls: Option<Spanned<bool>>,
+    pub(super) sentinel_username: Option<Spanned<String>>,
+    pub(super) sentinel_password: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Default, Deserialize)]

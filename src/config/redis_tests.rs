@@ -79,3 +79,99 @@ fn cluster_mode_is_shown_and_passwords_stay_masked() {
     assert!(shown.contains("TLS with the system roots"), "{shown}");
     assert!(!shown.contains("swordfish"), "{shown}");
 }
+
+#[test]
+fn sentinel_names_the_master_instead_of_a_url() {
+    let cfg = redis(
+        "sentinels = [\"10.0.0.1:26379\", \"[fd00::2]:26380\"]\nsentinel_master = \"mymaster\"\nusername = \"app\"\npassword = \"swordfish\"\nsentinel_password = \"s3cret\"",
+    )
+    .unwrap();
+    let s = cfg.sentinel.as_ref().expect("sentinel mode");
+    assert_eq!(
+        s.sentinels,
+        [
+            ("10.0.0.1".to_string(), 26379),
+            ("fd00::2".to_string(), 26380)
+        ]
+    );
+    assert_eq!(s.master, "mymaster");
+    assert_eq!(s.username.as_deref(), Some("app"));
+    assert_eq!(s.password.as_deref(), Some("swordfish"));
+    assert!(!cfg.is_tls() && !cfg.cluster);
+    let shown = format!("{cfg}{cfg:?}");
+    assert!(
+        shown.contains("sentinel master \"mymaster\" via 10.0.0.1:26379,[fd00::2]:26380"),
+        "{shown}"
+    );
+    assert!(
+        !shown.contains("swordfish") && !shown.contains("s3cret"),
+        "{shown}"
+    );
+
+    let tls = redis(
+        "sentinels = [\"s:26379\"]\nsentinel_master = \"m\"\ntls = true\nca_file = \"ca.pem\"",
+    )
+    .unwrap();
+    assert!(tls.is_tls());
+    assert_eq!(tls.ca_file.as_deref(), Some("ca.pem".as_ref()));
+}
+
+#[test]
+fn sentinel_mistakes_name_their_field_and_line() {
+    // BASE has 6 lines: the first key line is 7.
+    for (section, want) in [
+        (
+            "sentinels = [\"s:26379\"]",
+            "t.toml: line 7: redis.sentinels is set without redis.sentinel_master",
+        ),
+        (
+            "sentinel_master = \"m\"",
+            "t.toml: line 7: redis.sentinel_master is set without redis.sentinels",
+        ),
+        (
+            "sentinels = [\"s:26379\"]\nsentinel_master = \"m\"\ncluster = true",
+            "t.toml: line 9: redis.cluster and redis.sentinels do not go together",
+        ),
+        (
+            "url = \"redis://h\"\nsentinels = [\"s:26379\"]\nsentinel_master = \"m\"",
+            "t.toml: line 8: redis.sentinels and redis.url do not go together",
+        ),
+        (
+            "sentinels = []\nsentinel_master = \"m\"",
+            "t.toml: line 7: redis.sentinels is empty",
+        ),
+        (
+            "sentinels = [\"s\"]\nsentinel_master = \"m\"",
+            "t.toml: line 7: redis.sentinels: expected \"host:port\"",
+        ),
+        (
+            "sentinels = [\"::1:26379\"]\nsentinel_master = \"m\"",
+            "(\"[::1]:26379\" for IPv6)",
+        ),
+        (
+            "sentinels = [\"s:0\"]\nsentinel_master = \"m\"",
+            "redis.sentinels: expected \"host:port\"",
+        ),
+        (
+            "sentinels = [\"s:1\"]\nsentinel_master = \"\"",
+            "t.toml: line 8: redis.sentinel_master must be non-empty",
+        ),
+        (
+            "url = \"redis://h\"\npassword = \"pw\"",
+            "t.toml: line 8: redis.password only applies with redis.sentinels",
+        ),
+        (
+            "url = \"rediss://h\"\ntls = true",
+            "t.toml: line 8: redis.tls only applies with redis.sentinels",
+        ),
+        (
+            "sentinels = [\"s:1\"]\nsentinel_master = \"m\"\nca_file = \"ca.pem\"",
+            "t.toml: line 9: redis.ca_file only applies to a TLS URL (rediss:// or valkeys://) or redis.tls = true with Sentinel",
+        ),
+        ("timeout = \"1s\"", "redis.url (or redis.sentinels"),
+    ] {
+        let e = redis(section).unwrap_err();
+        assert!(e.contains(want), "{section:?}: {e}");
+        assert!(!e.contains("pw\""), "{e}");
+    }
+}

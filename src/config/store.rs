@@ -96,6 +96,43 @@ pub struct RedisConfig {
     /// require client certificates (TLS URLs only; both or neither).
     pub cert_file: Option<PathBuf>,
     pub key_file: Option<PathBuf>,
+    /// Redis Sentinel names the master instead of `url` (which is then
+    /// empty): the fast path asks the sentinels where it is, and again
+    /// after every connection-level failure.
+    pub sentinel: Option<SentinelConfig>,
+}
+
+/// `redis.sentinels` and what goes with them. `Debug` masks the passwords.
+#[derive(Clone, PartialEq)]
+pub struct SentinelConfig {
+    /// `host:port` of each sentinel, in the order they are asked.
+    pub sentinels: Vec<(String, u16)>,
+    /// The name the sentinels monitor the master under.
+    pub master: String,
+    /// The master's credentials (ACL user, or `requirepass` alone).
+    pub username: Option<String>,
+    pub password: Option<String>,
+    /// TLS to the master and to the sentinels (`redis.tls`), with
+    /// `redis.ca_file` / `cert_file` / `key_file`.
+    pub tls: bool,
+    /// The sentinels' own credentials, when they require them.
+    pub sentinel_username: Option<String>,
+    pub sentinel_password: Option<String>,
+}
+
+impl fmt::Debug for SentinelConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let masked = |p: &Option<String>| p.as_ref().map(|_| "****");
+        f.debug_struct("SentinelConfig")
+            .field("sentinels", &self.sentinels)
+            .field("master", &self.master)
+            .field("username", &self.username)
+            .field("password", &masked(&self.password))
+            .field("tls", &self.tls)
+            .field("sentinel_username", &self.sentinel_username)
+            .field("sentinel_password", &masked(&self.sentinel_password))
+            .finish()
+    }
 }
 
 // === impl StoreConfig ===
@@ -290,9 +327,25 @@ fn redis_scheme(url: &str) -> Option<(&'static str, bool, &'static str)> {
 }
 
 impl RedisConfig {
-    /// Whether the URL asks for TLS (`rediss://`, `valkeys://`).
+    /// Whether the URL asks for TLS (`rediss://`, `valkeys://`), or
+    /// `redis.tls` does for Sentinel.
     pub fn is_tls(&self) -> bool {
-        redis_scheme(&self.url).is_some_and(|(_, tls, _)| tls)
+        match &self.sentinel {
+            Some(s) => s.tls,
+            None => redis_scheme(&self.url).is_some_and(|(_, tls, _)| tls),
+        }
+    }
+
+    /// Where Redis is, for logs: the URL (password masked), or the
+    /// sentinels and the master's name.
+    pub fn shown_address(&self) -> String {
+        match &self.sentinel {
+            Some(s) => {
+                let list: Vec<String> = s.sentinels.iter().map(|(h, p)| join_host(h, *p)).collect();
+                format!("sentinel master {:?} via {}", s.master, list.join(","))
+            }
+            None => mask_url(&self.url),
+        }
     }
 
     /// The URL with a Valkey scheme rewritten to the Redis one the client
@@ -308,30 +361,21 @@ impl RedisConfig {
 impl TryFrom<RawRedis> for RedisConfig {
     type Error = Invalid;
 
-    fn try_from(r: RawRedis) -> Result<Self, Invalid> {
-        let url = r.url.ok_or_else(|| {
-            Invalid::field(
-                "redis.url",
-                "redis.url is required when [redis] is present (or set IDEMGATE_REDIS_URL)",
-            )
-        })?;
-        let Some((_, tls, _)) = redis_scheme(&url) else {
-            return Err(Invalid::field(
-                "redis.url",
-                format!(
-                    "redis.url: expected redis://host:port (rediss:// for TLS; valkey:// and valkeys:// also work), got {}",
-                    mask_url(&url)
-                ),
-            ));
+    fn try_from(mut r: RawRedis) -> Result<Self, Invalid> {
+        let sentinel = sentinel_of(&mut r)?;
+        let (url, tls) = match (&sentinel, r.url.take()) {
+            (Some(s), _) => (String::new(), s.tls),
+            (None, Some(url)) => {
+                let tls = url_tls(&url)?;
+                (url, tls)
+            }
+            (None, None) => {
+                return Err(Invalid::field(
+                    "redis.url",
+                    "redis.url (or redis.sentinels with redis.sentinel_master) is required when [redis] is present (or set IDEMGATE_REDIS_URL)",
+                ))
+            }
         };
-        // redis-rs reads `#insecure` as "verify nothing"; a self-signed
-        // server is trusted through its CA instead.
-        if url.ends_with("#insecure") {
-            return Err(Invalid::field(
-                "redis.url",
-                "redis.url: #insecure (no certificate verification) is not supported; give the server's CA in redis.ca_file",
-            ));
-        }
         let prefix = r.prefix.unwrap_or_else(|| DEFAULT_REDIS_PREFIX.to_string());
         if prefix.is_empty() || prefix.contains(char::is_whitespace) {
             return Err(Invalid::field(
@@ -350,8 +394,8 @@ impl TryFrom<RawRedis> for RedisConfig {
                 return Err(Invalid::at(
                     file.span(),
                     format!(
-                        "redis.{name} only applies to a TLS URL (rediss:// or valkeys://), but redis.url is {}",
-                        mask_url(&url)
+                        "redis.{name} only applies to a TLS URL (rediss:// or valkeys://) or redis.tls = true with Sentinel, but redis is {}",
+                        if sentinel.is_some() { "Sentinel without redis.tls".to_string() } else { mask_url(&url) }
                     ),
                 ));
             }
@@ -378,6 +422,12 @@ impl TryFrom<RawRedis> for RedisConfig {
                     "redis.cluster needs a TCP URL: cluster nodes announce host:port addresses",
                 ))
             }
+            Some(c) if *c.get_ref() && sentinel.is_some() => {
+                return Err(Invalid::at(
+                    c.span(),
+                    "redis.cluster and redis.sentinels do not go together: a Redis Cluster fails over by itself (give one node in redis.url); Sentinel watches one master",
+                ))
+            }
             Some(c) => c.into_inner(),
             None => false,
         };
@@ -389,7 +439,134 @@ impl TryFrom<RawRedis> for RedisConfig {
             ca_file: r.ca_file.map(|f| f.into_inner()),
             cert_file: r.cert_file.map(|f| f.into_inner()),
             key_file: r.key_file.map(|f| f.into_inner()),
+            sentinel,
         })
+    }
+}
+
+/// The URL's TLS, or why the URL is not one `redis.url` takes.
+fn url_tls(url: &str) -> Result<bool, Invalid> {
+    let Some((_, tls, _)) = redis_scheme(url) else {
+        return Err(Invalid::field(
+            "redis.url",
+            format!(
+                "redis.url: expected redis://host:port (rediss:// for TLS; valkey:// and valkeys:// also work), got {}",
+                mask_url(url)
+            ),
+        ));
+    };
+    // redis-rs reads `#insecure` as "verify nothing"; a self-signed
+    // server is trusted through its CA instead.
+    if url.ends_with("#insecure") {
+        return Err(Invalid::field(
+            "redis.url",
+            "redis.url: #insecure (no certificate verification) is not supported; give the server's CA in redis.ca_file",
+        ));
+    }
+    Ok(tls)
+}
+
+/// `redis.sentinels` and the keys that go with it, taken out of `r`; `None`
+/// without Sentinel. Every key that only Sentinel reads is an error
+/// without it (a URL carries its own credentials and TLS), and Sentinel
+/// with a URL is an error too: which one the fast path followed would be
+/// a guess.
+fn sentinel_of(r: &mut RawRedis) -> Result<Option<SentinelConfig>, Invalid> {
+    let (sentinels, master) = match (r.sentinels.take(), r.sentinel_master.take()) {
+        (None, None) => {
+            let only_with_sentinel = [
+                ("username", r.username.as_ref().map(|v| v.span())),
+                ("password", r.password.as_ref().map(|v| v.span())),
+                ("tls", r.tls.as_ref().map(|v| v.span())),
+                ("sentinel_username", r.sentinel_username.as_ref().map(|v| v.span())),
+                ("sentinel_password", r.sentinel_password.as_ref().map(|v| v.span())),
+            ];
+            if let Some((name, Some(span))) = only_with_sentinel.into_iter().find(|(_, s)| s.is_some()) {
+                return Err(Invalid::at(
+                    span,
+                    format!("redis.{name} only applies with redis.sentinels: with redis.url, the URL carries credentials (redis://user:password@host) and TLS (rediss://)"),
+                ));
+            }
+            return Ok(None);
+        }
+        (Some(list), None) => {
+            return Err(Invalid::at(
+                list.span(),
+                "redis.sentinels is set without redis.sentinel_master: name the master the sentinels monitor (`sentinel monitor <name> ...`)",
+            ))
+        }
+        (None, Some(master)) => {
+            return Err(Invalid::at(
+                master.span(),
+                "redis.sentinel_master is set without redis.sentinels: list the sentinels as [\"host:port\", ...]",
+            ))
+        }
+        (Some(list), Some(master)) => (list, master),
+    };
+    if r.url.is_some() {
+        return Err(Invalid::at(
+            sentinels.span(),
+            "redis.sentinels and redis.url do not go together: with Sentinel the sentinels say where the master is (drop redis.url, or drop redis.sentinels)",
+        ));
+    }
+    let span = sentinels.span();
+    let list = sentinels.into_inner();
+    if list.is_empty() {
+        return Err(Invalid::at(
+            span,
+            "redis.sentinels is empty: list at least one \"host:port\"",
+        ));
+    }
+    let sentinels = list
+        .iter()
+        .map(|entry| {
+            parse_host_port(entry).ok_or_else(|| {
+                Invalid::at(
+                    span.clone(),
+                    format!("redis.sentinels: expected \"host:port\" (\"[::1]:26379\" for IPv6), got {entry:?}"),
+                )
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let master_span = master.span();
+    let master = master.into_inner();
+    if master.is_empty() || master.contains(char::is_whitespace) {
+        return Err(Invalid::at(
+            master_span,
+            "redis.sentinel_master must be non-empty and contain no spaces",
+        ));
+    }
+    let text =
+        |v: Option<toml::Spanned<String>>| v.map(|v| v.into_inner()).filter(|v| !v.is_empty());
+    Ok(Some(SentinelConfig {
+        sentinels,
+        master,
+        username: text(r.username.take()),
+        password: text(r.password.take()),
+        tls: r.tls.take().is_some_and(|t| t.into_inner()),
+        sentinel_username: text(r.sentinel_username.take()),
+        sentinel_password: text(r.sentinel_password.take()),
+    }))
+}
+
+/// `host:port`, or `[v6]:port`.
+fn parse_host_port(entry: &str) -> Option<(String, u16)> {
+    let (host, port) = entry.rsplit_once(':')?;
+    let host = match host.strip_prefix('[') {
+        Some(v6) => v6.strip_suffix(']')?,
+        None if host.contains(':') => return None,
+        None => host,
+    };
+    let port: u16 = port.parse().ok().filter(|p| *p != 0)?;
+    (!host.is_empty() && !host.contains(char::is_whitespace)).then(|| (host.to_string(), port))
+}
+
+/// `host:port` as written back (IPv6 in brackets).
+fn join_host(host: &str, port: u16) -> String {
+    if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
     }
 }
 
@@ -404,6 +581,7 @@ impl fmt::Debug for RedisConfig {
             .field("ca_file", &self.ca_file)
             .field("cert_file", &self.cert_file)
             .field("key_file", &self.key_file)
+            .field("sentinel", &self.sentinel)
             .finish()
     }
 }
@@ -414,7 +592,7 @@ impl fmt::Display for RedisConfig {
         write!(
             f,
             "redis      {} (prefix {:?}, timeout {}",
-            mask_url(&self.url),
+            self.shown_address(),
             self.prefix,
             format_duration(self.timeout)
         )?;

@@ -1203,3 +1203,34 @@ fn query_is_registered_and_safe_only_routes_warn() {
     let mixed = parse(&with_route("").replace("[\"POST\"]", "[\"GET\", \"POST\"]")).unwrap();
     assert!(mixed.warnings().iter().all(|w| !w.contains("safe methods")));
 }
+
+/// Sentinel from the environment alone: the list as a TOML array, and a
+/// password taken as written (a numeric one stays a string, and never
+/// meets the TOML parser).
+#[test]
+fn environment_sets_redis_sentinel_and_its_passwords_as_written() {
+    let text = format!("{MINIMAL}[store]\nbackend = \"postgres\"\nurl = \"postgres://db/app\"\n");
+    let env = env(&[
+        (
+            "IDEMGATE_REDIS_SENTINELS",
+            "[\"10.0.0.1:26379\", \"10.0.0.2:26379\"]",
+        ),
+        ("IDEMGATE_REDIS_SENTINEL_MASTER", "mymaster"),
+        ("IDEMGATE_REDIS_PASSWORD", "12345"),
+        ("IDEMGATE_REDIS_SENTINEL_PASSWORD", "\"quoted"),
+    ]);
+    let cfg = Config::parse_with_env(&text, "t.toml", &env).unwrap();
+    let s = cfg
+        .restart
+        .redis
+        .as_ref()
+        .unwrap()
+        .sentinel
+        .clone()
+        .unwrap();
+    assert_eq!(s.sentinels.len(), 2);
+    assert_eq!(s.master, "mymaster");
+    assert_eq!(s.password.as_deref(), Some("12345"));
+    assert_eq!(s.sentinel_password.as_deref(), Some("\"quoted"));
+    assert!(!cfg.to_string().contains("12345"));
+}

@@ -3,10 +3,13 @@
 //! Redis is a **hint**, never the guard: replication is asynchronous and
 //! TTLs lapse on their own, so every claim that Redis does not answer
 //! outright still goes to the inner store (PostgreSQL), whose primary key
-//! decides. What Redis answers alone:
-//! - a completed or unstored record cached after the inner store recorded
-//!   it (replay, or 422 on a fingerprint mismatch, without a database trip);
-//! - a live lock held by another claimant (an early 409).
+//! decides. What Redis answers alone is a completed or unstored record
+//! cached after the inner store recorded it (replay, or 422 on a
+//! fingerprint mismatch, without a database trip). A lock held by another
+//! claimant is only a hint: the inner store confirms it before any 409
+//! (a copy can be stale: a completion whose Redis write was lost, or a
+//! promoted replica that lagged), and replays instead if it has completed
+//! the key.
 //!
 //! Writes follow the truth: a completion is cached only after the inner
 //! store returned [`Fence::Held`], and a lock is removed whenever the inner
@@ -32,17 +35,30 @@
 //! [`BACKOFF`] and the inner store answers alone, then it probes again, so
 //! Redis coming back needs no restart.
 //!
-//! Key names are `{prefix}:{hex(scope)}:{hex(key)}`: digests only, never a
-//! raw credential or idempotency key.
+//! Key names are `{prefix}:{hex(scope)}:{hex(key)}` (under Sentinel
+//! `{prefix}:{epoch}:{hex(scope)}:{hex(key)}`): digests only, never a raw
+//! credential or idempotency key.
 //!
-//! Redis is reached through [`RedisConn`] (`conn.rs`): one node or a Redis
-//! Cluster (`redis.cluster`), over TLS when the URL says `rediss://` (or
-//! `valkeys://`), with the certificates of `tls.rs`. The values it keeps
+//! **After a failover** the new master may hold copies the old one had
+//! replaced or deleted (replication is asynchronous). Under Sentinel the
+//! fast path never reads them: key names carry the epoch of the master
+//! they were written to (`sentinel.rs`), and every operation pins one
+//! master and its names ([`RedisConn::pin`]). A stale lock copy elsewhere
+//! (one node behind a managed endpoint, a cluster shard) is confirmed with
+//! the inner store as above; a stale record copy there can replay until
+//! it expires (see docs/deploy.md, "Redis failover").
+//!
+//! Redis is reached through [`RedisConn`] (`conn.rs`): one node, a Redis
+//! Cluster (`redis.cluster`) or the master Redis Sentinel names
+//! (`redis.sentinels`, `sentinel.rs`), over TLS when the URL says
+//! `rediss://` (or `valkeys://`, or `redis.tls` with Sentinel), with the
+//! certificates of `tls.rs`. The values it keeps
 //! are laid out in `value.rs`, read by the Lua scripts of `scripts.rs`;
 //! the stale copies and their healer are `stale.rs`.
 
 mod conn;
 mod scripts;
+mod sentinel;
 mod stale;
 mod tls;
 mod value;
@@ -170,7 +186,7 @@ impl Health {
 /// to one command: the connection is gone, TLS or authentication failed,
 /// or the cluster is redirecting or failing over. Logged per transition,
 /// never per request.
-fn is_connection_error(err: &RedisError) -> bool {
+pub(super) fn is_connection_error(err: &RedisError) -> bool {
     err.is_io_error()
         || err.is_connection_dropped()
         || err.is_timeout()
@@ -232,7 +248,10 @@ impl RedisFastPath {
         self.counters.clone()
     }
 
-    /// The Redis key for `key` (for tests and operators).
+    /// The Redis key for `key` (for tests and operators), as one node or a
+    /// cluster names it; under Sentinel the name sent carries the master's
+    /// epoch after the prefix (`Pinned::name` in `conn.rs`). The stale set keeps
+    /// these names, whatever the epoch.
     pub fn redis_key(&self, key: &RecordKey) -> String {
         format!(
             "{}:{}:{}",
@@ -273,6 +292,8 @@ impl RedisFastPath {
         // Every failure, for debugging; the warnings below are per outage.
         tracing::debug!(error = %message, "redis fast path call failed");
         if conn_level {
+            // Sentinel: ask the sentinels again (a failover, maybe).
+            self.conn.lost();
             let until = self.clock.now_millis() + BACKOFF.as_millis() as i64;
             let prev = self.down_until.swap(until, Ordering::Relaxed);
             // Log the transition, not every request during an outage.
@@ -295,57 +316,81 @@ impl RedisFastPath {
         !down
     }
 
+    /// Where `key`'s copy is for one operation, if Redis can be asked now
+    /// (`None` while Sentinel knows no master: counted as an error).
+    fn target(&self, key: &RecordKey) -> Option<Target> {
+        let base = self.redis_key(key);
+        match self.conn.pin() {
+            Some(pinned) => Some(Target {
+                name: pinned.name(&base, &self.prefix),
+                conn: pinned.conn,
+                base,
+            }),
+            None => {
+                self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+        }
+    }
+
+    /// [`Self::target`] unless in [`BACKOFF`].
+    fn target_if_enabled(&self, key: &RecordKey) -> Option<Target> {
+        if self.enabled() {
+            self.target(key)
+        } else {
+            None
+        }
+    }
+
     /// Our lock in, or what another claim left there: one script, so a
     /// duplicate costs one round trip like a fresh key. `None` when Redis
     /// did not answer.
-    async fn lock_or_peek(&self, name: &str, claim: &Claim) -> Option<Locking> {
+    async fn lock_or_peek(&self, at: &Target, claim: &Claim) -> Option<Locking> {
         let mut inv = self.scripts.lock_or_peek.prepare_invoke();
-        inv.key(name)
+        inv.key(&at.name)
             .arg(encode_lock(claim))
             .arg(claim.lease_ms.max(1));
-        let v: Value = self.run(inv.invoke_async(&mut self.conn.clone())).await?;
+        let v: Value = self.run(inv.invoke_async(&mut at.conn.clone())).await?;
         Some(match v {
             Value::Int(1) => Locking::Locked,
-            Value::Array(mut parts) if parts.len() == 2 => {
-                let pttl = match parts.pop() {
-                    Some(Value::Int(pttl)) => pttl,
-                    _ => -2,
-                };
-                match parts.pop() {
-                    Some(Value::BulkString(value)) if !value.is_empty() => {
-                        Locking::Held(Some(value), pttl)
-                    }
-                    _ => Locking::Held(None, pttl),
-                }
-            }
+            Value::Array(mut parts) if parts.len() == 1 => match parts.pop() {
+                Some(Value::BulkString(value)) if !value.is_empty() => Locking::Held(Some(value)),
+                _ => Locking::Held(None),
+            },
             // Not this script's answer: let the inner store decide.
-            _ => Locking::Held(None, -2),
+            _ => Locking::Held(None),
         })
     }
 
-    /// Removes our lock without waiting, for use while in [`BACKOFF`]: a
-    /// lock left behind would answer retries with 409 for up to a lease
-    /// after the inner store released or completed the key.
-    fn unlock_in_background(&self, name: String, token: LeaseToken) {
-        let mut conn = self.conn.clone();
+    /// Removes our lock without waiting, for use while in [`BACKOFF`] (or
+    /// while Sentinel knows no master): a lock left behind would answer
+    /// retries with 409 for up to a lease after the inner store released
+    /// or completed the key.
+    fn unlock_in_background(&self, base: String, token: LeaseToken) {
+        let conn = self.conn.clone();
         let script = self.scripts.unlock.clone();
-        let timeout = self.timeout;
+        let (timeout, prefix) = (self.timeout, self.prefix.clone());
         tokio::spawn(async move {
-            let mut inv = script.prepare_invoke();
-            inv.key(&name).arg(&token.0[..]);
-            let _ = tokio::time::timeout(timeout, inv.invoke_async::<Option<i64>>(&mut conn)).await;
+            let unlock = async {
+                let pinned = conn.pin_waiting().await?;
+                let mut inv = script.prepare_invoke();
+                inv.key(pinned.name(&base, &prefix)).arg(&token.0[..]);
+                inv.invoke_async::<Option<i64>>(&mut pinned.conn.clone())
+                    .await
+            };
+            let _ = tokio::time::timeout(timeout, unlock).await;
         });
     }
 
-    /// Whether this process may answer `name` from Redis.
-    fn trusted(&self, name: &str) -> bool {
-        !lock(&self.stale).contains(name)
+    /// Whether this process may answer `base` from Redis.
+    fn trusted(&self, base: &str) -> bool {
+        !lock(&self.stale).contains(base)
     }
 
-    /// Marks `name`'s Redis copy as possibly stale: this process stops
+    /// Marks `base`'s Redis copy as possibly stale: this process stops
     /// answering it from Redis, and the healer deletes it once Redis
     /// answers. One healer task runs while anything is marked.
-    fn mark_stale(&self, name: String) {
+    fn mark_stale(&self, base: String) {
         let start_healer = {
             let mut stale = lock(&self.stale);
             if stale.len() >= MAX_STALE {
@@ -355,45 +400,52 @@ impl RedisFastPath {
                 return;
             }
             let was_empty = stale.is_empty();
-            stale.insert(name);
+            stale.insert(base);
             was_empty
         };
         if start_healer {
-            tokio::spawn(heal(self.conn.clone(), self.stale.clone(), self.timeout));
+            tokio::spawn(heal(
+                self.conn.clone(),
+                self.prefix.clone(),
+                self.stale.clone(),
+                self.timeout,
+            ));
         }
     }
 
-    async fn unlock(&self, name: &str, token: &LeaseToken) {
+    async fn unlock(&self, at: &Target, token: &LeaseToken) {
         let mut inv = self.scripts.unlock.prepare_invoke();
-        inv.key(name).arg(&token.0[..]);
-        let _: Option<i64> = self.run(inv.invoke_async(&mut self.conn.clone())).await;
+        inv.key(&at.name).arg(&token.0[..]);
+        let _: Option<i64> = self.run(inv.invoke_async(&mut at.conn.clone())).await;
     }
 
     /// Caches a completed/unstored record the inner store reported.
-    async fn cache(&self, name: &str, record: &Record) {
+    async fn cache(&self, at: &Target, record: &Record) {
         let ttl = record.expires_at - self.clock.now_millis();
         let Some(value) = encode_record(record).filter(|_| ttl > 0) else {
             return;
         };
         // One argument each, as `.arg()` in turn would give.
-        let cmd = redis::cmd("SET").arg((name, value, "PX", ttl)).to_owned();
-        let _: Option<Value> = self.run(cmd.query_async(&mut self.conn.clone())).await;
+        let cmd = redis::cmd("SET")
+            .arg((&at.name, value, "PX", ttl))
+            .to_owned();
+        let _: Option<Value> = self.run(cmd.query_async(&mut at.conn.clone())).await;
     }
 
     /// After the inner store answered a claim: make Redis agree with it.
     /// `locked` says whether our lock went into Redis.
-    async fn follow(&self, name: &str, claim: &Claim, locked: bool, outcome: &ClaimOutcome) {
+    async fn follow(&self, at: &Target, claim: &Claim, locked: bool, outcome: &ClaimOutcome) {
         match outcome {
             ClaimOutcome::Claimed { .. } if locked => {}
             // Granted while Redis holds something else: that is stale.
-            ClaimOutcome::Claimed { .. } => self.overwrite_with_lock(name, claim).await,
+            ClaimOutcome::Claimed { .. } => self.overwrite_with_lock(at, claim).await,
             ClaimOutcome::Existing(
                 record @ Record {
                     state: RecordState::Completed(_) | RecordState::Unstored { .. },
                     ..
                 },
-            ) => self.cache(name, record).await,
-            ClaimOutcome::Existing(_) if locked => self.unlock(name, &claim.token).await,
+            ) => self.cache(at, record).await,
+            ClaimOutcome::Existing(_) if locked => self.unlock(at, &claim.token).await,
             ClaimOutcome::Existing(_) => {}
         }
     }
@@ -401,21 +453,21 @@ impl RedisFastPath {
     /// The inner store alone decides (Redis did not answer, or this key's
     /// copy may be stale); a claim it grants marks the key stale, since
     /// Redis may hold an older copy nobody could check.
-    async fn claim_bypassing(&self, name: &str, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
+    async fn claim_bypassing(&self, base: &str, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
         let outcome = self.inner.claim(claim).await?;
         if matches!(outcome, ClaimOutcome::Claimed { .. }) {
-            self.mark_stale(name.to_string());
+            self.mark_stale(base.to_string());
         }
         Ok(outcome)
     }
 
     /// Puts our lock over whatever Redis holds, or marks the key stale.
-    async fn overwrite_with_lock(&self, name: &str, claim: &Claim) {
-        let lock = (name, encode_lock(claim), "PX", claim.lease_ms.max(1));
+    async fn overwrite_with_lock(&self, at: &Target, claim: &Claim) {
+        let lock = (&at.name, encode_lock(claim), "PX", claim.lease_ms.max(1));
         let cmd = redis::cmd("SET").arg(lock).to_owned();
-        let written: Option<Value> = self.run(cmd.query_async(&mut self.conn.clone())).await;
+        let written: Option<Value> = self.run(cmd.query_async(&mut at.conn.clone())).await;
         if written.is_none() {
-            self.mark_stale(name.to_string());
+            self.mark_stale(at.base.clone());
         }
     }
 
@@ -423,83 +475,88 @@ impl RedisFastPath {
     /// deleted the record; [`StoreError::StaleCopy`] when Redis cannot be
     /// told, so the operator knows a replica could still answer from it.
     async fn drop_copy(&self, key: &RecordKey) -> Result<(), StoreError> {
-        let name = self.redis_key(key);
-        let mut conn = self.conn.clone();
-        let cmd = redis::cmd("DEL").arg(&name).to_owned();
-        let removed = tokio::time::timeout(self.timeout, cmd.query_async::<i64>(&mut conn)).await;
+        let base = self.redis_key(key);
+        let removed = tokio::time::timeout(self.timeout, async {
+            let pinned = self.conn.pin_waiting().await?;
+            let cmd = redis::cmd("DEL")
+                .arg(pinned.name(&base, &self.prefix))
+                .to_owned();
+            cmd.query_async::<i64>(&mut pinned.conn.clone()).await
+        })
+        .await;
         let source = match removed {
             Ok(Ok(_)) => return Ok(()),
             Ok(Err(err)) => err.into(),
             Err(_) => "redis did not answer in time".into(),
         };
-        Err(StoreError::StaleCopy { name, source })
+        Err(StoreError::StaleCopy { name: base, source })
     }
 
-    /// Answers a claim from what Redis holds, if it can.
-    fn answer(claim: &Claim, value: &[u8], pttl: i64) -> Option<ClaimOutcome> {
+    /// Answers a claim from what Redis holds, if it can: a completed or
+    /// unstored record. A lock held by another claimant is never answered
+    /// alone: after a failover, or a completion whose
+    /// Redis write was lost, it may be a stale copy of a key PostgreSQL
+    /// has completed, and a 409 for it would be wrong.
+    fn answer(claim: &Claim, value: &[u8]) -> Option<ClaimOutcome> {
         match decode(value).ok()? {
             Cached::Record(record) if record.expires_at > claim.now => {
                 Some(ClaimOutcome::Existing(record))
             }
-            Cached::Lock {
-                token,
-                fingerprint,
-                created_at,
-                expires_at,
-                first_use,
-                // A lock for another request (another fingerprint) may belong to
-                // a claimant that lost in the inner store and left its lock
-                // behind; only the inner store may answer that with a 422.
-            } if token != claim.token && pttl > 0 && fingerprint == claim.fingerprint => {
-                Some(ClaimOutcome::Existing(Record {
-                    fingerprint,
-                    state: RecordState::InFlight {
-                        locked_until: claim.now + pttl,
-                    },
-                    created_at,
-                    expires_at,
-                    first_use,
-                }))
-            }
-            _ => None,
+            Cached::Record(_) | Cached::Lock { .. } => None,
         }
     }
+}
+
+/// One key's Redis copy for one operation: its name on the pinned
+/// connection (carrying the master's epoch under Sentinel), and its base
+/// name, which the stale set and operators use.
+struct Target {
+    conn: RedisConn,
+    name: String,
+    base: String,
 }
 
 #[async_trait]
 impl Store for RedisFastPath {
     async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
-        let name = self.redis_key(&claim.key);
-        if !self.enabled() || !self.trusted(&name) {
-            return self.claim_bypassing(&name, claim).await;
+        let base = self.redis_key(&claim.key);
+        if !self.enabled() || !self.trusted(&base) {
+            return self.claim_bypassing(&base, claim).await;
         }
-        let locked = match self.lock_or_peek(&name, claim).await {
+        let Some(at) = self.target(&claim.key) else {
+            return self.claim_bypassing(&base, claim).await;
+        };
+        let locked = match self.lock_or_peek(&at, claim).await {
             // No answer: the inner store decides alone.
-            None => return self.claim_bypassing(&name, claim).await,
+            None => return self.claim_bypassing(&base, claim).await,
             Some(Locking::Locked) => true,
-            Some(Locking::Held(Some(value), pttl)) => {
-                if let Some(outcome) = Self::answer(claim, &value, pttl) {
+            Some(Locking::Held(Some(value))) => {
+                if let Some(outcome) = Self::answer(claim, &value) {
                     self.counters.hits.fetch_add(1, Ordering::Relaxed);
                     return Ok(outcome);
                 }
+                // Another claimant's lock is confirmed below: the inner
+                // store's in-flight record is the 409; a record it
+                // completed is replayed (and cached over the stale lock);
+                // a key it holds free is claimed (our lock put over it).
                 false
             }
             // Expired in between.
-            Some(Locking::Held(None, _)) => false,
+            Some(Locking::Held(None)) => false,
         };
         self.counters.misses.fetch_add(1, Ordering::Relaxed);
         // Redis is never the only guard: a lock we just set still goes to
         // the inner store, whose answer wins.
         match self.inner.claim(claim).await {
             Ok(outcome) => {
-                self.follow(&name, claim, locked, &outcome).await;
+                self.follow(&at, claim, locked, &outcome).await;
                 Ok(outcome)
             }
             Err(err) => {
                 if locked {
                     // The claim is unknown; a lock left behind would 409
                     // the client's retry for a whole lease.
-                    self.unlock(&name, &claim.token).await;
+                    self.unlock(&at, &claim.token).await;
                 }
                 Err(err)
             }
@@ -513,18 +570,17 @@ impl Store for RedisFastPath {
         lease: Span,
     ) -> Result<Fence, StoreError> {
         let fence = self.inner.renew(key, token, lease).await?;
-        if self.enabled() {
-            let name = self.redis_key(key);
-            match fence {
-                Fence::Held => {
-                    let mut inv = self.scripts.extend.prepare_invoke();
-                    inv.key(&name).arg(&token.0[..]).arg(lease.ms.max(1));
-                    let _: Option<i64> = self.run(inv.invoke_async(&mut self.conn.clone())).await;
-                }
-                Fence::Lost => self.unlock(&name, token).await,
+        match (self.target_if_enabled(key), fence) {
+            (Some(at), Fence::Held) => {
+                let mut inv = self.scripts.extend.prepare_invoke();
+                inv.key(&at.name).arg(&token.0[..]).arg(lease.ms.max(1));
+                let _: Option<i64> = self.run(inv.invoke_async(&mut at.conn.clone())).await;
             }
-        } else if fence == Fence::Lost {
-            self.unlock_in_background(self.redis_key(key), *token);
+            (Some(at), Fence::Lost) => self.unlock(&at, token).await,
+            (None, Fence::Lost) => self.unlock_in_background(self.redis_key(key), *token),
+            // Our lock (if Redis still has it) lapses early; the inner
+            // store still guards the key.
+            (None, Fence::Held) => {}
         }
         Ok(fence)
     }
@@ -538,19 +594,19 @@ impl Store for RedisFastPath {
     ) -> Result<Fence, StoreError> {
         // The inner store records it first: Redis never knows more than it.
         let fence = self.inner.complete(key, token, completion, keep).await?;
-        let name = self.redis_key(key);
-        if !self.enabled() {
+        let Some(at) = self.target_if_enabled(key) else {
             // Redis may hold anything older; it must not answer this key
             // until that is gone.
+            let base = self.redis_key(key);
             if fence == Fence::Held {
-                self.mark_stale(name);
+                self.mark_stale(base);
             } else {
-                self.unlock_in_background(name, *token);
+                self.unlock_in_background(base, *token);
             }
             return Ok(fence);
-        }
+        };
         if fence == Fence::Lost {
-            self.unlock(&name, token).await;
+            self.unlock(&at, token).await;
             return Ok(fence);
         }
         let record = Record {
@@ -564,29 +620,28 @@ impl Store for RedisFastPath {
         if let Some(value) = encode_record(&record) {
             let tagged = [with_first_use(value[0])];
             let mut inv = self.scripts.complete.prepare_invoke();
-            inv.key(&name)
+            inv.key(&at.name)
                 .arg(&token.0[..])
                 .arg(value)
                 .arg(keep.now)
                 .arg(keep.ms)
                 .arg(&tagged[..]);
-            let written: Option<i64> = self.run(inv.invoke_async(&mut self.conn.clone())).await;
+            let written: Option<i64> = self.run(inv.invoke_async(&mut at.conn.clone())).await;
             if written.is_none() {
-                self.mark_stale(name);
+                self.mark_stale(at.base);
             }
         } else {
             // Not cached (outcome unknown): the inner store answers the key.
-            self.unlock(&name, token).await;
+            self.unlock(&at, token).await;
         }
         Ok(fence)
     }
 
     async fn release(&self, key: &RecordKey, token: &LeaseToken) -> Result<Fence, StoreError> {
         let fence = self.inner.release(key, token).await?;
-        if self.enabled() {
-            self.unlock(&self.redis_key(key), token).await;
-        } else {
-            self.unlock_in_background(self.redis_key(key), *token);
+        match self.target_if_enabled(key) {
+            Some(at) => self.unlock(&at, token).await,
+            None => self.unlock_in_background(self.redis_key(key), *token),
         }
         Ok(fence)
     }
@@ -665,7 +720,7 @@ pub async fn check_connection(cfg: &RedisConfig) -> Result<String, String> {
     let kind = conn.kind();
     ping_once(conn, cfg.timeout, plain_probe_of(cfg))
         .await
-        .map(|()| format!("{kind} at {} answered", crate::config::mask_url(&cfg.url)))
+        .map(|()| format!("{kind} at {} answered", cfg.shown_address()))
         .map_err(|(error, _)| error)
 }
 
@@ -732,6 +787,46 @@ async fn probe(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::sample_claim;
+
+    /// What Redis answers alone: a live record, never a lock (another
+    /// claim's lock may be stale after a failover: the inner store
+    /// confirms it before any 409), and nothing expired.
+    #[test]
+    fn redis_answers_a_live_record_alone_and_never_a_lock() {
+        let claim = sample_claim();
+        let other = Claim {
+            token: LeaseToken([7; 16]),
+            ..claim.clone()
+        };
+        let record = |expires_at| Record {
+            fingerprint: claim.fingerprint,
+            state: RecordState::Unstored { status: 200 },
+            created_at: claim.now,
+            expires_at,
+            first_use: None,
+        };
+        let live = record(claim.now + 1);
+        for (what, value, answered) in [
+            (
+                "live record",
+                encode_record(&live).unwrap(),
+                Some(live.clone()),
+            ),
+            (
+                "expired record",
+                encode_record(&record(claim.now)).unwrap(),
+                None,
+            ),
+            ("another claim's lock", encode_lock(&other), None),
+            ("our own lock", encode_lock(&claim), None),
+            ("garbage", b"x".to_vec(), None),
+        ] {
+            let got = RedisFastPath::answer(&claim, &value);
+            let want = answered.map(ClaimOutcome::Existing);
+            assert_eq!(got, want, "{what}");
+        }
+    }
 
     /// Which failures make the fast path step aside (logged once per
     /// outage) rather than warn per command: redirects and cluster

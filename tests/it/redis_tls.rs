@@ -228,6 +228,7 @@ async fn check_connection_names_each_cause() {
         ca_file: ca.map(Into::into),
         cert_file: None,
         key_file: None,
+        sentinel: None,
     };
     let check = idemgate::store::redis::check_connection;
     let ok = check(&cfg(redis.url(), Some(redis.pki.ca()))).await;

@@ -680,6 +680,7 @@ fn redis_config(url: String, prefix: &str) -> RedisConfig {
         ca_file: None,
         cert_file: None,
         key_file: None,
+        sentinel: None,
     }
 }
 

@@ -38,6 +38,7 @@ pub mod process;
 pub mod proxy;
 pub mod recording_upstream;
 pub mod redis_cluster;
+pub mod redis_sentinel;
 pub mod redis_tls;
 pub mod seed;
 pub mod serve;

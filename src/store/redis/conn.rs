@@ -1,5 +1,6 @@
-//! One connection handle over a single Redis node or a Redis Cluster, so
-//! the fast path sends the same commands to either.
+//! One connection handle over a single Redis node, a Redis Cluster or the
+//! master Redis Sentinel names (`sentinel.rs`), so the fast path sends the
+//! same commands to each.
 //!
 //! Cluster mode needs no hash tags: every fast-path command and Lua script
 //! touches exactly one key (`{prefix}:{scope}:{key}`: `SET`, `GET`+`PTTL`
@@ -10,13 +11,17 @@
 //! client. `MOVED` and `ASK` are followed inside the client (it refreshes
 //! its slot map), so they never reach the fast path or its log.
 
+use super::sentinel::{Following, Sentinel};
 use super::tls;
 use crate::config::RedisConfig;
 use crate::store::StoreError;
-use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::aio::{
+    ConnectionLike, ConnectionManager, ConnectionManagerConfig, MultiplexedConnection,
+};
 use redis::cluster::{ClusterClientBuilder, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisError, RedisFuture, Value};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Reconnect attempts per failed connection inside the connection manager;
@@ -35,6 +40,18 @@ pub(crate) enum RedisConn {
     Node(ConnectionManager),
     /// A Redis Cluster (`cluster = true`), routing each key to its node.
     Cluster(ClusterConnection),
+    /// Redis Sentinel (`sentinels`): whichever master is current.
+    Sentinel(Following),
+    /// One master Sentinel named, pinned for the commands of one operation
+    /// whose key names carry its epoch (see [`RedisConn::pin`]).
+    Master(MultiplexedConnection),
+}
+
+/// The connection for one operation's commands and the epoch its key names
+/// carry (`None`: names carry none, one node or a cluster).
+pub(crate) struct Pinned {
+    pub(crate) conn: RedisConn,
+    pub(crate) epoch: Option<Arc<str>>,
 }
 
 impl RedisConn {
@@ -44,6 +61,11 @@ impl RedisConn {
     pub(crate) fn lazy(cfg: &RedisConfig) -> Result<Self, StoreError> {
         tls::install_crypto_provider();
         let certs = tls::certificates(cfg)?;
+        if let Some(sentinel) = &cfg.sentinel {
+            let client = Sentinel::new(cfg, sentinel, certs)
+                .map_err(|err| StoreError::caused("invalid redis.sentinels", err))?;
+            return Ok(Self::Sentinel(Following(Arc::new(client))));
+        }
         let url = cfg.client_url();
         // redis-rs parse errors do not echo the URL, so no password leaks.
         let invalid = |err: RedisError| StoreError::caused("invalid redis.url", err);
@@ -87,6 +109,59 @@ impl RedisConn {
         match self {
             Self::Node(_) => "redis",
             Self::Cluster(_) => "redis cluster",
+            Self::Sentinel(_) | Self::Master(_) => "redis sentinel",
+        }
+    }
+
+    /// The connection for one operation: every command whose key name
+    /// carries an epoch must go to the master of that epoch, never to the
+    /// next one (which may hold older copies under the same name). `None`
+    /// while Sentinel knows no master (a lookup is under way).
+    pub(crate) fn pin(&self) -> Option<Pinned> {
+        match self {
+            Self::Sentinel(Following(sentinel)) => sentinel.pin().map(|m| Pinned {
+                conn: Self::Master(m.conn),
+                epoch: Some(m.epoch),
+            }),
+            other => Some(Pinned {
+                conn: other.clone(),
+                epoch: None,
+            }),
+        }
+    }
+
+    /// As [`RedisConn::pin`], waiting for Sentinel to name a master (for
+    /// background work: the healer, unlocks left to a task).
+    pub(crate) async fn pin_waiting(&self) -> redis::RedisResult<Pinned> {
+        match self {
+            Self::Sentinel(Following(sentinel)) => sentinel.master().await.map(|m| Pinned {
+                conn: Self::Master(m.conn),
+                epoch: Some(m.epoch),
+            }),
+            other => Ok(Pinned {
+                conn: other.clone(),
+                epoch: None,
+            }),
+        }
+    }
+
+    /// The fast path failed to reach Redis: with Sentinel, forget the
+    /// master so the next use asks the sentinels again (after a failover
+    /// they name another). One node and a cluster reconnect by themselves.
+    pub(crate) fn lost(&self) {
+        if let Self::Sentinel(Following(sentinel)) = self {
+            sentinel.lost();
+        }
+    }
+}
+
+impl Pinned {
+    /// The name of `base` (`{prefix}:{scope}:{key}`) on this connection:
+    /// with an epoch, `{prefix}:{epoch}:{scope}:{key}`.
+    pub(crate) fn name(&self, base: &str, prefix: &str) -> String {
+        match &self.epoch {
+            Some(epoch) => format!("{prefix}:{epoch}{}", &base[prefix.len()..]),
+            None => base.to_string(),
         }
     }
 }
@@ -96,6 +171,8 @@ impl ConnectionLike for RedisConn {
         match self {
             Self::Node(c) => c.req_packed_command(cmd),
             Self::Cluster(c) => c.req_packed_command(cmd),
+            Self::Sentinel(c) => c.req_packed_command(cmd),
+            Self::Master(c) => c.req_packed_command(cmd),
         }
     }
 
@@ -108,6 +185,8 @@ impl ConnectionLike for RedisConn {
         match self {
             Self::Node(c) => c.req_packed_commands(pipeline, offset, count),
             Self::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+            Self::Sentinel(c) => c.req_packed_commands(pipeline, offset, count),
+            Self::Master(c) => c.req_packed_commands(pipeline, offset, count),
         }
     }
 
@@ -115,6 +194,8 @@ impl ConnectionLike for RedisConn {
         match self {
             Self::Node(c) => c.get_db(),
             Self::Cluster(c) => c.get_db(),
+            Self::Sentinel(c) => c.get_db(),
+            Self::Master(c) => c.get_db(),
         }
     }
 }

@@ -31,14 +31,14 @@ impl Scripts {
 }
 
 // Lua strings are 1-based: the token is bytes 50..65 of a lock.
-/// `1` when our lock went in; else `{value or "", pttl}` (no encoded value
+/// `1` when our lock went in; else `{value or ""}` (no encoded value
 /// is empty, so `""` means the key expired in between: impossible inside
 /// one script, kept for clarity).
 const LOCK_OR_PEEK_LUA: &str = r#"
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   return 1
 end
-return {redis.call('GET', KEYS[1]) or '', redis.call('PTTL', KEYS[1])}
+return {redis.call('GET', KEYS[1]) or ''}
 "#;
 
 const UNLOCK_LUA: &str = r#"
@@ -89,7 +89,8 @@ return 0
 pub(super) enum Locking {
     /// Our lock went in.
     Locked,
-    /// Something was there: its value (`None` if it expired in between)
-    /// and its PTTL.
-    Held(Option<Vec<u8>>, i64),
+    /// Something was there: its value (`None` if it expired in between).
+    /// A lock's PTTL is not read: another claimant's lock is confirmed with
+    /// the inner store, whose record says how long it is held.
+    Held(Option<Vec<u8>>),
 }

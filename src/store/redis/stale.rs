@@ -22,18 +22,24 @@ pub(super) fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, 
     mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Deletes the stale copies in `stale` as soon as Redis answers, in
-/// batches, until none are left. Runs on its own connection handle, so a
-/// proxy in [`BACKOFF`] still heals the moment Redis is back.
-pub(super) async fn heal(mut conn: RedisConn, stale: Arc<StaleSet>, timeout: Duration) {
+/// Deletes the stale copies in `stale` (base names, see `Pinned::name`)
+/// as soon as Redis answers, in batches, until none are left. Runs on its
+/// own connection handle, so a proxy in [`BACKOFF`] still heals the moment
+/// Redis is back; under Sentinel, on the master current at each batch.
+pub(super) async fn heal(conn: RedisConn, prefix: String, stale: Arc<StaleSet>, timeout: Duration) {
     let names = || lock(&stale);
     loop {
         let batch: Vec<String> = names().iter().take(HEAL_BATCH).cloned().collect();
         if batch.is_empty() {
             return;
         }
-        let cmd = redis::cmd("DEL").arg(&batch).to_owned();
-        match tokio::time::timeout(timeout, cmd.query_async::<i64>(&mut conn)).await {
+        let delete = async {
+            let pinned = conn.pin_waiting().await?;
+            let named: Vec<String> = batch.iter().map(|b| pinned.name(b, &prefix)).collect();
+            let cmd = redis::cmd("DEL").arg(&named).to_owned();
+            cmd.query_async::<i64>(&mut pinned.conn.clone()).await
+        };
+        match tokio::time::timeout(timeout, delete).await {
             Ok(Ok(_)) => {
                 let mut stale = names();
                 for name in &batch {
