@@ -389,6 +389,21 @@ impl Config {
         })
     }
 
+    /// The listeners' TLS settings (the proxy's, then the admin's).
+    pub fn listener_tls(&self) -> impl Iterator<Item = &crate::net::tls_server::ListenerTls> {
+        let admin = self.restart.admin.as_ref().and_then(|a| a.tls.as_ref());
+        self.restart.server.tls.iter().chain(admin)
+    }
+
+    /// Reads the files the config names that a reload must not fail on
+    /// (the listeners' certificates, keys and client CAs: a pair may be
+    /// mid-rotation): `check-config` and `serve` check them before
+    /// anything else.
+    pub fn check_files(&self) -> Result<(), crate::net::tls::TlsError> {
+        self.listener_tls()
+            .try_for_each(crate::net::tls_server::check)
+    }
+
     /// Settings that are valid but probably not what the operator wants.
     pub fn warnings(&self) -> Vec<String> {
         let mut out = Vec::new();
@@ -445,8 +460,14 @@ impl fmt::Display for Config {
         let restart = &self.restart;
         writeln!(f, "listen     {}", restart.server.listen)?;
         write!(f, "{}", self.server)?;
+        if let Some(tls) = &restart.server.tls {
+            writeln!(f, "tls        {tls}")?;
+        }
         if let Some(admin) = &restart.admin {
             writeln!(f, "admin      {}", admin.listen)?;
+            if let Some(tls) = &admin.tls {
+                writeln!(f, "admin tls  {tls}")?;
+            }
         }
         write!(f, "{}", restart.store)?;
         if let Some(redis) = &restart.redis {

@@ -80,6 +80,9 @@ pub(super) struct RawServer {
     pub(super) upstream_ca_file: Option<PathBuf>,
     pub(super) upstream_cert_file: Option<PathBuf>,
     pub(super) upstream_key_file: Option<PathBuf>,
+    pub(super) tls_cert_file: Option<PathBuf>,
+    pub(super) tls_key_file: Option<PathBuf>,
+    pub(super) tls_client_ca_file: Option<PathBuf>,
 }
 
 /// One `[upstreams.NAME]`: the `[server] upstream*` keys without the prefix.
@@ -101,6 +104,9 @@ pub(super) struct RawUpstream {
 #[serde(deny_unknown_fields)]
 pub(super) struct RawAdmin {
     pub(super) listen: Option<SocketAddr>,
+    pub(super) tls_cert_file: Option<PathBuf>,
+    pub(super) tls_key_file: Option<PathBuf>,
+    pub(super) tls_client_ca_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Default, Deserialize)]
