@@ -362,6 +362,24 @@ impl Config {
                 "[redis] is a fast path in front of PostgreSQL: it needs store.backend = \"postgres\"",
             ));
         }
+        let client_ca = restart
+            .server
+            .tls
+            .as_ref()
+            .is_some_and(|t| t.client_ca.is_some());
+        if let Some(r) = self
+            .routes
+            .iter()
+            .find(|r| r.scope_client_cert && !client_ca)
+        {
+            return Err(Invalid::field(
+                format!("route.{}.scope", r.index - 1),
+                format!(
+                    "route #{} {}: scope = {{ client_cert = true }} needs server.tls_client_ca_file (and tls_cert_file, tls_key_file): without verified client certificates there is no identity to scope keys by",
+                    r.index, r.path
+                ),
+            ));
+        }
         let budget = restart.server.max_buffered_body_bytes;
         if let Some(r) = self.routes.iter().find(|r| r.max_request_body > budget) {
             return Err(Invalid::field(

@@ -980,9 +980,13 @@ mod tests {
         let config = Config::parse_with_env(text, "t.toml", &env).unwrap();
         let route = config.routes.iter().next().unwrap();
         let secret = config.scope_secret.as_ref();
-        let proxy =
-            crate::proxy::protected::prepare::scope_of(route, &http::HeaderMap::new(), secret)
-                .unwrap();
+        let proxy = crate::proxy::protected::prepare::scope_of(
+            route,
+            &http::HeaderMap::new(),
+            None,
+            secret,
+        )
+        .unwrap();
         let named = ScopeArg::Value("stripe:/hooks/stripe".into());
         assert_eq!(named.resolve(&config), Ok(proxy));
     }

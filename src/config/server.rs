@@ -132,15 +132,16 @@ fn listener_tls(
             client_ca,
             names,
         })),
+        // At the line of the key that is there.
         (Some(_), None) => Err(Invalid::field(
-            names.key,
+            names.cert,
             format!(
                 "{} needs {} (the certificate's private key)",
                 names.cert, names.key
             ),
         )),
         (None, Some(_)) => Err(Invalid::field(
-            names.cert,
+            names.key,
             format!("{} needs {} (the certificate)", names.key, names.cert),
         )),
         (None, None) if client_ca.is_some() => Err(Invalid::field(

@@ -1203,3 +1203,87 @@ fn query_is_registered_and_safe_only_routes_warn() {
     let mixed = parse(&with_route("").replace("[\"POST\"]", "[\"GET\", \"POST\"]")).unwrap();
     assert!(mixed.warnings().iter().all(|w| !w.contains("safe methods")));
 }
+
+#[test]
+fn listener_tls_needs_the_certificate_and_its_key_together() {
+    let server = |keys: &str| format!("{MINIMAL}{keys}\n");
+    for (keys, needle) in [
+        (
+            "tls_cert_file = \"c.pem\"",
+            "server.tls_cert_file needs server.tls_key_file",
+        ),
+        (
+            "tls_key_file = \"k.pem\"",
+            "server.tls_key_file needs server.tls_cert_file",
+        ),
+        (
+            "tls_client_ca_file = \"ca.pem\"",
+            "server.tls_client_ca_file needs server.tls_cert_file and server.tls_key_file",
+        ),
+    ] {
+        let e = err(&server(keys));
+        assert!(e.contains(needle), "{keys}: {e}");
+        assert!(e.contains("line 3"), "{keys}: the line is named: {e}");
+    }
+    let admin = format!("{MINIMAL}[admin]\nlisten = \"127.0.0.1:9\"\ntls_cert_file = \"c.pem\"\n");
+    assert!(err(&admin).contains("admin.tls_cert_file needs admin.tls_key_file"));
+
+    // The files are not read at load (a reload must not fail mid-rotation):
+    // check_files reads them, naming the setting and the file.
+    let both = server("tls_cert_file = \"/nonexistent/c.pem\"\ntls_key_file = \"k.pem\"");
+    let cfg = parse(&both).unwrap();
+    let tls = cfg.restart.server.tls.as_ref().unwrap();
+    assert_eq!(
+        (tls.cert.to_str(), tls.client_ca.as_ref()),
+        (Some("/nonexistent/c.pem"), None)
+    );
+    assert!(cfg.restart.admin.is_none());
+    let e = cfg.check_files().unwrap_err().to_string();
+    assert!(
+        e.starts_with("server.tls_cert_file /nonexistent/c.pem: "),
+        "{e}"
+    );
+    assert!(cfg
+        .to_string()
+        .contains("tls        cert /nonexistent/c.pem key k.pem, no client certificates"));
+}
+
+#[test]
+fn a_client_cert_scope_needs_a_listener_that_requires_client_certificates() {
+    let route =
+        "[[route]]\nmethods = [\"POST\"]\npath = \"/orders\"\nscope = { client_cert = true }\n";
+    let plain = format!("{MINIMAL}{route}");
+    let e = err(&plain);
+    assert!(
+        e.contains(
+            "route #1 /orders: scope = { client_cert = true } needs server.tls_client_ca_file"
+        ),
+        "{e}"
+    );
+    let tls = "tls_cert_file = \"c.pem\"\ntls_key_file = \"k.pem\"\n";
+    let no_ca = format!("{MINIMAL}{tls}{route}");
+    assert!(err(&no_ca).contains("needs server.tls_client_ca_file"));
+    let mtls = format!("{MINIMAL}{tls}tls_client_ca_file = \"ca.pem\"\n{route}");
+    let cfg = parse(&mtls).unwrap();
+    let r = cfg.routes.iter().next().unwrap();
+    assert!(r.scope_client_cert && r.scope_headers.is_empty() && r.scope_value.is_none());
+    assert_eq!(r.scope_label(), "client_cert");
+    // In [defaults] too; `false` and a mix are refused.
+    let defaults = format!("{MINIMAL}{tls}tls_client_ca_file = \"ca.pem\"\n[defaults]\nscope = {{ client_cert = true }}\n[[route]]\nmethods = [\"POST\"]\npath = \"/a\"\n");
+    assert!(
+        parse(&defaults)
+            .unwrap()
+            .routes
+            .iter()
+            .next()
+            .unwrap()
+            .scope_client_cert
+    );
+    for bad in [
+        "{ client_cert = false }",
+        "{ client_cert = true, value = \"x\" }",
+    ] {
+        let text = with_route(&format!("scope = {bad}\n"));
+        assert!(err(&text).contains("scope: "), "{bad}: {}", err(&text));
+    }
+}

@@ -220,6 +220,16 @@ impl Scope {
         Self::digest(&input, secret)
     }
 
+    /// The scope of a client certificate (`scope = { client_cert = true }`),
+    /// by the SHA-256 digest of its SubjectPublicKeyInfo: its own
+    /// encoding, so it never equals a scope of headers or a value.
+    pub fn of_client_cert(spki_sha256: &[u8; 32], secret: Option<&[u8]>) -> Self {
+        let mut input = Vec::with_capacity(64);
+        input.extend_from_slice(b"idemgate/scope/client-cert/v1\0");
+        input.extend_from_slice(spki_sha256);
+        Self::digest(&input, secret)
+    }
+
     fn digest(input: &[u8], secret: Option<&[u8]>) -> Self {
         match secret {
             None => Self(Sha256::digest(input).into()),
