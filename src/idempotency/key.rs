@@ -557,4 +557,16 @@ mod tests {
         let rk = RecordKey::new(Scope::from_header_value(None), &k);
         assert!(!format!("{rk:?}").contains("secret"));
     }
+
+    #[test]
+    fn a_client_certificate_scope_is_its_own_and_keyed_by_the_secret() {
+        let (a, b) = ([1u8; 32], [2u8; 32]);
+        let cert = |spki: &[u8; 32], secret| Scope::of_client_cert(spki, secret);
+        assert_ne!(cert(&a, None), cert(&b, None));
+        assert_eq!(cert(&a, None), cert(&a, None));
+        assert_ne!(cert(&a, None), cert(&a, Some(b"s")));
+        // Never a scope of the same bytes sent as a header or a value.
+        assert_ne!(cert(&a, None), Scope::of_values(&[vec![a.to_vec()]], None));
+        assert_ne!(cert(&a, None), Scope::of_value(&hex::encode(a), None));
+    }
 }

@@ -9,8 +9,8 @@
 
 use crate::support::tls_upstream::{CertFiles, TestCa};
 use crate::support::{
-    bounded, free_port, run_on_config_text, wait_for, Route, ServeProcess, TestConfig, Upstream,
-    ORDERS,
+    bounded, free_port, run_on_config_text, run_to_completion, wait_for, Route, ServeProcess,
+    TestConfig, Upstream, ORDERS,
 };
 use bytes::Bytes;
 use http::{Method, Request, StatusCode};
@@ -303,6 +303,12 @@ async fn the_admin_listener_serves_its_own_certificate_over_http1() {
         .await
         .unwrap();
     assert_eq!(resp.status(), StatusCode::OK);
+
+    // `idemgate reload` asks it over TLS.
+    let path = dir.path().join("idemgate.toml");
+    let path = path.display().to_string();
+    let run = run_to_completion(&["reload", "--config", &path], &[]).await;
+    assert_eq!(run.code, 0, "{run:?}");
 }
 
 #[tokio::test]
@@ -544,4 +550,47 @@ async fn a_stalled_or_garbage_handshake_holds_only_its_own_connection() {
         .await;
         assert!(closed.is_ok(), "a stalled handshake was not closed");
     }
+}
+
+/// A Kubernetes Secret volume: `tls.crt -> ..data/tls.crt`, and an update
+/// swaps the `..data` symlink to a new timestamped directory at once.
+#[tokio::test]
+async fn a_kubernetes_secret_update_swapping_the_data_symlink_is_served() {
+    use std::os::unix::fs::symlink;
+    let ca = TestCa::new("secret");
+    let old = ca.leaf("old", &["localhost"], false);
+    let new = ca.leaf("new", &["localhost"], false);
+    let volume = tempfile::tempdir().unwrap();
+    let v = volume.path();
+    let version = |name: &str, pair: &CertFiles| {
+        std::fs::create_dir(v.join(name)).unwrap();
+        std::fs::copy(&pair.cert, v.join(name).join("tls.crt")).unwrap();
+        std::fs::copy(&pair.key, v.join(name).join("tls.key")).unwrap();
+    };
+    version("..2026_12_04_old", &old);
+    symlink("..2026_12_04_old", v.join("..data")).unwrap();
+    symlink("..data/tls.crt", v.join("tls.crt")).unwrap();
+    symlink("..data/tls.key", v.join("tls.key")).unwrap();
+    let live = CertFiles {
+        cert: v.join("tls.crt"),
+        key: v.join("tls.key"),
+    };
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (listen, admin) = (free_port(), free_port());
+    let _gate = start(tls_config(&up, &live, listen, admin), dir.path()).await;
+    let dial = Dial::new(ca.ca_file());
+    assert_eq!(
+        post(listen, &dial, "k-1").await.unwrap().cert,
+        der(&old.cert)
+    );
+
+    version("..2026_12_04_new", &new);
+    symlink("..2026_12_04_new", v.join("..data_tmp")).unwrap();
+    std::fs::rename(v.join("..data_tmp"), v.join("..data")).unwrap();
+    wait_for("the new certificate to be served", || async {
+        let a = post(listen, &dial, "k-2").await.ok()?;
+        (a.cert == der(&new.cert)).then_some(())
+    })
+    .await;
 }
