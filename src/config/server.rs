@@ -70,7 +70,11 @@ pub struct ServerRestart {
     /// Reload the config file when its content changes, not only on SIGHUP.
     pub watch_config: bool,
     /// `tls_cert_file` and `tls_key_file` (and `tls_client_ca_file`):
-    /// HTTPS on `listen`; none: plain HTTP.
+    /// HTTPS on `listen`; none: plain HTTP. Named `server.tls_*` among
+    /// the settings a reload keeps (the files' content does reload).
+    /// Last, and left out when absent: `changes` lines fields up by
+    /// position.
+    #[serde(rename = "tls_*", skip_serializing_if = "Option::is_none")]
     pub tls: Option<ListenerTls>,
 }
 
@@ -99,6 +103,8 @@ pub struct AdminConfig {
     pub listen: SocketAddr,
     /// `admin.tls_*`: the admin listener's own; none: plain HTTP (what
     /// kubelet probes and most scrapers expect), whatever `[server]` has.
+    /// Last and left out when absent, as `ServerRestart::tls`.
+    #[serde(rename = "tls_*", skip_serializing_if = "Option::is_none")]
     pub tls: Option<ListenerTls>,
 }
 

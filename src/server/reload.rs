@@ -385,6 +385,10 @@ mod tests {
             ("[store]\nbackend = \"memory\"", &["store"]),
             ("[admin]\nlisten = \"127.0.0.1:9901\"", &["admin.listen"]),
             ("[log]\nlevel = \"debug\"", &["log"]),
+            (
+                "tls_cert_file = \"c.pem\"\ntls_key_file = \"k.pem\"",
+                &["server.tls_*"],
+            ),
         ];
         for (extra, want) in cases {
             assert_eq!(
