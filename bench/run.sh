@@ -37,6 +37,7 @@ need() { # command package
 }
 need wrk wrk
 need nginx nginx
+need openssl openssl
 need pgbench postgresql-client
 need redis-cli redis-tools
 need psql postgresql-client
@@ -60,10 +61,16 @@ say "building the release binary"
 cargo build --release --locked -q
 bin="${CARGO_TARGET_DIR:-$PWD/target}/release/idemgate"
 
-# ----- the upstream (nginx, one worker, a fixed 201) and a plain nginx proxy -----
+# ----- the upstream (nginx, one worker, a fixed 201), a plain nginx proxy
+# and an nginx proxy terminating TLS with the certificate idemgate's TLS row uses -----
 up_port=$(free_port)
 px_port=$(free_port)
+tls_px_port=$(free_port)
 mkdir -p "$work/nginx"
+# One ECDSA P-256 certificate for both TLS rows (what cert-manager issues by default).
+openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 2 \
+  -subj /CN=localhost -addext subjectAltName=DNS:localhost,IP:127.0.0.1 \
+  -keyout "$work/tls.key" -out "$work/tls.crt" 2>/dev/null
 cat >"$work/nginx/nginx.conf" <<EOF
 worker_processes 1;
 pid $work/nginx/nginx.pid;
@@ -98,6 +105,17 @@ http {
       proxy_set_header Connection "";
     }
   }
+  server {
+    listen 127.0.0.1:$tls_px_port ssl;
+    ssl_certificate $work/tls.crt;
+    ssl_certificate_key $work/tls.key;
+    ssl_protocols TLSv1.2 TLSv1.3;
+    location / {
+      proxy_pass http://origin;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+    }
+  }
 }
 EOF
 nginx -c "$work/nginx/nginx.conf" -p "$work/nginx"
@@ -107,8 +125,8 @@ for _ in $(seq 20); do [ -s "$work/nginx/nginx.pid" ] && break; sleep 0.1; done
 pids+=("$(cat "$work/nginx/nginx.pid")")
 
 # ----- idemgate, one process per store -----
-start_idemgate() { # name backend extra-toml -> sets IG_PORT, IG_PID
-  local name=$1 backend=$2 extra=$3
+start_idemgate() { # name backend extra-toml [extra-server-toml] -> sets IG_PORT, IG_PID
+  local name=$1 backend=$2 extra=$3 server_extra=${4:-}
   IG_PORT=$(free_port)
   local admin; admin=$(free_port)
   cat >"$work/$name.toml" <<EOF
@@ -116,6 +134,7 @@ start_idemgate() { # name backend extra-toml -> sets IG_PORT, IG_PID
 listen = "127.0.0.1:$IG_PORT"
 upstream = "http://127.0.0.1:$up_port"
 max_connections = 10000
+$server_extra
 [admin]
 listen = "127.0.0.1:$admin"
 [store]
@@ -188,6 +207,15 @@ PATH_=/plain run "idemgate pass-through (unprotected)" "$sqlite" none "$CONNS" "
 if [ -z "${ONLY:-}" ] || [[ "idemgate pass-through, 1 worker thread" =~ $ONLY ]]; then
   TOKIO_WORKER_THREADS=1 start_idemgate one_worker memory ""
   PATH_=/plain run "idemgate pass-through, 1 worker thread" "http://127.0.0.1:$IG_PORT" none "$CONNS" "$IG_PID"
+  kill "$IG_PID" 2>/dev/null || true
+fi
+# TLS termination, same certificate, kept-alive connections (wrk reuses
+# them: this is the record layer's cost, not the handshake's), against nginx.
+run "nginx proxy terminating TLS" "https://127.0.0.1:$tls_px_port" none "$CONNS"
+if [ -z "${ONLY:-}" ] || [[ "idemgate pass-through over TLS (listener)" =~ $ONLY ]]; then
+  start_idemgate listener_tls memory "" "tls_cert_file = \"$work/tls.crt\"
+tls_key_file = \"$work/tls.key\""
+  PATH_=/plain run "idemgate pass-through over TLS (listener)" "https://127.0.0.1:$IG_PORT" none "$CONNS" "$IG_PID"
   kill "$IG_PID" 2>/dev/null || true
 fi
 run "fresh keys, sqlite (synchronous = full)" "$sqlite" fresh "$CONNS" "$sqlite_pid"
