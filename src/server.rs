@@ -18,7 +18,7 @@ use crate::metrics::Metrics;
 use crate::net::connection::{self, Deadlines};
 use crate::net::drain::Drain;
 use crate::net::listen;
-use crate::net::tls_server::{Alpn, ClientCert, ListenerTls, TlsListener};
+use crate::net::tls_server::{Alpn, ListenerTls, TlsListener, TlsSession};
 use crate::proxy::Proxy;
 use crate::store::Store;
 use anyhow::Context;
@@ -291,12 +291,15 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
                         proxy_connection(&builder, io, current, None, deadlines, close, peer).await;
                     }
                     Some(tls) => {
-                        if let Some((stream, client, deadlines)) =
+                        if let Some((stream, session, deadlines)) =
                             handshake(&tls, stream, deadlines, peer).await
                         {
                             let io = TokioIo::new(stream);
-                            proxy_connection(&builder, io, current, client, deadlines, close, peer)
-                                .await;
+                            let session = Some(session);
+                            proxy_connection(
+                                &builder, io, current, session, deadlines, close, peer,
+                            )
+                            .await;
                         }
                     }
                 }
@@ -354,7 +357,7 @@ fn listener_tls(
 
 /// The TLS handshake of one accepted connection, in its own task, within
 /// the head deadline (which the rest of it then shortens): the stream,
-/// the client's verified certificate, and the deadlines left. `None`: the
+/// the session (the client's verified certificate), and the deadlines left. `None`: the
 /// handshake failed or stalled (logged at debug: a port scan or a client
 /// that does not trust the certificate is not the proxy's fault).
 async fn handshake(
@@ -364,14 +367,18 @@ async fn handshake(
     peer: SocketAddr,
 ) -> Option<(
     tokio_rustls::server::TlsStream<TcpStream>,
-    Option<ClientCert>,
+    TlsSession,
     Deadlines,
 )> {
     let started = tokio::time::Instant::now();
     match tls.accept(stream, deadlines.head).await {
         Ok((stream, client)) => {
             let head = deadlines.head.saturating_sub(started.elapsed());
-            Some((stream, client, Deadlines { head, ..deadlines }))
+            Some((
+                stream,
+                TlsSession { client },
+                Deadlines { head, ..deadlines },
+            ))
         }
         Err(e) => {
             debug!(error = %e, client.addr = %peer, "TLS handshake failed");
@@ -380,14 +387,14 @@ async fn handshake(
     }
 }
 
-/// One proxy connection on `io` (plain or TLS): each request gets the
-/// config of the moment, held to its end, and the client's certificate
-/// (`client`, mTLS) in its extensions.
+/// One proxy connection on `io` (plain, or TLS with `session`): each
+/// request gets the config of the moment, held to its end, and the
+/// session in its extensions.
 fn proxy_connection<I>(
     builder: &auto::Builder<TokioExecutor>,
     io: TokioIo<I>,
     current: Arc<ArcSwap<Proxy>>,
-    client: Option<ClientCert>,
+    session: Option<TlsSession>,
     deadlines: Deadlines,
     close: CancellationToken,
     peer: SocketAddr,
@@ -396,8 +403,8 @@ where
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let (svc, activity) = connection::track(move |mut req: http::Request<_>| {
-        if let Some(cert) = client {
-            req.extensions_mut().insert(cert);
+        if let Some(session) = session {
+            req.extensions_mut().insert(session);
         }
         current.load_full().handle(req, peer)
     });

@@ -79,9 +79,17 @@ impl std::fmt::Display for ListenerTls {
     }
 }
 
-/// The verified client certificate of an mTLS connection, put in every
-/// request's extensions: the SHA-256 digest of its SubjectPublicKeyInfo,
-/// which survives a renewal with the same key and differs per key.
+/// A request that came over a TLS connection, in its extensions: the
+/// upstream is told `X-Forwarded-Proto: https`, and with mTLS the client's
+/// verified certificate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TlsSession {
+    pub client: Option<ClientCert>,
+}
+
+/// The verified client certificate of an mTLS connection: the SHA-256
+/// digest of its SubjectPublicKeyInfo, which survives a renewal with the
+/// same key and differs per key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ClientCert {
     pub spki_sha256: [u8; 32],
@@ -202,10 +210,12 @@ impl ResolvesServerCert for Current {
     }
 }
 
-/// Digests of the state served and the last bad one.
+/// Digests of the state served and the last bad one, and the last read
+/// failure (each logged once).
 struct Seen {
     served: [u8; 32],
     bad: Option<[u8; 32]>,
+    unreadable: Option<String>,
 }
 
 // ===== the listener =====
@@ -246,6 +256,7 @@ impl TlsListener {
             seen: Mutex::new(Seen {
                 served: files.digest(),
                 bad: None,
+                unreadable: None,
             }),
             settings,
         })
@@ -283,29 +294,34 @@ impl TlsListener {
     /// (see [`judge`]); `asked`: by a reload, which reports a bad state
     /// again rather than once.
     pub fn refresh(&self, asked: bool) -> Refreshed {
-        let files = match PairFiles::read(&self.settings) {
-            Ok(f) => f,
-            // Mid-swap (a symlink being replaced) reads fail for a moment:
-            // the next poll sees the result. Only a reload reports it.
+        let read = PairFiles::read(&self.settings);
+        let mut seen = self.seen.lock().expect("not poisoned");
+        let files = match read {
+            Ok(f) => {
+                seen.unreadable = None;
+                f
+            }
+            // Renames and symlink swaps are atomic, so a failed read is
+            // a real state (a file removed, its permissions changed):
+            // logged once per failure, and on each reload.
             Err(e) => {
-                if asked {
+                let reason = e.to_string();
+                if asked || seen.unreadable.as_ref() != Some(&reason) {
                     warn!(error = %e, "listener certificate files not readable; the previous pair keeps serving");
+                    seen.unreadable = Some(reason);
                 }
                 return Refreshed::Kept(e);
             }
         };
         let now = files.digest();
-        let mut seen = self.seen.lock().expect("not poisoned");
         match judge(&seen.served, seen.bad.as_ref(), &now, asked) {
             Action::Unchanged => Refreshed::Unchanged,
             Action::KnownBad => Refreshed::Unchanged,
             Action::Try => match files.certified(&self.settings) {
                 Ok(pair) => {
                     self.current.0.store(Arc::new(pair));
-                    *seen = Seen {
-                        served: now,
-                        bad: None,
-                    };
+                    seen.served = now;
+                    seen.bad = None;
                     info!(cert = %self.settings.cert.display(), "listener certificate rotated");
                     Refreshed::Rotated
                 }

@@ -241,6 +241,7 @@ async fn https_with_tls_1_2_and_1_3_over_h1_and_h2_and_a_replay() {
             assert_eq!(first.version, Some(name), "{key}");
             assert_eq!(first.alpn.as_deref(), Some(alpn), "{key}");
             assert!(!first.replayed, "{key}");
+            assert_eq!(up.last().headers["x-forwarded-proto"], "https", "{key}");
             // The same key on another connection: replayed, not run again.
             let again = post(listen, &dial, &key).await.unwrap();
             assert!(again.replayed, "{key}: {again:?}");
@@ -376,6 +377,17 @@ async fn a_rotated_pair_is_served_within_seconds_and_a_half_replaced_one_never()
         (a.cert == der(&old.cert)).then_some(())
     })
     .await;
+
+    // A key file removed: the pair keeps serving, logged once.
+    std::fs::remove_file(&live.key).unwrap();
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let without = post(listen, &dial, "r-6").await.unwrap();
+    assert_eq!(without.cert, der(&old.cert));
+    let unreadable = gate
+        .log()
+        .matches("listener certificate files not readable")
+        .count();
+    assert_eq!(unreadable, 1, "logged once:\n{}", gate.log());
 }
 
 #[tokio::test]
