@@ -17,6 +17,7 @@
 //! Nothing here prints what a key file holds.
 
 use super::tls::{self, FileNames, Roots, TlsError};
+use rustls::pki_types::CertificateDer;
 use rustls::server::{ClientHello, ParsedCertificate, ResolvesServerCert, WebPkiClientVerifier};
 use rustls::sign::CertifiedKey;
 use rustls::version::{TLS12, TLS13};
@@ -98,6 +99,23 @@ pub struct ClientCert {
 impl ClientCert {
     pub fn to_hex(&self) -> String {
         hex::encode(self.spki_sha256)
+    }
+
+    /// The identity of a certificate (DER), if it parses.
+    pub fn of(cert: &CertificateDer<'_>) -> Option<Self> {
+        let parsed = ParsedCertificate::try_from(cert).ok()?;
+        let spki = parsed.subject_public_key_info();
+        Some(Self {
+            spki_sha256: Sha256::digest(spki.as_ref()).into(),
+        })
+    }
+
+    /// The identity of the first certificate in a PEM file (`keys
+    /// --client-cert`: the scope a client with that certificate gets).
+    pub fn of_file(what: &'static str, path: &Path) -> Result<Self, TlsError> {
+        let (certs, _) = tls::load_certs(what, path)?;
+        Self::of(&certs[0])
+            .ok_or_else(|| tls::file_error(what, path, "not a valid X.509 certificate"))
     }
 }
 
@@ -283,10 +301,7 @@ impl TlsListener {
             .1
             .peer_certificates()
             .and_then(|chain| chain.first())
-            .and_then(|leaf| ParsedCertificate::try_from(leaf).ok())
-            .map(|leaf| ClientCert {
-                spki_sha256: Sha256::digest(leaf.subject_public_key_info().as_ref()).into(),
-            });
+            .and_then(ClientCert::of);
         Ok((tls, client))
     }
 

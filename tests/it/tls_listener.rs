@@ -404,7 +404,11 @@ async fn mtls_refuses_clients_without_a_certificate_of_the_ca_and_scopes_keys_by
     let (listen, admin) = (free_port(), free_port());
     let config = TestConfig::new(up.addr)
         .listen(listen, admin)
-        .set("store.backend", "memory")
+        .set("store.backend", "sqlite")
+        .set(
+            "store.path",
+            dir.path().join("keys.db").display().to_string(),
+        )
         .set("server.tls_cert_file", server.cert.display().to_string())
         .set("server.tls_key_file", server.key.display().to_string())
         .set(
@@ -451,6 +455,27 @@ async fn mtls_refuses_clients_without_a_certificate_of_the_ca_and_scopes_keys_by
         ..as_who(Some(&bob))
     };
     assert!(post(listen, &over_tls12, "m-1").await.unwrap().replayed);
+
+    // `keys show --client-cert FILE` names the scope of that certificate.
+    let path = dir.path().join("idemgate.toml").display().to_string();
+    for (who, cert, code) in [
+        ("alice", &alice, 0),
+        ("bob", &bob, 0),
+        ("mallory", &stranger, 3),
+    ] {
+        let cert = cert.cert.display().to_string();
+        let args = [
+            "keys",
+            "--config",
+            &path,
+            "show",
+            "--client-cert",
+            &cert,
+            "m-1",
+        ];
+        let run = run_to_completion(&args, &[]).await;
+        assert_eq!(run.code, code, "{who}: {run:?}");
+    }
 }
 
 #[tokio::test]
