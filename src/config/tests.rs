@@ -1287,3 +1287,23 @@ fn a_client_cert_scope_needs_a_listener_that_requires_client_certificates() {
         assert!(err(&text).contains("scope: "), "{bad}: {}", err(&text));
     }
 }
+
+/// The README's TLS example is a working config (the files are read by
+/// check-config and serve, not at load).
+#[test]
+fn the_readme_tls_example_parses() {
+    let readme = include_str!("../../README.md");
+    let start = readme
+        .find("<!-- tls-example")
+        .and_then(|i| {
+            readme[i..]
+                .find("```toml\n")
+                .map(|j| i + j + "```toml\n".len())
+        })
+        .expect("the TLS example in the README");
+    let end = start + readme[start..].find("```").expect("its end");
+    let cfg = parse(&readme[start..end]).unwrap();
+    let tls = cfg.restart.server.tls.as_ref().expect("server TLS");
+    assert!(tls.client_ca.is_some());
+    assert!(cfg.routes.iter().next().unwrap().scope_client_cert);
+}
