@@ -168,6 +168,12 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
     for w in config.warnings() {
         warn!("{w}");
     }
+    // Read before anything runs: a bad pair fails the start.
+    let proxy_tls = listener_tls(config.restart.server.tls.as_ref(), Alpn::H2AndHttp1)?;
+    let admin_tls = listener_tls(
+        config.restart.admin.as_ref().and_then(|a| a.tls.as_ref()),
+        Alpn::Http1,
+    )?;
     metrics.register_routes(config.routes.iter().map(|r| &r.label));
     metrics.config_started(reload::unix_secs());
     // The proxy of the running config; a reload swaps in another, and each
@@ -195,12 +201,6 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
     let reload_trigger = reload.as_ref().map(|source| {
         Arc::new(reload::Trigger(source.trigger.clone())) as Arc<dyn crate::admin::Reload>
     });
-    // Read before anything is served: a bad pair fails the start.
-    let proxy_tls = listener_tls(config.restart.server.tls.as_ref(), Alpn::H2AndHttp1)?;
-    let admin_tls = listener_tls(
-        config.restart.admin.as_ref().and_then(|a| a.tls.as_ref()),
-        Alpn::Http1,
-    )?;
     let certificates: Vec<Arc<TlsListener>> =
         proxy_tls.iter().chain(admin_tls.iter()).cloned().collect();
     let cert_watchers: Vec<_> = certificates
@@ -357,9 +357,10 @@ fn listener_tls(
 
 /// The TLS handshake of one accepted connection, in its own task, within
 /// the head deadline (which the rest of it then shortens): the stream,
-/// the session (the client's verified certificate), and the deadlines left. `None`: the
-/// handshake failed or stalled (logged at debug: a port scan or a client
-/// that does not trust the certificate is not the proxy's fault).
+/// the session (the client's verified certificate), and the deadlines
+/// left. `None`: the handshake failed or stalled (logged at debug: a port
+/// scan or a client that does not trust the certificate is not the
+/// proxy's fault).
 async fn handshake(
     tls: &TlsListener,
     stream: TcpStream,

@@ -170,15 +170,18 @@ impl PairFiles {
             Ok(()) | Err(rustls::Error::InconsistentKeys(rustls::InconsistentKeys::Unknown)) => {
                 Ok(pair)
             }
-            Err(_) => Err(TlsError::File {
-                what: names.key,
-                path: tls.key.clone(),
-                reason: format!(
-                    "not the private key of the certificate in {} ({})",
-                    tls.cert.display(),
-                    names.cert
-                ),
-            }),
+            Err(rustls::Error::InconsistentKeys(rustls::InconsistentKeys::KeyMismatch)) => {
+                Err(TlsError::File {
+                    what: names.key,
+                    path: tls.key.clone(),
+                    reason: format!(
+                        "not the private key of the certificate in {} ({})",
+                        tls.cert.display(),
+                        names.cert
+                    ),
+                })
+            }
+            Err(e) => Err(tls::file_error(names.cert, &tls.cert, e)),
         }
     }
 }
