@@ -37,6 +37,7 @@ need() { # command package
 }
 need wrk wrk
 need nginx nginx
+need openssl openssl
 need pgbench postgresql-client
 need redis-cli redis-tools
 need psql postgresql-client
@@ -119,11 +120,18 @@ EOF
 start_nginx "$work/origin"
 origin_pid=${pids[-1]}
 
+# One ECDSA P-256 certificate for both TLS rows (what cert-manager issues by default).
+openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 2 \
+  -subj /CN=localhost -addext subjectAltName=DNS:localhost,IP:127.0.0.1 \
+  -keyout "$work/tls.key" -out "$work/tls.crt" 2>/dev/null
+
 # ----- nginx as the proxy, in its own process: one worker, and `auto` -----
-start_nginx_proxy() { # name workers -> sets NX_PORT, NX_H2_PORT, NX_PID
+# Each listens plain (HTTP/1.1), h2c, and TLS with the certificate above.
+start_nginx_proxy() { # name workers -> sets NX_PORT, NX_H2_PORT, NX_TLS_PORT, NX_PID
   local dir="$work/$1"
   NX_PORT=$(free_port)
   NX_H2_PORT=$(free_port)
+  NX_TLS_PORT=$(free_port)
   mkdir -p "$dir"
   {
     echo "worker_processes $2;"
@@ -135,6 +143,10 @@ start_nginx_proxy() { # name workers -> sets NX_PORT, NX_H2_PORT, NX_PID
   server {
     listen 127.0.0.1:$NX_PORT;
     listen 127.0.0.1:$NX_H2_PORT http2;
+    listen 127.0.0.1:$NX_TLS_PORT ssl;
+    ssl_certificate $work/tls.crt;
+    ssl_certificate_key $work/tls.key;
+    ssl_protocols TLSv1.2 TLSv1.3;
     location / {
       proxy_pass http://origin;
       proxy_http_version 1.1;
@@ -149,8 +161,8 @@ EOF
 }
 
 # ----- idemgate, one process per store -----
-start_idemgate() { # name backend extra-toml -> sets IG_PORT, IG_PID
-  local name=$1 backend=$2 extra=$3
+start_idemgate() { # name backend extra-toml [extra-server-toml] -> sets IG_PORT, IG_PID
+  local name=$1 backend=$2 extra=$3 server_extra=${4:-}
   IG_PORT=$(free_port)
   local admin; admin=$(free_port)
   cat >"$work/$name.toml" <<EOF
@@ -158,6 +170,7 @@ start_idemgate() { # name backend extra-toml -> sets IG_PORT, IG_PID
 listen = "127.0.0.1:$IG_PORT"
 upstream = "http://127.0.0.1:$up_port"
 max_connections = 10000
+$server_extra
 [admin]
 listen = "127.0.0.1:$admin"
 [store]
@@ -290,7 +303,7 @@ printf '%s' '{"item":"book","qty":1}' >"$work/body.json"
 up="http://127.0.0.1:$up_port"
 run "upstream direct (nginx)" "$up" none "$CONNS"
 start_nginx_proxy nginx1 1
-nginx1=$NX_PORT; nginx1_h2=$NX_H2_PORT; nginx1_pid=$NX_PID
+nginx1=$NX_PORT; nginx1_h2=$NX_H2_PORT; nginx1_tls=$NX_TLS_PORT; nginx1_pid=$NX_PID
 run "nginx plain proxy, own process, 1 worker" "http://127.0.0.1:$nginx1" none "$CONNS" "$nginx1_pid"
 start_nginx_proxy nginxauto auto
 run "nginx plain proxy, own process, worker_processes auto" "http://127.0.0.1:$NX_PORT" none "$CONNS" "$NX_PID"
@@ -307,6 +320,15 @@ run_h2 "h2c idemgate pass-through (unprotected)" "$sqlite/plain" none "$sqlite_p
 if [ -z "${ONLY:-}" ] || [[ "idemgate pass-through, 1 worker thread" =~ $ONLY ]]; then
   TOKIO_WORKER_THREADS=1 start_idemgate one_worker memory ""
   PATH_=/plain run "idemgate pass-through, 1 worker thread" "http://127.0.0.1:$IG_PORT" none "$CONNS" "$IG_PID"
+  kill "$IG_PID" 2>/dev/null || true
+fi
+# TLS termination, same certificate, kept-alive connections (wrk reuses
+# them: this is the record layer's cost, not the handshake's), against nginx.
+run "nginx proxy terminating TLS, own process, 1 worker" "https://127.0.0.1:$nginx1_tls" none "$CONNS" "$nginx1_pid"
+if wanted "idemgate pass-through over TLS (listener)"; then
+  start_idemgate listener_tls memory "" "tls_cert_file = \"$work/tls.crt\"
+tls_key_file = \"$work/tls.key\""
+  PATH_=/plain run "idemgate pass-through over TLS (listener)" "https://127.0.0.1:$IG_PORT" none "$CONNS" "$IG_PID"
   kill "$IG_PID" 2>/dev/null || true
 fi
 run "fresh keys, sqlite (synchronous = full)" "$sqlite" fresh "$CONNS" "$sqlite_pid"
@@ -487,6 +509,8 @@ target "one key replayed, postgres + redis vs pass-through" "$(ratio "${RPS[one 
 target "replay p99.9, postgres (ms)" "${P999[one key replayed, postgres]:-}" "<=" 100
 target "replay p99.9, postgres + redis (ms)" "${P999[one key replayed, postgres + redis]:-}" "<=" 100
 target "fresh keys, sqlite (synchronous = full) vs pass-through" "$(ratio "${RPS[fresh keys, sqlite (synchronous = full)]:-}" "${RPS[$pass]:-}")" ">=" 0.25
+target "TLS pass-through req/s vs nginx terminating TLS" "$(ratio "${RPS[idemgate pass-through over TLS (listener)]:-}" "${RPS[nginx proxy terminating TLS, own process, 1 worker]:-}")" ">=" 1.0
+target "TLS pass-through CPU per request vs nginx terminating TLS" "$(ratio "${CPU[idemgate pass-through over TLS (listener)]:-}" "${CPU[nginx proxy terminating TLS, own process, 1 worker]:-}")" "<=" 1.25
 target "h2c pass-through vs h2c nginx" "$(ratio "${RPS[h2c idemgate pass-through (unprotected)]:-}" "${RPS[h2c nginx plain proxy, own process, 1 worker]:-}")" ">=" 1.0
 target "h2c pass-through CPU per request vs h2c nginx" "$(ratio "${CPU[h2c idemgate pass-through (unprotected)]:-}" "${CPU[h2c nginx plain proxy, own process, 1 worker]:-}")" "<=" 1.25
 target "h2c one key replayed, postgres vs h2c pass-through" "$(ratio "${RPS[h2c one key replayed, postgres]:-}" "${RPS[h2c idemgate pass-through (unprotected)]:-}")" ">=" 0.5

@@ -41,10 +41,16 @@ pub fn run(cli: Cli) -> ExitCode {
         None => ExitCode::from(EX_USAGE),
     };
     match cli.command {
-        Command::CheckConfig { config, connect } => {
-            with_config(&config, &|cfg| check_config::run(&config, &cfg, connect))
-        }
+        Command::CheckConfig { config, connect } => with_config(&config, &|cfg| {
+            if !files_ok(&config, &cfg) {
+                return ExitCode::from(EX_USAGE);
+            }
+            check_config::run(&config, &cfg, connect)
+        }),
         Command::Serve { config } => with_config(&config, &|cfg| {
+            if !files_ok(&config, &cfg) {
+                return ExitCode::from(EX_USAGE);
+            }
             crate::telemetry::init(cfg.restart.log.format, &cfg.restart.log.level);
             exit(block_on(serve::run(cfg, config.clone())))
         }),
@@ -79,6 +85,18 @@ pub fn run(cli: Cli) -> ExitCode {
         Command::DemoUpstream { listen } => {
             crate::telemetry::init(Default::default(), "info");
             exit(block_on(demo::run_upstream(listen)))
+        }
+    }
+}
+
+/// The files a config names but does not read at load (the listeners'
+/// TLS): a bad one is a config error of `check-config` and `serve`.
+fn files_ok(path: &std::path::Path, cfg: &Config) -> bool {
+    match cfg.check_files() {
+        Ok(()) => true,
+        Err(e) => {
+            eprintln!("invalid configuration: {}: {e}", path.display());
+            false
         }
     }
 }

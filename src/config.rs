@@ -362,6 +362,24 @@ impl Config {
                 "[redis] is a fast path in front of PostgreSQL: it needs store.backend = \"postgres\"",
             ));
         }
+        let client_ca = restart
+            .server
+            .tls
+            .as_ref()
+            .is_some_and(|t| t.client_ca.is_some());
+        if let Some(r) = self
+            .routes
+            .iter()
+            .find(|r| r.scope_client_cert && !client_ca)
+        {
+            return Err(Invalid::field(
+                format!("route.{}.scope", r.index - 1),
+                format!(
+                    "route #{} {}: scope = {{ client_cert = true }} needs server.tls_client_ca_file (and tls_cert_file, tls_key_file): without verified client certificates there is no identity to scope keys by",
+                    r.index, r.path
+                ),
+            ));
+        }
         let budget = restart.server.max_buffered_body_bytes;
         if let Some(r) = self.routes.iter().find(|r| r.max_request_body > budget) {
             return Err(Invalid::field(
@@ -387,6 +405,21 @@ impl Config {
             file: file.to_string(),
             message: e.located(text),
         })
+    }
+
+    /// The listeners' TLS settings (the proxy's, then the admin's).
+    pub fn listener_tls(&self) -> impl Iterator<Item = &crate::net::tls_server::ListenerTls> {
+        let admin = self.restart.admin.as_ref().and_then(|a| a.tls.as_ref());
+        self.restart.server.tls.iter().chain(admin)
+    }
+
+    /// Reads the files the config names that a reload must not fail on
+    /// (the listeners' certificates, keys and client CAs: a pair may be
+    /// mid-rotation): `check-config` and `serve` check them before
+    /// anything else.
+    pub fn check_files(&self) -> Result<(), crate::net::tls::TlsError> {
+        self.listener_tls()
+            .try_for_each(crate::net::tls_server::check)
     }
 
     /// Settings that are valid but probably not what the operator wants.
@@ -445,8 +478,14 @@ impl fmt::Display for Config {
         let restart = &self.restart;
         writeln!(f, "listen     {}", restart.server.listen)?;
         write!(f, "{}", self.server)?;
+        if let Some(tls) = &restart.server.tls {
+            writeln!(f, "tls        {tls}")?;
+        }
         if let Some(admin) = &restart.admin {
             writeln!(f, "admin      {}", admin.listen)?;
+            if let Some(tls) = &admin.tls {
+                writeln!(f, "admin tls  {tls}")?;
+            }
         }
         write!(f, "{}", restart.store)?;
         if let Some(redis) = &restart.redis {

@@ -12,6 +12,8 @@
 //!   classification, tasks on a tracker, stop on a future).
 //! - [`tls`]: TLS clients (PEM files, trust roots, verifiers) and what a
 //!   failed handshake means.
+//! - [`tls_server`]: TLS on the listeners (the pair served and rotated,
+//!   mTLS, the handshake deadline, the client's identity).
 
 pub mod backoff;
 pub mod connection;
@@ -19,3 +21,4 @@ pub mod drain;
 pub mod errors;
 pub mod listen;
 pub mod tls;
+pub mod tls_server;

@@ -63,6 +63,10 @@ pub struct RouteConfig {
     /// `scope_headers`, as in a processed-messages table's
     /// `(consumer, message_id)`.
     pub scope_value: Option<String>,
+    /// `scope = { client_cert = true }`: the client's verified certificate
+    /// (its SPKI digest, mTLS) instead of `scope_headers`; needs a
+    /// `server.tls_client_ca_file`, so every client has one.
+    pub scope_client_cert: bool,
     /// What of the body the fingerprint covers.
     pub fingerprint: FingerprintMode,
     /// With `fingerprint = "json"`: members removed before canonicalizing
@@ -94,6 +98,9 @@ impl RouteConfig {
     pub fn scope_label(&self) -> String {
         if let Some(value) = &self.scope_value {
             return format!("value:{value}");
+        }
+        if self.scope_client_cert {
+            return "client_cert".to_string();
         }
         self.scope_headers
             .iter()

@@ -1,5 +1,7 @@
 //! Wiring: the proxy listener (HTTP/1.1 keep-alive and h2c via hyper-util's
-//! auto builder) and the admin listener, both bounded and under deadlines
+//! auto builder; HTTPS with `server.tls_*`, the handshake in each
+//! connection's task: [`crate::net::tls_server`]) and the admin listener,
+//! both bounded and under deadlines
 //! ([`crate::net`]), the sweeper, and graceful shutdown through one
 //! [`Drain`] (stop accepting, drain connections and detached upstream
 //! executions within the grace period).
@@ -16,6 +18,7 @@ use crate::metrics::Metrics;
 use crate::net::connection::{self, Deadlines};
 use crate::net::drain::Drain;
 use crate::net::listen;
+use crate::net::tls_server::{Alpn, ListenerTls, TlsListener, TlsSession};
 use crate::proxy::Proxy;
 use crate::store::Store;
 use anyhow::Context;
@@ -24,9 +27,10 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use reload::ReloadSource;
 use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, error, info, warn};
@@ -164,6 +168,12 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
     for w in config.warnings() {
         warn!("{w}");
     }
+    // Read before anything runs: a bad pair fails the start.
+    let proxy_tls = listener_tls(config.restart.server.tls.as_ref(), Alpn::H2AndHttp1)?;
+    let admin_tls = listener_tls(
+        config.restart.admin.as_ref().and_then(|a| a.tls.as_ref()),
+        Alpn::Http1,
+    )?;
     metrics.register_routes(config.routes.iter().map(|r| &r.label));
     metrics.config_started(reload::unix_secs());
     // The proxy of the running config; a reload swaps in another, and each
@@ -191,12 +201,19 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
     let reload_trigger = reload.as_ref().map(|source| {
         Arc::new(reload::Trigger(source.trigger.clone())) as Arc<dyn crate::admin::Reload>
     });
+    let certificates: Vec<Arc<TlsListener>> =
+        proxy_tls.iter().chain(admin_tls.iter()).cloned().collect();
+    let cert_watchers: Vec<_> = certificates
+        .iter()
+        .map(|tls| tokio::spawn(tls.clone().watch(stop.clone())))
+        .collect();
     let reloader = reload.map(|source| {
         tokio::spawn(reload::reload_loop(
             source,
             file_config,
             current.clone(),
             metrics.clone(),
+            certificates,
             stop.clone(),
         ))
     });
@@ -221,7 +238,7 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
                 }),
         });
         info!(addr = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(), "admin listening");
-        tokio::spawn(admin_loop(listener, admin, deadlines, stop.clone()))
+        tokio::spawn(admin_loop(listener, admin, admin_tls, deadlines, stop.clone()))
     });
 
     info!(
@@ -232,6 +249,7 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
         "idemgate listening"
     );
     let mut builder = auto::Builder::new(TokioExecutor::new());
+    // Moved into each connection's task (the TLS handshake runs there).
     builder
         .http1()
         .timer(TokioTimer::new())
@@ -251,6 +269,7 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
         .initial_connection_window_size(H2_CONNECTION_WINDOW)
         .max_pending_accept_reset_streams(H2_MAX_PENDING_ACCEPT_RESETS)
         .max_local_error_reset_streams(H2_MAX_LOCAL_ERROR_RESETS);
+    let builder = Arc::new(builder);
     let accepting = listen::serve(
         "proxy",
         listeners.proxy,
@@ -260,24 +279,30 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
         |stream, peer| {
             let _ = stream.set_nodelay(true);
             let current = current.clone();
-            // The config of the moment, held by the request to its end.
-            let (svc, activity) =
-                connection::track(move |req| current.load_full().handle(req, peer));
-            // Upgrades (WebSocket) pass on unprotected routes: proxy/forward.rs.
-            let conn = builder
-                .serve_connection_with_upgrades(TokioIo::new(stream), svc)
-                .into_owned();
-            let served = connection::serve(
-                conn,
-                activity,
-                deadlines,
-                drain.close_connections.clone(),
-                peer,
-            );
+            let builder = builder.clone();
+            let tls = proxy_tls.clone();
+            let close = drain.close_connections.clone();
             let gauge = metrics.open_connections().clone();
             gauge.inc();
             async move {
-                served.await;
+                match tls {
+                    None => {
+                        let io = TokioIo::new(stream);
+                        proxy_connection(&builder, io, current, None, deadlines, close, peer).await;
+                    }
+                    Some(tls) => {
+                        if let Some((stream, session, deadlines)) =
+                            handshake(&tls, stream, deadlines, peer).await
+                        {
+                            let io = TokioIo::new(stream);
+                            let session = Some(session);
+                            proxy_connection(
+                                &builder, io, current, session, deadlines, close, peer,
+                            )
+                            .await;
+                        }
+                    }
+                }
                 gauge.dec();
             }
         },
@@ -308,12 +333,85 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
     if let Some(t) = reloader {
         let _ = t.await;
     }
+    for t in cert_watchers {
+        let _ = t.await;
+    }
     // Admin connections close now; they may take what is left of the grace.
     if let Some(t) = admin_task {
         let _ = tokio::time::timeout_at(deadline, t).await;
     }
     info!("stopped");
     Ok(())
+}
+
+/// A listener's TLS, read now, if it has any.
+fn listener_tls(
+    settings: Option<&ListenerTls>,
+    alpn: Alpn,
+) -> anyhow::Result<Option<Arc<TlsListener>>> {
+    settings
+        .map(|s| TlsListener::new(s.clone(), alpn).map(Arc::new))
+        .transpose()
+        .context("cannot serve TLS")
+}
+
+/// The TLS handshake of one accepted connection, in its own task, within
+/// the head deadline (which the rest of it then shortens): the stream,
+/// the session (the client's verified certificate), and the deadlines
+/// left. `None`: the handshake failed or stalled (logged at debug: a port
+/// scan or a client that does not trust the certificate is not the
+/// proxy's fault).
+async fn handshake(
+    tls: &TlsListener,
+    stream: TcpStream,
+    deadlines: Deadlines,
+    peer: SocketAddr,
+) -> Option<(
+    tokio_rustls::server::TlsStream<TcpStream>,
+    TlsSession,
+    Deadlines,
+)> {
+    let started = tokio::time::Instant::now();
+    match tls.accept(stream, deadlines.head).await {
+        Ok((stream, client)) => {
+            let head = deadlines.head.saturating_sub(started.elapsed());
+            Some((
+                stream,
+                TlsSession { client },
+                Deadlines { head, ..deadlines },
+            ))
+        }
+        Err(e) => {
+            debug!(error = %e, client.addr = %peer, "TLS handshake failed");
+            None
+        }
+    }
+}
+
+/// One proxy connection on `io` (plain, or TLS with `session`): each
+/// request gets the config of the moment, held to its end, and the
+/// session in its extensions.
+fn proxy_connection<I>(
+    builder: &auto::Builder<TokioExecutor>,
+    io: TokioIo<I>,
+    current: Arc<ArcSwap<Proxy>>,
+    session: Option<TlsSession>,
+    deadlines: Deadlines,
+    close: CancellationToken,
+    peer: SocketAddr,
+) -> impl Future<Output = ()> + Send + 'static
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (svc, activity) = connection::track(move |mut req: http::Request<_>| {
+        if let Some(session) = session {
+            req.extensions_mut().insert(session);
+        }
+        current.load_full().handle(req, peer)
+    });
+    // Upgrades (WebSocket) pass on unprotected routes: proxy/forward.rs.
+    let conn = builder.serve_connection_with_upgrades(io, svc).into_owned();
+    connection::serve(conn, activity, deadlines, close, peer)
 }
 
 /// Serves the admin endpoints until `stop`, then closes its connections
@@ -323,6 +421,7 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
 async fn admin_loop(
     listener: TcpListener,
     admin: Arc<Admin>,
+    tls: Option<Arc<TlsListener>>,
     deadlines: Deadlines,
     stop: CancellationToken,
 ) {
@@ -335,20 +434,50 @@ async fn admin_loop(
         stop.cancelled(),
         |stream, peer| {
             let admin = admin.clone();
-            let (svc, activity) = connection::track(move |req| {
-                let admin = admin.clone();
-                async move { admin.handle(req, peer).await }
-            });
-            let conn = hyper::server::conn::http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(deadlines.head)
-                .serve_connection(TokioIo::new(stream), svc);
-            connection::serve(conn, activity, deadlines, stop.clone(), peer)
+            let tls = tls.clone();
+            let stop = stop.clone();
+            async move {
+                match tls {
+                    None => {
+                        admin_connection(TokioIo::new(stream), admin, deadlines, stop, peer).await
+                    }
+                    Some(tls) => {
+                        if let Some((stream, _, deadlines)) =
+                            handshake(&tls, stream, deadlines, peer).await
+                        {
+                            admin_connection(TokioIo::new(stream), admin, deadlines, stop, peer)
+                                .await;
+                        }
+                    }
+                }
+            }
         },
     )
     .await;
     open.close();
     open.wait().await;
+}
+
+/// One admin connection on `io` (plain or TLS), HTTP/1.
+fn admin_connection<I>(
+    io: TokioIo<I>,
+    admin: Arc<Admin>,
+    deadlines: Deadlines,
+    stop: CancellationToken,
+    peer: SocketAddr,
+) -> impl Future<Output = ()> + Send + 'static
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (svc, activity) = connection::track(move |req| {
+        let admin = admin.clone();
+        async move { admin.handle(req, peer).await }
+    });
+    let conn = hyper::server::conn::http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(deadlines.head)
+        .serve_connection(io, svc);
+    connection::serve(conn, activity, deadlines, stop, peer)
 }
 
 /// Deletes expired records in small batches every `interval`.

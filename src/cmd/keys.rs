@@ -2,11 +2,14 @@
 //!
 //! Operators name a key the way clients send it, plus the scope: the scope
 //! header's value (hashed here exactly as the proxy hashes it), a scope hash
-//! as printed by `show`, or `--anonymous` for requests without the header.
+//! as printed by `show`, a route's consumer name, a client certificate's
+//! PEM file (`scope = { client_cert = true }`), or `--anonymous` for
+//! requests without the header.
 
 use crate::clock::Clock;
 use crate::config::{Config, RouteConfig, Secret};
 use crate::idempotency::{IdempotencyKey, RecordKey, Scope};
+use crate::net::tls_server::ClientCert;
 use crate::store::{
     Record, RecordState, Resolution, Store, StoreError, UnixMillis, Verdict, RESOLVED_STATUS,
 };
@@ -29,6 +32,8 @@ pub enum ScopeArg {
     Hash(String),
     /// A route's fixed consumer name (`scope = { value }`).
     Value(String),
+    /// The PEM file of a client's certificate (`scope = { client_cert }`).
+    ClientCert(std::path::PathBuf),
     Anonymous,
 }
 
@@ -45,6 +50,10 @@ impl ScopeArg {
             ScopeArg::Headers { sent, route } => scope_of_headers(sent, *route, config),
             ScopeArg::Anonymous => Ok(Scope::derive(None, secret)),
             ScopeArg::Value(v) => Ok(Scope::of_value(v, secret)),
+            ScopeArg::ClientCert(path) => {
+                let cert = ClientCert::of_file("--client-cert", path).map_err(|e| e.to_string())?;
+                Ok(Scope::of_client_cert(&cert.spki_sha256, secret))
+            }
             ScopeArg::Hash(h) => {
                 let bytes = hex::decode(h.trim()).ok();
                 let hash = bytes.and_then(|b| <[u8; 32]>::try_from(b).ok());
@@ -464,7 +473,7 @@ pub struct ScopeArgs {
     /// With --scope-header: the route whose scope headers give their order
     /// (#N as check-config lists it); needed only when routes that list
     /// these headers would derive different scopes from them.
-    #[arg(long, value_name = "N", conflicts_with_all = ["scope_header_value", "scope", "scope_value", "anonymous"])]
+    #[arg(long, value_name = "N", conflicts_with_all = ["scope_header_value", "scope", "scope_value", "client_cert", "anonymous"])]
     pub route: Option<usize>,
     /// The `key.id` of the request's access log line: refuse a key and
     /// scope that do not give it (rather than say "no record").
@@ -494,6 +503,10 @@ pub struct ScopeNamed {
     /// preset's, e.g. "stripe:/hooks/stripe"; `check-config` shows it).
     #[arg(long, value_name = "VALUE")]
     pub scope_value: Option<String>,
+    /// A route with `scope = { client_cert = true }`: the PEM file of the
+    /// client's certificate (its public key names the scope).
+    #[arg(long, value_name = "FILE")]
+    pub client_cert: Option<std::path::PathBuf>,
     /// Requests that carried none of the scope headers.
     #[arg(long)]
     pub anonymous: bool,
@@ -504,6 +517,9 @@ impl ScopeArgs {
         let named = &self.named;
         if let Some(v) = &named.scope_value {
             return ScopeArg::Value(v.clone());
+        }
+        if let Some(path) = &named.client_cert {
+            return ScopeArg::ClientCert(path.clone());
         }
         match (&named.scope_header_value, &named.scope) {
             (Some(v), _) => ScopeArg::HeaderValue(v.clone()),
@@ -980,9 +996,13 @@ mod tests {
         let config = Config::parse_with_env(text, "t.toml", &env).unwrap();
         let route = config.routes.iter().next().unwrap();
         let secret = config.scope_secret.as_ref();
-        let proxy =
-            crate::proxy::protected::prepare::scope_of(route, &http::HeaderMap::new(), secret)
-                .unwrap();
+        let proxy = crate::proxy::protected::prepare::scope_of(
+            route,
+            &http::HeaderMap::new(),
+            None,
+            secret,
+        )
+        .unwrap();
         let named = ScopeArg::Value("stripe:/hooks/stripe".into());
         assert_eq!(named.resolve(&config), Ok(proxy));
     }

@@ -2,8 +2,13 @@
 //! (`POST /-/reload`, loopback only), to reload its config file, and says
 //! how it went. For containers without a `kill` binary:
 //! `kubectl exec POD -c idemgate -- idemgate reload`.
-
+//!
+//! An admin listener with `admin.tls_*` is asked over TLS, encrypted but
+//! its certificate not checked: the endpoint answers loopback only, so the
+//! peer is this host's own process. One that requires client certificates
+//! (`admin.tls_client_ca_file`) cannot be asked: the command has none.
 use crate::config::Config;
+use crate::net::tls;
 use http::{Method, Request, StatusCode};
 use http_body_util::{BodyExt, Empty};
 use hyper_util::rt::TokioIo;
@@ -32,8 +37,13 @@ pub async fn run(cfg: &Config, admin: Option<SocketAddr>) -> ExitCode {
         eprintln!("idemgate reload: the config has no [admin] listen to ask (or give --admin ADDR); send SIGHUP instead");
         return ExitCode::from(super::EX_USAGE);
     };
+    let tls = cfg.restart.admin.as_ref().and_then(|a| a.tls.as_ref());
+    if tls.is_some_and(|t| t.client_ca.is_some()) {
+        eprintln!("idemgate reload: the admin listener requires client certificates (admin.tls_client_ca_file), which this command has none of; send SIGHUP, or POST /-/reload with a client certificate");
+        return ExitCode::from(super::EX_USAGE);
+    }
     let addr = target(listen);
-    match tokio::time::timeout(TIMEOUT, ask(addr)).await {
+    match tokio::time::timeout(TIMEOUT, ask(addr, tls.is_some())).await {
         Ok(Ok((status, text))) if status == StatusCode::OK => {
             outln!("{}", text.trim_end());
             ExitCode::SUCCESS
@@ -53,9 +63,31 @@ pub async fn run(cfg: &Config, admin: Option<SocketAddr>) -> ExitCode {
     }
 }
 
-async fn ask(addr: SocketAddr) -> anyhow::Result<(StatusCode, String)> {
+async fn ask(addr: SocketAddr, tls: bool) -> anyhow::Result<(StatusCode, String)> {
     let stream = tokio::net::TcpStream::connect(addr).await?;
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+    if !tls {
+        return post_reload(TokioIo::new(stream), addr).await;
+    }
+    let names = tls::FileNames::new("admin.tls_client_ca_file", "", "");
+    let mut config = tls::client_config(&tls::ClientTls {
+        check: tls::ServerCheck::Nothing,
+        roots: tls::Roots::System,
+        identity: None,
+        names,
+    })?;
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let name = rustls::pki_types::ServerName::IpAddress(addr.ip().into());
+    let stream = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
+        .connect(name, stream)
+        .await?;
+    post_reload(TokioIo::new(stream), addr).await
+}
+
+async fn post_reload<I>(io: TokioIo<I>, addr: SocketAddr) -> anyhow::Result<(StatusCode, String)>
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(io).await?;
     tokio::spawn(conn);
     let req = Request::builder()
         .method(Method::POST)

@@ -80,6 +80,9 @@ pub(super) struct RawServer {
     pub(super) upstream_ca_file: Option<PathBuf>,
     pub(super) upstream_cert_file: Option<PathBuf>,
     pub(super) upstream_key_file: Option<PathBuf>,
+    pub(super) tls_cert_file: Option<PathBuf>,
+    pub(super) tls_key_file: Option<PathBuf>,
+    pub(super) tls_client_ca_file: Option<PathBuf>,
 }
 
 /// One `[upstreams.NAME]`: the `[server] upstream*` keys without the prefix.
@@ -101,6 +104,9 @@ pub(super) struct RawUpstream {
 #[serde(deny_unknown_fields)]
 pub(super) struct RawAdmin {
     pub(super) listen: Option<SocketAddr>,
+    pub(super) tls_cert_file: Option<PathBuf>,
+    pub(super) tls_key_file: Option<PathBuf>,
+    pub(super) tls_client_ca_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -421,6 +427,8 @@ impl<'de> Deserialize<'de> for KeySpec {
 pub(super) enum ScopeSpec {
     Header(HeaderName),
     Value(String),
+    /// `scope = { client_cert = true }`: the client's verified certificate.
+    ClientCert,
 }
 
 impl<'de> Deserialize<'de> for ScopeSpec {
@@ -430,21 +438,39 @@ impl<'de> Deserialize<'de> for ScopeSpec {
         struct Raw {
             header: Option<HeaderNameValue>,
             value: Option<String>,
+            client_cert: Option<bool>,
         }
         match Raw::deserialize(d)? {
             Raw {
                 header: Some(h),
                 value: None,
+                client_cert: None,
             } => Ok(ScopeSpec::Header(h.0)),
             Raw {
                 header: None,
                 value: Some(v),
+                client_cert: None,
             } if !v.is_empty() && v.len() <= 255 => Ok(ScopeSpec::Value(v)),
-            Raw { value: Some(_), header: None } => Err(de::Error::custom(
+            Raw {
+                value: Some(_),
+                header: None,
+                client_cert: None,
+            } => Err(de::Error::custom(
                 "scope: `value` must be 1 to 255 characters",
             )),
+            Raw {
+                header: None,
+                value: None,
+                client_cert: Some(true),
+            } => Ok(ScopeSpec::ClientCert),
+            Raw {
+                client_cert: Some(false),
+                ..
+            } => Err(de::Error::custom(
+                "scope: `client_cert` can only be true (leave `scope` out for the default scope headers)",
+            )),
             _ => Err(de::Error::custom(
-                "scope: set exactly one of `header` (scope = { header = \"X-Tenant-Id\" }) or `value` (scope = { value = \"stripe\" })",
+                "scope: set exactly one of `header` (scope = { header = \"X-Tenant-Id\" }), `value` (scope = { value = \"stripe\" }) or `client_cert` (scope = { client_cert = true }, with server.tls_client_ca_file)",
             )),
         }
     }

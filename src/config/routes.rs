@@ -224,6 +224,7 @@ impl Defaults {
             key_header: d.key_header,
             key_json: d.key_json,
             scope_value: d.scope_value,
+            scope_client_cert: d.scope_client_cert,
             fingerprint: d.fingerprint,
             fingerprint_ignore: d.fingerprint_ignore,
             in_flight: d.in_flight,
@@ -312,25 +313,30 @@ impl Defaults {
                 None,
             ),
         };
-        let (scope_headers, scope_value) = match (&r.scope, own_scope_headers) {
-            (Some(ScopeSpec::Header(h)), _) => (vec![h.clone()], None),
-            (Some(ScopeSpec::Value(v)), _) => (Vec::new(), Some(v.clone())),
-            (None, Some(own)) => (own, None),
+        let spec = |spec: &ScopeSpec| match spec {
+            ScopeSpec::Header(h) => (vec![h.clone()], None, false),
+            ScopeSpec::Value(v) => (Vec::new(), Some(v.clone()), false),
+            ScopeSpec::ClientCert => (Vec::new(), None, true),
+        };
+        let (scope_headers, scope_value, scope_client_cert) = match (&r.scope, own_scope_headers) {
+            (Some(s), _) => spec(s),
+            (None, Some(own)) => (own, None, false),
             // A preset's consumer is the route: two routes for one sender
             // (two GitHub Apps get the same X-GitHub-Delivery) never share keys.
             (None, None) if r.preset.is_some() => (
                 Vec::new(),
                 r.preset
                     .map(|p| format!("{}:{}", p.as_str(), path.as_str())),
+                false,
             ),
             (None, None) => match &defaults.scope {
-                Some(ScopeSpec::Header(h)) => (vec![h.clone()], None),
-                Some(ScopeSpec::Value(v)) => (Vec::new(), Some(v.clone())),
+                Some(s) => spec(s),
                 None => (
                     self.scope_headers
                         .clone()
                         .unwrap_or_else(|| vec![DEFAULT_SCOPE_HEADER]),
                     None,
+                    false,
                 ),
             },
         };
@@ -386,6 +392,7 @@ impl Defaults {
             key_json,
             scope_headers,
             scope_value,
+            scope_client_cert,
             fingerprint,
             fingerprint_ignore,
             in_flight,
@@ -402,6 +409,7 @@ struct Deliveries {
     key_json: Option<Pointer>,
     scope_headers: Vec<HeaderName>,
     scope_value: Option<String>,
+    scope_client_cert: bool,
     fingerprint: FingerprintMode,
     fingerprint_ignore: Vec<Pointer>,
     in_flight: InFlight,

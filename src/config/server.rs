@@ -12,9 +12,12 @@ use super::{
     DEFAULT_REQUEST_BODY_TIMEOUT, DEFAULT_SHUTDOWN_GRACE, DEFAULT_UPSTREAM_CONNECT_TIMEOUT,
     DEFAULT_UPSTREAM_POOL_IDLE_TIMEOUT, DEFAULT_UPSTREAM_POOL_MAX_IDLE, DEFAULT_UPSTREAM_TIMEOUT,
 };
+use crate::net::tls::FileNames;
+use crate::net::tls_server::ListenerTls;
 use http::Uri;
 use std::fmt;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 /// `[server]`'s settings a reload applies: the default upstream and the
@@ -66,6 +69,13 @@ pub struct ServerRestart {
     pub readiness_path: String,
     /// Reload the config file when its content changes, not only on SIGHUP.
     pub watch_config: bool,
+    /// `tls_cert_file` and `tls_key_file` (and `tls_client_ca_file`):
+    /// HTTPS on `listen`; none: plain HTTP. Named `server.tls_*` among
+    /// the settings a reload keeps (the files' content does reload).
+    /// Last, and left out when absent: `changes` lines fields up by
+    /// position.
+    #[serde(rename = "tls_*", skip_serializing_if = "Option::is_none")]
+    pub tls: Option<ListenerTls>,
 }
 
 /// What `/readyz` answers for (`server.readiness`).
@@ -91,6 +101,64 @@ pub enum Readiness {
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct AdminConfig {
     pub listen: SocketAddr,
+    /// `admin.tls_*`: the admin listener's own; none: plain HTTP (what
+    /// kubelet probes and most scrapers expect), whatever `[server]` has.
+    /// Last and left out when absent, as `ServerRestart::tls`.
+    #[serde(rename = "tls_*", skip_serializing_if = "Option::is_none")]
+    pub tls: Option<ListenerTls>,
+}
+
+// === listener TLS ===
+
+const SERVER_TLS: FileNames = FileNames::new(
+    "server.tls_client_ca_file",
+    "server.tls_cert_file",
+    "server.tls_key_file",
+);
+const ADMIN_TLS: FileNames = FileNames::new(
+    "admin.tls_client_ca_file",
+    "admin.tls_cert_file",
+    "admin.tls_key_file",
+);
+
+/// A listener's TLS keys: the certificate and its key together or
+/// neither; a client CA only with them. The files are read by
+/// `check-config` and at start ([`crate::net::tls_server::check`]), not
+/// here: a reload must not fail on a certificate mid-rotation.
+fn listener_tls(
+    names: FileNames,
+    cert: Option<PathBuf>,
+    key: Option<PathBuf>,
+    client_ca: Option<PathBuf>,
+) -> Result<Option<ListenerTls>, Invalid> {
+    match (cert, key) {
+        (Some(cert), Some(key)) => Ok(Some(ListenerTls {
+            cert,
+            key,
+            client_ca,
+            names,
+        })),
+        // At the line of the key that is there.
+        (Some(_), None) => Err(Invalid::field(
+            names.cert,
+            format!(
+                "{} needs {} (the certificate's private key)",
+                names.cert, names.key
+            ),
+        )),
+        (None, Some(_)) => Err(Invalid::field(
+            names.key,
+            format!("{} needs {} (the certificate)", names.key, names.cert),
+        )),
+        (None, None) if client_ca.is_some() => Err(Invalid::field(
+            names.ca,
+            format!(
+                "{} needs {} and {}: client certificates are asked for over TLS only",
+                names.ca, names.cert, names.key
+            ),
+        )),
+        (None, None) => Ok(None),
+    }
 }
 
 // === impl ServerConfig ===
@@ -162,6 +230,12 @@ pub(super) fn read(s: RawServer) -> Result<(ServerConfig, ServerRestart), Invali
         readiness: s.readiness.unwrap_or_default(),
         readiness_path: readiness_path(s.readiness_path)?,
         watch_config: s.watch_config.unwrap_or(false),
+        tls: listener_tls(
+            SERVER_TLS,
+            s.tls_cert_file,
+            s.tls_key_file,
+            s.tls_client_ca_file,
+        )?,
     };
     let server = ServerConfig {
         upstream,
@@ -231,6 +305,12 @@ impl TryFrom<RawAdmin> for AdminConfig {
                 "admin.listen is required when [admin] is present",
             )
         })?;
-        Ok(AdminConfig { listen })
+        let tls = listener_tls(
+            ADMIN_TLS,
+            a.tls_cert_file,
+            a.tls_key_file,
+            a.tls_client_ca_file,
+        )?;
+        Ok(AdminConfig { listen, tls })
     }
 }

@@ -1234,3 +1234,107 @@ fn environment_sets_redis_sentinel_and_its_passwords_as_written() {
     assert_eq!(s.sentinel_password.as_deref(), Some("\"quoted"));
     assert!(!cfg.to_string().contains("12345"));
 }
+
+#[test]
+fn listener_tls_needs_the_certificate_and_its_key_together() {
+    let server = |keys: &str| format!("{MINIMAL}{keys}\n");
+    for (keys, needle) in [
+        (
+            "tls_cert_file = \"c.pem\"",
+            "server.tls_cert_file needs server.tls_key_file",
+        ),
+        (
+            "tls_key_file = \"k.pem\"",
+            "server.tls_key_file needs server.tls_cert_file",
+        ),
+        (
+            "tls_client_ca_file = \"ca.pem\"",
+            "server.tls_client_ca_file needs server.tls_cert_file and server.tls_key_file",
+        ),
+    ] {
+        let e = err(&server(keys));
+        assert!(e.contains(needle), "{keys}: {e}");
+        assert!(e.contains("line 3"), "{keys}: the line is named: {e}");
+    }
+    let admin = format!("{MINIMAL}[admin]\nlisten = \"127.0.0.1:9\"\ntls_cert_file = \"c.pem\"\n");
+    assert!(err(&admin).contains("admin.tls_cert_file needs admin.tls_key_file"));
+
+    // The files are not read at load (a reload must not fail mid-rotation):
+    // check_files reads them, naming the setting and the file.
+    let both = server("tls_cert_file = \"/nonexistent/c.pem\"\ntls_key_file = \"k.pem\"");
+    let cfg = parse(&both).unwrap();
+    let tls = cfg.restart.server.tls.as_ref().unwrap();
+    assert_eq!(
+        (tls.cert.to_str(), tls.client_ca.as_ref()),
+        (Some("/nonexistent/c.pem"), None)
+    );
+    assert!(cfg.restart.admin.is_none());
+    let e = cfg.check_files().unwrap_err().to_string();
+    assert!(
+        e.starts_with("server.tls_cert_file /nonexistent/c.pem: "),
+        "{e}"
+    );
+    assert!(cfg
+        .to_string()
+        .contains("tls        cert /nonexistent/c.pem key k.pem, no client certificates"));
+}
+
+#[test]
+fn a_client_cert_scope_needs_a_listener_that_requires_client_certificates() {
+    let route =
+        "[[route]]\nmethods = [\"POST\"]\npath = \"/orders\"\nscope = { client_cert = true }\n";
+    let plain = format!("{MINIMAL}{route}");
+    let e = err(&plain);
+    assert!(
+        e.contains(
+            "route #1 /orders: scope = { client_cert = true } needs server.tls_client_ca_file"
+        ),
+        "{e}"
+    );
+    let tls = "tls_cert_file = \"c.pem\"\ntls_key_file = \"k.pem\"\n";
+    let no_ca = format!("{MINIMAL}{tls}{route}");
+    assert!(err(&no_ca).contains("needs server.tls_client_ca_file"));
+    let mtls = format!("{MINIMAL}{tls}tls_client_ca_file = \"ca.pem\"\n{route}");
+    let cfg = parse(&mtls).unwrap();
+    let r = cfg.routes.iter().next().unwrap();
+    assert!(r.scope_client_cert && r.scope_headers.is_empty() && r.scope_value.is_none());
+    assert_eq!(r.scope_label(), "client_cert");
+    // In [defaults] too; `false` and a mix are refused.
+    let defaults = format!("{MINIMAL}{tls}tls_client_ca_file = \"ca.pem\"\n[defaults]\nscope = {{ client_cert = true }}\n[[route]]\nmethods = [\"POST\"]\npath = \"/a\"\n");
+    assert!(
+        parse(&defaults)
+            .unwrap()
+            .routes
+            .iter()
+            .next()
+            .unwrap()
+            .scope_client_cert
+    );
+    for bad in [
+        "{ client_cert = false }",
+        "{ client_cert = true, value = \"x\" }",
+    ] {
+        let text = with_route(&format!("scope = {bad}\n"));
+        assert!(err(&text).contains("scope: "), "{bad}: {}", err(&text));
+    }
+}
+
+/// The README's TLS example is a working config (the files are read by
+/// check-config and serve, not at load).
+#[test]
+fn the_readme_tls_example_parses() {
+    let readme = include_str!("../../README.md");
+    let start = readme
+        .find("<!-- tls-example")
+        .and_then(|i| {
+            readme[i..]
+                .find("```toml\n")
+                .map(|j| i + j + "```toml\n".len())
+        })
+        .expect("the TLS example in the README");
+    let end = start + readme[start..].find("```").expect("its end");
+    let cfg = parse(&readme[start..end]).unwrap();
+    let tls = cfg.restart.server.tls.as_ref().expect("server TLS");
+    assert!(tls.client_ca.is_some());
+    assert!(cfg.routes.iter().next().unwrap().scope_client_cert);
+}

@@ -220,6 +220,16 @@ impl Scope {
         Self::digest(&input, secret)
     }
 
+    /// The scope of a client certificate (`scope = { client_cert = true }`),
+    /// by the SHA-256 digest of its SubjectPublicKeyInfo: its own
+    /// encoding, so it never equals a scope of headers or a value.
+    pub fn of_client_cert(spki_sha256: &[u8; 32], secret: Option<&[u8]>) -> Self {
+        let mut input = Vec::with_capacity(64);
+        input.extend_from_slice(b"idemgate/scope/client-cert/v1\0");
+        input.extend_from_slice(spki_sha256);
+        Self::digest(&input, secret)
+    }
+
     fn digest(input: &[u8], secret: Option<&[u8]>) -> Self {
         match secret {
             None => Self(Sha256::digest(input).into()),
@@ -546,5 +556,17 @@ mod tests {
         assert!(!format!("{k:?}").contains("secret"));
         let rk = RecordKey::new(Scope::from_header_value(None), &k);
         assert!(!format!("{rk:?}").contains("secret"));
+    }
+
+    #[test]
+    fn a_client_certificate_scope_is_its_own_and_keyed_by_the_secret() {
+        let (a, b) = ([1u8; 32], [2u8; 32]);
+        let cert = |spki: &[u8; 32], secret| Scope::of_client_cert(spki, secret);
+        assert_ne!(cert(&a, None), cert(&b, None));
+        assert_eq!(cert(&a, None), cert(&a, None));
+        assert_ne!(cert(&a, None), cert(&a, Some(b"s")));
+        // Never a scope of the same bytes sent as a header or a value.
+        assert_ne!(cert(&a, None), Scope::of_values(&[vec![a.to_vec()]], None));
+        assert_ne!(cert(&a, None), Scope::of_value(&hex::encode(a), None));
     }
 }

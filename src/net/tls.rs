@@ -101,7 +101,7 @@ pub enum TlsError {
     Rustls(#[from] rustls::Error),
 }
 
-fn file_error(what: &'static str, path: &Path, reason: impl ToString) -> TlsError {
+pub(super) fn file_error(what: &'static str, path: &Path, reason: impl ToString) -> TlsError {
     TlsError::File {
         what,
         path: path.to_path_buf(),
@@ -116,8 +116,13 @@ fn file_error(what: &'static str, path: &Path, reason: impl ToString) -> TlsErro
 /// setting in errors.
 pub fn load_certs(what: &'static str, path: &Path) -> Result<(Certs, Vec<u8>), TlsError> {
     let pem = std::fs::read(path).map_err(|e| file_error(what, path, e))?;
-    match CertificateDer::pem_slice_iter(&pem).collect::<Result<Vec<_>, _>>() {
-        Ok(certs) if !certs.is_empty() => Ok((certs, pem)),
+    Ok((parse_certs(what, path, &pem)?, pem))
+}
+
+/// The PEM certificates in `pem`, read from `path` (at least one).
+pub fn parse_certs(what: &'static str, path: &Path, pem: &[u8]) -> Result<Certs, TlsError> {
+    match CertificateDer::pem_slice_iter(pem).collect::<Result<Vec<_>, _>>() {
+        Ok(certs) if !certs.is_empty() => Ok(certs),
         Ok(_) => Err(file_error(what, path, "no PEM certificate in it")),
         Err(e) => Err(file_error(what, path, pem_reason(e, "certificate"))),
     }
@@ -127,13 +132,16 @@ pub fn load_certs(what: &'static str, path: &Path) -> Result<(Certs, Vec<u8>), T
 /// bytes. Errors never quote the file.
 pub fn load_key(what: &'static str, path: &Path) -> Result<(Key, Vec<u8>), TlsError> {
     let pem = std::fs::read(path).map_err(|e| file_error(what, path, e))?;
-    let key = PrivateKeyDer::from_pem_slice(&pem)
-        .map_err(|e| file_error(what, path, pem_reason(e, KEY_KINDS)))?;
-    Ok((key, pem))
+    Ok((parse_key(what, path, &pem)?, pem))
 }
 
-type Certs = Vec<CertificateDer<'static>>;
-type Key = PrivateKeyDer<'static>;
+/// The PEM private key in `pem`, read from `path`. Errors never quote it.
+pub fn parse_key(what: &'static str, path: &Path, pem: &[u8]) -> Result<Key, TlsError> {
+    PrivateKeyDer::from_pem_slice(pem).map_err(|e| file_error(what, path, pem_reason(e, KEY_KINDS)))
+}
+
+pub type Certs = Vec<CertificateDer<'static>>;
+pub type Key = PrivateKeyDer<'static>;
 const KEY_KINDS: &str = "private key (PKCS#8, PKCS#1 or SEC1)";
 
 fn pem_reason(e: pem::Error, kind: &str) -> String {
@@ -144,6 +152,12 @@ fn pem_reason(e: pem::Error, kind: &str) -> String {
 }
 
 // === trust and the client config ===
+
+/// The one crypto provider (ring; see the module docs), for clients and
+/// the listeners ([`super::tls_server`]) alike.
+pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
 
 /// The trust anchors `roots` names; `ca` is what the user calls the CA
 /// file.
@@ -175,7 +189,7 @@ pub fn root_store(roots: &Roots, ca: &'static str) -> Result<RootCertStore, TlsE
 /// connector's). Reads the files now, so a missing or unreadable one is
 /// reported at start-up (or reload), not per connection.
 pub fn client_config(tls: &ClientTls) -> Result<ClientConfig, TlsError> {
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let provider = provider();
     let builder = ClientConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()?;
     let chain = match tls.check {

@@ -14,6 +14,7 @@ use crate::lease::KeyFate;
 use crate::metrics::{GaugeGuard, Metrics, Outcome};
 use crate::net::connection::Guarded;
 use crate::net::errors::{self, Chain};
+use crate::net::tls_server::TlsSession;
 use crate::route::resolve_dot_segments;
 use crate::telemetry::trace;
 use crate::upstream::tls;
@@ -204,6 +205,7 @@ impl Forwarder {
         // (RFC 9112 §3.2.2, `:authority`): the host the scope saw.
         let original_host = req.headers().get(header::HOST).cloned();
         let strip = req.extensions().get::<StripPrefix>().map(|s| s.0.clone());
+        let tls = req.extensions().get::<TlsSession>().is_some();
         *req.uri_mut() = upstream_uri(upstream.url(), req.uri(), strip.as_deref())?;
         // The client's version says nothing about the upstream's; the pooled
         // connection decides (hyper refuses an HTTP/2 request on an HTTP/1
@@ -220,7 +222,13 @@ impl Forwarder {
         if h2 && wants_trailers {
             headers.insert(header::TE, HeaderValue::from_static("trailers"));
         }
-        add_forwarded(headers, peer, original_host.clone(), self.trust_forwarded);
+        add_forwarded(
+            headers,
+            peer,
+            original_host.clone(),
+            tls,
+            self.trust_forwarded,
+        );
         join_cookies(headers);
         // The upstream's, on HTTP/2 the same as `:authority` (from the URI).
         let host = original_host.filter(|_| self.preserve_host).or_else(|| {

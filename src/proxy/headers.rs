@@ -74,7 +74,8 @@ pub fn list_items(headers: &HeaderMap, name: HeaderName) -> impl Iterator<Item =
         .map(str::trim)
 }
 
-/// Adds `X-Forwarded-For/-Proto/-Host` for the upstream. Only with `trust`
+/// Adds `X-Forwarded-For/-Proto/-Host` for the upstream (`-Proto` is
+/// `https` where the client connected over TLS, `tls`). Only with `trust`
 /// (idemgate behind a proxy that sets them) are the client's own values
 /// kept, the peer address appended to its `X-Forwarded-For` chain;
 /// otherwise a client could claim any origin address, or make the upstream
@@ -83,6 +84,7 @@ pub fn add_forwarded(
     headers: &mut HeaderMap,
     peer: SocketAddr,
     host: Option<HeaderValue>,
+    tls: bool,
     trust: bool,
 ) {
     const XFF: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -105,7 +107,8 @@ pub fn add_forwarded(
         headers.insert(XFF, v);
     }
     if !(trust && headers.contains_key(&XFP)) {
-        headers.insert(XFP, HeaderValue::from_static("http"));
+        let proto = if tls { "https" } else { "http" };
+        headers.insert(XFP, HeaderValue::from_static(proto));
     }
     if !(trust && headers.contains_key(&XFH)) {
         match host {
@@ -239,12 +242,15 @@ mod tests {
         let peer = "127.0.0.1:5000".parse().unwrap();
         let host = Some(HeaderValue::from_static("api.example"));
         let mut untrusted = h.clone();
-        add_forwarded(&mut untrusted, peer, host.clone(), false);
+        let mut over_tls = h.clone();
+        add_forwarded(&mut untrusted, peer, host.clone(), false, false);
+        add_forwarded(&mut over_tls, peer, host.clone(), true, false);
         assert_eq!(untrusted["x-forwarded-for"], "127.0.0.1");
         assert_eq!(untrusted["x-forwarded-proto"], "http");
+        assert_eq!(over_tls["x-forwarded-proto"], "https");
         assert_eq!(untrusted["x-forwarded-host"], "api.example");
         let mut trusted = h;
-        add_forwarded(&mut trusted, peer, host, true);
+        add_forwarded(&mut trusted, peer, host, false, true);
         assert_eq!(
             trusted["x-forwarded-for"],
             "203.0.113.7, 198.51.100.2, 127.0.0.1"

@@ -26,6 +26,7 @@ use crate::idempotency::decision::retry_after_hint;
 use crate::idempotency::{decide, settle, Decision, Record, RecordState, Settlement};
 use crate::lease::{Acquired, ClaimRequest, KeyFate, Lease};
 use crate::metrics::Outcome;
+use crate::net::tls_server::TlsSession;
 use crate::route::{InFlight, OnAmbiguous, OnStoreError, RouteConfig};
 use crate::store::{Completion, StoreError};
 use crate::telemetry::trace;
@@ -58,6 +59,9 @@ impl Proxy {
             &route,
             req.method(),
             req.headers(),
+            req.extensions()
+                .get::<TlsSession>()
+                .and_then(|s| s.client.as_ref()),
             self.services.scope_secret.as_ref(),
         ) {
             Ok(KeyPlan::Absent) => {

@@ -16,11 +16,15 @@
 //! memory limits, shutdown timings, readiness, logging: [`Restart`]) keep
 //! their running values; [`Restart::changes`] names those that differ.
 //!
+//! A reload also re-reads the listeners' certificate files
+//! ([`TlsListener::refresh`]).
+//!
 //! [`Restart`]: crate::config::Restart
 //! [`Restart::changes`]: crate::config::Restart::changes
 
 use crate::config::Config;
 use crate::metrics::Metrics;
+use crate::net::tls_server::TlsListener;
 use crate::proxy::Proxy;
 use arc_swap::ArcSwap;
 use std::path::PathBuf;
@@ -236,6 +240,7 @@ pub(super) async fn reload_loop(
     running: Config,
     current: Arc<ArcSwap<Proxy>>,
     metrics: Arc<Metrics>,
+    certificates: Vec<Arc<TlsListener>>,
     stop: CancellationToken,
 ) {
     loop {
@@ -249,6 +254,12 @@ pub(super) async fn reload_loop(
             other => (other, None),
         };
         let outcome = reload(&source.path, request, &running, &current, &metrics);
+        // A reload also re-reads the listeners' certificates at once (their
+        // watcher would within a second); a bad pair keeps the old one and
+        // is logged, and does not refuse the config.
+        for tls in &certificates {
+            tls.refresh(true);
+        }
         if let Some(Reply(tx)) = reply {
             let _ = tx.send(outcome);
         }
@@ -374,6 +385,10 @@ mod tests {
             ("[store]\nbackend = \"memory\"", &["store"]),
             ("[admin]\nlisten = \"127.0.0.1:9901\"", &["admin.listen"]),
             ("[log]\nlevel = \"debug\"", &["log"]),
+            (
+                "tls_cert_file = \"c.pem\"\ntls_key_file = \"k.pem\"",
+                &["server.tls_*"],
+            ),
         ];
         for (extra, want) in cases {
             assert_eq!(

@@ -44,6 +44,7 @@ mod route_features;
 mod semantics;
 mod store_contract;
 mod store_paths;
+mod tls_listener;
 #[cfg(feature = "otel")]
 mod tracing;
 mod upstream_tls;

@@ -10,6 +10,7 @@ use crate::config::Secret;
 use crate::error::{BodyKeyError, ProxyError};
 use crate::idempotency::canonical_json::{self, Json, JsonError};
 use crate::idempotency::{Fingerprint, FirstUse, IdempotencyKey, RecordKey, Scope};
+use crate::net::tls_server::ClientCert;
 use crate::proxy::headers::{content_length, fields};
 use crate::route::{normalize_path, FingerprintMode, RouteConfig};
 use bytes::Bytes;
@@ -45,14 +46,26 @@ impl ProtectedRequest {
     }
 }
 
-/// Whose key it is: the route's fixed consumer name (`scope = { value }`),
-/// or the route's scope headers, each sent at most once.
+/// Whose key it is: the client's verified certificate (`scope = {
+/// client_cert = true }`), the route's fixed consumer name (`scope = {
+/// value }`), or the route's scope headers, each sent at most once.
 pub fn scope_of(
     route: &RouteConfig,
     headers: &HeaderMap,
+    client: Option<&ClientCert>,
     scope_secret: Option<&Secret>,
 ) -> Result<Scope, ProxyError> {
     let secret = scope_secret.map(Secret::expose);
+    if route.scope_client_cert {
+        // The config refuses such a route on a listener that does not
+        // require client certificates, so every request has one.
+        let cert = client.ok_or_else(|| {
+            ProxyError::Internal(
+                "a client_cert scope on a connection without a client certificate".into(),
+            )
+        })?;
+        return Ok(Scope::of_client_cert(&cert.spki_sha256, secret));
+    }
     match &route.scope_value {
         Some(value) => Ok(Scope::of_value(value, secret)),
         None => Ok(Scope::of_fields(
@@ -80,11 +93,12 @@ pub fn plan_key(
     route: &RouteConfig,
     method: &Method,
     headers: &HeaderMap,
+    client: Option<&ClientCert>,
     scope_secret: Option<&Secret>,
 ) -> Result<KeyPlan, ProxyError> {
     let required = route.key_required(method);
     if route.key_json.is_some() {
-        let scope = scope_of(route, headers, scope_secret)?;
+        let scope = scope_of(route, headers, client, scope_secret)?;
         return Ok(KeyPlan::InBody { scope, required });
     }
     let sent: Vec<&[u8]> = headers
@@ -98,7 +112,7 @@ pub fn plan_key(
     })?;
     match key {
         Some(key) => {
-            let scope = scope_of(route, headers, scope_secret)?;
+            let scope = scope_of(route, headers, client, scope_secret)?;
             Ok(KeyPlan::Ready(RecordKey::new(scope, &key)))
         }
         None if required => Err(ProxyError::MissingKey {
@@ -289,7 +303,7 @@ mod tests {
 
     /// The key a header gives (`None`: absent, on a route without one).
     fn header_key(r: &RouteConfig, h: &HeaderMap) -> Result<Option<RecordKey>, ProxyError> {
-        plan_key(r, &Method::POST, h, None).map(|plan| match plan {
+        plan_key(r, &Method::POST, h, None, None).map(|plan| match plan {
             KeyPlan::Ready(key) => Some(key),
             _ => None,
         })
@@ -374,7 +388,7 @@ mod tests {
             "key = { json = \"/message/messageId\" }\nscope = { value = \"c\" }\nrequire_key = false",
         );
         let resolve = |r: &RouteConfig, body: &str| {
-            let plan = plan_key(r, &Method::POST, &parts(&[]).headers, None).unwrap();
+            let plan = plan_key(r, &Method::POST, &parts(&[]).headers, None, None).unwrap();
             assert!(matches!(plan, KeyPlan::InBody { .. }));
             let doc = parse_body(r, body.as_bytes());
             resolve_key(r, plan, doc.as_ref())
@@ -414,7 +428,7 @@ mod tests {
         // The scope is the route's consumer, whatever the credential.
         let with_auth = |auth: &str| {
             let h = parts(&[("authorization", auth)]).headers;
-            match plan_key(&required, &Method::POST, &h, None).unwrap() {
+            match plan_key(&required, &Method::POST, &h, None, None).unwrap() {
                 KeyPlan::InBody { scope, .. } => scope,
                 other => panic!("{other:?}"),
             }
