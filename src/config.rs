@@ -338,7 +338,17 @@ impl Config {
             .chain(raw.route.iter().enumerate().filter_map(|(i, r)| {
                 let u = r.get_ref().upstream.as_ref()?;
                 Some((format!("route #{}", i + 1), u))
-            }));
+            }))
+            .chain(
+                std::iter::once(("defaults: replay_check".to_string(), &raw.defaults))
+                    .chain(
+                        raw.route
+                            .iter()
+                            .enumerate()
+                            .map(|(i, r)| (format!("route #{}: replay_check", i + 1), r.get_ref())),
+                    )
+                    .filter_map(|(whose, r)| Some((whose, r.replay_check.as_ref()?.upstream()?))),
+            );
         upstreams::check_choices(choices, &upstreams)?;
         let routes = Defaults::try_from(raw.defaults)?.routes(raw.route)?;
         let config = Config {

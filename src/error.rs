@@ -69,6 +69,10 @@ pub enum ProxyError {
     /// tunnel has no response that could be stored and replayed.
     #[error("this route is protected by an idempotency key, so its responses are stored and replayed; a connection upgrade (WebSocket) cannot pass through it")]
     UpgradeOnProtectedRoute,
+    /// `replay_check` got no answer (refused, timed out): the stored
+    /// response is not replayed, and nothing executes.
+    #[error("the replay check got no answer: {0}")]
+    ReplayCheckFailed(#[source] ForwardError),
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -132,7 +136,7 @@ impl ProxyError {
             | ProxyError::OutcomeUnknown
             | ProxyError::UpgradeOnProtectedRoute => Origin::Client,
             ProxyError::Store(_) => Origin::Store,
-            ProxyError::Upstream { .. } => Origin::Upstream,
+            ProxyError::Upstream { .. } | ProxyError::ReplayCheckFailed(_) => Origin::Upstream,
             ProxyError::Internal(_) => Origin::Internal,
         }
     }

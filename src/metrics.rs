@@ -52,6 +52,11 @@ pub enum Outcome {
     UpstreamError,
     /// Not a protected request (no route, or no key where optional).
     Passthrough,
+    /// A stored answer withheld: the `replay_check` said no, and its
+    /// answer went to the client instead.
+    ReplayDenied,
+    /// 503: the `replay_check` got no answer; nothing replayed or run.
+    ReplayCheckFailed,
     Internal,
 }
 
@@ -73,6 +78,8 @@ impl Outcome {
             Outcome::Unguarded => "unguarded",
             Outcome::UpstreamError => "upstream_error",
             Outcome::Passthrough => "passthrough",
+            Outcome::ReplayDenied => "replay_denied",
+            Outcome::ReplayCheckFailed => "replay_check_failed",
             Outcome::Internal => "internal",
         }
     }

@@ -20,6 +20,8 @@ const STORE_RETRY_AFTER_SECS: u64 = 2;
 /// Buffered bodies are read in well under a second when clients send at
 /// speed; a stalled one holds its share until `request_body_timeout`.
 const OVERLOADED_RETRY_AFTER_SECS: u64 = 1;
+/// A replay check that went unanswered: the upstream may be back soon.
+const REPLAY_CHECK_RETRY_AFTER_SECS: u64 = 1;
 
 pub struct Problem {
     pub status: StatusCode,
@@ -239,6 +241,19 @@ impl Problem {
                 "Upgrade not allowed on a protected route",
                 Outcome::InvalidRequest,
             ),
+            ProxyError::ReplayCheckFailed(_) => Problem {
+                retry_after_secs: Some(REPLAY_CHECK_RETRY_AFTER_SECS),
+                detail: "the stored response is replayed only once the upstream confirms the \
+                         request's credential, and it did not answer; nothing was replayed or \
+                         executed. Retry with the same key."
+                    .to_string(),
+                ..p(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "replay-check-unavailable",
+                    "Replay check unavailable",
+                    Outcome::ReplayCheckFailed,
+                )
+            },
             ProxyError::Internal(_) => Problem {
                 detail: "internal error".to_string(),
                 ..p(
@@ -392,7 +407,8 @@ fn safe_new_key(err: &ProxyError) -> bool {
         | ProxyError::TooManyWaiters { .. }
         | ProxyError::Mismatch(_)
         | ProxyError::NotReplayable { .. }
-        | ProxyError::OutcomeUnknown => false,
+        | ProxyError::OutcomeUnknown
+        | ProxyError::ReplayCheckFailed(_) => false,
         ProxyError::Upstream { error, key } => match key {
             // Released (or to be, once its lease runs out): the proxy judged
             // a second run safe, as a retry under the same key would be.
@@ -501,6 +517,7 @@ mod tests {
             ("upstream-tls", api),
             ("upstream-timeout", api),
             ("tunnels-exhausted", api),
+            ("replay-check-unavailable", api),
             ("internal", api),
         ];
         for (slug, want) in rows {
@@ -614,6 +631,12 @@ mod tests {
             (ProxyError::Mismatch(reuse(None)), 422, None, false),
             (ProxyError::NotReplayable { status: 200 }, 410, None, false),
             (ProxyError::OutcomeUnknown, 424, None, false),
+            (
+                ProxyError::ReplayCheckFailed(ForwardError::Timeout),
+                503,
+                Some("1"),
+                false,
+            ),
             (ProxyError::Store(StoreError::Timeout), 503, Some("2"), true),
             (
                 up(Refused("refused".into()), KeyFate::Released),

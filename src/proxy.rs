@@ -24,6 +24,7 @@ mod latency;
 mod log;
 pub(crate) mod protected;
 mod replay;
+mod replay_check;
 pub mod request_id;
 
 use crate::body::budget::BodyBudget;
@@ -61,6 +62,8 @@ pub struct Proxy {
     forwarder: Forwarder,
     /// Each route's typical upstream latency, for `Retry-After`.
     latencies: latency::Latencies,
+    /// Scopes whose `replay_check` passed lately (a reload forgets them).
+    replay_checks: replay_check::Passed,
     services: Services,
 }
 
@@ -146,6 +149,7 @@ impl Proxy {
             forwarder: Forwarder::new(config, services.metrics.clone(), tunnels)?,
             request_body_timeout: config.server.request_body_timeout,
             latencies: latency::Latencies::new(config.routes.iter().map(|r| &r.label)),
+            replay_checks: replay_check::Passed::default(),
             services,
         })
     }

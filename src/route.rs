@@ -82,6 +82,21 @@ pub struct RouteConfig {
     /// joined to the upstream's base path (`/api` turns `/api/orders` into
     /// `/orders`); checked at load to be a literal prefix of `path`.
     pub strip_prefix: Option<Arc<str>>,
+    /// `replay_check`: asked of the upstream before every replay, with the
+    /// request's scope headers; `None`: stored answers replay as they are.
+    pub replay_check: Option<ReplayCheck>,
+}
+
+/// A request whose 2xx says the credential that made a stored answer is
+/// still good (README "Replays only for valid credentials").
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReplayCheck {
+    pub method: Method,
+    pub path: http::uri::PathAndQuery,
+    /// The `[upstreams.NAME]` asked; `None`: the route's own upstream.
+    pub upstream: Option<Arc<str>>,
+    /// How long a scope's successful check is remembered (`0`: never).
+    pub cache: Duration,
 }
 
 impl RouteConfig {

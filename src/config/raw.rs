@@ -207,6 +207,81 @@ pub(super) struct RawRouteSettings {
     pub(super) errors: Option<ErrorShapeValue>,
     /// A route's own: leading path segments removed before forwarding.
     pub(super) strip_prefix: Option<String>,
+    /// `replay_check = { method = "GET", path = "/v1/session" }`, or
+    /// `"off"` (a route turning off `[defaults]`' check).
+    pub(super) replay_check: Option<ReplayCheckValue>,
+    pub(super) replay_check_cache: Option<HumanDuration>,
+}
+
+/// `replay_check`: the request whose 2xx lets a replay through.
+#[derive(Debug, Clone)]
+pub(super) enum ReplayCheckValue {
+    Off,
+    Check {
+        method: Method,
+        path: http::uri::PathAndQuery,
+        /// Spanned: a name no `[upstreams.NAME]` defines is reported at its line.
+        upstream: Option<Spanned<String>>,
+    },
+}
+
+impl ReplayCheckValue {
+    /// The `[upstreams.NAME]` it names, if any.
+    pub(super) fn upstream(&self) -> Option<&Spanned<String>> {
+        match self {
+            Self::Off => None,
+            Self::Check { upstream, .. } => upstream.as_ref(),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for ReplayCheckValue {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        const EXPECTED: &str = "replay_check = { method = \"GET\", path = \"/v1/session\" } (upstream optional) or replay_check = \"off\"";
+        impl<'de> Visitor<'de> for V {
+            type Value = ReplayCheckValue;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(EXPECTED)
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<ReplayCheckValue, E> {
+                match v {
+                    "off" => Ok(ReplayCheckValue::Off),
+                    _ => Err(E::custom(format!("replay_check: {v:?} is not {EXPECTED}"))),
+                }
+            }
+            fn visit_map<A: de::MapAccess<'de>>(
+                self,
+                map: A,
+            ) -> Result<ReplayCheckValue, A::Error> {
+                #[derive(Deserialize)]
+                #[serde(deny_unknown_fields)]
+                struct Table {
+                    method: Option<MethodName>,
+                    path: String,
+                    upstream: Option<Spanned<String>>,
+                }
+                let t = Table::deserialize(de::value::MapAccessDeserializer::new(map))?;
+                let path = t
+                    .path
+                    .starts_with('/')
+                    .then(|| t.path.parse::<http::uri::PathAndQuery>().ok())
+                    .flatten()
+                    .ok_or_else(|| {
+                        de::Error::custom(format!(
+                            "replay_check.path {:?} must be an origin-form path such as \"/v1/session\"",
+                            t.path
+                        ))
+                    })?;
+                Ok(ReplayCheckValue::Check {
+                    method: t.method.map_or(Method::GET, |m| m.0),
+                    path,
+                    upstream: t.upstream,
+                })
+            }
+        }
+        d.deserialize_any(V)
+    }
 }
 
 // ===== value types that validate while parsing =====

@@ -1,7 +1,9 @@
 //! `[defaults]` and `[[route]]`: each route's settings, resolved against the
 //! defaults, and the route table in file order.
 
-use super::raw::{HeaderNameValue, KeySpec, PointerValue, RawRouteSettings, ScopeSpec};
+use super::raw::{
+    HeaderNameValue, KeySpec, PointerValue, RawRouteSettings, ReplayCheckValue, ScopeSpec,
+};
 use super::units::{format_duration, format_size};
 use super::{Invalid, OnStoreError, RouteConfig, DEFAULT_UPSTREAM_NAME};
 use super::{
@@ -12,14 +14,18 @@ use crate::idempotency::canonical_json::Pointer;
 use crate::route::errors::ErrorShape;
 use crate::route::overlap::{self, Shadowing, Shape};
 use crate::route::{
-    FingerprintMode, InFlight, PathPattern, Preset, PresetKey, PresetSettings, RouteTable,
-    DELIVERY_REFUSALS,
+    FingerprintMode, InFlight, PathPattern, Preset, PresetKey, PresetSettings, ReplayCheck,
+    RouteTable, DELIVERY_REFUSALS,
 };
 use http::{HeaderName, Method};
 use std::borrow::Borrow;
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 use toml::Spanned;
+
+/// The longest a successful `replay_check` may be remembered.
+const MAX_REPLAY_CHECK_CACHE: Duration = Duration::from_secs(3600);
 
 /// `[defaults]`: what every route inherits unless it says otherwise.
 pub(super) struct Defaults {
@@ -215,7 +221,9 @@ impl Defaults {
             .take()
             .map(|p| path.strip_prefix_of(&p).map(|()| Arc::from(p)))
             .transpose()?;
+        let replay_check = self.replay_check(&r, &d)?;
         Ok(RouteConfig {
+            replay_check,
             strip_prefix,
             index,
             label: Arc::new(path.as_str().to_string()),
@@ -282,6 +290,49 @@ impl Defaults {
                 .map(|e| e.0)
                 .unwrap_or_default(),
         })
+    }
+
+    /// The route's `replay_check`, else `[defaults]`' (`"off"` turns that
+    /// off), with its cache time.
+    fn replay_check(
+        &self,
+        r: &RawRouteSettings,
+        d: &Deliveries,
+    ) -> Result<Option<ReplayCheck>, String> {
+        let defaults = &self.raw;
+        let cache = r
+            .replay_check_cache
+            .or(defaults.replay_check_cache)
+            .map_or(Duration::ZERO, |c| c.0);
+        let check = match r.replay_check.as_ref().or(defaults.replay_check.as_ref()) {
+            None | Some(ReplayCheckValue::Off) => {
+                if r.replay_check_cache.is_some() {
+                    return Err("`replay_check_cache` needs a `replay_check`".into());
+                }
+                return Ok(None);
+            }
+            Some(ReplayCheckValue::Check {
+                method,
+                path,
+                upstream,
+            }) => ReplayCheck {
+                method: method.clone(),
+                path: path.clone(),
+                upstream: upstream.as_ref().map(|u| Arc::from(u.get_ref().as_str())),
+                cache,
+            },
+        };
+        if d.scope_headers.is_empty() {
+            return Err("`replay_check` sends the request's scope headers (its credential) to the upstream; this route is scoped by a fixed value or a client certificate, which a check request cannot carry".into());
+        }
+        if cache > MAX_REPLAY_CHECK_CACHE {
+            return Err(format!(
+                "replay_check_cache = {:?} is longer than {}: a revoked credential would keep its replays that long",
+                format_duration(cache),
+                format_duration(MAX_REPLAY_CHECK_CACHE)
+            ));
+        }
+        Ok(Some(check))
     }
 
     /// Where the key comes from, whose it is, what the fingerprint covers
@@ -503,6 +554,15 @@ impl fmt::Display for RoutesDisplay<'_> {
             }
             if let Some(p) = r.preset {
                 write!(f, " preset={}", p.as_str())?;
+            }
+            if let Some(c) = &r.replay_check {
+                write!(f, " replay_check={} {}", c.method, c.path)?;
+                if let Some(u) = &c.upstream {
+                    write!(f, "@{u}")?;
+                }
+                if !c.cache.is_zero() {
+                    write!(f, " replay_check_cache={}", format_duration(c.cache))?;
+                }
             }
             write!(f, " upstream={}", upstream_name(r))?;
             if !s.taken.is_empty() {

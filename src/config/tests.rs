@@ -1319,22 +1319,110 @@ fn a_client_cert_scope_needs_a_listener_that_requires_client_certificates() {
     }
 }
 
-/// The README's TLS example is a working config (the files are read by
-/// check-config and serve, not at load).
-#[test]
-fn the_readme_tls_example_parses() {
+/// The README's first TOML block after the comment `<!-- {marker}`.
+fn readme_example(marker: &str) -> &'static str {
     let readme = include_str!("../../README.md");
     let start = readme
-        .find("<!-- tls-example")
+        .find(&format!("<!-- {marker}"))
         .and_then(|i| {
             readme[i..]
                 .find("```toml\n")
                 .map(|j| i + j + "```toml\n".len())
         })
-        .expect("the TLS example in the README");
+        .unwrap_or_else(|| panic!("the {marker} in the README"));
     let end = start + readme[start..].find("```").expect("its end");
-    let cfg = parse(&readme[start..end]).unwrap();
+    &readme[start..end]
+}
+
+/// The README's TLS example is a working config (the files are read by
+/// check-config and serve, not at load).
+#[test]
+fn the_readme_tls_example_parses() {
+    let cfg = parse(readme_example("tls-example")).unwrap();
     let tls = cfg.restart.server.tls.as_ref().expect("server TLS");
     assert!(tls.client_ca.is_some());
     assert!(cfg.routes.iter().next().unwrap().scope_client_cert);
+}
+
+/// The README's `replay_check` example loads as written.
+#[test]
+fn the_readme_replay_check_example_parses() {
+    let text = format!("{MINIMAL}{}", readme_example("replay-check-example"));
+    let cfg = parse(&text).unwrap();
+    let check = cfg
+        .routes
+        .iter()
+        .next()
+        .unwrap()
+        .replay_check
+        .clone()
+        .unwrap();
+    assert_eq!(check.path.as_str(), "/v1/session");
+}
+
+/// `replay_check` (issue 21): the route's, else `[defaults]`' (which
+/// `"off"` turns off), and what it may not be.
+#[test]
+fn replay_check_is_resolved_and_its_mistakes_are_named() {
+    let text = format!(
+        "{MINIMAL}[upstreams.auth]\nurl = \"http://127.0.0.1:4000\"\n\
+         [defaults]\nreplay_check = {{ path = \"/v1/session\" }}\nreplay_check_cache = \"30s\"\n\
+         [[route]]\nmethods = [\"POST\"]\npath = \"/a\"\n\
+         [[route]]\nmethods = [\"POST\"]\npath = \"/b\"\nreplay_check = {{ method = \"POST\", path = \"/check?x=1\", upstream = \"auth\" }}\n\
+         [[route]]\nmethods = [\"POST\"]\npath = \"/c\"\nreplay_check = \"off\"\n"
+    );
+    let cfg = parse(&text).unwrap();
+    let checks: Vec<_> = cfg.routes.iter().map(|r| r.replay_check.clone()).collect();
+    let a = checks[0].as_ref().unwrap();
+    assert_eq!((a.method.as_str(), a.path.as_str()), ("GET", "/v1/session"));
+    assert_eq!(
+        (a.upstream.as_deref(), a.cache),
+        (None, Duration::from_secs(30))
+    );
+    let b = checks[1].as_ref().unwrap();
+    assert_eq!((b.method.as_str(), b.path.as_str()), ("POST", "/check?x=1"));
+    assert_eq!(b.upstream.as_deref(), Some("auth"));
+    assert_eq!(checks[2], None);
+    assert!(
+        cfg.to_string().contains("replay_check=GET /v1/session"),
+        "check-config shows it"
+    );
+
+    let route =
+        |extra: &str| format!("{MINIMAL}[[route]]\nmethods = [\"POST\"]\npath = \"/o\"\n{extra}");
+    for (extra, needles) in [
+        (
+            "replay_check = \"on\"\n",
+            &["line 6", "replay_check = \"off\""][..],
+        ),
+        (
+            "replay_check = { path = \"v1\" }\n",
+            &["line 6", "origin-form"],
+        ),
+        (
+            "replay_check = { path = \"/v1\", methd = \"GET\" }\n",
+            &["line 6", "unknown field `methd`"],
+        ),
+        (
+            "replay_check = { path = \"/v1\", upstream = \"nope\" }\n",
+            &["line 6", "names no [upstreams.nope]"],
+        ),
+        (
+            "replay_check_cache = \"30s\"\n",
+            &["route #1", "needs a `replay_check`"],
+        ),
+        (
+            "replay_check = { path = \"/v1\" }\nreplay_check_cache = \"2h\"\n",
+            &["route #1", "longer than 1h"],
+        ),
+        (
+            "replay_check = { path = \"/v1\" }\nscope = { value = \"c\" }\n",
+            &["route #1", "cannot carry"],
+        ),
+    ] {
+        let e = err(&route(extra));
+        for n in needles {
+            assert!(e.contains(n), "{extra}: {n:?} not in {e}");
+        }
+    }
 }

@@ -91,6 +91,8 @@ fn status_value(outcome: Outcome, problem: Option<&'static str>, unstored: bool)
         Outcome::Unguarded => "unguarded",
         // A protected route, but no key where none is required.
         Outcome::Passthrough => "no-key",
+        // The upstream's own answer to the replay check, passed on.
+        Outcome::ReplayDenied => "replay-denied",
         // Only idemgate's own errors end so, and they name a problem.
         other => other.as_str(),
     }
@@ -296,6 +298,13 @@ mod tests {
             (Outcome::Forwarded, None, false, "created"),
             (Outcome::Forwarded, None, true, "unstored"),
             (Outcome::Replayed, None, false, "replayed"),
+            (Outcome::ReplayDenied, None, false, "replay-denied"),
+            (
+                Outcome::ReplayCheckFailed,
+                Some("replay-check-unavailable"),
+                false,
+                "replay-check-unavailable",
+            ),
             (Outcome::UpstreamError, None, false, "released"),
             (Outcome::Unguarded, None, false, "unguarded"),
             (Outcome::Passthrough, None, false, "no-key"),

@@ -18,6 +18,7 @@ pub(super) mod wait;
 
 use super::log::{respond, RequestLog, Served, Unstored};
 use super::replay::{capture, replay};
+use super::replay_check::Pending;
 use super::request_id::RequestId;
 use super::Proxy;
 use crate::body::{boxed, full, Prefixed, ProxyBody};
@@ -115,6 +116,51 @@ impl Proxy {
 
     /// Claims, then executes or answers from the record found.
     async fn claim_and_execute(&self, req: ProtectedRequest) -> Result<Served, ProxyError> {
+        let check = Pending::of(&req.route, req.record_key.scope, &req.parts.headers);
+        let peer = req.peer;
+        match (Box::pin(self.claim_and_answer(req)).await, check) {
+            (Ok((Outcome::Replayed, stored)), Some(check)) => {
+                self.checked_replay(check, stored, peer).await
+            }
+            (result, _) => result,
+        }
+    }
+
+    /// A replay, once the upstream said the credential asking for it is
+    /// still good (`replay_check`); else what the upstream said instead,
+    /// or a 503 when it said nothing.
+    async fn checked_replay(
+        &self,
+        check: Pending,
+        stored: Response<ProxyBody>,
+        peer: SocketAddr,
+    ) -> Result<Served, ProxyError> {
+        let now = Instant::now();
+        if self.replay_checks.holds(&check, now) {
+            return Ok((Outcome::Replayed, stored));
+        }
+        let upstream = check.upstream();
+        match self
+            .forwarder
+            .send_buffered(upstream, check.request(), Bytes::new(), peer)
+            .await
+        {
+            Ok(answer) if answer.status().is_success() => {
+                self.replay_checks.remember(&check, now);
+                Ok((Outcome::Replayed, stored))
+            }
+            Ok(answer) => Ok((Outcome::ReplayDenied, answer.map(boxed))),
+            Err(e) => {
+                warn!(route = %check.route, upstream = upstream.unwrap_or("default"), error = %e,
+                    "the replay check got no answer; the stored response was not replayed");
+                Err(ProxyError::ReplayCheckFailed(e))
+            }
+        }
+    }
+
+    /// The claim, and what its outcome makes of the request: executed, a
+    /// stored answer, a wait, or the store's failure handled.
+    async fn claim_and_answer(&self, req: ProtectedRequest) -> Result<Served, ProxyError> {
         // Each branch that awaits is boxed: this future is spawned (moved
         // into its task) on every protected request, and unboxed it would be
         // as large as the largest branch's state, copied on each move, while

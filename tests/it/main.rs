@@ -37,6 +37,7 @@ mod redis_sentinel;
 mod redis_tls;
 mod regressions;
 mod reload;
+mod replay_check;
 mod replicas;
 mod request_id;
 mod rough_edges;
