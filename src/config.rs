@@ -115,6 +115,9 @@ pub struct ConfigError {
 pub struct Config {
     /// Key for the scope digests (`IDEMGATE_SCOPE_SECRET`); never printed.
     pub scope_secret: Option<Secret>,
+    /// The keys stored responses are sealed with
+    /// (`IDEMGATE_STORE_ENCRYPTION_KEYS`); bound at start, like the store.
+    pub store_keys: Option<std::sync::Arc<crate::idempotency::vault::KeyRing>>,
     pub server: ServerConfig,
     /// `[upstreams.NAME]`, by name; the default upstream is in `server`.
     pub upstreams: BTreeMap<String, UpstreamConfig>,
@@ -353,6 +356,7 @@ impl Config {
         let routes = Defaults::try_from(raw.defaults)?.routes(raw.route)?;
         let config = Config {
             scope_secret: env::scope_secret(env)?,
+            store_keys: env::store_keys(env)?,
             server,
             upstreams,
             routes,
@@ -516,6 +520,18 @@ impl fmt::Display for Config {
                 "SHA-256 (set IDEMGATE_SCOPE_SECRET to key them)"
             }
         )?;
+        match &self.store_keys {
+            Some(ring) => writeln!(
+                f,
+                "responses  sealed at rest (AES-256-GCM) under key {:?}; {} key(s) open them",
+                ring.current_id(),
+                ring.len()
+            )?,
+            None => writeln!(
+                f,
+                "responses  stored in plaintext (set IDEMGATE_STORE_ENCRYPTION_KEYS to seal them)"
+            )?,
+        }
         write!(f, "{}", RoutesDisplay(&self.routes))
     }
 }

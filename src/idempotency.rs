@@ -22,6 +22,7 @@ pub mod decision;
 pub mod fingerprint;
 pub mod key;
 pub mod record;
+pub mod vault;
 
 pub use decision::{decide, settle, Decision, Settlement};
 pub use fingerprint::Fingerprint;

@@ -124,6 +124,11 @@ struct OpLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct BackendLabels {
     backend: &'static str,
 }
@@ -164,6 +169,7 @@ pub struct Metrics {
     open_connections: Gauge,
     upstream_in_flight: Family<UpstreamLabels, Gauge>,
     tunnels: TunnelMetrics,
+    sealed_unreadable: Family<ReasonLabels, Counter>,
 }
 
 /// `"2xx"` and so on; anything outside 100..=599 is `"other"`.
@@ -293,6 +299,11 @@ impl Metrics {
                 "open_connections",
                 "Client connections open on the proxy listener",
             ),
+            sealed_unreadable: add(
+                registry,
+                "sealed_unreadable",
+                "Stored responses that did not open (IDEMGATE_STORE_ENCRYPTION_KEYS), by reason: unknown_key, forged, malformed; their keys get 410 and never run again",
+            ),
             upstream_in_flight: add(
                 registry,
                 "upstream_in_flight",
@@ -398,6 +409,13 @@ impl Metrics {
 
     pub fn lost_fence(&self, route: &Arc<String>) {
         self.lost_fences.get_or_create(&route_labels(route)).inc();
+    }
+
+    /// A sealed response that did not open, and why.
+    pub fn sealed_unreadable(&self, reason: &'static str) {
+        self.sealed_unreadable
+            .get_or_create(&ReasonLabels { reason })
+            .inc();
     }
 
     pub fn store_op(&self, op: &'static str, took: Duration) {

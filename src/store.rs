@@ -20,7 +20,8 @@
 //! guard); `codec` and `sql` hold what they share, and `open` builds the
 //! configured one from the config. `notify` is no store: PostgreSQL
 //! `LISTEN`/`NOTIFY` that wakes waiting duplicates on other replicas.
-//! `vault` seals stored responses at rest (the key ring and AES-256-GCM).
+//! `sealed` seals stored responses at rest on every backend
+//! ([`crate::idempotency::vault`] holds the keys and the cipher).
 
 pub(crate) mod batch;
 pub(crate) mod codec;
@@ -33,9 +34,9 @@ pub mod postgres;
 pub mod redis;
 #[cfg(test)]
 pub(crate) mod scripted;
+pub mod sealed;
 pub(crate) mod sql;
 pub mod sqlite;
-pub mod vault;
 
 pub use crate::idempotency::record::{FirstUse, Record, RecordState, StoredResponse, UnixMillis};
 pub use open::{check_connect, migrate, open, open_with_metrics};

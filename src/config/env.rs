@@ -83,7 +83,8 @@ pub(super) fn settings<'e>(
     let set = |name: &str| env.get(name).map(String::as_str).filter(|v| !v.is_empty());
     let mut out = Vec::new();
     for (name, value) in env {
-        if value.is_empty() || ALIASES.iter().any(|(alias, _)| alias == name) {
+        if value.is_empty() || name == STORE_KEYS || ALIASES.iter().any(|(alias, _)| alias == name)
+        {
             continue;
         }
         if name.starts_with("IDEMGATE_") && is_service_link(name, value) {
@@ -136,6 +137,23 @@ pub(super) fn overlay<'a>(document: &mut DeTable<'a>, settings: &'a [Setting<'_>
         setting.apply(document);
     }
 }
+
+/// `IDEMGATE_STORE_ENCRYPTION_KEYS`: the keys stored responses are sealed
+/// with (`ID:BASE64,...`; the first seals, all open). Environment only,
+/// never a file; a malformed list names its entry, never a key.
+pub(super) fn store_keys(
+    env: &BTreeMap<String, String>,
+) -> Result<Option<std::sync::Arc<crate::idempotency::vault::KeyRing>>, String> {
+    match env.get(STORE_KEYS).filter(|v| !v.trim().is_empty()) {
+        None => Ok(None),
+        Some(list) => crate::idempotency::vault::KeyRing::parse(list)
+            .map(|ring| Some(std::sync::Arc::new(ring)))
+            .map_err(|e| e.to_string()),
+    }
+}
+
+/// Read by [`store_keys`], never as a `[store]` setting.
+const STORE_KEYS: &str = "IDEMGATE_STORE_ENCRYPTION_KEYS";
 
 /// `IDEMGATE_SCOPE_SECRET`, the key of the scope digests: environment only,
 /// so it never sits in a file, and at least 16 characters.

@@ -1426,3 +1426,46 @@ fn replay_check_is_resolved_and_its_mistakes_are_named() {
         }
     }
 }
+
+/// `IDEMGATE_STORE_ENCRYPTION_KEYS` is read from the environment alone
+/// (never as a `[store]` key), a malformed list is refused naming its
+/// entry without the key, and check-config says whether responses are sealed.
+#[test]
+fn store_encryption_keys_come_from_the_environment_and_name_a_bad_entry() {
+    use base64::Engine;
+    let good = base64::engine::general_purpose::STANDARD.encode([7u8; 32]);
+    let text = format!("{MINIMAL}[[route]]\nmethods = [\"POST\"]\npath = \"/o\"\n");
+    let list = format!("k2:{good},k1:{good}x");
+    let e = Config::parse_with_env(
+        &text,
+        "t.toml",
+        &env(&[("IDEMGATE_STORE_ENCRYPTION_KEYS", &list)]),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("entry 2") && e.contains("\"k1\""), "{e}");
+    assert!(!e.contains(&good), "no key material: {e}");
+    let list = format!("k2:{good}");
+    let cfg = Config::parse_with_env(
+        &text,
+        "t.toml",
+        &env(&[("IDEMGATE_STORE_ENCRYPTION_KEYS", &list)]),
+    )
+    .unwrap();
+    assert_eq!(cfg.store_keys.as_ref().unwrap().current_id(), "k2");
+    let shown = cfg.to_string();
+    assert!(
+        shown.contains("sealed at rest (AES-256-GCM) under key \"k2\""),
+        "{shown}"
+    );
+    assert!(!shown.contains(&good));
+    assert!(parse(&text)
+        .unwrap()
+        .to_string()
+        .contains("stored in plaintext"));
+    // Not a file setting.
+    let e = err(&format!(
+        "{MINIMAL}[store]\nencryption_keys = \"k:{good}\"\n"
+    ));
+    assert!(e.contains("unknown field `encryption_keys`"), "{e}");
+}

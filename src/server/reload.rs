@@ -343,6 +343,7 @@ pub fn as_reloaded(running: &Config, new: Config) -> Config {
     // Every field named: a new one must be placed here or in `Restart`.
     let Config {
         scope_secret,
+        store_keys: _,
         server,
         upstreams,
         routes,
@@ -350,6 +351,8 @@ pub fn as_reloaded(running: &Config, new: Config) -> Config {
     } = new;
     Config {
         scope_secret,
+        // The store was opened with them: a restart changes them.
+        store_keys: running.store_keys.clone(),
         server,
         upstreams,
         routes,

@@ -6,6 +6,7 @@ use super::instrumented::Instrumented;
 use super::memory::MemoryStore;
 use super::postgres::PostgresStore;
 use super::redis::RedisFastPath;
+use super::sealed::Sealed;
 use super::sqlite::SqliteStore;
 use super::{Store, StoreError};
 use crate::clock::Clock;
@@ -24,7 +25,11 @@ pub async fn open_with_metrics(
     metrics: &Arc<Metrics>,
     clock: Clock,
 ) -> Result<Arc<dyn Store>, StoreError> {
-    let backend = open_backend(cfg, metrics, clock).await?;
+    let mut backend = open_backend(cfg, metrics, clock).await?;
+    if let Some(ring) = &cfg.store_keys {
+        // Outside the Redis fast path: its copies are sealed too.
+        backend = Arc::new(Sealed::new(backend, ring.clone(), metrics.clone()));
+    }
     Ok(Arc::new(Instrumented::new(backend, metrics.clone())))
 }
 

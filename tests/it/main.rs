@@ -49,5 +49,6 @@ mod tls_listener;
 #[cfg(feature = "otel")]
 mod tracing;
 mod upstream_tls;
+mod vault;
 mod waiting;
 mod webhooks;

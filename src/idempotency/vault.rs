@@ -5,7 +5,7 @@
 //!
 //! A sealed response is `b"IGS1" | id_len:u8 | id | nonce:12 | ciphertext
 //! and tag`, where the plaintext is `headers_len:u32 | headers | body` (the
-//! headers as [`super::codec::encode_headers`] writes them). The associated
+//! headers as `store::codec::encode_headers` writes them). The associated
 //! data is the record's scope and key digests and its status, so a sealed
 //! response moved to another row or key, or given another status, does not
 //! open. A fresh random nonce per seal: 96 bits, safe for far more records
@@ -134,6 +134,15 @@ impl KeyRing {
     /// The id new records are sealed under.
     pub fn current_id(&self) -> &str {
         &self.current
+    }
+
+    /// How many keys open records.
+    pub fn len(&self) -> usize {
+        self.keys.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty()
     }
 
     pub fn knows(&self, id: &str) -> bool {
@@ -366,7 +375,7 @@ mod tests {
             assert_eq!(ring.open(binding, bytes).unwrap_err(), want);
         }
         // A plaintext header block is never mistaken for a sealed one.
-        let plain = super::super::codec::encode_headers(&[]);
+        let plain = 0u32.to_be_bytes();
         assert!(!is_sealed(&plain));
         assert_eq!(sealed_key_id(&plain), None);
     }

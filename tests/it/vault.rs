@@ -1,0 +1,226 @@
+//! Stored responses sealed at rest (issue 21,
+//! `IDEMGATE_STORE_ENCRYPTION_KEYS`), through the real binary on SQLite,
+//! PostgreSQL and PostgreSQL + Redis: no byte run of a response is in the
+//! file, the rows or the Redis values; replays stay byte-identical; every
+//! listed key opens (rotation); a record under a key no longer listed is
+//! never executed again (410).
+
+use crate::support::services::{
+    database_url, drop_schema, redis_url, require_postgres, require_redis, unique_schema,
+};
+use crate::support::{free_port, Route, ServeProcess, TestConfig, Upstream, ORDERS};
+use base64::Engine;
+use std::path::Path;
+
+const OLD: u8 = 0x11;
+const NEW: u8 = 0x22;
+
+fn key(id: &str, byte: u8) -> String {
+    format!(
+        "{id}:{}",
+        base64::engine::general_purpose::STANDARD.encode([byte; 32])
+    )
+}
+
+/// 4096 bytes of `x` (the test upstream's `size=`): a run no ciphertext has.
+const TARGET: &str = "/orders?size=4096";
+const RUN: &[u8] = b"xxxxxxxxxxxxxxxxxxxxxxxx";
+
+fn holds_run(bytes: &[u8]) -> bool {
+    bytes.windows(RUN.len()).any(|w| w == RUN)
+}
+
+/// Ends `gate` and waits for it to exit, so the next one can take its ports.
+async fn stop(mut gate: ServeProcess) {
+    gate.terminate();
+    gate.exited().await;
+}
+
+/// Stores one response under `old`, replays it under `old`, then under
+/// `new,old` (rotation: both open), then under `new` alone (its key gone:
+/// 410, not run again); `stored` returns every byte the store keeps.
+async fn sealed_at_rest<F, Fut>(store: impl Fn(TestConfig, &Path) -> TestConfig, stored: F)
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Vec<Vec<u8>>>,
+{
+    let up = Upstream::start().await;
+    let dir = tempfile::TempDir::new().expect("tempdir");
+    let config = dir.path().join("idemgate.toml");
+    let (listen, admin) = (free_port(), free_port());
+    store(
+        TestConfig::new(up.addr)
+            .listen(listen, admin)
+            .route(Route::post(ORDERS)),
+        dir.path(),
+    )
+    .write(&config);
+    let serve = |keys: String| {
+        let config = config.clone();
+        async move {
+            ServeProcess::start(
+                &config,
+                listen,
+                admin,
+                &[("IDEMGATE_STORE_ENCRYPTION_KEYS", keys.as_str())],
+            )
+            .await
+        }
+    };
+    let send = |gate: &ServeProcess| gate.post(TARGET).key("k-vault").body("{}").send();
+
+    let gate = serve(key("old", OLD)).await;
+    let first = send(&gate).await;
+    assert_eq!(first.status(), 201, "{}", first.text());
+    assert!(holds_run(&first.body));
+    let replay = send(&gate).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, first.body, "byte for byte");
+    assert_eq!(replay.header("location"), first.header("location"));
+    let kept = stored().await;
+    assert!(!kept.is_empty(), "the store holds the record");
+    assert!(
+        !kept.iter().any(|b| holds_run(b)),
+        "a byte run of the response is stored in plaintext"
+    );
+    stop(gate).await;
+
+    // Rotation: a new key first, the old one still listed, opens it.
+    let gate = serve(format!("{},{}", key("new", NEW), key("old", OLD))).await;
+    let rotated = send(&gate).await;
+    assert!(rotated.replayed(), "{}", rotated.text());
+    assert_eq!(rotated.body, first.body);
+    stop(gate).await;
+
+    // The old key removed: never executed again.
+    let gate = serve(key("new", NEW)).await;
+    let gone = send(&gate).await;
+    assert_eq!(gone.status(), 410, "{}", gone.text());
+    assert_eq!(up.hits(ORDERS), 1, "the upstream ran it once in all");
+    let metrics = gate.admin_get("/metrics").send().await.text();
+    assert!(
+        metrics.contains("idemgate_sealed_unreadable_total{reason=\"unknown_key\"} 1"),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_are_sealed_at_rest_on_sqlite() {
+    let dir = tempfile::TempDir::new().expect("tempdir");
+    let db_dir = dir.path().to_path_buf();
+    sealed_at_rest(
+        |c, _| {
+            c.set("store.backend", "sqlite")
+                .set("store.path", db_dir.join("v.db").display().to_string())
+        },
+        || async {
+            // The database and its WAL: everything SQLite wrote.
+            std::fs::read_dir(&db_dir)
+                .expect("db dir")
+                .map(|e| std::fs::read(e.expect("entry").path()).expect("read"))
+                .collect()
+        },
+    )
+    .await;
+}
+
+async fn rows(url: &str, schema: &str) -> Vec<Vec<u8>> {
+    let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .expect("connect");
+    let task = tokio::spawn(conn);
+    let sql = format!(
+        "SELECT coalesce(headers, ''::bytea) || coalesce(body, ''::bytea) FROM {schema}.idempotency_records"
+    );
+    let out = client
+        .query(&sql, &[])
+        .await
+        .expect("select")
+        .iter()
+        .map(|r| r.get::<_, Vec<u8>>(0))
+        .collect();
+    drop(client);
+    let _ = task.await;
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_are_sealed_at_rest_on_postgres() {
+    let url = database_url();
+    require_postgres(&url).await;
+    let schema = unique_schema("vault");
+    sealed_at_rest(
+        |c, _| {
+            c.set("store.backend", "postgres")
+                .set("store.url", url.as_str())
+                .set("store.schema", schema.as_str())
+                .set("store.pool_size", 4)
+        },
+        || rows(&url, &schema),
+    )
+    .await;
+    drop_schema(&url, &schema).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_are_sealed_at_rest_in_postgres_and_redis() {
+    let url = database_url();
+    require_postgres(&url).await;
+    let redis = redis_url();
+    require_redis(&redis);
+    let schema = unique_schema("vault_redis");
+    let prefix = schema.clone();
+    let values = || async {
+        let client = redis::Client::open(redis.as_str()).expect("redis url");
+        let mut conn = client
+            .get_multiplexed_async_connection()
+            .await
+            .expect("redis");
+        let names: Vec<String> = redis::cmd("KEYS")
+            .arg(format!("{prefix}:*"))
+            .query_async(&mut conn)
+            .await
+            .expect("keys");
+        assert!(!names.is_empty(), "the fast path keeps a copy");
+        let mut out = rows(&url, &schema).await;
+        for name in names {
+            let v: Vec<u8> = redis::cmd("GET")
+                .arg(&name)
+                .query_async(&mut conn)
+                .await
+                .expect("get");
+            out.push(v);
+        }
+        out
+    };
+    sealed_at_rest(
+        |c, _| {
+            c.set("store.backend", "postgres")
+                .set("store.url", url.as_str())
+                .set("store.schema", schema.as_str())
+                .set("store.pool_size", 4)
+                .set("redis.url", redis.as_str())
+                .set("redis.prefix", prefix.as_str())
+        },
+        values,
+    )
+    .await;
+    drop_schema(&url, &schema).await;
+    let client = redis::Client::open(redis.as_str()).expect("redis url");
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("redis");
+    let names: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}:*"))
+        .query_async(&mut conn)
+        .await
+        .expect("keys");
+    if !names.is_empty() {
+        let _: () = redis::cmd("DEL")
+            .arg(&names)
+            .query_async(&mut conn)
+            .await
+            .expect("del");
+    }
+}
