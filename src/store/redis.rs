@@ -701,6 +701,22 @@ impl Store for RedisFastPath {
         self.inner.call_bound() + self.timeout * 3
     }
 
+    /// A PING of its own, outside the data path: it neither starts nor
+    /// ends the backoff (requests find that out themselves), but an answer
+    /// clears the cause `/readyz` shows, as any answer does.
+    async fn ping_fast_path(&self) -> Option<crate::store::FastPathPing> {
+        let result = ping_once(self.conn.clone(), self.timeout, None)
+            .await
+            .map_err(|(error, _)| error);
+        if result.is_ok() {
+            self.health.answered();
+        }
+        Some(crate::store::FastPathPing {
+            kind: self.conn.kind(),
+            result,
+        })
+    }
+
     fn degraded(&self) -> Option<String> {
         self.status().map(|cause| {
             format!(
