@@ -1319,21 +1319,21 @@ fn a_client_cert_scope_needs_a_listener_that_requires_client_certificates() {
     }
 }
 
-/// The README's TLS example is a working config (the files are read by
-/// check-config and serve, not at load).
+/// The book's TLS example (docs/book/src/tls.md) is a working config (the
+/// files are read by check-config and serve, not at load).
 #[test]
-fn the_readme_tls_example_parses() {
-    let readme = include_str!("../../README.md");
-    let start = readme
+fn the_book_tls_example_parses() {
+    let doc = include_str!("../../docs/book/src/tls.md");
+    let start = doc
         .find("<!-- tls-example")
         .and_then(|i| {
-            readme[i..]
+            doc[i..]
                 .find("```toml\n")
                 .map(|j| i + j + "```toml\n".len())
         })
-        .expect("the TLS example in the README");
-    let end = start + readme[start..].find("```").expect("its end");
-    let cfg = parse(&readme[start..end]).unwrap();
+        .expect("the TLS example in docs/book/src/tls.md");
+    let end = start + doc[start..].find("```").expect("its end");
+    let cfg = parse(&doc[start..end]).unwrap();
     let tls = cfg.restart.server.tls.as_ref().expect("server TLS");
     assert!(tls.client_ca.is_some());
     assert!(cfg.routes.iter().next().unwrap().scope_client_cert);
