@@ -46,7 +46,7 @@
 //! master and its names ([`RedisConn::pin`]). A stale lock copy elsewhere
 //! (one node behind a managed endpoint, a cluster shard) is confirmed with
 //! the inner store as above; a stale record copy there can replay until
-//! it expires (see docs/deploy.md, "Redis failover").
+//! it expires (see docs/book/src/deploy.md, "Redis failover").
 //!
 //! Redis is reached through [`RedisConn`] (`conn.rs`): one node, a Redis
 //! Cluster (`redis.cluster`) or the master Redis Sentinel names
