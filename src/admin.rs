@@ -8,13 +8,14 @@
 //! it, so one outage would mark them all unready at once and the Service
 //! would drop even the traffic that needs no store (unprotected routes,
 //! `on_store_error = "forward"`). The store's health is reported on its own
-//! ([`StoreHealth`]: `/healthz/store`, `idemgate_store_up`).
+//! ([`StoreHealth`]: `/healthz/store`, `idemgate_store_up`), and so is the
+//! Redis fast path's, by the same checks (`idemgate_redis_up`).
 
 use crate::body::{full, ProxyBody};
 use crate::clock::Clock;
 use crate::config::Readiness;
 use crate::metrics::Metrics;
-use crate::store::Store;
+use crate::store::{FastPathPing, Store};
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use std::net::SocketAddr;
@@ -157,7 +158,8 @@ impl Admin {
 }
 
 /// The store's health as last checked, for `/healthz/store` and the
-/// `idemgate_store_up` gauge.
+/// `idemgate_store_up` gauge, and the Redis fast path's beside it
+/// (`idemgate_redis_up`).
 pub struct StoreHealth {
     backend: &'static str,
     metrics: Arc<Metrics>,
@@ -172,6 +174,22 @@ struct HealthState {
     /// The last failure's cause and time, kept after recovery so an
     /// operator can see what happened.
     last_error: Option<(String, i64)>,
+    /// `None` without a `[redis]` section.
+    redis: Option<RedisState>,
+}
+
+#[derive(Clone)]
+struct RedisState {
+    kind: &'static str,
+    up: bool,
+    /// As the store's: kept after recovery.
+    last_error: Option<(String, i64)>,
+}
+
+fn error_json(e: &Option<(String, i64)>) -> serde_json::Value {
+    e.as_ref()
+        .map(|(cause, at)| serde_json::json!({ "cause": cause, "at": at }))
+        .into()
 }
 
 impl StoreHealth {
@@ -184,12 +202,25 @@ impl StoreHealth {
         })
     }
 
-    /// Pings the store (bounded) and records the result.
+    /// Pings the store and, at the same time, the Redis fast path if there
+    /// is one (each bounded), and records both; returns the store's result
+    /// (Redis is a hint: its outage costs speed, not correctness).
     pub async fn check(&self, store: &dyn Store) -> Result<(), String> {
-        let result = match tokio::time::timeout(READY_TIMEOUT, store.ping()).await {
+        let (result, redis) = tokio::join!(
+            tokio::time::timeout(READY_TIMEOUT, store.ping()),
+            tokio::time::timeout(READY_TIMEOUT, store.ping_fast_path()),
+        );
+        let result = match result {
             Ok(Ok(())) => Ok(()),
             Ok(Err(e)) => Err(e.to_string()),
             Err(_) => Err("store timed out".to_string()),
+        };
+        let redis = match redis {
+            Ok(ping) => ping,
+            Err(_) => self.redis_kind().map(|kind| FastPathPing {
+                kind,
+                result: Err("redis timed out".to_string()),
+            }),
         };
         let now = self.clock.now_millis();
         {
@@ -199,22 +230,51 @@ impl StoreHealth {
             if let Err(e) = &result {
                 s.last_error = Some((e.clone(), now));
             }
+            if let Some(ping) = &redis {
+                let last_error = match &ping.result {
+                    Err(e) => Some((e.clone(), now)),
+                    Ok(()) => s.redis.as_ref().and_then(|r| r.last_error.clone()),
+                };
+                s.redis = Some(RedisState {
+                    kind: ping.kind,
+                    up: ping.result.is_ok(),
+                    last_error,
+                });
+            }
         }
         self.metrics.store_up(self.backend, result.is_ok());
+        if let Some(ping) = &redis {
+            self.metrics.redis_up(ping.kind, ping.result.is_ok());
+        }
         result
     }
 
-    /// `{"backend", "up", "checked_at", "last_error": {"cause", "at"}}`,
-    /// times as unix milliseconds.
+    /// The Redis kind seen by an earlier check, for a check that timed out.
+    fn redis_kind(&self) -> Option<&'static str> {
+        let s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        s.redis.as_ref().map(|r| r.kind)
+    }
+
+    /// The Redis fast path's last check (`None` without one).
+    fn redis_state(&self) -> Option<RedisState> {
+        let s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        s.redis.clone()
+    }
+
+    /// `{"backend", "up", "checked_at", "last_error": {"cause", "at"},
+    /// "redis": {"kind", "up", "last_error"}}` (`redis` is null without a
+    /// `[redis]` section), times as unix milliseconds.
     pub fn report(&self) -> serde_json::Value {
         let s = self.state.lock().unwrap_or_else(|p| p.into_inner()).clone();
         serde_json::json!({
             "backend": self.backend,
             "up": s.up,
             "checked_at": s.checked_at_ms,
-            "last_error": s.last_error.map(|(cause, at)| serde_json::json!({
-                "cause": cause,
-                "at": at,
+            "last_error": error_json(&s.last_error),
+            "redis": s.redis.map(|r| serde_json::json!({
+                "kind": r.kind,
+                "up": r.up,
+                "last_error": error_json(&r.last_error),
             })),
         })
     }
@@ -225,6 +285,7 @@ impl StoreHealth {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // Logged when the state changes, not every interval.
         let mut was_up = true;
+        let mut redis_was_up = true;
         loop {
             tokio::select! {
                 _ = tick.tick() => {}
@@ -238,6 +299,18 @@ impl StoreHealth {
                 Ok(()) if !was_up => {
                     tracing::info!(store = self.backend, "store health check passes again");
                     was_up = true;
+                }
+                _ => {}
+            }
+            match self.redis_state() {
+                Some(r) if !r.up && redis_was_up => {
+                    let error = r.last_error.map(|(cause, _)| cause).unwrap_or_default();
+                    tracing::warn!(error = %error, "{} fast path health check failed", r.kind);
+                    redis_was_up = false;
+                }
+                Some(r) if r.up && !redis_was_up => {
+                    tracing::info!("redis fast path health check passes again");
+                    redis_was_up = true;
                 }
                 _ => {}
             }

@@ -133,6 +133,12 @@ struct BackendLabels {
     backend: &'static str,
 }
 
+/// The Redis kind asked: `redis`, `redis cluster` or `redis sentinel`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabels {
+    kind: &'static str,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ResultLabels {
     result: &'static str,
@@ -164,6 +170,8 @@ pub struct Metrics {
     swept: Counter,
     fast_path: Arc<FastPathCollector>,
     store_up: Family<BackendLabels, Gauge>,
+    /// No series until the first check: only a configured `[redis]` has one.
+    redis_up: Family<KindLabels, Gauge>,
     config_reloads: Family<ResultLabels, Counter>,
     last_reload_success: Gauge<f64, AtomicU64>,
     open_connections: Gauge,
@@ -284,6 +292,11 @@ impl Metrics {
                 "store_up",
                 "1 while the store answers its health check (every few seconds, and on /readyz or /healthz/store), 0 after one failed",
             ),
+            redis_up: add(
+                registry,
+                "redis_up",
+                "1 while the Redis fast path answers its health check (with the store's), 0 after one failed; only with a [redis] section",
+            ),
             config_reloads: add(
                 registry,
                 "config_reloads",
@@ -352,6 +365,13 @@ impl Metrics {
     pub fn store_up(&self, backend: &'static str, up: bool) {
         self.store_up
             .get_or_create(&BackendLabels { backend })
+            .set(i64::from(up));
+    }
+
+    /// The Redis fast path's health as last checked.
+    pub fn redis_up(&self, kind: &'static str, up: bool) {
+        self.redis_up
+            .get_or_create(&KindLabels { kind })
             .set(i64::from(up));
     }
 
@@ -599,7 +619,12 @@ mod tests {
     #[test]
     fn build_reload_connection_and_process_series() {
         let m = Metrics::new();
+        assert!(
+            !m.encode().contains("idemgate_redis_up{"),
+            "no Redis series without a [redis] section"
+        );
         m.store_up("postgres", false);
+        m.redis_up("redis", true);
         m.config_loaded(false, 0.0);
         m.open_connections().inc();
         let text = m.encode();
@@ -609,6 +634,7 @@ mod tests {
                 env!("CARGO_PKG_VERSION")
             ),
             "idemgate_store_up{backend=\"postgres\"} 0".to_string(),
+            "idemgate_redis_up{kind=\"redis\"} 1".to_string(),
             "idemgate_config_reloads_total{result=\"ok\"} 0".to_string(),
             "idemgate_config_reloads_total{result=\"error\"} 1".to_string(),
             "idemgate_open_connections 1".to_string(),

@@ -364,7 +364,7 @@ const STRIPE_SHOULD_RETRY: header::HeaderName =
 
 /// `errors = "stripe"`: Stripe's `error.type` for a problem, and its
 /// `error.code` where Stripe's error-code catalogue has one that means the
-/// same (`parameter_missing`, `idempotency_key_in_use`); README "Error
+/// same (`parameter_missing`, `idempotency_key_in_use`); docs/book/src/error-shapes.md, "Error
 /// shapes" lists them.
 fn stripe_error(slug: &str) -> (&'static str, Option<&'static str>) {
     match slug {

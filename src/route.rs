@@ -157,8 +157,8 @@ pub enum InFlight {
     Wait(Duration),
 }
 
-/// `preset`: the settings a known sender's deliveries need (README
-/// "Webhooks and message deliveries"). A route's own keys override them.
+/// `preset`: the settings a known sender's deliveries need (the book's
+/// "Webhooks and message deliveries", docs/book/src/webhooks.md). A route's own keys override them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Preset {
@@ -207,8 +207,8 @@ impl Preset {
         }
     }
 
-    /// The sender's key, and a ttl covering its retries (the README's
-    /// preset table gives the sources and what is uncertain).
+    /// The sender's key, and a ttl covering its retries (the preset
+    /// table in docs/book/src/webhooks.md gives the sources and what is uncertain).
     pub fn settings(self) -> PresetSettings {
         let s = |key, days: u64, fingerprint, fingerprint_ignore| PresetSettings {
             key,
@@ -270,7 +270,7 @@ pub enum OnStoreError {
 }
 
 /// What a route does with a key when the upstream's outcome is unknown: a
-/// timeout or reset after the request was sent (README "Ambiguous
+/// timeout or reset after the request was sent (docs/book/src/ambiguous.md, "Ambiguous
 /// outcomes"). A refused connection sent nothing, so it always releases.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]

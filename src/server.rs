@@ -56,7 +56,8 @@ const H2_MAX_LOCAL_ERROR_RESETS: usize = 1024;
 /// default grows to ~400 KiB and keeps it for the connection's life, outside
 /// every budget). A request head must fit in it: a longer one gets 431 and
 /// the connection closes. 64 KiB leaves room for large cookies and JWTs
-/// (Envoy allows ~60 KiB, nginx 32 KiB by default); README "Limits".
+/// (Envoy allows ~60 KiB, nginx 32 KiB by default); docs/book/src/operations.md,
+/// "Memory".
 const H1_MAX_BUF_SIZE: usize = 64 << 10;
 /// HTTP/2's header list limit (SETTINGS_MAX_HEADER_LIST_SIZE), pinned at
 /// hyper's default: HPACK-decoded heads per stream are bounded by it.

@@ -349,6 +349,21 @@ pub trait Store: Send + Sync + 'static {
     fn degraded(&self) -> Option<String> {
         None
     }
+
+    /// PINGs the Redis fast path for the health checks (`idemgate_redis_up`,
+    /// `/healthz/store`): `None` without a `[redis]` section. Apart from
+    /// [`Store::ping`], which asks the authority only.
+    async fn ping_fast_path(&self) -> Option<FastPathPing> {
+        None
+    }
+}
+
+/// One health check of the Redis fast path: which kind of Redis was asked
+/// (`"redis"`, `"redis cluster"`, `"redis sentinel"`) and whether it answered.
+#[derive(Clone, Debug)]
+pub struct FastPathPing {
+    pub kind: &'static str,
+    pub result: Result<(), String>,
 }
 
 // === the two record rules every backend implements ===

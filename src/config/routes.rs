@@ -336,7 +336,7 @@ impl Defaults {
     }
 
     /// Where the key comes from, whose it is, what the fingerprint covers
-    /// and what a duplicate in flight gets (README "Webhooks and message
+    /// and what a duplicate in flight gets (docs/book/src/webhooks.md, "Webhooks and message
     /// deliveries"): the route's own keys, then its preset's, then
     /// `[defaults]`.
     fn deliveries(

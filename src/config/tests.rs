@@ -1319,45 +1319,102 @@ fn a_client_cert_scope_needs_a_listener_that_requires_client_certificates() {
     }
 }
 
-/// The README's first TOML block after the comment `<!-- {marker}`.
-fn readme_example(marker: &str) -> &'static str {
-    let readme = include_str!("../../README.md");
-    let start = readme
-        .find(&format!("<!-- {marker}"))
+/// The book's TLS example (docs/book/src/tls.md) is a working config (the
+/// files are read by check-config and serve, not at load).
+#[test]
+fn the_book_tls_example_parses() {
+    let doc = include_str!("../../docs/book/src/tls.md");
+    let start = doc
+        .find("<!-- tls-example")
         .and_then(|i| {
-            readme[i..]
+            doc[i..]
                 .find("```toml\n")
                 .map(|j| i + j + "```toml\n".len())
         })
-        .unwrap_or_else(|| panic!("the {marker} in the README"));
-    let end = start + readme[start..].find("```").expect("its end");
-    &readme[start..end]
-}
-
-/// The README's TLS example is a working config (the files are read by
-/// check-config and serve, not at load).
-#[test]
-fn the_readme_tls_example_parses() {
-    let cfg = parse(readme_example("tls-example")).unwrap();
+        .expect("the TLS example in docs/book/src/tls.md");
+    let end = start + doc[start..].find("```").expect("its end");
+    let cfg = parse(&doc[start..end]).unwrap();
     let tls = cfg.restart.server.tls.as_ref().expect("server TLS");
     assert!(tls.client_ca.is_some());
     assert!(cfg.routes.iter().next().unwrap().scope_client_cert);
 }
 
-/// The README's `replay_check` example loads as written.
+/// Every TOML example in the README and the book loads: a whole file as
+/// written; a fragment (no `[server]`) on top of a minimal file, with a
+/// PostgreSQL store under a `[redis]` that has none (the fast path needs
+/// one), and the URLs the example says come from `IDEMGATE_*`. The files
+/// are read from the book's directory, so a new chapter is covered as soon
+/// as it is written.
 #[test]
-fn the_readme_replay_check_example_parses() {
-    let text = format!("{MINIMAL}{}", readme_example("replay-check-example"));
-    let cfg = parse(&text).unwrap();
-    let check = cfg
-        .routes
-        .iter()
-        .next()
-        .unwrap()
-        .replay_check
-        .clone()
-        .unwrap();
-    assert_eq!(check.path.as_str(), "/v1/session");
+fn every_toml_example_in_the_docs_loads() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let book = root.join("docs/book/src");
+    let mut files = vec![root.join("README.md")];
+    for entry in std::fs::read_dir(&book).expect("docs/book/src") {
+        let path = entry.expect("a directory entry").path();
+        if path.extension().is_some_and(|e| e == "md") {
+            files.push(path);
+        }
+    }
+    files.sort();
+    let mut loaded = 0;
+    for file in &files {
+        let name = file.strip_prefix(&root).unwrap().display().to_string();
+        let text = std::fs::read_to_string(file).expect("a docs file");
+        for (line, block) in toml_blocks(&text) {
+            let mut config = String::new();
+            if !block.contains("[server]") {
+                config.push_str(MINIMAL);
+            }
+            if block.contains("[redis]") && !block.contains("[store]") {
+                config.push_str(
+                    "[store]\nbackend = \"postgres\"\nurl = \"postgres://docs@db/docs\"\n",
+                );
+            }
+            config.push_str(&block);
+            let mentioned: Vec<(&str, &str)> = [
+                ("IDEMGATE_STORE_URL", "postgres://docs@db/docs"),
+                ("IDEMGATE_REDIS_URL", "redis://cache:6379"),
+            ]
+            .into_iter()
+            .filter(|(var, _)| block.contains(var))
+            .collect();
+            if let Err(e) = Config::parse_with_env(&config, &name, &env(&mentioned)) {
+                panic!("{name}:{line}: the example does not load: {e}\n{config}");
+            }
+            loaded += 1;
+        }
+    }
+    // The README and the book had 8 when this test was written.
+    assert!(
+        loaded >= 8,
+        "only {loaded} TOML examples found in {files:?}"
+    );
+}
+
+/// The fenced ```` ```toml ```` blocks of a Markdown text: the line of each
+/// opening fence, and the block with the fence's indentation (a list
+/// item's) removed.
+fn toml_blocks(text: &str) -> Vec<(usize, String)> {
+    let mut blocks = Vec::new();
+    let mut open: Option<(usize, usize, String)> = None;
+    for (n, line) in text.lines().enumerate() {
+        let trimmed = line.trim_start();
+        let indent = line.len() - trimmed.len();
+        match &mut open {
+            None if trimmed == "```toml" => open = Some((n + 1, indent, String::new())),
+            Some(_) if trimmed.starts_with("```") => {
+                let (at, _, block) = open.take().unwrap();
+                blocks.push((at, block));
+            }
+            Some((_, indent, block)) => {
+                block.push_str(line.get(*indent..).unwrap_or("").trim_end());
+                block.push('\n');
+            }
+            None => {}
+        }
+    }
+    blocks
 }
 
 /// `replay_check` (issue 21): the route's, else `[defaults]`' (which

@@ -395,20 +395,20 @@ mod tests {
         );
     }
 
-    /// The README's gateway example is a working config.
+    /// The book's gateway example (docs/book/src/gateway.md) is a working config.
     #[test]
-    fn the_readme_gateway_example_parses() {
-        let readme = include_str!("../../README.md");
-        let start = readme
+    fn the_book_gateway_example_parses() {
+        let doc = include_str!("../../docs/book/src/gateway.md");
+        let start = doc
             .find("<!-- gateway-example")
             .and_then(|i| {
-                readme[i..]
+                doc[i..]
                     .find("```toml\n")
                     .map(|j| i + j + "```toml\n".len())
             })
-            .expect("the gateway example in the README");
-        let end = start + readme[start..].find("```").expect("its end");
-        let cfg = Config::parse(&readme[start..end], "README.md").unwrap();
+            .expect("the gateway example in docs/book/src/gateway.md");
+        let end = start + doc[start..].find("```").expect("its end");
+        let cfg = Config::parse(&doc[start..end], "gateway.md").unwrap();
         assert_eq!(cfg.upstreams.len(), 3);
         assert_eq!(cfg.upstreams["grpc"].protocol, UpstreamProtocol::H2);
         assert!(cfg.upstreams["payments"].tls.cert_file.is_some());

@@ -180,6 +180,10 @@ impl Store for Instrumented {
     fn degraded(&self) -> Option<String> {
         self.inner.degraded()
     }
+
+    async fn ping_fast_path(&self) -> Option<crate::store::FastPathPing> {
+        self.inner.ping_fast_path().await
+    }
 }
 
 #[cfg(test)]

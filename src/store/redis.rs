@@ -46,7 +46,7 @@
 //! master and its names ([`RedisConn::pin`]). A stale lock copy elsewhere
 //! (one node behind a managed endpoint, a cluster shard) is confirmed with
 //! the inner store as above; a stale record copy there can replay until
-//! it expires (see docs/deploy.md, "Redis failover").
+//! it expires (see docs/book/src/deploy.md, "Redis failover").
 //!
 //! Redis is reached through [`RedisConn`] (`conn.rs`): one node, a Redis
 //! Cluster (`redis.cluster`) or the master Redis Sentinel names
@@ -699,6 +699,22 @@ impl Store for RedisFastPath {
     /// Redis must never cut a claim off mid-statement.
     fn call_bound(&self) -> Duration {
         self.inner.call_bound() + self.timeout * 3
+    }
+
+    /// A PING of its own, outside the data path: it neither starts nor
+    /// ends the backoff (requests find that out themselves), but an answer
+    /// clears the cause `/readyz` shows, as any answer does.
+    async fn ping_fast_path(&self) -> Option<crate::store::FastPathPing> {
+        let result = ping_once(self.conn.clone(), self.timeout, None)
+            .await
+            .map_err(|(error, _)| error);
+        if result.is_ok() {
+            self.health.answered();
+        }
+        Some(crate::store::FastPathPing {
+            kind: self.conn.kind(),
+            result,
+        })
     }
 
     fn degraded(&self) -> Option<String> {

@@ -458,7 +458,7 @@ pub(crate) fn rss_kib(pid: u32) -> u64 {
 /// What the proxy may hold on top of `max_buffered_body_bytes` under the
 /// flood below: per-connection buffers (hyper's read and write buffers,
 /// the task, the socket's state) for 200 connections, and the allocator's
-/// slack. README "Memory" documents the same number.
+/// slack. docs/book/src/operations.md ("Memory") documents the same number.
 const RSS_SLACK_MIB: u64 = 32;
 
 /// What the allocator may keep for reuse after a flood has gone (freed,

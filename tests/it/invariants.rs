@@ -758,7 +758,7 @@ const STANDBY_HELD_BACK: Duration = Duration::from_secs(2);
 /// promotion), as the lazy-commit crash keeps its outage shorter than a
 /// lease. They check what a failover does to acknowledged commits; an
 /// outage longer than a lease while an answer waits to be recorded lets a
-/// retry take the key over once the lease ran out (docs/deploy.md,
+/// retry take the key over once the lease ran out (docs/book/src/deploy.md,
 /// Failover), with or without a failover, and is not what they measure.
 const FAILOVER_LEASE: &str = "15s";
 
@@ -855,7 +855,7 @@ async fn invariants_hold_when_postgres_fails_over_to_a_synchronous_standby() {
 /// Issue 20 (b): the same failover to an asynchronous standby held
 /// [`STANDBY_HELD_BACK`] behind. Commits of that window are lost, and
 /// with them claims and answers: this measures what that costs (keys run
-/// twice, answers lost) and asserts nothing; docs/deploy.md reports it.
+/// twice, answers lost) and asserts nothing; docs/book/src/deploy.md reports it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn what_a_failover_to_an_asynchronous_standby_costs() {
     let name = "postgres failover (async)";

@@ -89,7 +89,7 @@ async fn concurrent_claims_under_serializable_isolation_get_answers_not_errors()
 /// `store.migration_lock = "none"` (for engines without advisory locks or
 /// transactional DDL): migrations and sweeps take no advisory lock and the
 /// whole store contract still holds. Only plain PostgreSQL runs here; see
-/// docs/deploy.md for what was verified on which engine.
+/// docs/book/src/deploy.md for what was verified on which engine.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_store_contract_holds_without_advisory_locks() {
     use idemgate::config::MigrationLock;

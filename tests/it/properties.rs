@@ -235,7 +235,7 @@ proptest! {
 
 // ===== the key parser =====
 
-/// What the README and `key.rs` document: optional whitespace around
+/// What docs/book/src/semantics.md and `key.rs` document: optional whitespace around
 /// either a bare key or an RFC 9651 sf-string (`\"` and `\\` escapes), the
 /// key being 1 to 255 printable ASCII characters.
 fn documented_key(raw: &[u8]) -> Option<String> {

@@ -17,7 +17,7 @@ const HEAD_CAP: usize = 64 << 10;
 
 /// What one connection may cost on top of the body budget: its read
 /// buffer (at most [`HEAD_CAP`]), hyper's write buffer, the task and the
-/// connection state. README "Limits" documents the same number. Measured:
+/// connection state. docs/book/src/operations.md ("Memory") documents the same number. Measured:
 /// 200 stalled bodies took the budget plus 17 MiB (plus 34 MiB before the
 /// cap).
 const PER_CONNECTION_KIB: u64 = 80;

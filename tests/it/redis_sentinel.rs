@@ -9,7 +9,7 @@
 //!   carry the master's epoch.
 //!
 //! The promotion and fast-path-back times it prints are the figures in
-//! docs/deploy.md ("Failover").
+//! docs/book/src/deploy.md ("Failover").
 
 use crate::support::process::run_to_completion;
 use crate::support::redis_sentinel::{Auth, SentinelSet, MASTER_NAME};
