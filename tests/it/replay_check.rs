@@ -12,6 +12,7 @@ backend_tests!(
     a_replay_waits_for_the_check_and_a_refused_check_is_passed_on_without_executing,
     an_unanswered_check_is_a_503_never_a_replay_or_an_execution,
     a_passed_check_is_remembered_for_the_cache_time,
+    a_duplicate_that_waited_is_checked_before_its_replay,
 );
 
 const BODY: &str = r#"{"item":"book","qty":1}"#;
@@ -133,6 +134,30 @@ async fn a_passed_check_is_remembered_for_the_cache_time(backend: Backend) {
     assert_eq!(send("bob").send().await.status(), 201);
     assert!(send("bob").send().await.replayed());
     assert_eq!(up.hits(SESSION), 2);
+}
+
+/// `in_flight = { wait }`: a duplicate that waited for the first request's
+/// answer is checked like any other replay.
+async fn a_duplicate_that_waited_is_checked_before_its_replay(backend: Backend) {
+    let up = Upstream::start().await;
+    let mut wait = toml::Table::new();
+    wait.insert("wait".into(), "10s".into());
+    let proxy = Proxy::builder(backend, up.addr)
+        .each_route("in_flight", toml::Value::Table(wait))
+        .each_route("replay_check", check(SESSION, None))
+        .start()
+        .await;
+    // The first request is slow; the next upstream request (the check) says no.
+    up.push(Action::Delay(std::time::Duration::from_millis(500)));
+    up.push(Action::Status(401));
+    let first = tokio::spawn(proxy.post(ORDERS).key("k-wait").body(BODY).send());
+    up.wait_hits(ORDERS, 1).await;
+    let dup = proxy.post(ORDERS).key("k-wait").body(BODY).send().await;
+    let first = first.await.expect("first");
+    assert_eq!(first.status(), 201, "{}", first.text());
+    assert_eq!(dup.status(), 401, "{}", dup.text());
+    assert_eq!(dup.header("idempotency-status"), Some("replay-denied"));
+    assert_eq!((up.hits(ORDERS), up.hits(SESSION)), (1, 1));
 }
 
 /// The same through `idemgate serve`: the config as a user writes it, a
