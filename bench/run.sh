@@ -161,8 +161,9 @@ EOF
 }
 
 # ----- idemgate, one process per store -----
-start_idemgate() { # name backend extra-toml [extra-server-toml] -> sets IG_PORT, IG_PID
-  local name=$1 backend=$2 extra=$3 server_extra=${4:-}
+# IG_KEYS: IDEMGATE_STORE_ENCRYPTION_KEYS for this one (default: none).
+start_idemgate() { # name backend extra-toml [extra-server-toml] [extra-/orders-route-toml] -> sets IG_PORT, IG_PID
+  local name=$1 backend=$2 extra=$3 server_extra=${4:-} route_extra=${5:-}
   IG_PORT=$(free_port)
   local admin; admin=$(free_port)
   cat >"$work/$name.toml" <<EOF
@@ -181,11 +182,12 @@ level = "warn"
 [[route]]
 methods = ["POST"]
 path = "/orders"
+$route_extra
 [[route]]
 methods = ["POST"]
 path = "/storm/*"
 EOF
-  "$bin" serve --config "$work/$name.toml" >"$work/$name.log" 2>&1 &
+  IDEMGATE_STORE_ENCRYPTION_KEYS="${IG_KEYS:-}" "$bin" serve --config "$work/$name.toml" >"$work/$name.log" 2>&1 &
   IG_PID=$!
   pids+=("$IG_PID")
   for _ in $(seq 100); do
@@ -335,6 +337,20 @@ run "fresh keys, sqlite (synchronous = full)" "$sqlite" fresh "$CONNS" "$sqlite_
 run "one key replayed, sqlite" "$sqlite" one "$CONNS" "$sqlite_pid"
 run "100 keys, sqlite" "$sqlite" 100 "$CONNS" "$sqlite_pid"
 run "duplicate storm, sqlite" "$sqlite" storm "$STORM_CONNS" "$sqlite_pid" /storm/sqlite
+# The replay vault's costs, on SQLite beside the rows above: responses
+# sealed at rest (AES-256-GCM), and a replay_check before each replay (a
+# GET to the same nginx upstream, which answers 201).
+if wanted "sealed at rest" || wanted "replay_check"; then
+  IG_KEYS="bench:$(head -c 32 /dev/urandom | base64)" start_idemgate sealed sqlite "path = \"$work/sealed.db\"
+synchronous = \"full\""
+  run "fresh keys, sqlite, sealed at rest" "http://127.0.0.1:$IG_PORT" fresh "$CONNS" "$IG_PID"
+  run "one key replayed, sqlite, sealed at rest" "http://127.0.0.1:$IG_PORT" one "$CONNS" "$IG_PID"
+  kill "$IG_PID" 2>/dev/null || true
+  start_idemgate checked sqlite "path = \"$work/checked.db\"
+synchronous = \"full\"" "" 'replay_check = { path = "/v1/session" }'
+  run "one key replayed, sqlite, replay_check" "http://127.0.0.1:$IG_PORT" one "$CONNS" "$IG_PID"
+  kill "$IG_PID" 2>/dev/null || true
+fi
 
 # Start the PostgreSQL rows from a quiet server: flush whatever an earlier
 # run (or the 1M-row load below) left for the checkpointer.
