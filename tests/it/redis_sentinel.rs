@@ -11,10 +11,13 @@
 //! The promotion and fast-path-back times it prints are the figures in
 //! docs/deploy.md ("Failover").
 
+use crate::support::fast_path::{
+    config_on_postgres, delete_key, epoch_of, executions, fast_path_hits,
+};
 use crate::support::process::run_to_completion;
 use crate::support::redis_sentinel::{Auth, SentinelSet, MASTER_NAME};
 use crate::support::services::{database_url, require_postgres, TestSchema};
-use crate::support::{metric_value, Route, ServeProcess, TestConfig, Upstream, ORDERS};
+use crate::support::{ServeProcess, Upstream, ORDERS};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -35,16 +38,9 @@ async fn serve(
     env: &[(&str, &str)],
 ) -> ServeProcess {
     let (listen, admin) = (crate::support::free_port(), crate::support::free_port());
-    TestConfig::new(up.addr)
-        .listen(listen, admin)
-        .route(Route::post(ORDERS))
-        .set("store.backend", "postgres")
-        .set("store.url", database_url())
-        .set("store.schema", schema.schema.as_str())
-        .set("store.pool_size", 4)
+    config_on_postgres(up.addr, listen, admin, schema)
         .set("redis.sentinels", set.sentinel_addrs())
         .set("redis.sentinel_master", MASTER_NAME)
-        .set("redis.prefix", schema.prefix.as_str())
         .set("redis.timeout", "1s")
         .write(config);
     let env: Vec<(&str, &str)> = [("RUST_LOG", "info")]
@@ -52,22 +48,6 @@ async fn serve(
         .chain(env.iter().copied())
         .collect();
     ServeProcess::start(config, listen, admin, &env).await
-}
-
-fn hits(metrics: &str) -> u64 {
-    metric_value(metrics, "idemgate_redis_fast_path_hits_total")
-}
-
-async fn fast_path_hits(serve: &ServeProcess) -> u64 {
-    hits(&serve.admin_get("/metrics").send().await.text())
-}
-
-/// How many times the upstream ran `key`.
-fn executions(up: &Upstream, key: &str) -> usize {
-    up.seen()
-        .iter()
-        .filter(|s| s.headers.get("idempotency-key").is_some_and(|v| v == key))
-        .count()
 }
 
 /// The one name under `prefix` on `port` that is not in `known`.
@@ -78,14 +58,6 @@ fn new_name(set: &SentinelSet, port: u16, prefix: &str, known: &[String]) -> Opt
         .filter(|n| !known.contains(n))
         .collect();
     (names.len() == 1).then(|| names[0].clone())
-}
-
-/// The epoch in `{prefix}:{epoch}:{scope}:{key}`.
-fn epoch_of<'n>(name: &'n str, prefix: &str) -> &'n str {
-    name[prefix.len() + 1..]
-        .split(':')
-        .next()
-        .expect("an epoch")
 }
 
 /// Sends `key` twice at once, then retries whatever was not a replay or the
@@ -199,19 +171,7 @@ async fn failover_under_traffic() {
     })
     .await;
     let deleted_copy = set.get(first_master, &deleted_name).expect("the copy");
-    let out = run_to_completion(
-        &[
-            "keys",
-            "-c",
-            config.to_str().unwrap(),
-            "delete",
-            "--anonymous",
-            "deleted",
-        ],
-        &[],
-    )
-    .await;
-    assert_eq!(out.code, 0, "{}{}", out.stdout, out.stderr);
+    delete_key(&config, "deleted").await;
     assert_eq!(set.get(first_master, &deleted_name), None);
 
     // 3. Traffic, two workers of new keys; the master dies under it.
