@@ -62,6 +62,20 @@ async fn failover_behind_the_endpoint() {
     require_postgres(&database_url()).await;
     let mut master = PrivateRedis::start();
     let replica = PrivateRedis::start();
+    // No RDB file in the working directory: the master streams its full
+    // sync, and the replica loads it without writing it out.
+    for (server, name, value) in [
+        (&master, "repl-diskless-sync", "yes"),
+        (&master, "repl-diskless-sync-delay", "0"),
+        (&replica, "repl-diskless-load", "on-empty-db"),
+    ] {
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg(name)
+            .arg(value)
+            .query(&mut sync_conn(server))
+            .expect("CONFIG SET");
+    }
     let _: () = redis::cmd("REPLICAOF")
         .arg("127.0.0.1")
         .arg(master.addr().port())
