@@ -805,8 +805,7 @@ async fn failover_run(replication: Replication, name: &'static str) -> (Report, 
     // The primary's WAL sender, not the standby's receiver: what a stopped
     // receiver had not read yet still waits in its socket, and would reach
     // the standby after all.
-    let sender = primary.query("SELECT pid FROM pg_stat_replication");
-    signal(&sender, "-STOP");
+    primary.signal_wal_sender("-STOP");
     tokio::time::sleep(STANDBY_HELD_BACK).await;
     let lag: i64 = primary
         .query(
@@ -827,14 +826,6 @@ async fn failover_run(replication: Replication, name: &'static str) -> (Report, 
     .await;
     println!("standby {lag} bytes of WAL behind at the crash");
     (report, lag)
-}
-
-fn signal(pid: &str, sig: &str) {
-    let ok = std::process::Command::new("kill")
-        .args([sig, pid])
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(ok, "kill {sig} {pid}");
 }
 
 /// Issue 20 (a) and (c): a failover to a synchronous standby, on a server
