@@ -35,18 +35,19 @@
 //! [`BACKOFF`] and the inner store answers alone, then it probes again, so
 //! Redis coming back needs no restart.
 //!
-//! Key names are `{prefix}:{hex(scope)}:{hex(key)}` (under Sentinel
-//! `{prefix}:{epoch}:{hex(scope)}:{hex(key)}`): digests only, never a raw
+//! Key names are `{prefix}:{epoch}:{hex(scope)}:{hex(key)}` (in a Redis
+//! Cluster `{prefix}:{hex(scope)}:{hex(key)}`): digests only, never a raw
 //! credential or idempotency key.
 //!
-//! **After a failover** the new master may hold copies the old one had
-//! replaced or deleted (replication is asynchronous). Under Sentinel the
-//! fast path never reads them: key names carry the epoch of the master
-//! they were written to (`sentinel.rs`), and every operation pins one
-//! master and its names ([`RedisConn::pin`]). A stale lock copy elsewhere
-//! (one node behind a managed endpoint, a cluster shard) is confirmed with
-//! the inner store as above; a stale record copy there can replay until
-//! it expires (see docs/book/src/deploy.md, "Redis failover").
+//! **After a failover or a restart** the master may hold copies the old
+//! one had replaced or deleted (replication is asynchronous), or none.
+//! On one node (`redis.url`, a server or a managed primary endpoint) and
+//! under Sentinel the fast path never reads them: key names carry the
+//! epoch of the master they were written to (`master.rs`), and every
+//! operation pins one master and its names ([`RedisConn::pin`]). A stale
+//! lock copy on a cluster shard is confirmed with the inner store as
+//! above; a stale record copy there can replay until it expires (see
+//! docs/book/src/deploy.md, "Redis failover").
 //!
 //! Redis is reached through [`RedisConn`] (`conn.rs`): one node, a Redis
 //! Cluster (`redis.cluster`) or the master Redis Sentinel names
@@ -57,6 +58,7 @@
 //! the stale copies and their healer are `stale.rs`.
 
 mod conn;
+mod master;
 mod scripts;
 mod sentinel;
 mod stale;
@@ -248,10 +250,11 @@ impl RedisFastPath {
         self.counters.clone()
     }
 
-    /// The Redis key for `key` (for tests and operators), as one node or a
-    /// cluster names it; under Sentinel the name sent carries the master's
-    /// epoch after the prefix (`Pinned::name` in `conn.rs`). The stale set keeps
-    /// these names, whatever the epoch.
+    /// The base name of `key`'s Redis copy (for tests and operators), as a
+    /// cluster names it; on one node and under Sentinel the name sent
+    /// carries the master's epoch after the prefix (`Pinned::name` in
+    /// `conn.rs`, [`Self::redis_name`]). The stale set keeps these names,
+    /// whatever the epoch.
     pub fn redis_key(&self, key: &RecordKey) -> String {
         format!(
             "{}:{}:{}",
@@ -259,6 +262,17 @@ impl RedisFastPath {
             hex::encode(key.scope.0),
             hex::encode(key.key)
         )
+    }
+
+    /// The name `key`'s copy has on the Redis the fast path talks to now
+    /// (with the master's epoch, if the names carry one), connecting if
+    /// need be: for tests and operators.
+    pub async fn redis_name(&self, key: &RecordKey) -> Result<String, StoreError> {
+        let pinned = tokio::time::timeout(self.timeout * 4, self.conn.pin_waiting())
+            .await
+            .map_err(|_| StoreError::caused("redis", "no master answered in time"))?
+            .map_err(|err| StoreError::caused("redis", err))?;
+        Ok(pinned.name(&self.redis_key(key), &self.prefix))
     }
 
     /// Runs one Redis call under the timeout. `None` means "no answer":
@@ -316,27 +330,32 @@ impl RedisFastPath {
         !down
     }
 
-    /// Where `key`'s copy is for one operation, if Redis can be asked now
-    /// (`None` while Sentinel knows no master: counted as an error).
-    fn target(&self, key: &RecordKey) -> Option<Target> {
+    /// Where `key`'s copy is for one operation, if Redis can be asked now.
+    /// One node with no connection (at start-up, or after the backoff that
+    /// followed a lost one) connects in line, under the timeout and with
+    /// the backoff of any Redis call, as a connection manager would;
+    /// Sentinel does not wait for its lookup (`None`: counted as an error).
+    async fn target(&self, key: &RecordKey) -> Option<Target> {
         let base = self.redis_key(key);
-        match self.conn.pin() {
-            Some(pinned) => Some(Target {
-                name: pinned.name(&base, &self.prefix),
-                conn: pinned.conn,
-                base,
-            }),
+        let pinned = match self.conn.pin() {
+            Some(pinned) => pinned,
+            None if self.conn.connects_in_line() => self.run(self.conn.pin_waiting()).await?,
             None => {
                 self.counters.errors.fetch_add(1, Ordering::Relaxed);
-                None
+                return None;
             }
-        }
+        };
+        Some(Target {
+            name: pinned.name(&base, &self.prefix),
+            conn: pinned.conn,
+            base,
+        })
     }
 
     /// [`Self::target`] unless in [`BACKOFF`].
-    fn target_if_enabled(&self, key: &RecordKey) -> Option<Target> {
+    async fn target_if_enabled(&self, key: &RecordKey) -> Option<Target> {
         if self.enabled() {
-            self.target(key)
+            self.target(key).await
         } else {
             None
         }
@@ -476,8 +495,18 @@ impl RedisFastPath {
     /// told, so the operator knows a replica could still answer from it.
     async fn drop_copy(&self, key: &RecordKey) -> Result<(), StoreError> {
         let base = self.redis_key(key);
+        // The name the operator must `DEL` if this fails: with the epoch of
+        // the master known now (a copy under another master's is never
+        // read), the base name if none is.
+        let known = self.conn.pin();
+        let name = known
+            .as_ref()
+            .map_or_else(|| base.clone(), |p| p.name(&base, &self.prefix));
         let removed = tokio::time::timeout(self.timeout, async {
-            let pinned = self.conn.pin_waiting().await?;
+            let pinned = match known {
+                Some(pinned) => pinned,
+                None => self.conn.pin_waiting().await?,
+            };
             let cmd = redis::cmd("DEL")
                 .arg(pinned.name(&base, &self.prefix))
                 .to_owned();
@@ -489,7 +518,7 @@ impl RedisFastPath {
             Ok(Err(err)) => err.into(),
             Err(_) => "redis did not answer in time".into(),
         };
-        Err(StoreError::StaleCopy { name: base, source })
+        Err(StoreError::StaleCopy { name, source })
     }
 
     /// Answers a claim from what Redis holds, if it can: a completed or
@@ -523,7 +552,7 @@ impl Store for RedisFastPath {
         if !self.enabled() || !self.trusted(&base) {
             return self.claim_bypassing(&base, claim).await;
         }
-        let Some(at) = self.target(&claim.key) else {
+        let Some(at) = self.target(&claim.key).await else {
             return self.claim_bypassing(&base, claim).await;
         };
         let locked = match self.lock_or_peek(&at, claim).await {
@@ -570,7 +599,7 @@ impl Store for RedisFastPath {
         lease: Span,
     ) -> Result<Fence, StoreError> {
         let fence = self.inner.renew(key, token, lease).await?;
-        match (self.target_if_enabled(key), fence) {
+        match (self.target_if_enabled(key).await, fence) {
             (Some(at), Fence::Held) => {
                 let mut inv = self.scripts.extend.prepare_invoke();
                 inv.key(&at.name).arg(&token.0[..]).arg(lease.ms.max(1));
@@ -594,7 +623,7 @@ impl Store for RedisFastPath {
     ) -> Result<Fence, StoreError> {
         // The inner store records it first: Redis never knows more than it.
         let fence = self.inner.complete(key, token, completion, keep).await?;
-        let Some(at) = self.target_if_enabled(key) else {
+        let Some(at) = self.target_if_enabled(key).await else {
             // Redis may hold anything older; it must not answer this key
             // until that is gone.
             let base = self.redis_key(key);
@@ -639,7 +668,7 @@ impl Store for RedisFastPath {
 
     async fn release(&self, key: &RecordKey, token: &LeaseToken) -> Result<Fence, StoreError> {
         let fence = self.inner.release(key, token).await?;
-        match self.target_if_enabled(key) {
+        match self.target_if_enabled(key).await {
             Some(at) => self.unlock(&at, token).await,
             None => self.unlock_in_background(self.redis_key(key), *token),
         }

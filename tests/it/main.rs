@@ -33,6 +33,7 @@ mod properties;
 mod read_buffers;
 mod readiness;
 mod redis_cluster;
+mod redis_endpoint_failover;
 mod redis_sentinel;
 mod redis_tls;
 mod regressions;

@@ -4,7 +4,9 @@
 //! promotion by itself (every host is tried for one that accepts writes),
 //! never claims on a standby, says whether the primary has a synchronous
 //! standby, and with `store.require_synchronous_replication` refuses to
-//! claim while it has none.
+//! claim while it has none; on a server whose default is
+//! `synchronous_commit = local`, its commits still wait for the
+//! synchronous standby.
 
 use crate::support::pg_cluster::PgCluster;
 use crate::support::services::unique_schema;
@@ -214,4 +216,79 @@ async fn a_standby_alone_is_never_claimed_on() {
         out.contains("replication: no synchronous standby (synchronous_standby_names is empty; 1 asynchronous standby(s))"),
         "{out}"
     );
+}
+
+/// Issue 20 (c), directly: a primary whose own default is
+/// `synchronous_commit = local`, with a synchronous standby whose WAL
+/// stream is held (the primary's WAL sender SIGSTOPped). A session on the
+/// server's default commits without the standby (what a failover would
+/// lose); idemgate's sessions run `on` and wait for it: the claim's commit
+/// waits on `SyncRep`, the request gets 503 and nothing reaches the
+/// upstream. Once the stream resumes, requests are stored again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_local_default_server_idemgate_commits_wait_for_the_synchronous_standby() {
+    let primary = PgCluster::private("synchronous_commit = local\n");
+    let _standby = primary.standby("synchronous_standby_names = ''\n");
+    primary.psql(MAKE_SYNC);
+    primary.psql("SELECT pg_reload_conf()");
+    primary.wait_for_value(SYNC_STANDBY_COUNT, "1");
+    let up = Upstream::start().await;
+    let (serve, _dir) = serve(config(up.addr, &hosts_url(&[primary.port]), false)).await;
+    let serve = std::sync::Arc::new(serve);
+    let before = order(&serve, "before").await;
+    assert_eq!(before.status(), 201, "{}", before.text());
+
+    primary.signal_wal_sender("-STOP");
+    // The server's default does not wait for the held standby.
+    let started = Instant::now();
+    tokio::task::block_in_place(|| primary.psql("CREATE TABLE committed_locally (x int)"));
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "a local commit waited {:?}",
+        started.elapsed()
+    );
+
+    // idemgate's claim does.
+    let held = {
+        let serve = serve.clone();
+        tokio::spawn(async move { order(&serve, "held").await })
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let waiting = tokio::task::block_in_place(|| {
+            primary.query("SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'")
+        });
+        if waiting != "0" {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no idemgate session waited for the synchronous standby"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let held = held.await.expect("request task");
+    primary.signal_wal_sender("-CONT");
+    assert_eq!(held.status(), 503, "{}", held.text());
+    assert_eq!(
+        hits_of_key(&up, "held"),
+        0,
+        "forwarded before it was claimed"
+    );
+
+    // The stream resumes: stored again.
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        let after = order(&serve, "after").await;
+        if after.status() == 201 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not stored again: {}",
+            after.text()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(hits_of_key(&up, "after"), 1);
 }

@@ -4,11 +4,10 @@
 //! `MOVED` never reaches the log, and a node killed during traffic leaves
 //! every request answered right, each key executed once, on PostgreSQL.
 
+use crate::support::fast_path::config_on_postgres;
 use crate::support::redis_cluster::RedisCluster;
 use crate::support::services::{database_url, require_postgres, PrivateRedis, TestSchema};
-use crate::support::{
-    bounded, metric_value, Backend, Proxy, Resp, Route, ServeProcess, TestConfig, Upstream, ORDERS,
-};
+use crate::support::{bounded, metric_value, Backend, Proxy, Resp, ServeProcess, Upstream, ORDERS};
 use std::collections::HashMap;
 
 const BODY: &str = r#"{"item":"book"}"#;
@@ -24,15 +23,8 @@ async fn serve(
 ) -> ServeProcess {
     let (listen, admin) = (crate::support::free_port(), crate::support::free_port());
     let config = dir.join(format!("idemgate-{}.toml", listen.port()));
-    TestConfig::new(up.addr)
-        .listen(listen, admin)
-        .route(Route::post(ORDERS))
-        .set("store.backend", "postgres")
-        .set("store.url", database_url())
-        .set("store.schema", schema.schema.as_str())
-        .set("store.pool_size", 4)
+    config_on_postgres(up.addr, listen, admin, schema)
         .set("redis.url", redis_url)
-        .set("redis.prefix", schema.prefix.as_str())
         .set("redis.cluster", cluster)
         // Generous: a slow first connection must not count as an outage.
         .set("redis.timeout", "2s")

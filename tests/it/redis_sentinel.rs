@@ -6,15 +6,19 @@
 //!   fast path follows it by itself, and every key ran exactly once;
 //! - a copy the promoted replica still holds of a record PostgreSQL has
 //!   deleted (the `DEL` never reached it) is never replayed: key names
-//!   carry the master's epoch.
+//!   carry the master's epoch;
+//! - the same over TLS (`redis.tls`), through a failover.
 //!
 //! The promotion and fast-path-back times it prints are the figures in
 //! docs/book/src/deploy.md ("Failover").
 
+use crate::support::fast_path::{
+    config_on_postgres, delete_key, epoch_of, executions, fast_path_hits,
+};
 use crate::support::process::run_to_completion;
 use crate::support::redis_sentinel::{Auth, SentinelSet, MASTER_NAME};
 use crate::support::services::{database_url, require_postgres, TestSchema};
-use crate::support::{metric_value, Route, ServeProcess, TestConfig, Upstream, ORDERS};
+use crate::support::{ServeProcess, Upstream, ORDERS};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -35,39 +39,19 @@ async fn serve(
     env: &[(&str, &str)],
 ) -> ServeProcess {
     let (listen, admin) = (crate::support::free_port(), crate::support::free_port());
-    TestConfig::new(up.addr)
-        .listen(listen, admin)
-        .route(Route::post(ORDERS))
-        .set("store.backend", "postgres")
-        .set("store.url", database_url())
-        .set("store.schema", schema.schema.as_str())
-        .set("store.pool_size", 4)
+    let mut file = config_on_postgres(up.addr, listen, admin, schema)
         .set("redis.sentinels", set.sentinel_addrs())
         .set("redis.sentinel_master", MASTER_NAME)
-        .set("redis.prefix", schema.prefix.as_str())
-        .set("redis.timeout", "1s")
-        .write(config);
+        .set("redis.timeout", "1s");
+    if let Some(ca) = set.ca_file() {
+        file = file.set("redis.tls", true).set("redis.ca_file", ca);
+    }
+    file.write(config);
     let env: Vec<(&str, &str)> = [("RUST_LOG", "info")]
         .into_iter()
         .chain(env.iter().copied())
         .collect();
     ServeProcess::start(config, listen, admin, &env).await
-}
-
-fn hits(metrics: &str) -> u64 {
-    metric_value(metrics, "idemgate_redis_fast_path_hits_total")
-}
-
-async fn fast_path_hits(serve: &ServeProcess) -> u64 {
-    hits(&serve.admin_get("/metrics").send().await.text())
-}
-
-/// How many times the upstream ran `key`.
-fn executions(up: &Upstream, key: &str) -> usize {
-    up.seen()
-        .iter()
-        .filter(|s| s.headers.get("idempotency-key").is_some_and(|v| v == key))
-        .count()
 }
 
 /// The one name under `prefix` on `port` that is not in `known`.
@@ -78,14 +62,6 @@ fn new_name(set: &SentinelSet, port: u16, prefix: &str, known: &[String]) -> Opt
         .filter(|n| !known.contains(n))
         .collect();
     (names.len() == 1).then(|| names[0].clone())
-}
-
-/// The epoch in `{prefix}:{epoch}:{scope}:{key}`.
-fn epoch_of<'n>(name: &'n str, prefix: &str) -> &'n str {
-    name[prefix.len() + 1..]
-        .split(':')
-        .next()
-        .expect("an epoch")
 }
 
 /// Sends `key` twice at once, then retries whatever was not a replay or the
@@ -199,19 +175,7 @@ async fn failover_under_traffic() {
     })
     .await;
     let deleted_copy = set.get(first_master, &deleted_name).expect("the copy");
-    let out = run_to_completion(
-        &[
-            "keys",
-            "-c",
-            config.to_str().unwrap(),
-            "delete",
-            "--anonymous",
-            "deleted",
-        ],
-        &[],
-    )
-    .await;
-    assert_eq!(out.code, 0, "{}{}", out.stdout, out.stderr);
+    delete_key(&config, "deleted").await;
     assert_eq!(set.get(first_master, &deleted_name), None);
 
     // 3. Traffic, two workers of new keys; the master dies under it.
@@ -338,6 +302,58 @@ async fn sentinel_and_master_passwords_come_from_the_environment() {
     let log = serve.log();
     assert!(
         !log.contains(&auth.master) && !log.contains(&auth.sentinel),
+        "{log}"
+    );
+}
+
+/// `redis.tls = true`: the sentinels and the master speak TLS only
+/// (`tls-replication` between them too), with a private CA in
+/// `redis.ca_file`. The fast path serves through them, and follows a
+/// failover (the master SIGKILLed, the replica promoted) by itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinel_over_tls_serves_and_follows_a_failover() {
+    tokio::time::timeout(WHOLE, sentinel_over_tls())
+        .await
+        .expect("the TLS sentinel test finished in time");
+}
+
+async fn sentinel_over_tls() {
+    require_postgres(&database_url()).await;
+    let mut set = tokio::task::spawn_blocking(SentinelSet::start_tls)
+        .await
+        .expect("start the TLS sentinel set");
+    let up = Upstream::start().await;
+    let schema = TestSchema::new();
+    let dir = tempfile::TempDir::new().expect("tempdir");
+    let config = dir.path().join("idemgate.toml");
+    let serve = serve(&up, &schema, &set, &config, &[]).await;
+    let replayed_from_redis = |key: &'static str, above: u64| {
+        let serve = &serve;
+        crate::support::wait_for("a replay from the fast path", move || async move {
+            let r = serve.post(ORDERS).key(key).body(BODY).send().await;
+            assert_eq!(r.status(), 201, "{}", r.text());
+            (r.replayed() && fast_path_hits(serve).await > above).then_some(())
+        })
+    };
+    replayed_from_redis("tls-1", 0).await;
+    let check = run_to_completion(
+        &["check-config", "--connect", "-c", config.to_str().unwrap()],
+        &[],
+    )
+    .await;
+    assert_eq!(check.code, 0, "{}{}", check.stdout, check.stderr);
+
+    let old = set.kill_master();
+    tokio::task::block_in_place(|| set.wait_promoted(old));
+    let hits = fast_path_hits(&serve).await;
+    replayed_from_redis("tls-2", hits).await;
+    assert_eq!(executions(&up, "tls-1"), 1);
+    assert_eq!(executions(&up, "tls-2"), 1);
+    let log = serve.log();
+    assert!(
+        log.matches("redis sentinel: connected to the master")
+            .count()
+            >= 2,
         "{log}"
     );
 }

@@ -5,6 +5,7 @@
 //! missing client certificate are each named by their cause (in `/readyz`
 //! and the log) while PostgreSQL answers alone; `valkeys://` is an alias.
 
+use crate::support::fast_path::config_on_postgres;
 use crate::support::redis_tls::{ClientAuth, TlsRedis, SERVER_NAME};
 use crate::support::services::{database_url, require_postgres, PrivateRedis, TestSchema};
 use crate::support::{
@@ -155,15 +156,8 @@ async fn serve_starts_on_tls_redis_and_logs_an_untrusted_certificate_once() {
     let dir = tempfile::TempDir::new().expect("tempdir");
     let (listen, admin) = (crate::support::free_port(), crate::support::free_port());
     let config = dir.path().join("idemgate.toml");
-    TestConfig::new(up.addr)
-        .listen(listen, admin)
-        .route(Route::post(ORDERS))
-        .set("store.backend", "postgres")
-        .set("store.url", database_url())
-        .set("store.schema", schema.schema.as_str())
-        .set("store.pool_size", 4)
+    config_on_postgres(up.addr, listen, admin, &schema)
         .set("redis.url", redis.url())
-        .set("redis.prefix", schema.prefix.as_str())
         .set("redis.ca_file", redis.pki.other_ca())
         .write(&config);
     let serve = ServeProcess::start(&config, listen, admin, &[]).await;

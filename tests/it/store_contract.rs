@@ -771,7 +771,7 @@ async fn redis_answers_completed_keys_and_postgres_answers_the_rest() {
     let client = redis::Client::open(url.as_str()).unwrap();
     let mut conn = client.get_multiplexed_async_connection().await.unwrap();
     let _: i64 = redis::cmd("DEL")
-        .arg(fast.redis_key(&c.key))
+        .arg(fast.redis_name(&c.key).await.unwrap())
         .query_async(&mut conn)
         .await
         .unwrap();
@@ -799,6 +799,10 @@ async fn redis_answers_completed_keys_and_postgres_answers_the_rest() {
     let name = fast.redis_key(&c.key);
     assert!(name.starts_with(&format!("{schema}:")));
     assert_eq!(name.len(), schema.len() + 1 + 64 + 1 + 64);
+    // On the node, with the master's epoch (32 characters) after the prefix.
+    let live = fast.redis_name(&c.key).await.unwrap();
+    assert_eq!(live.len(), name.len() + 32 + 1, "{live}");
+    assert!(live.ends_with(&name[schema.len()..]), "{live}");
     assert_eq!(snapshot(&counters).2, 0);
     drop_schema(&database_url(), &schema).await;
 }
@@ -844,11 +848,12 @@ async fn redis_never_replays_what_postgres_no_longer_holds() {
     assert_eq!(body_of(&cached), "first execution");
     assert_eq!(snapshot(&counters).0, hits + 1, "served from Redis");
 
+    let live_name = fast.redis_name(&c.key).await.unwrap();
     redis.pause();
     let deleted = fast.delete(&c.key).await;
     assert!(
-        matches!(&deleted, Err(StoreError::StaleCopy { .. })),
-        "a delete Redis did not hear of must not report success: {deleted:?}"
+        matches!(&deleted, Err(StoreError::StaleCopy { name, .. }) if *name == live_name),
+        "a delete Redis did not hear of must not report success, and must name the key to DEL ({live_name}): {deleted:?}"
     );
     assert_eq!(pg.get(&c.key).await.unwrap(), None, "deleted in PostgreSQL");
     // The retry runs again, decided by PostgreSQL alone.

@@ -28,6 +28,7 @@ pub mod checker;
 pub mod client;
 pub mod cluster;
 pub mod config;
+pub mod fast_path;
 pub mod h2_refusing;
 pub mod h2_upstream;
 #[cfg(feature = "otel")]

@@ -1,6 +1,9 @@
 //! One connection handle over a single Redis node, a Redis Cluster or the
 //! master Redis Sentinel names (`sentinel.rs`), so the fast path sends the
-//! same commands to each.
+//! same commands to each. One node and Sentinel are followed by
+//! `master.rs` (reconnecting after a restart, a failover behind the same
+//! address, a promotion), and their key names carry the master's epoch;
+//! a cluster's do not (see below).
 //!
 //! Cluster mode needs no hash tags: every fast-path command and Lua script
 //! touches exactly one key (`{prefix}:{scope}:{key}`: `SET`, `GET`+`PTTL`
@@ -10,23 +13,22 @@
 //! healer's `DEL` of stale copies, is split per slot by the cluster
 //! client. `MOVED` and `ASK` are followed inside the client (it refreshes
 //! its slot map), so they never reach the fast path or its log.
+//!
+//! A cluster's key names carry no epoch: each shard fails over on its
+//! own, and an epoch would have to be read per shard and kept per slot
+//! by a client that hides which node answered. So a shard's promoted
+//! replica can still replay a record copy PostgreSQL deleted just before
+//! the failover (docs/book/src/deploy.md, "Redis failover").
 
-use super::sentinel::{Following, Sentinel};
-use super::tls;
+use super::master::{Follower, Following, Source};
+use super::{sentinel, tls};
 use crate::config::RedisConfig;
 use crate::store::StoreError;
-use redis::aio::{
-    ConnectionLike, ConnectionManager, ConnectionManagerConfig, MultiplexedConnection,
-};
+use redis::aio::{ConnectionLike, MultiplexedConnection};
 use redis::cluster::{ClusterClientBuilder, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisError, RedisFuture, Value};
 use std::sync::Arc;
-use std::time::Duration;
-
-/// Reconnect attempts per failed connection inside the connection manager;
-/// further attempts happen on later calls, after the fast path's backoff.
-const RECONNECT_RETRIES: usize = 1;
 
 /// Retries of one cluster request (a redirect during resharding, a
 /// `TRYAGAIN` during failover) before it fails; `redis.timeout` bounds
@@ -36,19 +38,21 @@ const CLUSTER_RETRIES: u32 = 2;
 /// A connection to the configured Redis: clones share the connection(s).
 #[derive(Clone)]
 pub(crate) enum RedisConn {
-    /// One node (`cluster = false`), reconnecting by itself.
-    Node(ConnectionManager),
+    /// One node (`url`, `cluster = false`): whichever server answers at
+    /// that address now.
+    Node(Following),
     /// A Redis Cluster (`cluster = true`), routing each key to its node.
     Cluster(ClusterConnection),
     /// Redis Sentinel (`sentinels`): whichever master is current.
     Sentinel(Following),
-    /// One master Sentinel named, pinned for the commands of one operation
-    /// whose key names carry its epoch (see [`RedisConn::pin`]).
+    /// One master (of `Node` or `Sentinel`), pinned for the commands of
+    /// one operation whose key names carry its epoch (see
+    /// [`RedisConn::pin`]).
     Master(MultiplexedConnection),
 }
 
 /// The connection for one operation's commands and the epoch its key names
-/// carry (`None`: names carry none, one node or a cluster).
+/// carry (`None`: names carry none, a cluster).
 pub(crate) struct Pinned {
     pub(crate) conn: RedisConn,
     pub(crate) epoch: Option<Arc<str>>,
@@ -62,9 +66,9 @@ impl RedisConn {
         tls::install_crypto_provider();
         let certs = tls::certificates(cfg)?;
         if let Some(sentinel) = &cfg.sentinel {
-            let client = Sentinel::new(cfg, sentinel, certs)
+            let follower = sentinel::follower(cfg, sentinel, certs)
                 .map_err(|err| StoreError::caused("invalid redis.sentinels", err))?;
-            return Ok(Self::Sentinel(Following(Arc::new(client))));
+            return Ok(Self::Sentinel(Following(Arc::new(follower))));
         }
         let url = cfg.client_url();
         // redis-rs parse errors do not echo the URL, so no password leaks.
@@ -92,34 +96,29 @@ impl RedisConn {
                 None => redis::Client::open(url.as_str()),
             }
             .map_err(invalid)?;
-            let config = ConnectionManagerConfig::new()
-                .set_response_timeout(Some(cfg.timeout))
-                .set_connection_timeout(Some(cfg.timeout))
-                .set_number_of_retries(RECONNECT_RETRIES)
-                .set_min_delay(Duration::from_millis(50))
-                .set_max_delay(Duration::from_millis(500));
-            let conn = ConnectionManager::new_lazy_with_config(client, config)
-                .map_err(|err| StoreError::caused("redis connection manager", err))?;
-            Ok(Self::Node(conn))
+            // Connect, then ask twice (INFO server, INFO replication).
+            let bound = cfg.timeout * 3;
+            let follower = Follower::new(Source::Node(client), cfg.timeout, bound);
+            Ok(Self::Node(Following(Arc::new(follower))))
         }
     }
 
     /// For logs.
     pub(crate) fn kind(&self) -> &'static str {
         match self {
-            Self::Node(_) => "redis",
+            Self::Node(Following(f)) | Self::Sentinel(Following(f)) => f.kind(),
             Self::Cluster(_) => "redis cluster",
-            Self::Sentinel(_) | Self::Master(_) => "redis sentinel",
+            Self::Master(_) => "redis master",
         }
     }
 
     /// The connection for one operation: every command whose key name
     /// carries an epoch must go to the master of that epoch, never to the
     /// next one (which may hold older copies under the same name). `None`
-    /// while Sentinel knows no master (a lookup is under way).
+    /// while no master is known (an attempt is under way).
     pub(crate) fn pin(&self) -> Option<Pinned> {
         match self {
-            Self::Sentinel(Following(sentinel)) => sentinel.pin().map(|m| Pinned {
+            Self::Node(Following(f)) | Self::Sentinel(Following(f)) => f.pin().map(|m| Pinned {
                 conn: Self::Master(m.conn),
                 epoch: Some(m.epoch),
             }),
@@ -130,14 +129,16 @@ impl RedisConn {
         }
     }
 
-    /// As [`RedisConn::pin`], waiting for Sentinel to name a master (for
+    /// As [`RedisConn::pin`], waiting for a master to answer (for
     /// background work: the healer, unlocks left to a task).
     pub(crate) async fn pin_waiting(&self) -> redis::RedisResult<Pinned> {
         match self {
-            Self::Sentinel(Following(sentinel)) => sentinel.master().await.map(|m| Pinned {
-                conn: Self::Master(m.conn),
-                epoch: Some(m.epoch),
-            }),
+            Self::Node(Following(f)) | Self::Sentinel(Following(f)) => {
+                f.master().await.map(|m| Pinned {
+                    conn: Self::Master(m.conn),
+                    epoch: Some(m.epoch),
+                })
+            }
             other => Ok(Pinned {
                 conn: other.clone(),
                 epoch: None,
@@ -145,12 +146,20 @@ impl RedisConn {
         }
     }
 
-    /// The fast path failed to reach Redis: with Sentinel, forget the
-    /// master so the next use asks the sentinels again (after a failover
-    /// they name another). One node and a cluster reconnect by themselves.
+    /// Whether an operation that finds no master known connects in line
+    /// ([`RedisConn::pin_waiting`]) rather than going on without Redis:
+    /// one node (a connect to one address, bounded by `redis.timeout`), not
+    /// Sentinel (a lookup may ask every sentinel in turn).
+    pub(crate) fn connects_in_line(&self) -> bool {
+        matches!(self, Self::Node(_))
+    }
+
+    /// The fast path failed to reach Redis: forget the master so the next
+    /// use connects again (and reads the epoch of whichever server answers
+    /// then). A cluster reconnects by itself.
     pub(crate) fn lost(&self) {
-        if let Self::Sentinel(Following(sentinel)) = self {
-            sentinel.lost();
+        if let Self::Node(Following(f)) | Self::Sentinel(Following(f)) = self {
+            f.lost();
         }
     }
 }

@@ -300,6 +300,37 @@ impl Checker<'_> {
         }
     }
 
+    /// A 409 ("in flight") for a key that was already completed: some
+    /// request of the same scope and key had ended with a replay (which
+    /// only a completed record gives) before this one started, and no
+    /// execution of the key arrived in between (the record expired and the
+    /// key ran anew). A stale lock copy in Redis must never answer so.
+    fn conflict_after_completion(&mut self, o: &Observation) {
+        let replayed_before = self.t.observations.iter().find(|p| {
+            p.scope == o.scope
+                && p.key == o.key
+                && p.ended < o.started
+                && matches!(&p.seen, Seen::Response(r) if matches!(
+                    read_answer(r),
+                    Answer::Upstream { replayed: true, .. }
+                ))
+        });
+        let Some(p) = replayed_before else { return };
+        let ran_again = self
+            .t
+            .executions
+            .iter()
+            .any(|e| Self::same_key(o, e) && e.arrived > p.ended && e.arrived < o.ended);
+        if !ran_again {
+            let v = format!(
+                "{} got a 409 although {} had replayed the completed key before",
+                self.who(o),
+                self.who(p)
+            );
+            self.violation(v);
+        }
+    }
+
     fn transport(&mut self, o: &Observation, err: &str) {
         let down = self.down_intervals(o.replica);
         let overlapping = down
@@ -501,6 +532,7 @@ impl Checker<'_> {
                     let v = format!("{} got a 409 without Retry-After", self.who(o));
                     self.violation(v);
                 }
+                self.conflict_after_completion(o);
             }
             422 => {
                 self.report.mismatches += 1;

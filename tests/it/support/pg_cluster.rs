@@ -278,6 +278,19 @@ impl PgCluster {
         run_as_postgres(pg_ctl, "pg_ctl promote");
     }
 
+    /// Sends `sig` (`-STOP`, `-CONT`) to this primary's WAL sender: a
+    /// stopped sender holds its standby back (what it had not sent yet
+    /// stays on the primary; a stopped receiver would still find it in its
+    /// socket).
+    pub fn signal_wal_sender(&self, sig: &str) {
+        let pid = self.query("SELECT pid FROM pg_stat_replication");
+        let ok = Command::new("kill")
+            .args([sig, &pid])
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "kill {sig} {pid} (the WAL sender)");
+    }
+
     /// The first column of the first row of `sql`, as text.
     pub fn query(&self, sql: &str) -> String {
         let (uid, gid) = postgres_ids();

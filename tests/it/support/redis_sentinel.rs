@@ -9,7 +9,11 @@
 //! [`SentinelSet::start_with_auth`] sets a password on the master and the
 //! replica (`requirepass`, `masterauth`, `sentinel auth-pass`) and another
 //! on the sentinels (`requirepass`, `sentinel sentinel-pass`).
+//! [`SentinelSet::start_tls`] runs every server and sentinel on TLS only
+//! (`tls-port`, `port 0`, `tls-replication yes`), with a certificate for
+//! `localhost` and `127.0.0.1` (Sentinel names masters by address).
 
+use super::redis_tls::{TestPki, SERVER_NAME};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -35,34 +39,62 @@ pub struct SentinelSet {
     /// `[0]` the first master, `[1]` its replica.
     servers: Vec<Server>,
     auth: Option<Auth>,
+    /// Under [`SentinelSet::start_tls`]: the certificates.
+    tls: Option<TestPki>,
     sentinels: Vec<Server>,
     dir: tempfile::TempDir,
 }
 
 impl SentinelSet {
     pub fn start() -> Self {
-        Self::start_auth(None)
+        Self::start_auth(None, None)
     }
 
     pub fn start_with_auth(auth: Auth) -> Self {
-        Self::start_auth(Some(auth))
+        Self::start_auth(Some(auth), None)
     }
 
-    fn start_auth(auth: Option<Auth>) -> Self {
+    pub fn start_tls() -> Self {
+        Self::start_auth(
+            None,
+            Some(TestPki::generate_for(&[SERVER_NAME, "127.0.0.1"])),
+        )
+    }
+
+    /// Under [`SentinelSet::start_tls`], the CA file that signed every
+    /// server's certificate.
+    pub fn ca_file(&self) -> Option<String> {
+        self.tls.as_ref().map(TestPki::ca)
+    }
+
+    fn start_auth(auth: Option<Auth>, tls: Option<TestPki>) -> Self {
         let dir = tempfile::TempDir::new().expect("tempdir");
         let master = super::free_port().port();
         let replica = super::free_port().port();
         let mut set = Self {
             auth: auth.clone(),
+            tls,
             servers: Vec::new(),
             sentinels: Vec::new(),
             dir,
         };
         let pass = auth.as_ref().map(|a| a.master.as_str());
         let dir = set.dir.path().to_path_buf();
-        set.servers.push(spawn_server(&dir, master, None, pass));
+        let pki = set.tls.as_ref();
         set.servers
-            .push(spawn_server(&dir, replica, Some(master), pass));
+            .push(spawn_server(&dir, master, None, pass, pki));
+        set.servers
+            .push(spawn_server(&dir, replica, Some(master), pass, pki));
+        let tls_lines = match pki {
+            Some(pki) => format!(
+                "port 0\ntls-port {{port}}\ntls-cert-file {}\ntls-key-file {}\n\
+                 tls-ca-cert-file {}\ntls-auth-clients no\ntls-replication yes\n",
+                pki.path("server.pem").display(),
+                pki.path("server.key").display(),
+                pki.ca()
+            ),
+            None => "port {port}\n".to_string(),
+        };
         let auth_lines = match &auth {
             Some(a) => format!(
                 "sentinel auth-pass {MASTER_NAME} {}\nrequirepass {}\nsentinel sentinel-pass {}\n",
@@ -76,12 +108,13 @@ impl SentinelSet {
             std::fs::write(
                 &conf,
                 format!(
-                    "port {port}\nbind 127.0.0.1\ndir {dir}\n\
+                    "{ports}bind 127.0.0.1\ndir {dir}\n\
                      sentinel monitor {MASTER_NAME} 127.0.0.1 {master} 2\n\
                      sentinel down-after-milliseconds {MASTER_NAME} 500\n\
                      sentinel failover-timeout {MASTER_NAME} 2000\n\
                      sentinel parallel-syncs {MASTER_NAME} 1\n{auth_lines}",
-                    dir = set.dir.path().display()
+                    dir = set.dir.path().display(),
+                    ports = tls_lines.replace("{port}", &port.to_string()),
                 ),
             )
             .expect("write a sentinel config");
@@ -190,8 +223,9 @@ impl SentinelSet {
     /// Whether the master or a sentinel answers a PING without a password.
     pub fn answers_without_password(&self) -> bool {
         let ping = redis::cmd("PING");
-        query::<String>(self.master_port(), None, &ping).is_ok()
-            || query::<String>(self.sentinels[0].port, None, &ping).is_ok()
+        let tls = self.tls.as_ref();
+        query::<String>(self.master_port(), None, tls, &ping).is_ok()
+            || query::<String>(self.sentinels[0].port, None, tls, &ping).is_ok()
     }
 
     fn query_server<T: redis::FromRedisValue>(
@@ -199,7 +233,8 @@ impl SentinelSet {
         port: u16,
         cmd: &redis::Cmd,
     ) -> redis::RedisResult<T> {
-        query(port, self.auth.as_ref().map(|a| a.master.as_str()), cmd)
+        let password = self.auth.as_ref().map(|a| a.master.as_str());
+        query(port, password, self.tls.as_ref(), cmd)
     }
 
     fn query_sentinel<T: redis::FromRedisValue>(
@@ -207,7 +242,8 @@ impl SentinelSet {
         port: u16,
         cmd: &redis::Cmd,
     ) -> redis::RedisResult<T> {
-        query(port, self.auth.as_ref().map(|a| a.sentinel.as_str()), cmd)
+        let password = self.auth.as_ref().map(|a| a.sentinel.as_str());
+        query(port, password, self.tls.as_ref(), cmd)
     }
 
     /// `role:` from `INFO replication`, `None` if the server does not answer.
@@ -272,10 +308,31 @@ fn spawn_server(
     port: u16,
     replica_of: Option<u16>,
     password: Option<&str>,
+    tls: Option<&TestPki>,
 ) -> Server {
-    let mut args = vec![
-        "--port".to_string(),
-        port.to_string(),
+    let mut args: Vec<String> = match tls {
+        Some(pki) => [
+            "--port",
+            "0",
+            "--tls-port",
+            &port.to_string(),
+            "--tls-cert-file",
+            &pki.path("server.pem").display().to_string(),
+            "--tls-key-file",
+            &pki.path("server.key").display().to_string(),
+            "--tls-ca-cert-file",
+            &pki.ca(),
+            "--tls-auth-clients",
+            "no",
+            "--tls-replication",
+            "yes",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect(),
+        None => vec!["--port".to_string(), port.to_string()],
+    };
+    args.extend([
         "--bind".into(),
         "127.0.0.1".into(),
         "--save".into(),
@@ -285,7 +342,7 @@ fn spawn_server(
         // A replica syncs at once (the default waits 5 s).
         "--repl-diskless-sync-delay".into(),
         "0".into(),
-    ];
+    ]);
     if let Some(pass) = password {
         args.extend([
             "--requirepass".into(),
@@ -309,7 +366,7 @@ fn spawn_server(
         child: Some(child),
     };
     let deadline = Instant::now() + Duration::from_secs(10);
-    while query::<String>(port, password, &redis::cmd("PING")).is_err() {
+    while query::<String>(port, password, tls, &redis::cmd("PING")).is_err() {
         if let Some(Ok(Some(status))) = server.child.as_mut().map(|c| c.try_wait()) {
             panic!("redis-server on port {port} exited: {status}");
         }
@@ -322,14 +379,25 @@ fn spawn_server(
     server
 }
 
-/// One command to `127.0.0.1:port` on a fresh connection (500 ms bounds).
+/// One command to `127.0.0.1:port` on a fresh connection (500 ms bounds),
+/// over TLS trusting `tls`'s CA if given.
 fn query<T: redis::FromRedisValue>(
     port: u16,
     password: Option<&str>,
+    tls: Option<&TestPki>,
     cmd: &redis::Cmd,
 ) -> redis::RedisResult<T> {
     let auth = password.map(|p| format!(":{p}@")).unwrap_or_default();
-    let client = redis::Client::open(format!("redis://{auth}127.0.0.1:{port}"))?;
+    let client = match tls {
+        Some(pki) => redis::Client::build_with_tls(
+            format!("rediss://{auth}127.0.0.1:{port}"),
+            redis::TlsCertificates {
+                client_tls: None,
+                root_cert: Some(std::fs::read(pki.path("ca.pem"))?),
+            },
+        )?,
+        None => redis::Client::open(format!("redis://{auth}127.0.0.1:{port}"))?,
+    };
     let mut conn = client.get_connection_with_timeout(Duration::from_millis(500))?;
     conn.set_read_timeout(Some(Duration::from_millis(500)))?;
     cmd.query(&mut conn)

@@ -24,6 +24,12 @@ pub struct TestPki {
 
 impl TestPki {
     pub fn generate() -> Self {
+        Self::generate_for(&[SERVER_NAME])
+    }
+
+    /// [`TestPki::generate`] with the server certificate valid for `names`
+    /// (host names or IP addresses: Sentinel names masters by address).
+    pub fn generate_for(names: &[&str]) -> Self {
         let dir = tempfile::TempDir::new().expect("tempdir");
         let ca_key = KeyPair::generate().expect("CA key");
         let params = ca_params("idemgate test CA");
@@ -38,7 +44,7 @@ impl TestPki {
         for (name, san, purposes) in [
             (
                 "server",
-                SERVER_NAME,
+                names,
                 vec![
                     ExtendedKeyUsagePurpose::ServerAuth,
                     ExtendedKeyUsagePurpose::ClientAuth,
@@ -46,13 +52,14 @@ impl TestPki {
             ),
             (
                 "client",
-                "idemgate-client",
+                &["idemgate-client"][..],
                 vec![ExtendedKeyUsagePurpose::ClientAuth],
             ),
         ] {
             let key = KeyPair::generate().expect("leaf key");
-            let mut params = CertificateParams::new(vec![san.to_string()]).expect("leaf params");
-            params.distinguished_name.push(DnType::CommonName, san);
+            let sans: Vec<String> = san.iter().map(|n| n.to_string()).collect();
+            let mut params = CertificateParams::new(sans).expect("leaf params");
+            params.distinguished_name.push(DnType::CommonName, san[0]);
             params.use_authority_key_identifier_extension = true;
             params.key_usages.push(KeyUsagePurpose::DigitalSignature);
             params.extended_key_usages = purposes;

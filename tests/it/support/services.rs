@@ -195,6 +195,10 @@ impl PrivateRedis {
         format!("redis://127.0.0.1:{}", self.port)
     }
 
+    pub fn addr(&self) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], self.port))
+    }
+
     /// Kills the server (SIGKILL) and waits for it to exit.
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
@@ -250,10 +254,14 @@ enum RelayState {
 }
 
 /// A TCP relay on 127.0.0.1:0 forwarding to `target`, that can be cut and
-/// restored; stops when dropped (or with its runtime).
+/// restored, or repointed at another target (a managed endpoint moving to
+/// a promoted replica); stops when dropped (or with its runtime).
 pub struct TcpRelay {
     addr: SocketAddr,
     state: Arc<watch::Sender<RelayState>>,
+    /// Where new connections go, and how often that changed: a relayed
+    /// connection ends when it changes.
+    target: Arc<std::sync::Mutex<(SocketAddr, u64)>>,
     accept: JoinHandle<()>,
 }
 
@@ -263,19 +271,21 @@ impl TcpRelay {
         let addr = listener.local_addr().expect("relay address");
         let (tx, _) = watch::channel(RelayState::Open);
         let state = Arc::new(tx);
-        let st = state.clone();
+        let target = Arc::new(std::sync::Mutex::new((target, 0)));
+        let (st, tg) = (state.clone(), target.clone());
         let accept = tokio::spawn(async move {
             loop {
                 let Ok((inbound, _)) = listener.accept().await else {
                     continue;
                 };
                 let rx = st.subscribe();
-                tokio::spawn(relay_one(inbound, target, rx));
+                tokio::spawn(relay_one(inbound, tg.clone(), rx));
             }
         });
         Self {
             addr,
             state,
+            target,
             accept,
         }
     }
@@ -293,6 +303,16 @@ impl TcpRelay {
     pub fn restore(&self) {
         self.state.send_replace(RelayState::Open);
     }
+
+    /// Drops every relayed connection and relays new ones to `target`.
+    pub fn repoint(&self, target: SocketAddr) {
+        {
+            let mut t = self.target.lock().unwrap_or_else(|p| p.into_inner());
+            *t = (target, t.1 + 1);
+        }
+        // Wakes every relayed connection to look at the target again.
+        self.state.send_modify(|_| {});
+    }
 }
 
 impl Drop for TcpRelay {
@@ -304,7 +324,7 @@ impl Drop for TcpRelay {
 
 async fn relay_one(
     mut inbound: TcpStream,
-    target: SocketAddr,
+    target: Arc<std::sync::Mutex<(SocketAddr, u64)>>,
     mut rx: watch::Receiver<RelayState>,
 ) {
     if *rx.borrow_and_update() != RelayState::Open {
@@ -312,12 +332,14 @@ async fn relay_one(
         let _ = rx.wait_for(|s| *s != RelayState::Cut).await;
         return;
     }
-    let Ok(mut outbound) = TcpStream::connect(target).await else {
+    let current = || *target.lock().unwrap_or_else(|p| p.into_inner());
+    let (to, generation) = current();
+    let Ok(mut outbound) = TcpStream::connect(to).await else {
         return;
     };
     tokio::select! {
         _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
-        _ = rx.wait_for(|s| *s != RelayState::Open) => {}
+        _ = rx.wait_for(|s| *s != RelayState::Open || current().1 != generation) => {}
     }
 }
 
