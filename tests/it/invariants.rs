@@ -555,6 +555,7 @@ async fn judge(
         observations: traffic.observations(),
         events,
         upstream_timeout: fault.upstream_timeout(),
+        lease: fault.lease(),
     });
     println!("{report}{}", replay());
     if !report.violations.is_empty() {
@@ -976,6 +977,7 @@ async fn invariants_hold_when_an_h2_upstream_refuses_streams() {
         observations: traffic.observations(),
         events: Vec::new(),
         upstream_timeout: UPSTREAM_TIMEOUT,
+        lease: LEASE,
     });
     println!("{report}{}\n{} streams refused", replay(), relay.refused());
     let unknown = traffic
@@ -1142,6 +1144,7 @@ fn the_checker_reports_each_broken_invariant_and_nothing_else() {
                 observations,
                 events,
                 upstream_timeout: UPSTREAM_TIMEOUT,
+                lease: LEASE,
             })
             .violations
         };
@@ -1177,6 +1180,50 @@ fn the_checker_reports_each_broken_invariant_and_nothing_else() {
                 obs(2, alice, &body_a, 100, resp(&e2, false)),
             ],
             vec![],
+        );
+        assert_eq!(v.len(), usize::from(expected.is_some()), "{v:?}");
+        assert!(expected.is_none_or(|x| v[0].contains(x)), "{v:?}");
+    }
+
+    // A store cut longer than the lease while the first answer waited to be
+    // recorded: the same request may run again after it (documented), not
+    // after a cut shorter than the lease, and never another request.
+    let cut = |from: u64, to: u64| {
+        vec![
+            Event {
+                at: at(from),
+                kind: EventKind::PostgresCut,
+            },
+            Event {
+                at: at(to),
+                kind: EventKind::PostgresRestored,
+            },
+        ]
+    };
+    for (events, body2, expected) in [
+        (cut(50, 50 + 2500), &body_a, None),
+        (
+            cut(50, 50 + 1000),
+            &body_a,
+            Some("executed twice without a release"),
+        ),
+        (
+            cut(50, 50 + 2500),
+            &body_b,
+            Some("taken over by a different request"),
+        ),
+    ] {
+        let (e1, e2) = (
+            exec(1, 1, alice, &body_a, answer(201), 0),
+            exec(2, 2, alice, body2, answer(201), 2600),
+        );
+        let v = verdict(
+            vec![e1.clone(), e2.clone()],
+            vec![
+                obs(1, alice, &body_a, 0, resp(&e1, false)),
+                obs(2, alice, body2, 2600, resp(&e2, false)),
+            ],
+            events,
         );
         assert_eq!(v.len(), usize::from(expected.is_some()), "{v:?}");
         assert!(expected.is_none_or(|x| v[0].contains(x)), "{v:?}");

@@ -9,8 +9,10 @@
 //!    429, reset before its head, or was slower than `upstream_timeout`
 //!    (the proxy gave up before the head); then any request may run under
 //!    the key again, once the release happened. It is *abandoned* when its
-//!    replica was SIGKILLed before its answer was recorded; then only the
-//!    same request may take the key over, after the kill. Anything else
+//!    replica was SIGKILLed before its answer was recorded, or when the
+//!    store was cut for longer than a lease before it could be (the lease
+//!    ran out unrenewed: the documented limit of such an outage); then only
+//!    the same request may take the key over, after the kill or the cut. Anything else
 //!    (a reset mid-body, a stored answer, a SIGTERM with its grace) keeps
 //!    the key.
 //! 2. **Every replay is byte-identical to the original**: the status, body
@@ -71,6 +73,9 @@ pub struct Trace {
     pub observations: Vec<Observation>,
     pub events: Vec<Event>,
     pub upstream_timeout: Duration,
+    /// The routes' lease: a store outage longer than it lets a held key
+    /// be taken over (README/deploy: "an outage longer than `lease`").
+    pub lease: Duration,
 }
 
 /// Counts and violations of one run.
@@ -648,6 +653,27 @@ impl Checker<'_> {
         format!("{own}, {replays} replays")
     }
 
+    /// The earliest a takeover of `e`'s key could happen, when a store cut
+    /// longer than the lease began while `e` ran or before its answer could
+    /// be recorded (answered at most 500 ms before the cut).
+    fn outage_outlived_by(&self, e: &Execution) -> Option<Instant> {
+        let events = &self.t.events;
+        events.iter().enumerate().find_map(|(i, cut)| {
+            if cut.kind != EventKind::PostgresCut {
+                return None;
+            }
+            let restored = events[i..]
+                .iter()
+                .find(|ev| ev.kind == EventKind::PostgresRestored)
+                .map_or(cut.at + Duration::from_secs(3600), |ev| ev.at);
+            let outlived = restored.saturating_duration_since(cut.at) > self.t.lease;
+            let pending = e.arrived < restored
+                && e.answered
+                    .is_none_or(|a| a + Duration::from_millis(500) >= cut.at);
+            (outlived && pending).then_some(cut.at)
+        })
+    }
+
     /// Whether, and from when, `e` let the key run again.
     fn release_of(&self, e: &Execution) -> Option<Release> {
         let own = e.request_id.and_then(|id| self.by_id.get(&id).copied());
@@ -675,6 +701,13 @@ impl Checker<'_> {
             } else {
                 Release::Free(at)
             });
+        }
+        // The store was cut for longer than a lease while this execution's
+        // answer waited to be recorded: its lease ran out unrenewed, so the
+        // same request may take the key over once the lease could have run
+        // out (the documented limit of an outage longer than `lease`).
+        if let Some(at) = self.outage_outlived_by(e) {
+            return Some(Release::Abandoned(at));
         }
         // The holder was SIGKILLed before its answer was recorded: before
         // its own client had an answer, and (for a client that had hung up)
