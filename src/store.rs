@@ -331,6 +331,31 @@ pub trait Store: Send + Sync + 'static {
     /// Returns how many went.
     async fn sweep(&self, now: UnixMillis, batch: u32) -> Result<u64, StoreError>;
 
+    /// Up to `limit` live (not expired at `now`) completed records with a
+    /// stored response, in primary-key order ([`RecordKey`]'s `Ord`),
+    /// starting after `after` (from the first when `None`): the pages of
+    /// `idemgate keys reencrypt`. Responses as the backend holds them
+    /// (sealed, under [`sealed::Sealed`] too): a rotation compares and
+    /// rewrites stored bytes.
+    async fn scan_completed(
+        &self,
+        after: Option<RecordKey>,
+        limit: u32,
+        now: UnixMillis,
+    ) -> Result<Vec<(RecordKey, Record)>, StoreError>;
+
+    /// Replaces the stored response of the completed record at `key` with
+    /// `new`, in one atomic step, only while it still holds exactly `old`
+    /// (status, headers and body, as stored): a compare-and-set, so a
+    /// takeover, completion or delete that came after the read is never
+    /// overwritten. True when it wrote. Nothing else in the record changes.
+    async fn rewrite_response(
+        &self,
+        key: &RecordKey,
+        old: &StoredResponse,
+        new: &StoredResponse,
+    ) -> Result<bool, StoreError>;
+
     /// Cheap liveness probe for readiness.
     async fn ping(&self) -> Result<(), StoreError>;
 
