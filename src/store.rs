@@ -21,7 +21,8 @@
 //! configured one from the config. `notify` is no store: PostgreSQL
 //! `LISTEN`/`NOTIFY` that wakes waiting duplicates on other replicas.
 //! `sealed` seals stored responses at rest on every backend
-//! ([`crate::idempotency::vault`] holds the keys and the cipher).
+//! ([`crate::idempotency::vault`] holds the keys and the cipher), and
+//! `rotate` moves stored records to the current key.
 
 pub(crate) mod batch;
 pub(crate) mod codec;
@@ -32,6 +33,7 @@ mod open;
 pub mod pg_connect;
 pub mod postgres;
 pub mod redis;
+pub mod rotate;
 #[cfg(test)]
 pub(crate) mod scripted;
 pub mod sealed;

@@ -230,19 +230,9 @@ mod tests {
     use crate::idempotency::Scope;
     use crate::store::memory::MemoryStore;
     use crate::store::sample_claim;
-    use base64::Engine;
 
     fn ring(list: &[(&str, u8)]) -> Arc<KeyRing> {
-        let text: Vec<String> = list
-            .iter()
-            .map(|(id, b)| {
-                format!(
-                    "{id}:{}",
-                    base64::engine::general_purpose::STANDARD.encode([*b; 32])
-                )
-            })
-            .collect();
-        Arc::new(KeyRing::parse(&text.join(",")).unwrap())
+        Arc::new(crate::idempotency::vault::test_ring(list))
     }
 
     fn response() -> StoredResponse {
