@@ -159,8 +159,17 @@ async fn reencrypted(store: impl Fn(TestConfig) -> TestConfig) {
     );
 
     let both = format!("{},{}", key("new", NEW), key("old", OLD));
-    let gate = serve(both.clone()).await;
     let env = [("IDEMGATE_STORE_ENCRYPTION_KEYS", both.as_str())];
+    let check = ["check-config", "--connect", "-c", &config_arg];
+    let census = run_to_completion(&check, &env).await;
+    assert_eq!(census.code, 0, "{census:?}");
+    assert!(
+        census
+            .stdout
+            .contains("all 5 live stored responses: by configured key id: old 5;"),
+        "{census:?}"
+    );
+    let gate = serve(both.clone()).await;
     let run = run_to_completion(&args, &env).await;
     assert_eq!(run.code, 0, "{run:?}");
     assert!(
