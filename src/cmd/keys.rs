@@ -797,11 +797,21 @@ async fn reencrypt(
             t.cursor.map(|c| format!("; after {}", cursor(&c))).unwrap_or_default()
         )
     };
-    let tally = rotate::reencrypt(store, ring, batch, after, || clock.now_millis(), progress)
+    let tally = match rotate::reencrypt(store, ring, batch, after, || clock.now_millis(), progress)
         .await
-        .context(
-            "reencrypt stopped (rerun it with --after the last progress line's cursor to continue)",
-        )?;
+    {
+        Ok(tally) => tally,
+        // Rewritten in the store: a rerun finds it current and never
+        // touches the copy again, so the operator must remove it.
+        Err(StoreError::StaleCopy { name, source }) => anyhow::bail!(
+            "reencrypt stopped: a record was rewritten under the current key, but its Redis copy {name} (still under the old key) could not be removed ({source}); DEL {name} in Redis before removing the old key, then rerun (with --after the last progress line's cursor) to continue"
+        ),
+        Err(err) => {
+            return Err(anyhow::Error::new(err).context(
+                "reencrypt stopped (rerun it, or with --after the last progress line's cursor, to continue)",
+            ))
+        }
+    };
     for (id, why) in tally.unreadable.iter().take(MAX_NAMED_UNREADABLE) {
         outln!("reencrypt: unreadable: key id {id}: {why}; left alone (it answers 410)");
     }
