@@ -21,7 +21,8 @@
 //! configured one from the config. `notify` is no store: PostgreSQL
 //! `LISTEN`/`NOTIFY` that wakes waiting duplicates on other replicas.
 //! `sealed` seals stored responses at rest on every backend
-//! ([`crate::idempotency::vault`] holds the keys and the cipher).
+//! ([`crate::idempotency::vault`] holds the keys and the cipher), and
+//! `rotate` moves stored records to the current key.
 
 pub(crate) mod batch;
 pub(crate) mod codec;
@@ -32,6 +33,7 @@ mod open;
 pub mod pg_connect;
 pub mod postgres;
 pub mod redis;
+pub mod rotate;
 #[cfg(test)]
 pub(crate) mod scripted;
 pub mod sealed;
@@ -330,6 +332,31 @@ pub trait Store: Send + Sync + 'static {
     /// live lease; a shared backend judges by its own clock, see [`Span`]).
     /// Returns how many went.
     async fn sweep(&self, now: UnixMillis, batch: u32) -> Result<u64, StoreError>;
+
+    /// Up to `limit` live (not expired at `now`) completed records with a
+    /// stored response, in primary-key order ([`RecordKey`]'s `Ord`),
+    /// starting after `after` (from the first when `None`): the pages of
+    /// `idemgate keys reencrypt`. Responses as the backend holds them
+    /// (sealed, under [`sealed::Sealed`] too): a rotation compares and
+    /// rewrites stored bytes.
+    async fn scan_completed(
+        &self,
+        after: Option<RecordKey>,
+        limit: u32,
+        now: UnixMillis,
+    ) -> Result<Vec<(RecordKey, Record)>, StoreError>;
+
+    /// Replaces the stored response of the completed record at `key` with
+    /// `new`, in one atomic step, only while it still holds exactly `old`
+    /// (status, headers and body, as stored): a compare-and-set, so a
+    /// takeover, completion or delete that came after the read is never
+    /// overwritten. True when it wrote. Nothing else in the record changes.
+    async fn rewrite_response(
+        &self,
+        key: &RecordKey,
+        old: &StoredResponse,
+        new: &StoredResponse,
+    ) -> Result<bool, StoreError>;
 
     /// Cheap liveness probe for readiness.
     async fn ping(&self) -> Result<(), StoreError>;

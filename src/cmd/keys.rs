@@ -11,7 +11,8 @@ use crate::config::{Config, RouteConfig, Secret};
 use crate::idempotency::{IdempotencyKey, RecordKey, Scope};
 use crate::net::tls_server::ClientCert;
 use crate::store::{
-    Record, RecordState, Resolution, Store, StoreError, UnixMillis, Verdict, RESOLVED_STATUS,
+    rotate, Record, RecordState, Resolution, Store, StoreError, UnixMillis, Verdict,
+    RESOLVED_STATUS,
 };
 use anyhow::Context;
 use http::HeaderName;
@@ -450,6 +451,10 @@ pub enum KeysAction {
         reason: String,
     },
     PurgeExpired,
+    Reencrypt {
+        batch: u32,
+        after: Option<RecordKey>,
+    },
 }
 
 /// The exit status of `keys show` for a key with no record, so scripts can
@@ -564,7 +569,42 @@ pub enum KeysCommand {
     },
     /// Delete every expired record now.
     PurgeExpired,
+    /// Rewrite every live stored response that is not sealed under the
+    /// current (first) key of IDEMGATE_STORE_ENCRYPTION_KEYS, plaintext
+    /// ones included, to that key, beside live traffic (a record changed
+    /// meanwhile is left as it is). Run it, with the old key still listed,
+    /// before removing a key.
+    Reencrypt {
+        /// Records per page (one scan, then one conditional write each).
+        #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+        batch: u32,
+        /// Continue after this record: the `after` of a progress line.
+        #[arg(long, value_name = "SCOPE:KEY", value_parser = parse_cursor)]
+        after: Option<RecordKey>,
+    },
 }
+
+/// A scan cursor as a progress line prints it: the scope digest and the
+/// key digest, hex, joined by `:` (digests only, never a key).
+pub fn cursor(key: &RecordKey) -> String {
+    format!("{}:{}", hex::encode(key.scope.0), hex::encode(key.key))
+}
+
+/// [`cursor`] read back.
+pub fn parse_cursor(s: &str) -> Result<RecordKey, String> {
+    let digest = |part: &str| -> Option<[u8; 32]> { hex::decode(part).ok()?.try_into().ok() };
+    let (scope, key) = s
+        .split_once(':')
+        .and_then(|(scope, key)| Some((digest(scope)?, digest(key)?)))
+        .ok_or("expected SCOPE:KEY, two 64-digit hex digests as a progress line prints them")?;
+    Ok(RecordKey {
+        scope: Scope(scope),
+        key,
+    })
+}
+
+/// How many unreadable records `reencrypt` names one by one; the rest are counted.
+const MAX_NAMED_UNREADABLE: usize = 100;
 
 /// Whether the upstream executed the request (exactly one).
 #[derive(Debug, clap::Args)]
@@ -619,6 +659,10 @@ pub fn command(cfg: Config, command: &KeysCommand) -> std::process::ExitCode {
             })
         }
         KeysCommand::PurgeExpired => Ok(KeysAction::PurgeExpired),
+        KeysCommand::Reencrypt { batch, after } => Ok(KeysAction::Reencrypt {
+            batch: *batch,
+            after: *after,
+        }),
     };
     let action = match action {
         Ok(a) => a,
@@ -649,6 +693,11 @@ pub async fn run(config: Config, action: KeysAction) -> anyhow::Result<KeysOutco
         anyhow::bail!(
             "no SQLite store at {} (store.path; a relative one is read from the config file's directory): keys never creates one; give --config the proxy's own config",
             path.display()
+        );
+    }
+    if matches!(action, KeysAction::Reencrypt { .. }) && config.store_keys.is_none() {
+        anyhow::bail!(
+            "IDEMGATE_STORE_ENCRYPTION_KEYS is not set: reencrypt seals stored responses under its first key; set it as the proxy has it (the new key first, the old ones after)"
         );
     }
     let store = crate::store::open(&config)
@@ -714,8 +763,80 @@ pub async fn run(config: Config, action: KeysAction) -> anyhow::Result<KeysOutco
             let n = purge_expired(store.as_ref(), settings.sweep_batch, &Clock::system()).await?;
             outln!("deleted {n} expired records");
         }
+        KeysAction::Reencrypt { batch, after } => {
+            let ring = config.store_keys.as_deref().expect("checked above");
+            reencrypt(store.as_ref(), ring, batch, after).await?;
+        }
     }
     Ok(KeysOutcome::Done)
+}
+
+/// `keys reencrypt`: the pass, a progress line per page, then what no key opens.
+async fn reencrypt(
+    store: &dyn Store,
+    ring: &crate::idempotency::vault::KeyRing,
+    batch: u32,
+    after: Option<RecordKey>,
+) -> anyhow::Result<()> {
+    let clock = Clock::system();
+    outln!(
+        "reencrypt: sealing every live stored response under key id {:?}, {batch} per page{}",
+        ring.current_id(),
+        after
+            .map(|a| format!(", after {}", cursor(&a)))
+            .unwrap_or_default()
+    );
+    let progress = |t: &rotate::Tally| {
+        outln!(
+            "reencrypt: scanned {}, rewrote {}, already current {}, changed meanwhile {}, unreadable {}{}",
+            t.scanned,
+            t.rewritten,
+            t.current,
+            t.changed,
+            t.unreadable.len(),
+            t.cursor.map(|c| format!("; after {}", cursor(&c))).unwrap_or_default()
+        )
+    };
+    let tally = match rotate::reencrypt(store, ring, batch, after, || clock.now_millis(), progress)
+        .await
+    {
+        Ok(tally) => tally,
+        // Rewritten in the store: a rerun finds it current and never
+        // touches the copy again, so the operator must remove it.
+        Err(StoreError::StaleCopy { name, source }) => anyhow::bail!(
+            "reencrypt stopped: a record was rewritten under the current key, but its Redis copy {name} (still under the old key) could not be removed ({source}); DEL {name} in Redis before removing the old key, then rerun (with --after the last progress line's cursor) to continue"
+        ),
+        Err(err) => {
+            return Err(anyhow::Error::new(err).context(
+                "reencrypt stopped (rerun it, or with --after the last progress line's cursor, to continue)",
+            ))
+        }
+    };
+    for (id, why) in tally.unreadable.iter().take(MAX_NAMED_UNREADABLE) {
+        outln!("reencrypt: unreadable: key id {id}: {why}; left alone (it answers 410)");
+    }
+    if tally.unreadable.len() > MAX_NAMED_UNREADABLE {
+        outln!(
+            "reencrypt: unreadable: {} more not named",
+            tally.unreadable.len() - MAX_NAMED_UNREADABLE
+        );
+    }
+    let mut by_reason: std::collections::BTreeMap<String, usize> = Default::default();
+    for (_, why) in &tally.unreadable {
+        *by_reason.entry(why.to_string()).or_default() += 1;
+    }
+    for (why, n) in by_reason {
+        outln!("reencrypt: {n} unreadable: {why}");
+    }
+    outln!(
+        "reencrypt: done: {} rewritten, {} already current, {} changed by live traffic meanwhile (a proxy with these keys seals new completions under {:?}), {} unreadable",
+        tally.rewritten,
+        tally.current,
+        tally.changed,
+        ring.current_id(),
+        tally.unreadable.len()
+    );
+    Ok(())
 }
 
 #[cfg(test)]

@@ -120,7 +120,7 @@ pub struct RepeatedScopeHeader(pub http::HeaderName);
 /// Who a key belongs to: a digest of the route's scope headers (the
 /// credential, plus any tenant header), so two clients using the same key
 /// never meet, and no credential is stored.
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Scope(pub [u8; 32]);
 
 impl Scope {
@@ -254,8 +254,10 @@ impl fmt::Debug for Scope {
     }
 }
 
-/// The store's primary key: `(scope, sha256(key))`.
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+/// The store's primary key: `(scope, sha256(key))`. Ordered as the SQL
+/// backends order it (the bytes of the scope, then of the key), so a scan
+/// by primary key pages the same way on every backend.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct RecordKey {
     pub scope: Scope,
     pub key: [u8; 32],

@@ -242,6 +242,22 @@ fn decode_base64(s: &str) -> Option<Vec<u8>> {
         .find_map(|engine| engine.decode(s).ok())
 }
 
+/// A ring of `(id, byte)` keys, each 32 copies of its byte, the first
+/// current: for unit tests.
+#[cfg(test)]
+pub(crate) fn test_ring(list: &[(&str, u8)]) -> KeyRing {
+    let text: Vec<String> = list
+        .iter()
+        .map(|(id, b)| {
+            format!(
+                "{id}:{}",
+                base64::engine::general_purpose::STANDARD.encode([*b; 32])
+            )
+        })
+        .collect();
+    KeyRing::parse(&text.join(",")).expect("a test key list parses")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -3,7 +3,7 @@
 //! SQL row's columns to a [`Record`]. No I/O here.
 
 use super::{FirstUse, Record, RecordState, StoreError, StoredResponse};
-use crate::idempotency::Fingerprint;
+use crate::idempotency::{Fingerprint, RecordKey, Scope};
 use bytes::Bytes;
 
 /// Encodes headers as `count:u32, (name_len:u16, name, value_len:u32, value)*`.
@@ -100,6 +100,14 @@ impl RecordRow {
                 .map(|(method, path)| FirstUse { method, path }),
         })
     }
+}
+
+/// A primary key as a scan reads it back: its scope and key columns.
+pub fn record_key_from(scope: &[u8], key: &[u8]) -> Result<RecordKey, StoreError> {
+    Ok(RecordKey {
+        scope: Scope(array_from(scope, "scope")?),
+        key: array_from(key, "key")?,
+    })
 }
 
 #[cfg(test)]

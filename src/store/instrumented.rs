@@ -10,7 +10,7 @@
 
 use super::{
     Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, Resolution, Span, Store,
-    StoreError, UnixMillis, Verdict,
+    StoreError, StoredResponse, UnixMillis, Verdict,
 };
 use crate::idempotency::RecordKey;
 use crate::metrics::Metrics;
@@ -32,6 +32,8 @@ pub enum Op {
     Delete,
     Resolve,
     Sweep,
+    Scan,
+    Rewrite,
     Ping,
 }
 
@@ -46,6 +48,8 @@ impl Op {
             Op::Delete => "delete",
             Op::Resolve => "resolve",
             Op::Sweep => "sweep",
+            Op::Scan => "scan",
+            Op::Rewrite => "rewrite",
             Op::Ping => "ping",
         }
     }
@@ -163,6 +167,26 @@ impl Store for Instrumented {
 
     async fn sweep(&self, now: UnixMillis, batch: u32) -> Result<u64, StoreError> {
         self.call(Op::Sweep, self.inner.sweep(now, batch)).await
+    }
+
+    async fn scan_completed(
+        &self,
+        after: Option<RecordKey>,
+        limit: u32,
+        now: UnixMillis,
+    ) -> Result<Vec<(RecordKey, Record)>, StoreError> {
+        self.call(Op::Scan, self.inner.scan_completed(after, limit, now))
+            .await
+    }
+
+    async fn rewrite_response(
+        &self,
+        key: &RecordKey,
+        old: &StoredResponse,
+        new: &StoredResponse,
+    ) -> Result<bool, StoreError> {
+        self.call(Op::Rewrite, self.inner.rewrite_response(key, old, new))
+            .await
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

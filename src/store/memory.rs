@@ -4,7 +4,8 @@
 
 use super::{
     is_claimable, is_sweepable, Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record,
-    RecordState, Resolution, Span, Store, StoreError, UnixMillis, Verdict, RESOLVED_STATUS,
+    RecordState, Resolution, Span, Store, StoreError, StoredResponse, UnixMillis, Verdict,
+    RESOLVED_STATUS,
 };
 use crate::config::DEFAULT_STORE_TIMEOUT;
 use crate::idempotency::RecordKey;
@@ -193,6 +194,43 @@ impl Store for MemoryStore {
                 map.remove(key);
             }
             doomed.len() as u64
+        }))
+    }
+
+    async fn scan_completed(
+        &self,
+        after: Option<RecordKey>,
+        limit: u32,
+        now: UnixMillis,
+    ) -> Result<Vec<(RecordKey, Record)>, StoreError> {
+        Ok(self.with(|map| {
+            let mut page: Vec<(RecordKey, Record)> = map
+                .iter()
+                .filter(|(key, _)| after.is_none_or(|after| **key > after))
+                .filter(|(_, entry)| {
+                    matches!(entry.record.state, RecordState::Completed(_))
+                        && entry.record.expires_at > now
+                })
+                .map(|(key, entry)| (*key, entry.record.clone()))
+                .collect();
+            page.sort_unstable_by_key(|(key, _)| *key);
+            page.truncate(limit as usize);
+            page
+        }))
+    }
+
+    async fn rewrite_response(
+        &self,
+        key: &RecordKey,
+        old: &StoredResponse,
+        new: &StoredResponse,
+    ) -> Result<bool, StoreError> {
+        Ok(self.with(|map| match map.get_mut(key) {
+            Some(entry) if matches!(&entry.record.state, RecordState::Completed(r) if r == old) => {
+                entry.record.state = RecordState::Completed(new.clone());
+                true
+            }
+            _ => false,
         }))
     }
 

@@ -65,11 +65,13 @@ pub async fn check_connect(cfg: &Config) -> Result<Vec<String>, String> {
             let path = cfg.restart.store.path.clone();
             let sync = cfg.restart.store.synchronous;
             let shown = path.display().to_string();
-            tokio::task::spawn_blocking(move || SqliteStore::open(&path, sync))
+            let sqlite = tokio::task::spawn_blocking(move || SqliteStore::open(&path, sync))
                 .await
                 .map_err(|err| err.to_string())?
                 .map_err(|err| format!("sqlite {shown}: {}", unavailable(err)))?;
-            Ok(vec![format!("sqlite {shown}: ok")])
+            let mut reached = vec![format!("sqlite {shown}: ok")];
+            reached.extend(census_line(cfg, &sqlite).await);
+            Ok(reached)
         }
         Backend::Postgres => {
             let pg = PostgresStore::connect(&cfg.restart.store)
@@ -104,9 +106,65 @@ pub async fn check_connect(cfg: &Config) -> Result<Vec<String>, String> {
                     })?;
                 reached.push(line);
             }
+            // The authority holds every record (Redis only copies of some).
+            reached.extend(census_line(cfg, &pg).await);
             Ok(reached)
         }
     }
+}
+
+/// How many rows, and how long, `check-config --connect` reads to count
+/// sealed records: enough for a small store, a sample of a large one.
+const CENSUS_ROWS: u64 = 100_000;
+const CENSUS_TIME: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// With encryption keys set: the live stored responses under each key id,
+/// and under ids not configured (unreadable: 410), so an operator knows
+/// whether `keys reencrypt` has finished before a key is removed. A scan
+/// that fails (e.g. no table yet: `--connect` never migrates) says so.
+async fn census_line(cfg: &Config, store: &dyn Store) -> Option<String> {
+    let ring = cfg.store_keys.as_deref()?;
+    let now = Clock::system().now_millis();
+    let census = match super::rotate::census(store, now, CENSUS_ROWS, CENSUS_TIME).await {
+        Ok(census) => census,
+        Err(err) => return Some(format!("sealed records: not counted: {err}")),
+    };
+    Some(describe_census(ring, &census))
+}
+
+/// The census as one line.
+fn describe_census(ring: &crate::idempotency::vault::KeyRing, c: &super::rotate::Census) -> String {
+    let (configured, unknown): (Vec<_>, Vec<_>) =
+        c.by_key.iter().partition(|(id, _)| ring.knows(id));
+    let list = |ids: &[(&String, &u64)]| {
+        ids.iter()
+            .map(|(id, n)| {
+                let current = if id.as_str() == ring.current_id() {
+                    " (current)"
+                } else {
+                    ""
+                };
+                format!("{id}{current} {n}")
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let under_unknown: u64 = unknown.iter().map(|(_, n)| **n).sum();
+    let scope = if c.complete {
+        format!("all {} live stored responses", c.scanned)
+    } else {
+        format!(
+            "the first {} live stored responses (stopped early at {CENSUS_ROWS} rows or {}s; there are more)",
+            c.scanned,
+            CENSUS_TIME.as_secs()
+        )
+    };
+    format!(
+        "sealed records in {scope}: by configured key id: {}; under key ids not configured (410): {under_unknown}{}; not sealed: {}",
+        if configured.is_empty() { "none".to_string() } else { list(&configured) },
+        if unknown.is_empty() { String::new() } else { format!(" ({})", list(&unknown)) },
+        c.plaintext
+    )
 }
 
 /// The backend alone, not yet instrumented.
@@ -162,6 +220,38 @@ mod tests {
         );
         let config = Config::parse(&text, "test.toml").expect("test config parses");
         open(&config).await.expect("opens").call_bound()
+    }
+
+    #[test]
+    fn the_census_names_each_key_id_and_what_no_key_opens() {
+        let ring = crate::idempotency::vault::test_ring(&[("new", 2), ("old", 1)]);
+        let census = |by: &[(&str, u64)], plaintext, complete| super::super::rotate::Census {
+            by_key: by.iter().map(|(id, n)| (id.to_string(), *n)).collect(),
+            plaintext,
+            complete,
+            scanned: by.iter().map(|(_, n)| n).sum::<u64>() + plaintext,
+        };
+        let cases = [
+            (
+                census(&[("new", 3), ("old", 2), ("gone", 1)], 4, true),
+                "sealed records in all 10 live stored responses: by configured key id: new (current) 3, old 2; \
+                 under key ids not configured (410): 1 (gone 1); not sealed: 4",
+            ),
+            (
+                census(&[], 0, true),
+                "sealed records in all 0 live stored responses: by configured key id: none; \
+                 under key ids not configured (410): 0; not sealed: 0",
+            ),
+            (
+                census(&[("new", 5)], 0, false),
+                "sealed records in the first 5 live stored responses (stopped early at 100000 rows or 5s; \
+                 there are more): by configured key id: new (current) 5; \
+                 under key ids not configured (410): 0; not sealed: 0",
+            ),
+        ];
+        for (c, want) in cases {
+            assert_eq!(describe_census(&ring, &c), want);
+        }
     }
 
     /// The bounds the proxy applied before the backends reported their own:

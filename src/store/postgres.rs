@@ -52,7 +52,7 @@ use super::pg_connect::describe_transport;
 use super::sql::{KeyParams, OwnerParams};
 use super::{
     Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, Resolution, Span, Store,
-    StoreError, UnixMillis, Verdict, RESOLVED_STATUS,
+    StoreError, StoredResponse, UnixMillis, Verdict, RESOLVED_STATUS,
 };
 use crate::config::{MigrationLock, StoreConfig};
 use crate::idempotency::RecordKey;
@@ -321,6 +321,72 @@ impl Store for PostgresStore {
         )
         .await;
         core.settle(client, res)
+    }
+
+    async fn scan_completed(
+        &self,
+        after: Option<RecordKey>,
+        limit: u32,
+        _now: UnixMillis,
+    ) -> Result<Vec<(RecordKey, Record)>, StoreError> {
+        let core = &*self.core;
+        let (scope, key) = match &after {
+            Some(after) => (&after.scope.0[..], &after.key[..]),
+            None => (&[][..], &[][..]),
+        };
+        let limit = i64::from(limit);
+        let rows = core
+            .read(
+                &core.sql.scan_completed,
+                &[
+                    (&scope, Type::BYTEA),
+                    (&key, Type::BYTEA),
+                    (&core.clock_offset_ms, Type::INT8),
+                    (&limit, Type::INT8),
+                ],
+            )
+            .await?;
+        let corrupt =
+            |err: tokio_postgres::Error| StoreError::Corrupt(format!("postgres row: {err}"));
+        rows.iter()
+            .map(|row| {
+                let scope: Vec<u8> = row.try_get(0).map_err(corrupt)?;
+                let key: Vec<u8> = row.try_get(1).map_err(corrupt)?;
+                Ok((
+                    super::codec::record_key_from(&scope, &key)?,
+                    decode_row(row, 2)?,
+                ))
+            })
+            .collect()
+    }
+
+    async fn rewrite_response(
+        &self,
+        key: &RecordKey,
+        old: &StoredResponse,
+        new: &StoredResponse,
+    ) -> Result<bool, StoreError> {
+        let core = &*self.core;
+        let key = KeyParams::new(key);
+        let (old_status, new_status) = (i32::from(old.status), i32::from(new.status));
+        let old_headers = super::codec::encode_headers(&old.headers);
+        let new_headers = super::codec::encode_headers(&new.headers);
+        let (old_body, new_body) = (&old.body[..], &new.body[..]);
+        core.write(
+            &core.sql.rewrite_response,
+            &[
+                (&key.scope, Type::BYTEA),
+                (&key.key, Type::BYTEA),
+                (&old_status, Type::INT4),
+                (&old_headers, Type::BYTEA),
+                (&old_body, Type::BYTEA),
+                (&new_status, Type::INT4),
+                (&new_headers, Type::BYTEA),
+                (&new_body, Type::BYTEA),
+            ],
+        )
+        .await
+        .map(|n| n == 1)
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

@@ -74,7 +74,7 @@ use stale::{heal, lock, StaleSet, MAX_STALE};
 
 use super::{
     Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, RecordState, Resolution, Span,
-    Store, StoreError, UnixMillis, Verdict,
+    Store, StoreError, StoredResponse, UnixMillis, Verdict,
 };
 use crate::clock::Clock;
 use crate::config::RedisConfig;
@@ -711,6 +711,33 @@ impl Store for RedisFastPath {
     async fn sweep(&self, now: UnixMillis, batch: u32) -> Result<u64, StoreError> {
         // Redis expires its own copies (PX); only the inner store needs sweeping.
         self.inner.sweep(now, batch).await
+    }
+
+    async fn scan_completed(
+        &self,
+        after: Option<RecordKey>,
+        limit: u32,
+        now: UnixMillis,
+    ) -> Result<Vec<(RecordKey, Record)>, StoreError> {
+        // The authority holds every record; Redis only some copies.
+        self.inner.scan_completed(after, limit, now).await
+    }
+
+    /// Rewrites the record in the inner store, then removes its Redis copy
+    /// as [`Store::delete`] does: the copy still holds the old bytes (after
+    /// a key rotation, sealed under a key about to be removed), and must
+    /// never be the one a claim reads.
+    async fn rewrite_response(
+        &self,
+        key: &RecordKey,
+        old: &StoredResponse,
+        new: &StoredResponse,
+    ) -> Result<bool, StoreError> {
+        let rewritten = self.inner.rewrite_response(key, old, new).await?;
+        if rewritten {
+            self.drop_copy(key).await?;
+        }
+        Ok(rewritten)
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

@@ -146,6 +146,22 @@ impl Store for FlakyStore {
     async fn sweep(&self, now: UnixMillis, batch: u32) -> Result<u64, StoreError> {
         self.inner.sweep(now, batch).await
     }
+    async fn scan_completed(
+        &self,
+        after: Option<RecordKey>,
+        limit: u32,
+        now: UnixMillis,
+    ) -> Result<Vec<(RecordKey, crate::store::Record)>, StoreError> {
+        self.inner.scan_completed(after, limit, now).await
+    }
+    async fn rewrite_response(
+        &self,
+        key: &RecordKey,
+        old: &crate::store::StoredResponse,
+        new: &crate::store::StoredResponse,
+    ) -> Result<bool, StoreError> {
+        self.inner.rewrite_response(key, old, new).await
+    }
     async fn ping(&self) -> Result<(), StoreError> {
         Ok(())
     }

@@ -185,6 +185,28 @@ impl Store for Sealed {
         self.inner.sweep(now, batch).await
     }
 
+    /// Records as stored, not opened: a key rotation (`keys reencrypt`)
+    /// reads the sealed bytes to compare and set them.
+    async fn scan_completed(
+        &self,
+        after: Option<RecordKey>,
+        limit: u32,
+        now: UnixMillis,
+    ) -> Result<Vec<(RecordKey, Record)>, StoreError> {
+        self.inner.scan_completed(after, limit, now).await
+    }
+
+    /// `old` and `new` as stored (sealed by the caller, see
+    /// [`seal_response`]): passed through unchanged.
+    async fn rewrite_response(
+        &self,
+        key: &RecordKey,
+        old: &StoredResponse,
+        new: &StoredResponse,
+    ) -> Result<bool, StoreError> {
+        self.inner.rewrite_response(key, old, new).await
+    }
+
     async fn ping(&self) -> Result<(), StoreError> {
         self.inner.ping().await
     }
@@ -208,19 +230,9 @@ mod tests {
     use crate::idempotency::Scope;
     use crate::store::memory::MemoryStore;
     use crate::store::sample_claim;
-    use base64::Engine;
 
     fn ring(list: &[(&str, u8)]) -> Arc<KeyRing> {
-        let text: Vec<String> = list
-            .iter()
-            .map(|(id, b)| {
-                format!(
-                    "{id}:{}",
-                    base64::engine::general_purpose::STANDARD.encode([*b; 32])
-                )
-            })
-            .collect();
-        Arc::new(KeyRing::parse(&text.join(",")).unwrap())
+        Arc::new(crate::idempotency::vault::test_ring(list))
     }
 
     fn response() -> StoredResponse {

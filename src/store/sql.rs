@@ -262,6 +262,14 @@ pub(crate) struct Statements {
     pub resolution: String,
     /// Binds now, batch: deletes up to `batch` sweepable records, oldest first.
     pub sweep: String,
+    /// Binds the scope and key to start after (both empty to start at the
+    /// first: an empty byte string sorts before every digest), now, limit;
+    /// returns scope, key, then [`Statements::select`]'s columns, of live
+    /// completed records in primary-key order.
+    pub scan_completed: String,
+    /// Binds scope, key, old status, old headers, old body, new status,
+    /// new headers, new body: the compare-and-set of a stored response.
+    pub rewrite_response: String,
 }
 
 impl Statements {
@@ -393,6 +401,19 @@ impl Statements {
                    WHERE {} \
                    ORDER BY expires_at LIMIT $2{sweep_lock})",
                 sweepable(&now(1))
+            )),
+            // Row-value comparison walks the primary key index from the
+            // cursor in both engines.
+            scan_completed: placeholders(format!(
+                "SELECT scope, key, {COLUMNS} FROM {table} \
+                 WHERE (scope, key) > ($1, $2) AND state = 'completed' AND expires_at > {} \
+                 ORDER BY scope, key LIMIT $4",
+                now(3)
+            )),
+            rewrite_response: placeholders(format!(
+                "UPDATE {table} SET status = $6, headers = $7, body = $8 \
+                 WHERE {BY_KEY} AND state = 'completed' AND status = $3 \
+                   AND headers = $4 AND body = $5"
             )),
         }
     }

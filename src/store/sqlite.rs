@@ -12,7 +12,7 @@ use super::codec::RecordRow;
 use super::sql::{Dialect, KeyParams, OwnerParams, Statements, SQLITE_MIGRATIONS};
 use super::{
     Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, Resolution, Span, Store,
-    StoreError, UnixMillis, Verdict, RESOLVED_STATUS,
+    StoreError, StoredResponse, UnixMillis, Verdict, RESOLVED_STATUS,
 };
 use crate::config::{SqliteSync, DEFAULT_STORE_TIMEOUT};
 use crate::idempotency::RecordKey;
@@ -177,24 +177,27 @@ fn all_failed<T>(
         .collect()
 }
 
+/// The record columns starting at column `at`.
+fn record_row(row: &rusqlite::Row<'_>, at: usize) -> rusqlite::Result<RecordRow> {
+    Ok(RecordRow {
+        fingerprint: row.get(at)?,
+        state: row.get(at + 1)?,
+        locked_until: row.get(at + 2)?,
+        created_at: row.get(at + 3)?,
+        expires_at: row.get(at + 4)?,
+        status: row.get(at + 5)?,
+        headers: row.get(at + 6)?,
+        body: row.get(at + 7)?,
+        first_method: row.get(at + 8)?,
+        first_path: row.get(at + 9)?,
+    })
+}
+
 fn read_record(conn: &Connection, key: &RecordKey) -> Result<Option<Record>, StoreError> {
     let key = KeyParams::new(key);
     conn.prepare_cached(&SQL.select)
         .map_err(db_err)?
-        .query_row(params![key.scope, key.key], |row| {
-            Ok(RecordRow {
-                fingerprint: row.get(0)?,
-                state: row.get(1)?,
-                locked_until: row.get(2)?,
-                created_at: row.get(3)?,
-                expires_at: row.get(4)?,
-                status: row.get(5)?,
-                headers: row.get(6)?,
-                body: row.get(7)?,
-                first_method: row.get(8)?,
-                first_path: row.get(9)?,
-            })
-        })
+        .query_row(params![key.scope, key.key], |row| record_row(row, 0))
         .optional()
         .map_err(db_err)?
         .map(RecordRow::into_record)
@@ -416,6 +419,64 @@ impl Store for SqliteStore {
     async fn sweep(&self, now: UnixMillis, batch: u32) -> Result<u64, StoreError> {
         self.call(move |conn| execute(conn, &SQL.sweep, params![now, batch]))
             .await
+    }
+
+    async fn scan_completed(
+        &self,
+        after: Option<RecordKey>,
+        limit: u32,
+        now: UnixMillis,
+    ) -> Result<Vec<(RecordKey, Record)>, StoreError> {
+        self.call(move |conn| {
+            let (scope, key) = match &after {
+                Some(after) => (&after.scope.0[..], &after.key[..]),
+                None => (&[][..], &[][..]),
+            };
+            let mut stmt = conn.prepare_cached(&SQL.scan_completed).map_err(db_err)?;
+            let rows = stmt
+                .query_map(params![scope, key, now, limit], |row| {
+                    Ok((
+                        row.get::<_, Vec<u8>>(0)?,
+                        row.get::<_, Vec<u8>>(1)?,
+                        record_row(row, 2)?,
+                    ))
+                })
+                .map_err(db_err)?;
+            let mut page = Vec::new();
+            for row in rows {
+                let (scope, key, record) = row.map_err(db_err)?;
+                page.push((
+                    super::codec::record_key_from(&scope, &key)?,
+                    record.into_record()?,
+                ));
+            }
+            Ok(page)
+        })
+        .await
+    }
+
+    async fn rewrite_response(
+        &self,
+        key: &RecordKey,
+        old: &StoredResponse,
+        new: &StoredResponse,
+    ) -> Result<bool, StoreError> {
+        let (key, old, new) = (*key, old.clone(), new.clone());
+        self.call(move |conn| {
+            let key = KeyParams::new(&key);
+            let params = params![
+                key.scope,
+                key.key,
+                old.status,
+                super::codec::encode_headers(&old.headers),
+                &old.body[..],
+                new.status,
+                super::codec::encode_headers(&new.headers),
+                &new.body[..],
+            ];
+            execute(conn, &SQL.rewrite_response, params).map(|n| n == 1)
+        })
+        .await
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

@@ -152,6 +152,8 @@ pub(crate) async fn run_contract(store: Arc<dyn Store>, later: Arc<dyn Store>) {
     unstored_completion(&*store).await;
     delete_removes_any_record(&*store).await;
     resolve_settles_only_live_outcome_unknown_records(&*store).await;
+    scan_pages_live_completed_records_in_key_order(&*store).await;
+    rewrite_is_a_compare_and_set(&*store).await;
     store.ping().await.expect("ping");
 }
 
@@ -651,6 +653,152 @@ async fn resolve_settles_only_live_outcome_unknown_records(store: &dyn Store) {
             "{verdict:?}: the expired record came back to life"
         );
     }
+}
+
+/// A completed record at a fresh key, with `resp`.
+async fn completed_with(store: &dyn Store, resp: &StoredResponse, ttl_ms: i64) -> Claim {
+    let c = claim_for(record_key(), LEASE_MS, ttl_ms);
+    assert!(claimed(&store.claim(&c).await.unwrap()));
+    let done = Completion::Stored(resp.clone());
+    assert_eq!(
+        store
+            .complete(&c.key, &c.token, &done, span(1))
+            .await
+            .unwrap(),
+        Fence::Held
+    );
+    c
+}
+
+/// Every page from the first, `limit` at a time, until a short one.
+async fn scan_all(store: &dyn Store, limit: u32) -> Vec<(RecordKey, Record)> {
+    let mut all: Vec<(RecordKey, Record)> = Vec::new();
+    loop {
+        let after = all.last().map(|(key, _)| *key);
+        let page = store
+            .scan_completed(after, limit, now_millis())
+            .await
+            .unwrap();
+        assert!(
+            page.len() <= limit as usize,
+            "a page holds at most its limit"
+        );
+        let short = page.len() < limit as usize;
+        all.extend(page);
+        if short {
+            return all;
+        }
+    }
+}
+
+async fn scan_pages_live_completed_records_in_key_order(store: &dyn Store) {
+    let completed = [
+        completed_with(store, &response(), TTL_MS).await,
+        completed_with(store, &response(), TTL_MS).await,
+        completed_with(store, &response(), TTL_MS).await,
+    ];
+    let expired = completed_with(store, &response(), 200).await;
+    let in_flight = claim_for(record_key(), LEASE_MS, TTL_MS);
+    assert!(claimed(&store.claim(&in_flight).await.unwrap()));
+    let unstored = claim_for(record_key(), LEASE_MS, TTL_MS);
+    assert!(claimed(&store.claim(&unstored).await.unwrap()));
+    let done = Completion::Unstored { status: 200 };
+    store
+        .complete(&unstored.key, &unstored.token, &done, keep())
+        .await
+        .unwrap();
+    sleep_ms(400).await;
+
+    let all = scan_all(store, 2).await;
+    let keys: Vec<RecordKey> = all.iter().map(|(key, _)| *key).collect();
+    assert!(
+        keys.windows(2).all(|w| w[0] < w[1]),
+        "pages follow each other in key order, no record twice"
+    );
+    for c in &completed {
+        let (_, record) = all
+            .iter()
+            .find(|(key, _)| *key == c.key)
+            .expect("every live completed record is scanned");
+        assert_eq!(record.state, RecordState::Completed(response()));
+        assert_eq!(record.fingerprint, c.fingerprint);
+    }
+    for (c, what) in [
+        (&expired, "an expired one"),
+        (&in_flight, "one in flight"),
+        (&unstored, "an unstored one"),
+    ] {
+        assert!(!keys.contains(&c.key), "{what} is not scanned");
+    }
+    // From a cursor: only what comes after it.
+    let after = completed.iter().map(|c| c.key).min().unwrap();
+    let rest = store
+        .scan_completed(Some(after), 1_000_000, now_millis())
+        .await
+        .unwrap();
+    assert!(rest.iter().all(|(key, _)| *key > after));
+    assert!(rest
+        .iter()
+        .any(|(key, _)| completed.iter().any(|c| c.key == *key) && *key != after));
+}
+
+async fn rewrite_is_a_compare_and_set(store: &dyn Store) {
+    let old = response();
+    let new = StoredResponse {
+        headers: vec![("x-rewritten".into(), Bytes::from_static(b"1"))],
+        body: Bytes::from_static(b"rewritten \x00\xff"),
+        ..response()
+    };
+    let c = completed_with(store, &old, TTL_MS).await;
+    // Cached by a fast path in front, if there is one.
+    existing(store.claim(&again(&c)).await.unwrap());
+    let before = store.get(&c.key).await.unwrap().unwrap();
+
+    // A stale `old` (the record changed since it was read): nothing changes.
+    let stale = StoredResponse {
+        body: Bytes::from_static(b"what was read before"),
+        ..old.clone()
+    };
+    assert!(!store.rewrite_response(&c.key, &stale, &new).await.unwrap());
+    let stale_status = StoredResponse {
+        status: 200,
+        ..old.clone()
+    };
+    assert!(!store
+        .rewrite_response(&c.key, &stale_status, &new)
+        .await
+        .unwrap());
+    assert_same_record(&store.get(&c.key).await.unwrap().unwrap(), &before);
+
+    // The bytes still there: rewritten, the rest of the record kept; a
+    // retry replays the new response (no cached copy answers the old one).
+    assert!(store.rewrite_response(&c.key, &old, &new).await.unwrap());
+    let want = Record {
+        state: RecordState::Completed(new.clone()),
+        ..before.clone()
+    };
+    assert_same_record(&store.get(&c.key).await.unwrap().unwrap(), &want);
+    for _ in 0..2 {
+        assert_same_record(&existing(store.claim(&again(&c)).await.unwrap()), &want);
+    }
+    // Twice with the same `old`: the second finds `new` and writes nothing.
+    assert!(!store.rewrite_response(&c.key, &old, &new).await.unwrap());
+
+    // Not a completed record, or none: nothing to rewrite.
+    let in_flight = claim_for(record_key(), LEASE_MS, TTL_MS);
+    assert!(claimed(&store.claim(&in_flight).await.unwrap()));
+    assert!(!store
+        .rewrite_response(&in_flight.key, &old, &new)
+        .await
+        .unwrap());
+    assert!(matches!(
+        store.get(&in_flight.key).await.unwrap().unwrap().state,
+        RecordState::InFlight { .. }
+    ));
+    let gone = completed_with(store, &old, TTL_MS).await;
+    assert!(store.delete(&gone.key).await.unwrap());
+    assert!(!store.rewrite_response(&gone.key, &old, &new).await.unwrap());
+    assert!(store.get(&gone.key).await.unwrap().is_none());
 }
 
 // ===== backends =====

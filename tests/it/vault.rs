@@ -3,12 +3,15 @@
 //! PostgreSQL and PostgreSQL + Redis: no byte run of a response is in the
 //! file, the rows or the Redis values; replays stay byte-identical; every
 //! listed key opens (rotation); a record under a key no longer listed is
-//! never executed again (410).
+//! never executed again (410); `keys reencrypt` moves every record to the
+//! new key, Redis copies included, so the old key can go.
 
 use crate::support::services::{
     database_url, drop_schema, redis_url, require_postgres, require_redis, unique_schema,
 };
-use crate::support::{free_port, Route, ServeProcess, TestConfig, Upstream, ORDERS};
+use crate::support::{
+    free_port, run_to_completion, Route, ServeProcess, TestConfig, Upstream, ORDERS,
+};
 use base64::Engine;
 use std::path::Path;
 
@@ -104,6 +107,150 @@ where
     );
 }
 
+/// Responses stored under `old`; `keys reencrypt` (pages of 2) run beside
+/// a proxy with `new,old`; then under `new` alone every one replays byte
+/// for byte (none 410), never run again.
+async fn reencrypted(store: impl Fn(TestConfig) -> TestConfig) {
+    let up = Upstream::start().await;
+    let dir = tempfile::TempDir::new().expect("tempdir");
+    let config = dir.path().join("idemgate.toml");
+    let (listen, admin) = (free_port(), free_port());
+    store(
+        TestConfig::new(up.addr)
+            .listen(listen, admin)
+            .route(Route::post(ORDERS)),
+    )
+    .write(&config);
+    let serve = |keys: String| {
+        let config = config.clone();
+        async move {
+            ServeProcess::start(
+                &config,
+                listen,
+                admin,
+                &[("IDEMGATE_STORE_ENCRYPTION_KEYS", keys.as_str())],
+            )
+            .await
+        }
+    };
+    let keys = ["k-re-1", "k-re-2", "k-re-3", "k-re-4", "k-re-5"];
+    let send = |gate: &ServeProcess, k: &'static str| gate.post(TARGET).key(k).body("{}").send();
+
+    let gate = serve(key("old", OLD)).await;
+    let mut first = Vec::new();
+    for k in keys {
+        let resp = send(&gate, k).await;
+        assert_eq!(resp.status(), 201, "{}", resp.text());
+        // Replayed once: a fast path in front now holds a copy under `old`.
+        assert!(send(&gate, k).await.replayed());
+        first.push(resp);
+    }
+    stop(gate).await;
+
+    let config_arg = config.display().to_string();
+    let args = ["keys", "--config", &config_arg, "reencrypt", "--batch", "2"];
+    let unset = run_to_completion(&args, &[]).await;
+    assert_eq!(unset.code, 1, "{unset:?}");
+    assert!(
+        unset
+            .stderr
+            .contains("IDEMGATE_STORE_ENCRYPTION_KEYS is not set"),
+        "{unset:?}"
+    );
+
+    let both = format!("{},{}", key("new", NEW), key("old", OLD));
+    let env = [("IDEMGATE_STORE_ENCRYPTION_KEYS", both.as_str())];
+    let check = ["check-config", "--connect", "-c", &config_arg];
+    let census = run_to_completion(&check, &env).await;
+    assert_eq!(census.code, 0, "{census:?}");
+    assert!(
+        census
+            .stdout
+            .contains("all 5 live stored responses: by configured key id: old 5;"),
+        "{census:?}"
+    );
+    let gate = serve(both.clone()).await;
+    let run = run_to_completion(&args, &env).await;
+    assert_eq!(run.code, 0, "{run:?}");
+    assert!(
+        run.stdout.contains("done: 5 rewritten, 0 already current"),
+        "{run:?}"
+    );
+    assert!(
+        run.stdout.contains("scanned 2, rewrote 2"),
+        "pages of 2: {run:?}"
+    );
+    let again = run_to_completion(&args, &env).await;
+    assert!(
+        again
+            .stdout
+            .contains("done: 0 rewritten, 5 already current"),
+        "{again:?}"
+    );
+    stop(gate).await;
+
+    let gate = serve(key("new", NEW)).await;
+    for (k, first) in keys.into_iter().zip(&first) {
+        let replay = send(&gate, k).await;
+        assert!(
+            replay.replayed(),
+            "{k}: {} {}",
+            replay.status(),
+            replay.text()
+        );
+        assert_eq!(replay.body, first.body, "{k}: byte for byte");
+        assert_eq!(replay.header("location"), first.header("location"));
+    }
+    assert_eq!(up.hits(ORDERS), keys.len(), "each ran once");
+    stop(gate).await;
+}
+
+fn on_postgres(c: TestConfig, url: &str, schema: &str) -> TestConfig {
+    c.set("store.backend", "postgres")
+        .set("store.url", url)
+        .set("store.schema", schema)
+        .set("store.pool_size", 4)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reencrypt_moves_every_record_to_the_new_key_on_sqlite() {
+    let dir = tempfile::TempDir::new().expect("tempdir");
+    let db = dir.path().join("re.db").display().to_string();
+    reencrypted(|c| {
+        c.set("store.backend", "sqlite")
+            .set("store.path", db.as_str())
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reencrypt_moves_every_record_to_the_new_key_on_postgres() {
+    let url = database_url();
+    require_postgres(&url).await;
+    let schema = unique_schema("reenc");
+    reencrypted(|c| on_postgres(c, &url, &schema)).await;
+    drop_schema(&url, &schema).await;
+}
+
+/// The Redis copies of the records, cached under `old`, are dropped by the
+/// rewrite: under `new` alone none answers 410.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reencrypt_moves_every_record_to_the_new_key_in_postgres_and_redis() {
+    let url = database_url();
+    require_postgres(&url).await;
+    let redis = redis_url();
+    require_redis(&redis);
+    let schema = unique_schema("reenc_redis");
+    reencrypted(|c| {
+        on_postgres(c, &url, &schema)
+            .set("redis.url", redis.as_str())
+            .set("redis.prefix", schema.as_str())
+    })
+    .await;
+    drop_schema(&url, &schema).await;
+    drop_redis_keys(&redis, &schema).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn responses_are_sealed_at_rest_on_sqlite() {
     let dir = tempfile::TempDir::new().expect("tempdir");
@@ -149,16 +296,7 @@ async fn responses_are_sealed_at_rest_on_postgres() {
     let url = database_url();
     require_postgres(&url).await;
     let schema = unique_schema("vault");
-    sealed_at_rest(
-        |c, _| {
-            c.set("store.backend", "postgres")
-                .set("store.url", url.as_str())
-                .set("store.schema", schema.as_str())
-                .set("store.pool_size", 4)
-        },
-        || rows(&url, &schema),
-    )
-    .await;
+    sealed_at_rest(|c, _| on_postgres(c, &url, &schema), || rows(&url, &schema)).await;
     drop_schema(&url, &schema).await;
 }
 
@@ -195,10 +333,7 @@ async fn responses_are_sealed_at_rest_in_postgres_and_redis() {
     };
     sealed_at_rest(
         |c, _| {
-            c.set("store.backend", "postgres")
-                .set("store.url", url.as_str())
-                .set("store.schema", schema.as_str())
-                .set("store.pool_size", 4)
+            on_postgres(c, &url, &schema)
                 .set("redis.url", redis.as_str())
                 .set("redis.prefix", prefix.as_str())
         },
@@ -206,7 +341,12 @@ async fn responses_are_sealed_at_rest_in_postgres_and_redis() {
     )
     .await;
     drop_schema(&url, &schema).await;
-    let client = redis::Client::open(redis.as_str()).expect("redis url");
+    drop_redis_keys(&redis, &prefix).await;
+}
+
+/// Deletes what a test's fast path left under `prefix`.
+async fn drop_redis_keys(redis: &str, prefix: &str) {
+    let client = redis::Client::open(redis).expect("redis url");
     let mut conn = client
         .get_multiplexed_async_connection()
         .await
