@@ -1,8 +1,8 @@
 //! Property tests (proptest) for the pure pieces that read hostile input
 //! or lay out stored bytes (issue 9, "prove it stays fixed"): path
 //! normalization and route matching, the forwarder's join with the
-//! upstream's base path, the key parser, and the SQL and Redis record
-//! layouts. The same properties run for longer as fuzz targets
+//! upstream's base path, the key parser, the SQL and Redis record
+//! layouts, and sealed responses. The same properties run for longer as fuzz targets
 //! (`scripts/fuzz.sh`); these keep the default case counts, so the module
 //! runs in about a second.
 
@@ -431,5 +431,56 @@ proptest! {
     #[test]
     fn any_redis_value_decodes_or_is_corrupt(raw in prop::collection::vec(any::<u8>(), 0..96)) {
         let _ = redis_decode(&raw);
+    }
+}
+
+// ===== sealed responses (issue 21) =====
+
+fn key_ring(ids: &[(&str, u8)]) -> idemgate::idempotency::vault::KeyRing {
+    use base64::Engine;
+    let list: Vec<String> = ids
+        .iter()
+        .map(|(id, b)| {
+            format!(
+                "{id}:{}",
+                base64::engine::general_purpose::STANDARD.encode([*b; 32])
+            )
+        })
+        .collect();
+    idemgate::idempotency::vault::KeyRing::parse(&list.join(",")).expect("a key list")
+}
+
+proptest! {
+    /// Any response sealed for a record opens, for that record alone, to
+    /// exactly what was sealed; a key ring that also lists newer keys opens
+    /// it; flipping any one byte of what is stored makes it not open.
+    #[test]
+    fn a_sealed_response_round_trips_and_any_altered_byte_is_refused(
+        status in any::<u16>(),
+        headers in headers(),
+        body in prop::collection::vec(any::<u8>(), 0..64),
+        scope in any::<[u8; 32]>(),
+        key in any::<[u8; 32]>(),
+        other in any::<[u8; 32]>(),
+        flip in any::<prop::sample::Index>(),
+    ) {
+        use idemgate::store::sealed::{open_response, seal_response, is_sealed};
+        let record = RecordKey { scope: Scope(scope), key };
+        let resp = StoredResponse { status, headers, body: Bytes::from(body) };
+        let old = key_ring(&[("old", 1)]);
+        let rotated = key_ring(&[("new", 2), ("old", 1)]);
+        let sealed = seal_response(&old, &record, &resp);
+        prop_assert!(is_sealed(&sealed));
+        prop_assert_eq!(open_response(&old, &record, &sealed).ok().flatten(), Some(resp.clone()));
+        prop_assert_eq!(open_response(&rotated, &record, &sealed).ok().flatten(), Some(resp.clone()));
+        prop_assume!(other != key);
+        let elsewhere = RecordKey { scope: Scope(scope), key: other };
+        prop_assert!(open_response(&old, &elsewhere, &sealed).is_err());
+        let mut altered = sealed.clone();
+        let mut bytes = altered.body.to_vec();
+        let i = flip.index(bytes.len());
+        bytes[i] ^= 0x01;
+        altered.body = Bytes::from(bytes);
+        prop_assert!(open_response(&old, &record, &altered).is_err(), "byte {} flipped", i);
     }
 }
