@@ -108,7 +108,8 @@ where
 }
 
 /// Responses stored under `old`; `keys reencrypt` (pages of 2) run beside
-/// a proxy with `new,old`; then under `new` alone every one replays byte
+/// a proxy with `new,old` that serves traffic meanwhile (replays of those
+/// keys, new keys stored); then under `new` alone every one replays byte
 /// for byte (none 410), never run again.
 async fn reencrypted(store: impl Fn(TestConfig) -> TestConfig) {
     let up = Upstream::start().await;
@@ -170,21 +171,34 @@ async fn reencrypted(store: impl Fn(TestConfig) -> TestConfig) {
         "{census:?}"
     );
     let gate = serve(both.clone()).await;
-    let run = run_to_completion(&args, &env).await;
+    // Traffic while it runs: the old keys replay (under either key), new
+    // keys are stored (under `new`) and may be scanned as current.
+    const LIVE: usize = 20;
+    let traffic = async {
+        let mut live = Vec::new();
+        for i in 0..LIVE {
+            let replay = send(&gate, keys[i % keys.len()]).await;
+            assert!(replay.replayed(), "during the rotation: {}", replay.text());
+            assert_eq!(replay.body, first[i % keys.len()].body);
+            let k: &'static str = Box::leak(format!("k-live-{i}").into_boxed_str());
+            let fresh = send(&gate, k).await;
+            assert_eq!(fresh.status(), 201, "{}", fresh.text());
+            live.push((k, fresh));
+        }
+        live
+    };
+    let (run, live) = tokio::join!(run_to_completion(&args, &env), traffic);
     assert_eq!(run.code, 0, "{run:?}");
+    assert!(run.stdout.contains("done: 5 rewritten,"), "{run:?}");
     assert!(
-        run.stdout.contains("done: 5 rewritten, 0 already current"),
-        "{run:?}"
-    );
-    assert!(
-        run.stdout.contains("scanned 2, rewrote 2"),
+        run.stdout.contains("reencrypt: scanned 2, "),
         "pages of 2: {run:?}"
     );
     let again = run_to_completion(&args, &env).await;
     assert!(
         again
             .stdout
-            .contains("done: 0 rewritten, 5 already current"),
+            .contains(&format!("done: 0 rewritten, {} already current", 5 + LIVE)),
         "{again:?}"
     );
     stop(gate).await;
@@ -201,7 +215,12 @@ async fn reencrypted(store: impl Fn(TestConfig) -> TestConfig) {
         assert_eq!(replay.body, first.body, "{k}: byte for byte");
         assert_eq!(replay.header("location"), first.header("location"));
     }
-    assert_eq!(up.hits(ORDERS), keys.len(), "each ran once");
+    for (k, fresh) in &live {
+        let replay = send(&gate, k).await;
+        assert!(replay.replayed(), "{k}: {}", replay.text());
+        assert_eq!(replay.body, fresh.body);
+    }
+    assert_eq!(up.hits(ORDERS), keys.len() + LIVE, "each ran once");
     stop(gate).await;
 }
 
