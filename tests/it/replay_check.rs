@@ -13,6 +13,7 @@ backend_tests!(
     an_unanswered_check_is_a_503_never_a_replay_or_an_execution,
     a_passed_check_is_remembered_for_the_cache_time,
     a_duplicate_that_waited_is_checked_before_its_replay,
+    a_check_that_times_out_is_a_503,
 );
 
 const BODY: &str = r#"{"item":"book","qty":1}"#;
@@ -134,6 +135,30 @@ async fn a_passed_check_is_remembered_for_the_cache_time(backend: Backend) {
     assert_eq!(send("bob").send().await.status(), 201);
     assert!(send("bob").send().await.replayed());
     assert_eq!(up.hits(SESSION), 2);
+}
+
+/// A check slower than the upstream timeout: 503, nothing replayed or run.
+async fn a_check_that_times_out_is_a_503(backend: Backend) {
+    let up = Upstream::start().await;
+    let proxy = Proxy::builder(backend, up.addr)
+        .set("server.upstream_timeout", "300ms")
+        .each_route("replay_check", check(SESSION, None))
+        .start()
+        .await;
+    let send = || proxy.post(ORDERS).key("k-slow-check").body(BODY);
+    assert_eq!(send().send().await.status(), 201);
+    up.push(Action::Delay(std::time::Duration::from_millis(1500)));
+    let retry = send().send().await;
+    let p = retry.assert_problem(503);
+    assert!(
+        p["type"]
+            .as_str()
+            .unwrap()
+            .ends_with("replay-check-unavailable"),
+        "{p}"
+    );
+    assert_eq!(up.hits(ORDERS), 1, "not executed again");
+    assert_eq!(proxy.count(Outcome::ReplayCheckFailed), 1);
 }
 
 /// `in_flight = { wait }`: a duplicate that waited for the first request's

@@ -383,3 +383,93 @@ async fn drop_redis_keys(redis: &str, prefix: &str) {
             .expect("del");
     }
 }
+
+async fn execute(url: &str, sql: &str) -> u64 {
+    let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .expect("connect");
+    let task = tokio::spawn(conn);
+    let n = client.execute(sql, &[]).await.expect(sql);
+    drop(client);
+    let _ = task.await;
+    n
+}
+
+/// Through the binary on PostgreSQL: a sealed response altered in its row,
+/// or copied over another record's, never opens there: those keys answer
+/// 410 and the upstream is not called again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tampered_or_moved_sealed_response_is_never_replayed_or_run_again() {
+    let url = database_url();
+    require_postgres(&url).await;
+    let schema = unique_schema("vault_tamper");
+    let up = Upstream::start().await;
+    let dir = tempfile::TempDir::new().expect("tempdir");
+    let config = dir.path().join("idemgate.toml");
+    let (listen, admin) = (free_port(), free_port());
+    on_postgres(
+        TestConfig::new(up.addr)
+            .listen(listen, admin)
+            .route(Route::post(ORDERS)),
+        &url,
+        &schema,
+    )
+    .write(&config);
+    let keys = key("k1", OLD);
+    let gate = ServeProcess::start(
+        &config,
+        listen,
+        admin,
+        &[("IDEMGATE_STORE_ENCRYPTION_KEYS", keys.as_str())],
+    )
+    .await;
+    let send = |k: &'static str| gate.post(TARGET).key(k).body("{}").send();
+    for k in ["k-tampered", "k-moved", "k-source"] {
+        assert_eq!(send(k).await.status(), 201);
+    }
+    let (tampered, source) = (hex_key("k-tampered"), hex_key("k-source"));
+    // One byte of the ciphertext flipped in place.
+    let flipped = execute(
+        &url,
+        &format!(
+            "UPDATE {schema}.idempotency_records SET body = overlay(body placing \
+         decode(lpad(to_hex(get_byte(body, 40) # 1), 2, '0'), 'hex') from 41 for 1) \
+         WHERE key = decode('{tampered}', 'hex')"
+        ),
+    )
+    .await;
+    assert_eq!(flipped, 1);
+    // Another record's sealed response copied over this one's.
+    let moved = execute(
+        &url,
+        &format!(
+            "UPDATE {schema}.idempotency_records AS r SET body = s.body, headers = s.headers \
+         FROM {schema}.idempotency_records AS s \
+         WHERE s.key = decode('{source}', 'hex') AND r.key = decode('{}', 'hex')",
+            hex_key("k-moved")
+        ),
+    )
+    .await;
+    assert_eq!(moved, 1);
+    for k in ["k-tampered", "k-moved"] {
+        let retry = send(k).await;
+        assert_eq!(retry.status(), 410, "{k}: {}", retry.text());
+    }
+    assert!(
+        send("k-source").await.replayed(),
+        "the untouched record replays"
+    );
+    assert_eq!(up.hits(ORDERS), 3, "nothing ran again");
+    let metrics = gate.admin_get("/metrics").send().await.text();
+    assert!(
+        metrics.contains("idemgate_sealed_unreadable_total{reason=\"forged\"} 2"),
+        "{metrics}"
+    );
+    stop(gate).await;
+    drop_schema(&url, &schema).await;
+}
+
+/// The stored digest of an idempotency key, as hex.
+fn hex_key(k: &str) -> String {
+    hex::encode(idemgate::idempotency::key::hash_key(k))
+}
