@@ -39,6 +39,17 @@ async fn stop(mut gate: ServeProcess) {
     gate.exited().await;
 }
 
+/// `idemgate serve` on `config` with `keys` as its encryption keys.
+async fn serve_with_keys(
+    config: &Path,
+    listen: std::net::SocketAddr,
+    admin: std::net::SocketAddr,
+    keys: String,
+) -> ServeProcess {
+    let env = [("IDEMGATE_STORE_ENCRYPTION_KEYS", keys.as_str())];
+    ServeProcess::start(config, listen, admin, &env).await
+}
+
 /// Stores one response under `old`, replays it under `old`, then under
 /// `new,old` (rotation: both open), then under `new` alone (its key gone:
 /// 410, not run again); `stored` returns every byte the store keeps.
@@ -58,18 +69,7 @@ where
         dir.path(),
     )
     .write(&config);
-    let serve = |keys: String| {
-        let config = config.clone();
-        async move {
-            ServeProcess::start(
-                &config,
-                listen,
-                admin,
-                &[("IDEMGATE_STORE_ENCRYPTION_KEYS", keys.as_str())],
-            )
-            .await
-        }
-    };
+    let serve = |keys: String| serve_with_keys(&config, listen, admin, keys);
     let send = |gate: &ServeProcess| gate.post(TARGET).key("k-vault").body("{}").send();
 
     let gate = serve(key("old", OLD)).await;
@@ -122,18 +122,7 @@ async fn reencrypted(store: impl Fn(TestConfig) -> TestConfig) {
             .route(Route::post(ORDERS)),
     )
     .write(&config);
-    let serve = |keys: String| {
-        let config = config.clone();
-        async move {
-            ServeProcess::start(
-                &config,
-                listen,
-                admin,
-                &[("IDEMGATE_STORE_ENCRYPTION_KEYS", keys.as_str())],
-            )
-            .await
-        }
-    };
+    let serve = |keys: String| serve_with_keys(&config, listen, admin, keys);
     let keys = ["k-re-1", "k-re-2", "k-re-3", "k-re-4", "k-re-5"];
     let send = |gate: &ServeProcess, k: &'static str| gate.post(TARGET).key(k).body("{}").send();
 
@@ -290,11 +279,16 @@ async fn responses_are_sealed_at_rest_on_sqlite() {
     .await;
 }
 
-async fn rows(url: &str, schema: &str) -> Vec<Vec<u8>> {
+/// A client of the test database, and its connection's task.
+async fn pg(url: &str) -> (tokio_postgres::Client, tokio::task::JoinHandle<()>) {
     let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
         .await
         .expect("connect");
-    let task = tokio::spawn(conn);
+    (client, tokio::spawn(async move { drop(conn.await) }))
+}
+
+async fn rows(url: &str, schema: &str) -> Vec<Vec<u8>> {
+    let (client, task) = pg(url).await;
     let sql = format!(
         "SELECT coalesce(headers, ''::bytea) || coalesce(body, ''::bytea) FROM {schema}.idempotency_records"
     );
@@ -328,16 +322,7 @@ async fn responses_are_sealed_at_rest_in_postgres_and_redis() {
     let schema = unique_schema("vault_redis");
     let prefix = schema.clone();
     let values = || async {
-        let client = redis::Client::open(redis.as_str()).expect("redis url");
-        let mut conn = client
-            .get_multiplexed_async_connection()
-            .await
-            .expect("redis");
-        let names: Vec<String> = redis::cmd("KEYS")
-            .arg(format!("{prefix}:*"))
-            .query_async(&mut conn)
-            .await
-            .expect("keys");
+        let (mut conn, names) = redis_names(&redis, &prefix).await;
         assert!(!names.is_empty(), "the fast path keeps a copy");
         let mut out = rows(&url, &schema).await;
         for name in names {
@@ -363,18 +348,27 @@ async fn responses_are_sealed_at_rest_in_postgres_and_redis() {
     drop_redis_keys(&redis, &prefix).await;
 }
 
-/// Deletes what a test's fast path left under `prefix`.
-async fn drop_redis_keys(redis: &str, prefix: &str) {
+/// A connection to `redis`, and the names it holds under `prefix`.
+async fn redis_names(
+    redis: &str,
+    prefix: &str,
+) -> (redis::aio::MultiplexedConnection, Vec<String>) {
     let client = redis::Client::open(redis).expect("redis url");
     let mut conn = client
         .get_multiplexed_async_connection()
         .await
         .expect("redis");
-    let names: Vec<String> = redis::cmd("KEYS")
+    let names = redis::cmd("KEYS")
         .arg(format!("{prefix}:*"))
         .query_async(&mut conn)
         .await
         .expect("keys");
+    (conn, names)
+}
+
+/// Deletes what a test's fast path left under `prefix`.
+async fn drop_redis_keys(redis: &str, prefix: &str) {
+    let (mut conn, names) = redis_names(redis, prefix).await;
     if !names.is_empty() {
         let _: () = redis::cmd("DEL")
             .arg(&names)
@@ -385,10 +379,7 @@ async fn drop_redis_keys(redis: &str, prefix: &str) {
 }
 
 async fn execute(url: &str, sql: &str) -> u64 {
-    let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-        .await
-        .expect("connect");
-    let task = tokio::spawn(conn);
+    let (client, task) = pg(url).await;
     let n = client.execute(sql, &[]).await.expect(sql);
     drop(client);
     let _ = task.await;
@@ -415,14 +406,7 @@ async fn a_tampered_or_moved_sealed_response_is_never_replayed_or_run_again() {
         &schema,
     )
     .write(&config);
-    let keys = key("k1", OLD);
-    let gate = ServeProcess::start(
-        &config,
-        listen,
-        admin,
-        &[("IDEMGATE_STORE_ENCRYPTION_KEYS", keys.as_str())],
-    )
-    .await;
+    let gate = serve_with_keys(&config, listen, admin, key("k1", OLD)).await;
     let send = |k: &'static str| gate.post(TARGET).key(k).body("{}").send();
     for k in ["k-tampered", "k-moved", "k-source"] {
         assert_eq!(send(k).await.status(), 201);
