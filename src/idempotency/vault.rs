@@ -180,32 +180,38 @@ impl KeyRing {
     }
 
     /// Opens what [`KeyRing::seal`] made for the same record: the encoded
-    /// headers and the body.
+    /// headers and the body, both views of one buffer decrypted in place
+    /// (a replay copies the ciphertext once, nothing after).
     pub fn open(
         &self,
         binding: Binding<'_>,
         sealed: &[u8],
-    ) -> Result<(Vec<u8>, Vec<u8>), OpenError> {
+    ) -> Result<(bytes::Bytes, bytes::Bytes), OpenError> {
         let (id, nonce, ciphertext) = split(sealed)?;
         let key = self
             .keys
             .get(id)
             .ok_or_else(|| OpenError::UnknownKey(id.to_string()))?;
         let mut buf = ciphertext.to_vec();
-        let plain = key
+        let plain_len = key
             .open_in_place(
                 Nonce::assume_unique_for_key(nonce),
                 Aad::from(binding.aad()),
                 &mut buf,
             )
-            .map_err(|_| OpenError::Forged(id.to_string()))?;
-        let (len, rest) = plain.split_first_chunk::<4>().ok_or(OpenError::Malformed)?;
+            .map_err(|_| OpenError::Forged(id.to_string()))?
+            .len();
+        buf.truncate(plain_len);
+        let (len, rest) = buf.split_first_chunk::<4>().ok_or(OpenError::Malformed)?;
         let header_len = u32::from_be_bytes(*len) as usize;
         if rest.len() < header_len {
             return Err(OpenError::Malformed);
         }
-        let (headers, body) = rest.split_at(header_len);
-        Ok((headers.to_vec(), body.to_vec()))
+        let plain = bytes::Bytes::from(buf);
+        Ok((
+            plain.slice(4..4 + header_len),
+            plain.slice(4 + header_len..),
+        ))
     }
 }
 
@@ -332,7 +338,10 @@ mod tests {
         // Every listed key opens; only the first seals.
         assert_eq!(
             both.open(bind(&scope, &k, 201), &sealed).unwrap(),
-            (b"headers".to_vec(), body.to_vec())
+            (
+                bytes::Bytes::from_static(b"headers"),
+                bytes::Bytes::from_static(body)
+            )
         );
         assert_eq!(
             sealed_key_id(&both.seal(bind(&scope, &k, 201), b"", b"")),

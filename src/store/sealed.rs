@@ -102,7 +102,7 @@ pub fn open_response(
     Ok(Some(StoredResponse {
         status: resp.status,
         headers,
-        body: Bytes::from(body),
+        body,
     }))
 }
 
