@@ -43,6 +43,9 @@ pub struct Admin {
     pub reload: Option<Arc<dyn Reload>>,
     /// `server.readiness = "upstream"`: asks the app whether it listens.
     pub upstream: Option<Arc<dyn UpstreamCheck>>,
+    /// `[[consumer]]` broker states, one line each on `/healthz` (a
+    /// broker outage does not make the process unhealthy or unready).
+    pub consumers: crate::consumer::ConsumerHealth,
 }
 
 /// Whether the app behind the proxy answers, for `server.readiness =
@@ -73,7 +76,7 @@ impl Admin {
             return text(StatusCode::METHOD_NOT_ALLOWED, "use GET\n");
         }
         match req.uri().path() {
-            "/healthz" => text(StatusCode::OK, "ok\n"),
+            "/healthz" => text(StatusCode::OK, &format!("ok\n{}", self.consumers.lines())),
             "/readyz" if self.draining.is_cancelled() => text(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "not ready: shutting down\n",

@@ -14,6 +14,7 @@
 //! `IDEMGATE_LISTEN`, and `IDEMGATE_SCOPE_SECRET` (environment only), which
 //! keys the scope digests.
 
+pub mod consumers;
 mod env;
 mod log;
 pub mod pg_url;
@@ -35,6 +36,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 use units::HumanDuration;
 
+pub use consumers::ConsumerConfig;
 pub use log::{LogConfig, LogFormat};
 // Other modules still name these through `config`; they live in `route`.
 pub use crate::route::{OnAmbiguous, OnStoreError, RouteConfig};
@@ -136,6 +138,9 @@ pub struct Restart {
     pub log: LogConfig,
     /// `[tracing]`: OpenTelemetry export (feature `otel`); `None` = off.
     pub tracing: Option<TracingConfig>,
+    /// `[[consumer]]`: each holds a broker connection opened at start, so
+    /// a reload keeps the running consumers (and names those it changed).
+    pub consumers: Vec<ConsumerConfig>,
 }
 
 impl Restart {
@@ -152,6 +157,7 @@ impl Restart {
             redis,
             log,
             tracing,
+            consumers,
         } = self;
         let mut out = changed_fields("server", server, &new.server);
         out.extend(changed_fields("admin", admin, &new.admin));
@@ -162,6 +168,17 @@ impl Restart {
             ("tracing", *tracing != new.tracing),
         ];
         out.extend(whole.iter().filter(|w| w.1).map(|w| w.0.to_string()));
+        // By name: added, removed or changed.
+        let names = consumers.iter().chain(&new.consumers).map(|c| &c.name);
+        let mut names: Vec<_> = names.collect();
+        names.sort();
+        names.dedup();
+        for name in names {
+            let find = |list: &[ConsumerConfig]| list.iter().find(|c| &c.name == name).cloned();
+            if find(consumers) != find(&new.consumers) {
+                out.push(format!("consumer.{name}"));
+            }
+        }
         out
     }
 }
@@ -312,6 +329,16 @@ impl Config {
     /// Composes the sections, in file order, then checks what spans them.
     fn from_raw(raw: RawConfig, env: &BTreeMap<String, String>) -> Result<Self, Invalid> {
         let (server, server_restart) = server::read(raw.server)?;
+        let consumers = {
+            let d = &raw.defaults;
+            let inherited = consumers::Inherited {
+                lease: d.lease.map(|t| t.0),
+                release_statuses: d.release_statuses.as_ref().map(|r| &r.0),
+                on_ambiguous: d.on_ambiguous,
+                max_response_body: d.max_response_body.map(|s| s.0),
+            };
+            consumers::read(raw.consumer, &inherited, env)?
+        };
         let restart = Restart {
             server: server_restart,
             admin: raw.admin.map(AdminConfig::try_from).transpose()?,
@@ -331,6 +358,7 @@ impl Config {
                 Some(section) => Some(TracingConfig::try_from(section.into_inner())?),
                 None => None,
             },
+            consumers,
         };
         let upstreams = upstreams::named(raw.upstreams)?;
         let choices = raw
@@ -353,6 +381,20 @@ impl Config {
                     .filter_map(|(whose, r)| Some((whose, r.replay_check.as_ref()?.upstream()?))),
             );
         upstreams::check_choices(choices, &upstreams)?;
+        for (i, c) in restart.consumers.iter().enumerate() {
+            match c.route.upstream.as_deref() {
+                Some(name) if !upstreams.contains_key(name) => {
+                    return Err(Invalid::field(
+                        format!("consumer.{i}.deliver"),
+                        format!(
+                            "consumer {:?}: deliver.upstream = {name:?} names no [upstreams.{name}] section",
+                            &*c.name
+                        ),
+                    ))
+                }
+                _ => {}
+            }
+        }
         let routes = Defaults::try_from(raw.defaults)?.routes(raw.route)?;
         let config = Config {
             scope_secret: env::scope_secret(env)?,
@@ -532,7 +574,11 @@ impl fmt::Display for Config {
                 "responses  stored in plaintext (set IDEMGATE_STORE_ENCRYPTION_KEYS to seal them)"
             )?,
         }
-        write!(f, "{}", RoutesDisplay(&self.routes))
+        write!(f, "{}", RoutesDisplay(&self.routes))?;
+        for consumer in &self.restart.consumers {
+            write!(f, "{consumer}")?;
+        }
+        Ok(())
     }
 }
 

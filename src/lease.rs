@@ -177,6 +177,14 @@ impl Drop for Waiting {
     }
 }
 
+/// What [`Lease::complete_reporting`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Completed {
+    pub fate: KeyFate,
+    /// The store confirmed the completion under this lease's token.
+    pub recorded: bool,
+}
+
 /// What a claim asks for.
 pub struct ClaimRequest {
     pub key: RecordKey,
@@ -313,7 +321,15 @@ impl Lease {
     /// the client gets its response; if the store is still down they go on
     /// in the background, renewing the lease, so a retry meanwhile gets 409
     /// rather than a second execution.
-    pub async fn complete(mut self, completion: Completion) -> KeyFate {
+    pub async fn complete(self, completion: Completion) -> KeyFate {
+        self.complete_reporting(completion).await.fate
+    }
+
+    /// [`Lease::complete`], saying also whether the store took the
+    /// completion before this returned (`recorded`), or it is still being
+    /// retried in the background. A message consumer acks only a recorded
+    /// one: the broker forgets the message on ack.
+    pub async fn complete_reporting(mut self, completion: Completion) -> Completed {
         self.finished = true;
         let fenced = self.fenced.clone();
         let mut unanswered = false;
@@ -322,7 +338,10 @@ impl Lease {
         })
         .await;
         match answer {
-            Some(fence) => fenced.completed(fence, unanswered),
+            Some(fence) => Completed {
+                fate: fenced.completed(fence, unanswered),
+                recorded: fence == Fence::Held,
+            },
             None => {
                 warn!(key.id = %fenced.key.log_id(),
                     "could not record completion yet; retrying in the background");
@@ -331,7 +350,10 @@ impl Lease {
                 let waiting = fenced.leases.backlog.enter(fenced.key.log_id());
                 let tasks = fenced.leases.tasks.clone();
                 tasks.spawn(fenced.persist(completion, waiting));
-                KeyFate::Kept
+                Completed {
+                    fate: KeyFate::Kept,
+                    recorded: false,
+                }
             }
         }
     }

@@ -35,6 +35,9 @@
 //!   (prepare, claim, execute, wait).
 //! - `error`, `problem`: the proxy's error type with typed causes, and the
 //!   one mapping to RFC 9457 responses.
+//! - `consumer`: message consumers (`[[consumer]]`): broker messages
+//!   (RabbitMQ, NATS JetStream) delivered through `proxy`'s protected
+//!   path, acked once their answer is recorded.
 //! - `admin`: health, readiness and `/metrics`.
 //! - [`server`]: wiring: the listeners, sweeper, reload and shutdown.
 //! - [`cmd`]: one file per subcommand (`serve`, `check-config`, `migrate`,
@@ -47,6 +50,7 @@ pub mod body;
 pub mod clock;
 pub mod cmd;
 pub mod config;
+pub(crate) mod consumer;
 pub(crate) mod error;
 #[doc(hidden)]
 pub mod fuzzing;
@@ -76,8 +80,8 @@ mod layering {
         &["net", "body", "clock", "metrics", "telemetry"],
         &["idempotency", "route", "config", "store", "lease"],
         &[
-            "upstream", "error", "problem", "proxy", "admin", "server", "cmd", "shutdown",
-            "fuzzing",
+            "upstream", "error", "problem", "proxy", "consumer", "admin", "server", "cmd",
+            "shutdown", "fuzzing",
         ],
     ];
 

@@ -16,6 +16,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+pub mod consumers;
 mod process;
 
 /// How a request ended, as counted and logged.
@@ -178,6 +179,7 @@ pub struct Metrics {
     upstream_in_flight: Family<UpstreamLabels, Gauge>,
     tunnels: TunnelMetrics,
     sealed_unreadable: Family<ReasonLabels, Counter>,
+    consumers: consumers::ConsumerMetrics,
 }
 
 /// `"2xx"` and so on; anything outside 100..=599 is `"other"`.
@@ -333,6 +335,7 @@ impl Metrics {
                     .set(1);
                 TunnelMetrics::register(registry)
             },
+            consumers: consumers::ConsumerMetrics::register(registry),
             registry: root,
         };
         for result in ["ok", "error"] {
@@ -343,6 +346,11 @@ impl Metrics {
             );
         }
         metrics
+    }
+
+    /// `[[consumer]]` metrics.
+    pub fn consumers(&self) -> &consumers::ConsumerMetrics {
+        &self.consumers
     }
 
     pub fn tunnels(&self) -> &TunnelMetrics {

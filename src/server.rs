@@ -188,6 +188,15 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
         &drain,
     )?));
     let stop = drain.stop.clone();
+    // Consumers stop taking messages when shutdown begins and finish
+    // what they hold within the grace period.
+    let consumers = crate::consumer::Consumers::start(
+        &config.restart.consumers,
+        current.clone(),
+        metrics.clone(),
+        drain.requested.clone(),
+        config.restart.server.shutdown_grace,
+    );
 
     let sweeper = tokio::spawn(sweep_loop(
         store.clone(),
@@ -237,6 +246,7 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
                         path: config.restart.server.readiness_path.clone(),
                     }) as Arc<dyn crate::admin::UpstreamCheck>
                 }),
+            consumers: consumers.health(),
         });
         info!(addr = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(), "admin listening");
         tokio::spawn(admin_loop(listener, admin, admin_tls, deadlines, stop.clone()))
@@ -328,6 +338,7 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
                 "shutting down with this completion not recorded: the request executed, but a retry after its lease runs out will run it again");
         }
     }
+    consumers.stopped().await;
     drain.stop.cancel();
     let _ = sweeper.await;
     let _ = prober.await;

@@ -38,6 +38,8 @@ pub(super) struct RawConfig {
     pub(super) upstreams: BTreeMap<String, Spanned<RawUpstream>>,
     pub(super) defaults: RawRouteSettings,
     pub(super) route: Vec<Spanned<RawRouteSettings>>,
+    /// `[[consumer]]`: message consumers (`consumers.rs`).
+    pub(super) consumer: Vec<Spanned<RawConsumer>>,
 }
 
 impl RawConfig {
@@ -278,6 +280,110 @@ impl<'de> Deserialize<'de> for ReplayCheckValue {
                     path,
                     upstream: t.upstream,
                 })
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+// ===== [[consumer]] (config/consumers.rs) =====
+
+/// One `[[consumer]]` as written.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawConsumer {
+    pub(super) name: Option<String>,
+    pub(super) source: Option<RawSource>,
+    pub(super) deliver: Option<RawDeliver>,
+    pub(super) key: Option<KeyValue>,
+    pub(super) ttl: Option<HumanDuration>,
+    pub(super) lease: Option<HumanDuration>,
+    pub(super) max_attempts: Option<u32>,
+    pub(super) retry_initial: Option<HumanDuration>,
+    pub(super) retry_max: Option<HumanDuration>,
+    pub(super) on_ambiguous: Option<OnAmbiguous>,
+    pub(super) release_statuses: Option<ReleaseStatusesValue>,
+    pub(super) fingerprint: Option<FingerprintMode>,
+    pub(super) max_response_body: Option<ByteSize>,
+}
+
+/// `source = { amqp = { .. } }` or `{ jetstream = { .. } }`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "lowercase")]
+pub(super) enum RawSource {
+    Amqp(RawAmqp),
+    Jetstream(RawJetStream),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawAmqp {
+    pub(super) url: Option<String>,
+    pub(super) queue: String,
+    pub(super) prefetch: Option<u16>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawJetStream {
+    pub(super) url: Option<String>,
+    pub(super) stream: String,
+    pub(super) durable: String,
+    pub(super) ack_wait: Option<HumanDuration>,
+    pub(super) max_ack_pending: Option<i64>,
+    pub(super) dead_letter_subject: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawDeliver {
+    pub(super) method: Option<MethodName>,
+    pub(super) path: String,
+    pub(super) upstream: Option<Spanned<String>>,
+}
+
+/// `key = "message-id"`, `{ header = ".." }` or `{ json = "/pointer" }`.
+#[derive(Debug)]
+pub(super) struct KeyValue(pub(super) RawKey);
+
+/// Where a message's key comes from, as written.
+#[derive(Debug)]
+pub(super) enum RawKey {
+    MessageId,
+    Header(HeaderName),
+    Json(Pointer),
+}
+
+impl<'de> Deserialize<'de> for KeyValue {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        const EXPECTED: &str = "key = \"message-id\", key = { header = \"X-Order-Id\" } or key = { json = \"/orderId\" }";
+        impl<'de> Visitor<'de> for V {
+            type Value = KeyValue;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(EXPECTED)
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<KeyValue, E> {
+                match v {
+                    "message-id" => Ok(KeyValue(RawKey::MessageId)),
+                    _ => Err(E::custom(format!("key: {v:?} is not {EXPECTED}"))),
+                }
+            }
+            fn visit_map<A: de::MapAccess<'de>>(self, map: A) -> Result<KeyValue, A::Error> {
+                #[derive(Deserialize)]
+                #[serde(deny_unknown_fields)]
+                struct Table {
+                    header: Option<HeaderNameValue>,
+                    json: Option<PointerValue>,
+                }
+                let t = Table::deserialize(de::value::MapAccessDeserializer::new(map))?;
+                match (t.header, t.json) {
+                    (Some(h), None) => Ok(KeyValue(RawKey::Header(h.0))),
+                    (None, Some(p)) => Ok(KeyValue(RawKey::Json(p.0))),
+                    _ => Err(de::Error::custom(format!(
+                        "key: set exactly one of `header` or `json`: {EXPECTED}"
+                    ))),
+                }
             }
         }
         d.deserialize_any(V)

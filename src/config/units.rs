@@ -100,7 +100,7 @@ pub fn format_duration(d: Duration) -> String {
         ("m", 60_000),
         ("s", 1_000),
     ] {
-        if ms >= per && ms % per == 0 {
+        if ms >= per && ms.is_multiple_of(per) {
             return format!("{}{unit}", ms / per);
         }
     }
@@ -114,7 +114,7 @@ pub fn format_duration(d: Duration) -> String {
 /// Formats a size the way the config accepts it, for `check-config`.
 pub fn format_size(n: u64) -> String {
     for (unit, per) in [("GiB", 1u64 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)] {
-        if n >= per && n % per == 0 {
+        if n >= per && n.is_multiple_of(per) {
             return format!("{}{unit}", n / per);
         }
     }

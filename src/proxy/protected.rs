@@ -41,7 +41,25 @@ use std::sync::Arc;
 use tokio::time::Instant;
 use tracing::warn;
 
+/// On an executed request's response: what recording its answer did
+/// (recorded now, or still being retried in the background; or refused
+/// because the lease was lost). A message consumer acks only once the
+/// answer is recorded.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Recording(pub crate::lease::Completed);
+
 impl Proxy {
+    /// A message's delivery (`crate::consumer`): claimed, forwarded and
+    /// recorded exactly as a protected HTTP request, in the caller's task.
+    pub(crate) async fn deliver(&self, req: ProtectedRequest) -> Result<Served, ProxyError> {
+        self.claim_and_execute(req).await
+    }
+
+    /// Keys the scope digests, for requests built outside the HTTP path.
+    pub(crate) fn scope_secret(&self) -> Option<&crate::config::Secret> {
+        self.services.scope_secret.as_ref()
+    }
+
     /// A request on a protected route: passed through where it has no key
     /// (and needs none), refused where its key, scope or body is bad, and
     /// otherwise run from its claim on in a task of its own, whose response
@@ -357,17 +375,22 @@ impl Proxy {
                 // but this response cannot be kept. Record that, then stream.
                 warn!(key.id = %lease.log_id(), route = %route.label, limit = route.max_response_body,
                     "response larger than max_response_body; key completed without a stored body");
-                lease.complete(Completion::Unstored { status }).await;
+                let completed = lease
+                    .complete_reporting(Completion::Unstored { status })
+                    .await;
                 let body = Prefixed::new(chunks, body);
                 let mut resp = Response::from_parts(parts, boxed(body));
                 resp.extensions_mut().insert(Unstored);
+                resp.extensions_mut().insert(Recording(completed));
                 return Ok((Outcome::Forwarded, resp));
             }
         }
         let body = concat(chunks);
         let stored = capture(method, &parts, body.clone(), route);
-        lease.complete(Completion::Stored(stored)).await;
-        Ok((Outcome::Forwarded, Response::from_parts(parts, full(body))))
+        let completed = lease.complete_reporting(Completion::Stored(stored)).await;
+        let mut resp = Response::from_parts(parts, full(body));
+        resp.extensions_mut().insert(Recording(completed));
+        Ok((Outcome::Forwarded, resp))
     }
 }
 

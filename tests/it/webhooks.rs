@@ -48,7 +48,7 @@ fn standard_webhooks(p: &Proxy, path: &str, id: &str, attempt: u32) -> Req {
 fn stripe(p: &Proxy, path: &str, id: &str, attempt: u32) -> Req {
     // Stripe re-sends the event; `pending_webhooks` may differ per attempt,
     // and a client library may re-serialize it in another member order.
-    let body = if attempt % 2 == 0 {
+    let body = if attempt.is_multiple_of(2) {
         format!(
             r#"{{"id":"{id}","object":"event","api_version":"2024-06-20","created":1764580000,"type":"payment_intent.succeeded","livemode":false,"pending_webhooks":{},"data":{{"object":{{"id":"pi_1","amount":2000,"currency":"eur"}}}}}}"#,
             3 - attempt.min(2)

@@ -1,0 +1,104 @@
+//! Message consumers (`[[consumer]]`): messages from RabbitMQ (AMQP 0-9-1)
+//! and NATS JetStream, each delivered to the unmodified HTTP handler as
+//! one protected request, through the same claim, forward and record as
+//! an HTTP client's (`Proxy::deliver`), scoped by the consumer's name; the
+//! broker is told only once the answer is durably recorded.
+//!
+//! - `source.rs`: the seam: a [`source::Source`] yields deliveries, each
+//!   told its fate once; one module per broker (`amqp.rs`, `jetstream.rs`;
+//!   a Kafka source would be one more module and one arm in `run.rs`).
+//! - `deliver.rs`: a message as its request (key, headers, fingerprint),
+//!   and the protected path's result read back.
+//! - `fate.rs`: the fate table, pure and table-tested.
+//! - `run.rs`: connecting, reconnecting, bounded concurrency, shutdown.
+
+mod amqp;
+pub mod deliver;
+pub mod fate;
+mod jetstream;
+mod run;
+pub mod source;
+
+use crate::config::ConsumerConfig;
+use crate::metrics::Metrics;
+use crate::proxy::Proxy;
+use arc_swap::ArcSwap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+/// The running consumers.
+pub struct Consumers {
+    running: Vec<(Arc<str>, Arc<AtomicBool>, JoinHandle<()>)>,
+}
+
+impl Consumers {
+    /// Starts every consumer: each connects (and reconnects) by itself,
+    /// so a broker that is down delays nothing else. `stopping` begins
+    /// their shutdown; each then has `grace` to finish what it holds.
+    pub fn start(
+        configs: &[ConsumerConfig],
+        current: Arc<ArcSwap<Proxy>>,
+        metrics: Arc<Metrics>,
+        stopping: CancellationToken,
+        grace: Duration,
+    ) -> Self {
+        let reasons: Vec<&'static str> = fate::Reason::ALL.iter().map(|r| r.as_str()).collect();
+        let running = configs
+            .iter()
+            .map(|c| {
+                metrics.consumers().register_consumer(&c.name, &reasons);
+                let up = Arc::new(AtomicBool::new(false));
+                let ctx = Arc::new(run::Context {
+                    consumer: Arc::new(c.clone()),
+                    current: current.clone(),
+                    metrics: metrics.clone(),
+                    stopping: stopping.clone(),
+                    up: up.clone(),
+                });
+                (c.name.clone(), up, tokio::spawn(run::run(ctx, grace)))
+            })
+            .collect();
+        Self { running }
+    }
+
+    /// Each consumer's broker state, shared, for `/healthz`.
+    pub fn health(&self) -> ConsumerHealth {
+        ConsumerHealth(
+            self.running
+                .iter()
+                .map(|(name, up, _)| (name.clone(), up.clone()))
+                .collect(),
+        )
+    }
+
+    /// Waits for every consumer to stop (after `stopping`).
+    pub async fn stopped(self) {
+        for (_, _, task) in self.running {
+            let _ = task.await;
+        }
+    }
+}
+
+/// The consumers' broker states, as `/healthz` shows them.
+#[derive(Clone, Default)]
+pub struct ConsumerHealth(Vec<(Arc<str>, Arc<AtomicBool>)>);
+
+impl ConsumerHealth {
+    /// One line per consumer: `consumer NAME: broker up|down`.
+    pub fn lines(&self) -> String {
+        self.0
+            .iter()
+            .map(|(name, up)| {
+                let state = if up.load(Ordering::Relaxed) {
+                    "up"
+                } else {
+                    "down"
+                };
+                format!("consumer {name}: broker {state}\n")
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,262 @@
+//! RabbitMQ (AMQP 0-9-1, `lapin`): one connection per consumer, one
+//! channel consuming the queue with `basic.qos` = `prefetch`, and a second
+//! channel in confirm mode for the copies a retry republishes.
+//!
+//! - ack: `basic.ack` through the delivery's own acker, so always on the
+//!   channel the delivery came from (a delivery tag means nothing on
+//!   another channel).
+//! - dead-letter: `basic.reject` without requeue: the queue's own
+//!   `x-dead-letter-exchange` receives it (none set: RabbitMQ drops it).
+//! - retry: AMQP has no delayed negative ack, so the core holds the
+//!   delivery for the backoff; then a copy with `x-idemgate-attempts` set
+//!   to the next attempt is published to the queue (default exchange,
+//!   confirmed) and the original acked. A crash between the two leaves
+//!   both: the same key, so one runs. Should the publish fail, the
+//!   original is requeued (`basic.nack`) instead.
+//! - attempt: `x-idemgate-attempts` (1 on a first delivery) plus a quorum
+//!   queue's `x-delivery-count` (redeliveries after a lost channel).
+
+use super::fate::Reason;
+use super::source::{Delivery, Message, Source, SourceError};
+use crate::config::consumers::AmqpSource;
+use bytes::Bytes;
+use futures_util::StreamExt;
+use lapin::options::{
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions,
+    BasicPublishOptions, BasicQosOptions, BasicRejectOptions, ConfirmSelectOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use std::time::Duration;
+
+/// The header a retried copy carries: its attempt number.
+pub const ATTEMPTS_HEADER: &str = "x-idemgate-attempts";
+
+pub struct Amqp {
+    /// Taken when dropped, to be closed.
+    connection: Option<Connection>,
+    channel: Channel,
+    publish: Channel,
+    consumer: lapin::Consumer,
+    queue: String,
+}
+
+fn err(what: &'static str) -> impl Fn(lapin::Error) -> SourceError {
+    move |e| SourceError::new(what, e)
+}
+
+pub async fn connect(config: &AmqpSource) -> Result<Amqp, SourceError> {
+    let connection = Connection::connect(config.url.expose(), ConnectionProperties::default())
+        .await
+        .map_err(err("connect"))?;
+    let channel = connection
+        .create_channel()
+        .await
+        .map_err(err("open a channel"))?;
+    channel
+        .basic_qos(config.prefetch, BasicQosOptions::default())
+        .await
+        .map_err(err("basic.qos"))?;
+    let publish = connection
+        .create_channel()
+        .await
+        .map_err(err("open a channel"))?;
+    publish
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .map_err(err("confirm.select"))?;
+    let tag = format!("idemgate-{:016x}", rand::random::<u64>());
+    let consumer = channel
+        .basic_consume(
+            ShortString::from(config.queue.clone()),
+            ShortString::from(tag),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .map_err(err("basic.consume"))?;
+    Ok(Amqp {
+        connection: Some(connection),
+        channel,
+        publish,
+        consumer,
+        queue: config.queue.clone(),
+    })
+}
+
+#[async_trait::async_trait]
+impl Source for Amqp {
+    async fn next(&mut self) -> Result<Box<dyn Delivery>, SourceError> {
+        match self.consumer.next().await {
+            Some(Ok(delivery)) => {
+                let msg = message(&delivery.properties, &delivery.data);
+                Ok(Box::new(AmqpDelivery {
+                    delivery,
+                    msg,
+                    publish: self.publish.clone(),
+                    queue: self.queue.clone(),
+                }))
+            }
+            Some(Err(e)) => Err(SourceError::new("consume", e)),
+            None => Err(SourceError("the broker cancelled the consumer".into())),
+        }
+    }
+
+    async fn stop(&mut self) {
+        let tag = self.consumer.tag();
+        let _ = self
+            .channel
+            .basic_cancel(tag, BasicCancelOptions::default())
+            .await;
+    }
+}
+
+impl Drop for Amqp {
+    fn drop(&mut self) {
+        // Unacked deliveries return to the queue when the connection closes.
+        let Some(connection) = self.connection.take() else {
+            return;
+        };
+        tokio::spawn(async move {
+            let _ = connection
+                .close(200, ShortString::from("idemgate stopping"))
+                .await;
+        });
+    }
+}
+
+/// A header value as text, where it is one.
+fn text(v: &AMQPValue) -> Option<String> {
+    Some(match v {
+        AMQPValue::LongString(s) => String::from_utf8(s.as_bytes().to_vec()).ok()?,
+        AMQPValue::ShortString(s) => s.as_str().to_string(),
+        AMQPValue::Boolean(b) => b.to_string(),
+        AMQPValue::ShortShortInt(n) => n.to_string(),
+        AMQPValue::ShortShortUInt(n) => n.to_string(),
+        AMQPValue::ShortInt(n) => n.to_string(),
+        AMQPValue::ShortUInt(n) => n.to_string(),
+        AMQPValue::LongInt(n) => n.to_string(),
+        AMQPValue::LongUInt(n) => n.to_string(),
+        AMQPValue::LongLongInt(n) => n.to_string(),
+        _ => return None,
+    })
+}
+
+fn message(properties: &BasicProperties, data: &[u8]) -> Message {
+    let mut headers = Vec::new();
+    if let Some(table) = properties.headers() {
+        for (name, value) in table.inner() {
+            if let Some(v) = text(value) {
+                headers.push((name.as_str().to_string(), v));
+            }
+        }
+    }
+    let number = |name: &str| {
+        headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .and_then(|(_, v)| v.parse::<u32>().ok())
+    };
+    let attempt = number(ATTEMPTS_HEADER)
+        .unwrap_or(1)
+        .max(1)
+        .saturating_add(number("x-delivery-count").unwrap_or(0));
+    Message {
+        id: properties
+            .message_id()
+            .as_ref()
+            .map(|s| s.as_str().to_string()),
+        headers,
+        content_type: properties
+            .content_type()
+            .as_ref()
+            .map(|s| s.as_str().to_string()),
+        payload: Bytes::copy_from_slice(data),
+        attempt,
+    }
+}
+
+struct AmqpDelivery {
+    delivery: lapin::message::Delivery,
+    msg: Message,
+    publish: Channel,
+    queue: String,
+}
+
+#[async_trait::async_trait]
+impl Delivery for AmqpDelivery {
+    fn message(&self) -> &Message {
+        &self.msg
+    }
+
+    async fn ack(&self) -> Result<(), SourceError> {
+        self.delivery
+            .acker
+            .ack(BasicAckOptions::default())
+            .await
+            .map(drop)
+            .map_err(err("basic.ack"))
+    }
+
+    async fn dead_letter(&self, _reason: Reason) -> Result<(), SourceError> {
+        self.delivery
+            .acker
+            .reject(BasicRejectOptions { requeue: false })
+            .await
+            .map(drop)
+            .map_err(err("basic.reject"))
+    }
+
+    async fn retry_later(&self, _delay: Duration, next_attempt: u32) -> Result<(), SourceError> {
+        let mut headers = self
+            .delivery
+            .properties
+            .headers()
+            .clone()
+            .unwrap_or_default();
+        headers.insert(
+            ShortString::from(ATTEMPTS_HEADER),
+            AMQPValue::LongLongInt(i64::from(next_attempt)),
+        );
+        let properties = self.delivery.properties.clone().with_headers(headers);
+        let published = async {
+            let confirm = self
+                .publish
+                .basic_publish(
+                    ShortString::from(""),
+                    ShortString::from(self.queue.clone()),
+                    BasicPublishOptions::default(),
+                    &self.delivery.data,
+                    properties,
+                )
+                .await?;
+            confirm.await
+        }
+        .await;
+        match published {
+            Ok(c) if c.is_ack() => self.ack().await,
+            _ => self
+                .delivery
+                .acker
+                .nack(BasicNackOptions {
+                    requeue: true,
+                    multiple: false,
+                })
+                .await
+                .map(drop)
+                .map_err(err("basic.nack")),
+        }
+    }
+
+    fn delays_by_itself(&self) -> bool {
+        false
+    }
+
+    fn progress_every(&self) -> Option<Duration> {
+        None
+    }
+
+    async fn progress(&self) -> Result<(), SourceError> {
+        Ok(())
+    }
+}

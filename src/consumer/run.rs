@@ -1,0 +1,219 @@
+//! One consumer's life: connect (again, with backoff, after an outage,
+//! logged once per outage), take deliveries at most `prefetch` /
+//! `max_ack_pending` at a time, hand each to the protected path and tell
+//! the broker its fate; on shutdown, stop taking new ones and finish those
+//! in flight within the grace period.
+
+use super::deliver;
+use super::fate::{fate, Fate, Happened, RetryPolicy};
+use super::source::{Delivery, Source, SourceError};
+use super::{amqp, jetstream};
+use crate::config::consumers::{ConsumerConfig, SourceConfig};
+use crate::metrics::Metrics;
+use crate::net::backoff::Backoff;
+use crate::proxy::Proxy;
+use arc_swap::ArcSwap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{debug, info, warn};
+
+/// Reconnecting: from a tenth of a second, doubling to 5 s.
+const RECONNECT: Backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
+
+/// What every delivery of one consumer shares.
+pub struct Context {
+    pub consumer: Arc<ConsumerConfig>,
+    /// The running proxy (a reload swaps it): its upstreams and store.
+    pub current: Arc<ArcSwap<Proxy>>,
+    pub metrics: Arc<Metrics>,
+    /// Cancelled when shutdown begins: stop taking messages, stop holding
+    /// deliveries for a backoff.
+    pub stopping: CancellationToken,
+    /// Whether the broker connection is up and consuming (`/healthz`).
+    pub up: Arc<AtomicBool>,
+}
+
+/// Connects to the consumer's broker.
+async fn connect(consumer: &ConsumerConfig) -> Result<Box<dyn Source>, SourceError> {
+    match &consumer.source {
+        SourceConfig::Amqp(a) => Ok(Box::new(amqp::connect(a).await?)),
+        SourceConfig::JetStream(j) => Ok(Box::new(jetstream::connect(j).await?)),
+    }
+}
+
+/// Runs until `ctx.stopping`, then finishes what is in flight by `grace`.
+pub async fn run(ctx: Arc<Context>, grace: Duration) {
+    let name = ctx.consumer.name.clone();
+    let metrics = ctx.metrics.consumers();
+    let mut retries = RECONNECT.start();
+    let mut outage: Option<String> = None;
+    let handlers = TaskTracker::new();
+    let limit = match &ctx.consumer.source {
+        SourceConfig::Amqp(a) => usize::from(a.prefetch),
+        SourceConfig::JetStream(j) => usize::try_from(j.max_ack_pending).unwrap_or(1),
+    };
+    let permits = Arc::new(Semaphore::new(limit.max(1)));
+    loop {
+        let connected = tokio::select! {
+            c = connect(&ctx.consumer) => c,
+            _ = ctx.stopping.cancelled() => break,
+        };
+        let mut source = match connected {
+            Ok(source) => source,
+            Err(e) => {
+                down(&ctx, &mut outage, &e);
+                tokio::select! {
+                    _ = tokio::time::sleep(retries.wait()) => continue,
+                    _ = ctx.stopping.cancelled() => break,
+                }
+            }
+        };
+        match outage.take() {
+            Some(_) => info!(consumer = %name, "broker connection back; consuming again"),
+            None => info!(consumer = %name, source = %ctx.consumer.source.url(), "consuming"),
+        }
+        retries.reset();
+        metrics.broker_up(&name, true);
+        ctx.up.store(true, Ordering::Relaxed);
+        let lost = loop {
+            let permit = tokio::select! {
+                p = permits.clone().acquire_owned() => p.expect("never closed"),
+                _ = ctx.stopping.cancelled() => break None,
+            };
+            let delivery = tokio::select! {
+                d = source.next() => d,
+                _ = ctx.stopping.cancelled() => break None,
+            };
+            match delivery {
+                Ok(delivery) => {
+                    let ctx = ctx.clone();
+                    handlers.spawn(async move {
+                        handle(&ctx, delivery).await;
+                        drop(permit);
+                    });
+                }
+                Err(e) => break Some(e),
+            }
+        };
+        match lost {
+            Some(e) => down(&ctx, &mut outage, &e),
+            None => {
+                // Shutdown: no new deliveries; those in flight finish on
+                // this connection (their acks need it), within the grace.
+                source.stop().await;
+                handlers.close();
+                if tokio::time::timeout(grace, handlers.wait()).await.is_err() {
+                    warn!(consumer = %name, "grace period over with deliveries in flight; the broker redelivers them");
+                }
+                drop(source);
+                break;
+            }
+        }
+    }
+    metrics.broker_up(&name, false);
+    ctx.up.store(false, Ordering::Relaxed);
+    handlers.close();
+    let _ = tokio::time::timeout(grace, handlers.wait()).await;
+    info!(consumer = %name, "consumer stopped");
+}
+
+/// The broker is unreachable: counted, and logged once per outage.
+fn down(ctx: &Context, outage: &mut Option<String>, e: &SourceError) {
+    let name = &ctx.consumer.name;
+    ctx.metrics.consumers().broker_up(name, false);
+    ctx.up.store(false, Ordering::Relaxed);
+    match outage {
+        None => {
+            warn!(consumer = %name, source = %ctx.consumer.source.url(), error = %e,
+                "broker connection lost or refused; reconnecting with backoff (logged once per outage)");
+            *outage = Some(e.to_string());
+        }
+        Some(_) => debug!(consumer = %name, error = %e, "still reconnecting"),
+    }
+}
+
+/// One delivery: its request through the protected path, then its fate.
+async fn handle(ctx: &Context, delivery: Box<dyn Delivery>) {
+    let name = &ctx.consumer.name;
+    let metrics = ctx.metrics.consumers();
+    metrics.received(name);
+    let gauge = metrics.in_flight(name);
+    gauge.inc();
+    let msg = delivery.message();
+    let attempt = msg.attempt.max(1);
+    let proxy = ctx.current.load_full();
+    let (happened, key_id) = match deliver::request(&ctx.consumer, msg, proxy.scope_secret()) {
+        None => (Happened::NoKey, None),
+        Some(req) => {
+            let key_id = req.record_key.log_id();
+            let result = with_progress(&*delivery, proxy.deliver(req)).await;
+            let happened = deliver::happened(&result);
+            match happened {
+                Happened::Executed { .. } => metrics.executed(name),
+                Happened::Duplicate { .. } => metrics.duplicate(name),
+                _ => {}
+            }
+            (happened, Some(key_id))
+        }
+    };
+    let c = &ctx.consumer;
+    let policy = RetryPolicy {
+        max_attempts: c.max_attempts,
+        initial: c.retry_initial,
+        max: c.retry_max,
+    };
+    let fate = fate(happened, attempt, &policy, rand::random());
+    let key_id = key_id.as_deref().unwrap_or("-");
+    debug!(consumer = %name, key.id = %key_id, attempt, ?happened, ?fate, "delivered");
+    let told = match fate {
+        Fate::Ack => delivery.ack().await,
+        Fate::DeadLetter(reason) => {
+            metrics.dead_lettered(name, reason.as_str());
+            warn!(consumer = %name, key.id = %key_id, attempt, reason = reason.as_str(), "message dead-lettered");
+            delivery.dead_letter(reason).await
+        }
+        Fate::Retry { delay, counted } => {
+            metrics.retried(name);
+            let next = if counted { attempt + 1 } else { attempt };
+            let mut delay = delay;
+            if !delivery.delays_by_itself() {
+                // Held (unacked) while backing off; shutdown cuts it short.
+                tokio::select! {
+                    _ = tokio::time::sleep(delay) => {}
+                    _ = ctx.stopping.cancelled() => {}
+                }
+                delay = Duration::ZERO;
+            }
+            delivery.retry_later(delay, next).await
+        }
+    };
+    if let Err(e) = told {
+        warn!(consumer = %name, key.id = %key_id, error = %e,
+            "could not tell the broker the message's fate; it will redeliver it, and the record answers the redelivery");
+    }
+    gauge.dec();
+}
+
+/// Runs `work`, telling the broker the delivery is still being worked on
+/// every `progress_every` (JetStream `+WPI`) until it ends.
+async fn with_progress<F: std::future::Future>(delivery: &dyn Delivery, work: F) -> F::Output {
+    let Some(every) = delivery.progress_every() else {
+        return work.await;
+    };
+    tokio::pin!(work);
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    loop {
+        tokio::select! {
+            out = &mut work => return out,
+            _ = tick.tick() => {
+                if let Err(e) = delivery.progress().await {
+                    debug!(error = %e, "progress not sent");
+                }
+            }
+        }
+    }
+}
