@@ -46,7 +46,11 @@ fn err(what: &'static str) -> impl Fn(lapin::Error) -> SourceError {
 }
 
 pub async fn connect(config: &AmqpSource) -> Result<Amqp, SourceError> {
-    let connection = Connection::connect(config.url.expose(), ConnectionProperties::default())
+    // Named after the queue, so an operator (or a test) can find it in
+    // `rabbitmqctl list_connections client_properties`.
+    let properties = ConnectionProperties::default()
+        .with_connection_name(format!("idemgate/{}", config.queue).as_str().into());
+    let connection = Connection::connect(config.url.expose(), properties)
         .await
         .map_err(err("connect"))?;
     let channel = connection

@@ -13,10 +13,12 @@
 //!   found the key in flight elsewhere counts too).
 
 use super::fate::Reason;
+use super::run::Link;
 use super::source::{Delivery, Message, Source, SourceError};
 use crate::config::consumers::JetStreamSource;
 use async_nats::jetstream::{self, consumer::pull, AckKind};
 use futures_util::StreamExt;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// How long a connect may take before the runner backs off and retries.
@@ -30,9 +32,19 @@ pub struct JetStream {
     dead_letter_subject: Option<String>,
 }
 
-pub async fn connect(config: &JetStreamSource) -> Result<JetStream, SourceError> {
+/// `link` hears of the client's own reconnects (it resumes pulling by
+/// itself; the runner reconnects only when the message stream fails).
+pub async fn connect(config: &JetStreamSource, link: Arc<Link>) -> Result<JetStream, SourceError> {
     let client = async_nats::ConnectOptions::new()
         .connection_timeout(CONNECT_TIMEOUT)
+        .event_callback(move |event| {
+            match event {
+                async_nats::Event::Disconnected => link.down(&"disconnected"),
+                async_nats::Event::Connected => link.up(),
+                _ => {}
+            }
+            std::future::ready(())
+        })
         .connect(config.url.expose())
         .await
         .map_err(|e| SourceError::new("connect", e))?;

@@ -37,20 +37,64 @@ pub struct Context {
     pub up: Arc<AtomicBool>,
 }
 
+/// The broker connection's state: the metric, `/healthz`, and the log
+/// line written once per outage. Shared with a source whose client
+/// reconnects by itself (JetStream), which reports through it too.
+pub struct Link {
+    name: Arc<str>,
+    source: String,
+    metrics: Arc<Metrics>,
+    up: Arc<AtomicBool>,
+    /// Set from the first failure of an outage to the reconnect.
+    outage: std::sync::Mutex<bool>,
+}
+
+impl Link {
+    pub fn down(&self, e: &dyn std::fmt::Display) {
+        self.metrics.consumers().broker_up(&self.name, false);
+        self.up.store(false, Ordering::Relaxed);
+        let mut outage = self.outage.lock().unwrap_or_else(|p| p.into_inner());
+        if *outage {
+            debug!(consumer = %self.name, error = %e, "still reconnecting");
+        } else {
+            *outage = true;
+            warn!(consumer = %self.name, source = %self.source, error = %e,
+                "broker connection lost or refused; reconnecting with backoff (logged once per outage)");
+        }
+    }
+
+    pub fn up(&self) {
+        self.metrics.consumers().broker_up(&self.name, true);
+        self.up.store(true, Ordering::Relaxed);
+        let mut outage = self.outage.lock().unwrap_or_else(|p| p.into_inner());
+        if std::mem::take(&mut *outage) {
+            info!(consumer = %self.name, "broker connection back; consuming again");
+        }
+    }
+}
+
 /// Connects to the consumer's broker.
-async fn connect(consumer: &ConsumerConfig) -> Result<Box<dyn Source>, SourceError> {
+async fn connect(
+    consumer: &ConsumerConfig,
+    link: &Arc<Link>,
+) -> Result<Box<dyn Source>, SourceError> {
     match &consumer.source {
         SourceConfig::Amqp(a) => Ok(Box::new(amqp::connect(a).await?)),
-        SourceConfig::JetStream(j) => Ok(Box::new(jetstream::connect(j).await?)),
+        SourceConfig::JetStream(j) => Ok(Box::new(jetstream::connect(j, link.clone()).await?)),
     }
 }
 
 /// Runs until `ctx.stopping`, then finishes what is in flight by `grace`.
 pub async fn run(ctx: Arc<Context>, grace: Duration) {
     let name = ctx.consumer.name.clone();
-    let metrics = ctx.metrics.consumers();
+    let link = Arc::new(Link {
+        name: name.clone(),
+        source: ctx.consumer.source.url().to_string(),
+        metrics: ctx.metrics.clone(),
+        up: ctx.up.clone(),
+        outage: std::sync::Mutex::new(false),
+    });
     let mut retries = RECONNECT.start();
-    let mut outage: Option<String> = None;
     let handlers = TaskTracker::new();
     let limit = match &ctx.consumer.source {
         SourceConfig::Amqp(a) => usize::from(a.prefetch),
@@ -59,26 +103,22 @@ pub async fn run(ctx: Arc<Context>, grace: Duration) {
     let permits = Arc::new(Semaphore::new(limit.max(1)));
     loop {
         let connected = tokio::select! {
-            c = connect(&ctx.consumer) => c,
+            c = connect(&ctx.consumer, &link) => c,
             _ = ctx.stopping.cancelled() => break,
         };
         let mut source = match connected {
             Ok(source) => source,
             Err(e) => {
-                down(&ctx, &mut outage, &e);
+                link.down(&e);
                 tokio::select! {
                     _ = tokio::time::sleep(retries.wait()) => continue,
                     _ = ctx.stopping.cancelled() => break,
                 }
             }
         };
-        match outage.take() {
-            Some(_) => info!(consumer = %name, "broker connection back; consuming again"),
-            None => info!(consumer = %name, source = %ctx.consumer.source.url(), "consuming"),
-        }
+        info!(consumer = %name, source = %ctx.consumer.source.url(), "consuming");
         retries.reset();
-        metrics.broker_up(&name, true);
-        ctx.up.store(true, Ordering::Relaxed);
+        link.up();
         let lost = loop {
             let permit = tokio::select! {
                 p = permits.clone().acquire_owned() => p.expect("never closed"),
@@ -100,7 +140,7 @@ pub async fn run(ctx: Arc<Context>, grace: Duration) {
             }
         };
         match lost {
-            Some(e) => down(&ctx, &mut outage, &e),
+            Some(e) => link.down(&e),
             None => {
                 // Shutdown: no new deliveries; those in flight finish on
                 // this connection (their acks need it), within the grace.
@@ -114,26 +154,11 @@ pub async fn run(ctx: Arc<Context>, grace: Duration) {
             }
         }
     }
-    metrics.broker_up(&name, false);
+    ctx.metrics.consumers().broker_up(&name, false);
     ctx.up.store(false, Ordering::Relaxed);
     handlers.close();
     let _ = tokio::time::timeout(grace, handlers.wait()).await;
     info!(consumer = %name, "consumer stopped");
-}
-
-/// The broker is unreachable: counted, and logged once per outage.
-fn down(ctx: &Context, outage: &mut Option<String>, e: &SourceError) {
-    let name = &ctx.consumer.name;
-    ctx.metrics.consumers().broker_up(name, false);
-    ctx.up.store(false, Ordering::Relaxed);
-    match outage {
-        None => {
-            warn!(consumer = %name, source = %ctx.consumer.source.url(), error = %e,
-                "broker connection lost or refused; reconnecting with backoff (logged once per outage)");
-            *outage = Some(e.to_string());
-        }
-        Some(_) => debug!(consumer = %name, error = %e, "still reconnecting"),
-    }
 }
 
 /// One delivery: its request through the protected path, then its fate.

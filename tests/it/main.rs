@@ -9,6 +9,7 @@
 mod support;
 
 mod config_traps;
+mod consumers;
 mod demo_docs;
 mod error_shapes;
 mod faults;

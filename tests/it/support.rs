@@ -1,6 +1,7 @@
 //! Shared harness for the integration tests. Every suite uses the same
 //! pieces:
 //!
+//! - [`brokers`]: RabbitMQ and NATS JetStream for the consumer tests;
 //! - [`serve`]: the one test server builder (HTTP/1.1, h2c, TLS, a handler);
 //! - [`upstream`]: a counting test upstream on 127.0.0.1:0;
 //! - [`proxy`]: the proxy in-process on a real socket, per [`Backend`];
@@ -24,6 +25,7 @@
 //! Semantics tests are written once as `async fn name(backend: Backend)` and
 //! [`backend_tests!`] turns them into one `#[tokio::test]` per backend.
 
+pub mod brokers;
 pub mod checker;
 pub mod client;
 pub mod cluster;

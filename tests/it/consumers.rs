@@ -1,0 +1,515 @@
+//! Message consumers (`[[consumer]]`, issue 24) through the real binary
+//! against the real brokers: RabbitMQ and NATS JetStream on this machine
+//! (a private `nats-server` where a test restarts the broker), on SQLite
+//! and on PostgreSQL with two replicas consuming one queue. Each message
+//! key must execute once; the queue must end empty; each fate lands where
+//! the README's fate table says.
+
+use crate::support::brokers::{
+    close_idemgate_connection, rabbitmq_counts, Handler, PrivateNats, TestQueue, TestStream,
+    AMQP_URL, NATS_URL,
+};
+use crate::support::services::{database_url, require_postgres};
+use crate::support::{free_port, wait_for, ServeProcess, TestConfig, TestSchema};
+use std::collections::HashMap;
+use std::path::Path;
+use std::time::Duration;
+use toml::{Table, Value};
+
+const CONSUMER: &str = "reserve";
+
+fn table(pairs: &[(&str, Value)]) -> Value {
+    Value::Table(
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.clone()))
+            .collect(),
+    )
+}
+
+fn s(v: &str) -> Value {
+    Value::String(v.to_string())
+}
+
+/// A `[[consumer]]` reading `source`, delivering to `POST /reserve`.
+fn consumer(source: Value, extra: &[(&str, Value)]) -> Value {
+    let mut t = Table::new();
+    t.insert("name".into(), s(CONSUMER));
+    t.insert("source".into(), source);
+    t.insert(
+        "deliver".into(),
+        table(&[("method", s("POST")), ("path", s("/reserve"))]),
+    );
+    t.insert("lease".into(), s("1s"));
+    t.insert("retry_initial".into(), s("100ms"));
+    t.insert("retry_max".into(), s("400ms"));
+    for (k, v) in extra {
+        t.insert(k.to_string(), v.clone());
+    }
+    Value::Table(t)
+}
+
+fn amqp(queue: &str, prefetch: i64) -> Value {
+    table(&[(
+        "amqp",
+        table(&[
+            ("url", s(AMQP_URL)),
+            ("queue", s(queue)),
+            ("prefetch", Value::Integer(prefetch)),
+        ]),
+    )])
+}
+
+fn jetstream(url: &str, stream: &TestStream, ack_wait: &str) -> Value {
+    table(&[(
+        "jetstream",
+        table(&[
+            ("url", s(url)),
+            ("stream", s(&stream.name)),
+            ("durable", s(CONSUMER)),
+            ("ack_wait", s(ack_wait)),
+            ("max_ack_pending", Value::Integer(16)),
+            ("dead_letter_subject", s(&stream.dead_subject)),
+        ]),
+    )])
+}
+
+/// One `idemgate serve` with `consumer`, on SQLite in `dir` (or on
+/// PostgreSQL's `schema`).
+struct Replica {
+    config: std::path::PathBuf,
+    listen: std::net::SocketAddr,
+    admin: std::net::SocketAddr,
+    process: Option<ServeProcess>,
+}
+
+impl Replica {
+    async fn start(
+        dir: &Path,
+        i: usize,
+        handler: &Handler,
+        consumer: Value,
+        schema: Option<&TestSchema>,
+    ) -> Self {
+        let (listen, admin) = (free_port(), free_port());
+        let mut config = TestConfig::new(handler.addr)
+            .listen(listen, admin)
+            .set("server.shutdown_grace", "3s")
+            .set("consumer", Value::Array(vec![consumer]));
+        config = match schema {
+            None => config
+                .set("store.backend", "sqlite")
+                .set("store.path", dir.join("store.db").display().to_string()),
+            Some(schema) => config
+                .set("store.backend", "postgres")
+                .set("store.url", database_url())
+                .set("store.schema", schema.schema.as_str())
+                .set("store.pool_size", 4),
+        };
+        let path = dir.join(format!("replica-{i}.toml"));
+        config.write(&path);
+        let process = ServeProcess::start(&path, listen, admin, &[]).await;
+        Self {
+            config: path,
+            listen,
+            admin,
+            process: Some(process),
+        }
+    }
+
+    fn p(&self) -> &ServeProcess {
+        self.process.as_ref().expect("running")
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut p) = self.process.take() {
+            p.kill();
+        }
+    }
+
+    async fn restart(&mut self) {
+        self.kill();
+        self.process = Some(ServeProcess::start(&self.config, self.listen, self.admin, &[]).await);
+    }
+
+    async fn metrics(&self) -> String {
+        self.p().admin_get("/metrics").send().await.text()
+    }
+
+    /// `idemgate_consumer_<name>_total{consumer="reserve"[,reason]}`.
+    async fn counter(&self, name: &str, reason: Option<&str>) -> u64 {
+        let labels = match reason {
+            None => format!("{{consumer=\"{CONSUMER}\"}}"),
+            Some(r) => format!("{{consumer=\"{CONSUMER}\",reason=\"{r}\"}}"),
+        };
+        let want = format!("idemgate_consumer_{name}{labels} ");
+        let text = self.metrics().await;
+        text.lines()
+            .find_map(|l| l.strip_prefix(&want))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .map_or(0, |v| v as u64)
+    }
+}
+
+fn order(i: usize, extra: &str) -> String {
+    format!("{{\"order\":{i}{extra}}}")
+}
+
+/// Waits until every key in `keys` executed, then for `settled` (the
+/// broker holds nothing more).
+async fn wait_executed(handler: &Handler, keys: &[String]) {
+    wait_for("every message to execute", || async {
+        let counts = handler.counts();
+        keys.iter().all(|k| counts.contains_key(k)).then_some(())
+    })
+    .await;
+}
+
+fn assert_once(handler: &Handler, keys: &[String]) {
+    let counts = handler.counts();
+    let twice: Vec<(&String, &usize)> = counts.iter().filter(|(_, n)| **n != 1).collect();
+    assert!(twice.is_empty(), "executed other than once: {twice:?}");
+    for k in keys {
+        assert_eq!(counts.get(k), Some(&1), "{k}");
+    }
+}
+
+// ===== RabbitMQ =====
+
+/// 200 messages with forced redeliveries: the broker closes the
+/// consumer's connection while deliveries are in flight (they finish and
+/// are recorded, their acks are lost, the redeliveries replay), and the
+/// consumer is SIGKILLed holding deliveries unacked (while the upstream
+/// refuses, so nothing is in doubt) and started again; then 50
+/// duplicates of messages already done. Each message id executes once,
+/// the duplicates are answered from the record, and the queue ends empty
+/// with nothing unacked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_messages_execute_once_across_redeliveries_and_duplicates() {
+    let handler = Handler::start().await;
+    let queue = TestQueue::new("idemgate_once").await;
+    let dir = tempfile::TempDir::new().unwrap();
+    let keys: Vec<String> = (0..200).map(|i| format!("m{i}")).collect();
+    for (i, k) in keys.iter().enumerate() {
+        queue.publish(Some(k), &order(i, ",\"delay_ms\":5")).await;
+    }
+    let c = consumer(amqp(&queue.name, 16), &[]);
+    let mut replica = Replica::start(dir.path(), 0, &handler, c, None).await;
+    wait_for("a third of the messages to execute", || async {
+        (handler.counts().len() >= 60).then_some(())
+    })
+    .await;
+    close_idemgate_connection(&queue.name);
+    wait_for("two thirds of the messages to execute", || async {
+        (handler.counts().len() >= 130).then_some(())
+    })
+    .await;
+    handler.set_unavailable(true);
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    replica.restart().await;
+    handler.set_unavailable(false);
+    wait_executed(&handler, &keys).await;
+    for (i, k) in keys.iter().take(50).enumerate() {
+        queue.publish(Some(k), &order(i, ",\"delay_ms\":5")).await;
+    }
+    wait_for("the 50 duplicates to be suppressed", || async {
+        (replica.counter("duplicates_suppressed_total", None).await >= 50).then_some(())
+    })
+    .await;
+    wait_for("the queue to end empty, nothing unacked", || async {
+        (rabbitmq_counts(&queue.name) == (0, 0)).then_some(())
+    })
+    .await;
+    assert_once(&handler, &keys);
+    assert!(queue.drain_dead_letters().await.is_empty());
+    replica.kill();
+    queue.delete().await;
+}
+
+/// The fate table on RabbitMQ: 422 dead-letters once (and its duplicate
+/// too, without a second execution); 503 then 201 is one success, acked;
+/// a message without a key is dead-lettered; a key whose every attempt
+/// answers 503 is dead-lettered after `max_attempts`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_fates_follow_the_table() {
+    let handler = Handler::start().await;
+    let queue = TestQueue::new("idemgate_fates").await;
+    let dir = tempfile::TempDir::new().unwrap();
+    let c = consumer(amqp(&queue.name, 8), &[("max_attempts", Value::Integer(3))]);
+    let replica = Replica::start(dir.path(), 0, &handler, c, None).await;
+    queue.publish(Some("k422"), r#"{"plan":[422]}"#).await;
+    queue.publish(Some("k503"), r#"{"plan":[503,201]}"#).await;
+    queue.publish(None, r#"{"no":"key"}"#).await;
+    queue.publish(Some("kdown"), r#"{"plan":[503]}"#).await;
+    wait_for("the 422 to be dead-lettered", || async {
+        (replica
+            .counter("messages_dead_lettered_total", Some("rejected"))
+            .await
+            == 1)
+            .then_some(())
+    })
+    .await;
+    queue.publish(Some("k422"), r#"{"plan":[422]}"#).await;
+    wait_for("every fate", || async {
+        let dl = |r| replica.counter("messages_dead_lettered_total", Some(r));
+        let done = dl("rejected").await == 2
+            && dl("no_key").await == 1
+            && dl("exhausted").await == 1
+            && handler.runs("k503") == [503, 201];
+        done.then_some(())
+    })
+    .await;
+    wait_for("the queue to end empty, nothing unacked", || async {
+        (rabbitmq_counts(&queue.name) == (0, 0)).then_some(())
+    })
+    .await;
+    assert_eq!(
+        handler.runs("k422"),
+        [422],
+        "the duplicate did not run again"
+    );
+    assert_eq!(handler.runs("kdown"), [503, 503, 503], "max_attempts = 3");
+    let mut dead = queue.drain_dead_letters().await;
+    dead.sort();
+    assert_eq!(dead, ["k422", "k422", "kdown", r#"{"no":"key"}"#]);
+    assert_eq!(
+        replica.counter("duplicates_suppressed_total", None).await,
+        1
+    );
+    let health = replica.p().admin_get("/healthz").send().await.text();
+    assert_eq!(health, format!("ok\nconsumer {CONSUMER}: broker up\n"));
+    drop(replica);
+    queue.delete().await;
+}
+
+/// Two replicas on PostgreSQL consume one queue; one is SIGKILLed while
+/// deliveries are in flight. Every message executes; only a message the
+/// killed replica had sent upstream and not recorded may run again, after
+/// its lease (the documented at-least-once release), and none more than
+/// twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_two_postgres_replicas_share_a_queue_and_survive_a_kill() {
+    require_postgres(&database_url()).await;
+    let handler = Handler::start().await;
+    let queue = TestQueue::new("idemgate_replicas").await;
+    let schema = TestSchema::new();
+    let dir = tempfile::TempDir::new().unwrap();
+    let c = || consumer(amqp(&queue.name, 4), &[]);
+    let mut a = Replica::start(dir.path(), 0, &handler, c(), Some(&schema)).await;
+    let b = Replica::start(dir.path(), 1, &handler, c(), Some(&schema)).await;
+    let keys: Vec<String> = (0..200).map(|i| format!("r{i}")).collect();
+    for (i, k) in keys.iter().enumerate() {
+        queue.publish(Some(k), &order(i, ",\"delay_ms\":10")).await;
+    }
+    for (i, k) in keys.iter().take(50).enumerate() {
+        queue.publish(Some(k), &order(i, ",\"delay_ms\":10")).await;
+    }
+    wait_for("a third of the messages to execute", || async {
+        (handler.counts().len() >= 70).then_some(())
+    })
+    .await;
+    a.kill();
+    wait_executed(&handler, &keys).await;
+    wait_for("the queue to end empty, nothing unacked", || async {
+        (rabbitmq_counts(&queue.name) == (0, 0)).then_some(())
+    })
+    .await;
+    let counts: HashMap<String, usize> = handler.counts();
+    let again: Vec<_> = counts.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(counts.values().all(|n| *n <= 2), "{again:?}");
+    assert!(
+        again.len() <= 4,
+        "only the killed replica's in-flight deliveries (prefetch 4) may run again: {again:?}"
+    );
+    assert_eq!(counts.len(), 200);
+    assert!(queue.drain_dead_letters().await.is_empty());
+    drop(b);
+    queue.delete().await;
+}
+
+// ===== NATS JetStream =====
+
+/// 200 messages and 50 duplicates (the same `x-order-id`, another
+/// publish), a handler slower than `ack_wait` (kept by `+WPI`), and a
+/// consumer SIGKILLed and started again (while the upstream refuses): each key executes once and
+/// nothing stays pending or unacked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_messages_execute_once_with_progress_duplicates_and_a_kill() {
+    let handler = Handler::start().await;
+    let stream = TestStream::new(NATS_URL, "idemgate_once").await;
+    let dir = tempfile::TempDir::new().unwrap();
+    let c = consumer(
+        jetstream(NATS_URL, &stream, "1s"),
+        &[("key", table(&[("header", s("x-order-id"))]))],
+    );
+    let keys: Vec<String> = (0..200).map(|i| format!("j{i}")).collect();
+    for (i, k) in keys.iter().enumerate() {
+        // Two handlers outlast ack_wait: progress keeps them.
+        let delay = if i < 2 { 1600 } else { 5 };
+        let body = order(i, &format!(",\"delay_ms\":{delay}"));
+        stream.publish(None, &[("x-order-id", k)], &body).await;
+    }
+    let mut replica = Replica::start(dir.path(), 0, &handler, c, None).await;
+    wait_for("half the messages to execute", || async {
+        (handler.counts().len() >= 100).then_some(())
+    })
+    .await;
+    // SIGKILLed holding deliveries (nak'd or in flight) while the
+    // upstream refuses, so nothing is in doubt; they come back.
+    handler.set_unavailable(true);
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    replica.restart().await;
+    handler.set_unavailable(false);
+    wait_executed(&handler, &keys).await;
+    for (i, k) in keys.iter().take(50).enumerate() {
+        let body = order(
+            i,
+            if i < 2 {
+                ",\"delay_ms\":1600"
+            } else {
+                ",\"delay_ms\":5"
+            },
+        );
+        stream.publish(None, &[("x-order-id", k)], &body).await;
+    }
+    wait_for("the 50 duplicates to be suppressed", || async {
+        (replica.counter("duplicates_suppressed_total", None).await >= 50).then_some(())
+    })
+    .await;
+    wait_for("nothing pending or unacked", || async {
+        (stream.consumer_counts(CONSUMER).await == Some((0, 0))).then_some(())
+    })
+    .await;
+    assert_once(&handler, &keys);
+    assert!(stream.dead_letters().await.is_empty());
+    replica.kill();
+    stream.delete().await;
+}
+
+/// The fate table on JetStream, dead letters published to the
+/// `dead_letter_subject` with their reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_fates_follow_the_table() {
+    let handler = Handler::start().await;
+    let stream = TestStream::new(NATS_URL, "idemgate_fates").await;
+    let dir = tempfile::TempDir::new().unwrap();
+    let c = consumer(
+        jetstream(NATS_URL, &stream, "5s"),
+        &[
+            ("key", table(&[("header", s("x-order-id"))])),
+            ("max_attempts", Value::Integer(3)),
+        ],
+    );
+    let replica = Replica::start(dir.path(), 0, &handler, c, None).await;
+    stream
+        .publish(None, &[("x-order-id", "k422")], r#"{"plan":[422]}"#)
+        .await;
+    stream
+        .publish(None, &[("x-order-id", "k503")], r#"{"plan":[503,201]}"#)
+        .await;
+    stream.publish(None, &[], r#"{"no":"key"}"#).await;
+    stream
+        .publish(None, &[("x-order-id", "kdown")], r#"{"plan":[503]}"#)
+        .await;
+    wait_for("the 422 to be dead-lettered", || async {
+        (replica
+            .counter("messages_dead_lettered_total", Some("rejected"))
+            .await
+            == 1)
+            .then_some(())
+    })
+    .await;
+    stream
+        .publish(None, &[("x-order-id", "k422")], r#"{"plan":[422]}"#)
+        .await;
+    // A different payload under a used key: the 422 case of HTTP.
+    stream
+        .publish(None, &[("x-order-id", "k503")], r#"{"other":1}"#)
+        .await;
+    wait_for("every fate", || async {
+        let dl = |r| replica.counter("messages_dead_lettered_total", Some(r));
+        let done = dl("rejected").await == 2
+            && dl("no_key").await == 1
+            && dl("exhausted").await == 1
+            && dl("mismatch").await == 1
+            && handler.runs("k503") == [503, 201];
+        done.then_some(())
+    })
+    .await;
+    wait_for("nothing pending or unacked", || async {
+        (stream.consumer_counts(CONSUMER).await == Some((0, 0))).then_some(())
+    })
+    .await;
+    assert_eq!(handler.runs("k422"), [422]);
+    assert_eq!(handler.runs("kdown"), [503, 503, 503]);
+    let mut dead = stream.dead_letters().await;
+    dead.sort();
+    let want = [
+        ("k422", "rejected"),
+        ("k422", "rejected"),
+        ("k503", "mismatch"),
+        ("kdown", "exhausted"),
+        (r#"{"no":"key"}"#, "no_key"),
+    ];
+    let want: Vec<(String, String)> = want
+        .iter()
+        .map(|(a, b)| (a.to_string(), b.to_string()))
+        .collect();
+    assert_eq!(dead, want);
+    drop(replica);
+    stream.delete().await;
+}
+
+/// A private nats-server stopped and started again mid-run: the consumer
+/// shows the outage (metric, `/healthz`), reconnects, and every message
+/// executes once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_broker_restart_loses_nothing_and_runs_nothing_twice() {
+    let mut nats = PrivateNats::start().await;
+    let url = nats.url();
+    let handler = Handler::start().await;
+    let stream = TestStream::new(&url, "idemgate_restart").await;
+    let dir = tempfile::TempDir::new().unwrap();
+    let c = consumer(
+        jetstream(&url, &stream, "2s"),
+        &[("key", table(&[("header", s("x-order-id"))]))],
+    );
+    let keys: Vec<String> = (0..150).map(|i| format!("b{i}")).collect();
+    for (i, k) in keys.iter().enumerate() {
+        stream
+            .publish(None, &[("x-order-id", k)], &order(i, ",\"delay_ms\":10"))
+            .await;
+    }
+    let replica = Replica::start(dir.path(), 0, &handler, c, None).await;
+    wait_for("some messages to execute", || async {
+        (handler.counts().len() >= 40).then_some(())
+    })
+    .await;
+    nats.down();
+    wait_for("the outage to show on /healthz", || async {
+        let h = replica.p().admin_get("/healthz").send().await.text();
+        h.contains("broker down").then_some(())
+    })
+    .await;
+    assert_eq!(replica.counter("broker_up", None).await, 0);
+    nats.up().await;
+    wait_executed(&handler, &keys).await;
+    let stream = TestStream {
+        js: crate::support::brokers::nats(&url).await,
+        ..stream
+    };
+    wait_for("nothing pending or unacked", || async {
+        (stream.consumer_counts(CONSUMER).await == Some((0, 0))).then_some(())
+    })
+    .await;
+    assert_once(&handler, &keys);
+    assert_eq!(replica.counter("broker_up", None).await, 1);
+    let log = replica.p().log();
+    assert_eq!(
+        log.matches("broker connection lost or refused").count(),
+        1,
+        "{log}"
+    );
+    drop(replica);
+    stream.delete().await;
+}

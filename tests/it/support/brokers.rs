@@ -1,0 +1,498 @@
+//! The brokers of the consumer tests (`consumers.rs`): the shared RabbitMQ
+//! (127.0.0.1:5672, guest/guest) and NATS with JetStream (127.0.0.1:4222),
+//! required (a missing one fails the test, naming what to start), with a
+//! queue or stream of each test's own, deleted afterwards; a private
+//! `nats-server -js` a test may stop and restart; and the counting
+//! upstream the messages are delivered to.
+
+use super::serve::{server, TestServer};
+use super::{free_port, wait_for};
+use async_nats::jetstream;
+use bytes::Bytes;
+use futures_util::StreamExt;
+use http::{Request, Response};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use lapin::options::{
+    BasicAckOptions, BasicGetOptions, BasicPublishOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+pub const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+pub const NATS_URL: &str = "nats://127.0.0.1:4222";
+
+/// A name no other test (or run) uses.
+pub fn unique(prefix: &str) -> String {
+    format!(
+        "{prefix}_{}_{:08x}",
+        std::process::id(),
+        rand::random::<u32>()
+    )
+}
+
+// ===== the counting upstream =====
+
+/// Counts executions per `Idempotency-Key` (the message key). A message's
+/// JSON body may say how to answer: `"plan": [503, 201]` (the n-th
+/// execution of the key answers the n-th status, the last one after
+/// that; default 201) and `"delay_ms": N`.
+pub struct Handler {
+    pub addr: SocketAddr,
+    executions: Arc<Mutex<HashMap<String, Vec<u16>>>>,
+    /// While set, every request gets 503 without executing.
+    unavailable: Arc<std::sync::atomic::AtomicBool>,
+    _server: TestServer,
+}
+
+impl Handler {
+    pub async fn start() -> Self {
+        let executions: Arc<Mutex<HashMap<String, Vec<u16>>>> = Arc::default();
+        let unavailable: Arc<std::sync::atomic::AtomicBool> = Arc::default();
+        let seen = executions.clone();
+        let down = unavailable.clone();
+        let server = server()
+            .serve(move |req: Request<Incoming>, _| {
+                let seen = seen.clone();
+                let down = down.load(std::sync::atomic::Ordering::SeqCst);
+                async move {
+                    if down {
+                        return Ok(Response::builder()
+                            .status(503)
+                            .body(Full::new(Bytes::new()))
+                            .unwrap());
+                    }
+                    let key = req
+                        .headers()
+                        .get("idempotency-key")
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or("")
+                        .to_string();
+                    let body = req.into_body().collect().await?.to_bytes();
+                    let doc: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+                    let plan: Vec<u16> = doc["plan"]
+                        .as_array()
+                        .map(|a| {
+                            a.iter()
+                                .filter_map(|s| s.as_u64())
+                                .map(|s| s as u16)
+                                .collect()
+                        })
+                        .unwrap_or_default();
+                    if let Some(ms) = doc["delay_ms"].as_u64() {
+                        tokio::time::sleep(Duration::from_millis(ms)).await;
+                    }
+                    let status = {
+                        let mut seen = seen.lock().unwrap();
+                        let runs = seen.entry(key.clone()).or_default();
+                        let status = plan.get(runs.len()).or(plan.last()).copied().unwrap_or(201);
+                        runs.push(status);
+                        status
+                    };
+                    Ok::<_, hyper::Error>(
+                        Response::builder()
+                            .status(status)
+                            .body(Full::new(Bytes::from(format!("{{\"key\":{key:?}}}"))))
+                            .unwrap(),
+                    )
+                }
+            })
+            .await;
+        Self {
+            addr: server.addr,
+            executions,
+            unavailable,
+            _server: server,
+        }
+    }
+
+    /// Answers 503 to everything (executing nothing) while `down`.
+    pub fn set_unavailable(&self, down: bool) {
+        self.unavailable
+            .store(down, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// The statuses each execution of `key` answered.
+    pub fn runs(&self, key: &str) -> Vec<u16> {
+        self.executions
+            .lock()
+            .unwrap()
+            .get(key)
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// Every key and how many times it executed.
+    pub fn counts(&self) -> HashMap<String, usize> {
+        let e = self.executions.lock().unwrap();
+        e.iter().map(|(k, v)| (k.clone(), v.len())).collect()
+    }
+}
+
+// ===== RabbitMQ =====
+
+/// Fails the test when RabbitMQ does not answer, naming what to start.
+pub async fn rabbitmq(url: &str) -> Connection {
+    match tokio::time::timeout(
+        Duration::from_secs(5),
+        Connection::connect(url, ConnectionProperties::default()),
+    )
+    .await
+    {
+        Ok(Ok(c)) => c,
+        other => panic!(
+            "RabbitMQ is not reachable at {url} ({}): start it (`rabbitmq-server -detached`, or run scripts/test.sh, which starts it)",
+            match other {
+                Ok(Err(e)) => e.to_string(),
+                _ => "timed out".to_string(),
+            }
+        ),
+    }
+}
+
+/// A queue of the test's own with a dead-letter queue (`<name>.dlq`, fed
+/// through the default exchange), deleted by [`TestQueue::delete`].
+pub struct TestQueue {
+    pub name: String,
+    pub dlq: String,
+    pub channel: Channel,
+    _connection: Connection,
+}
+
+impl TestQueue {
+    pub async fn new(prefix: &str) -> Self {
+        let connection = rabbitmq(AMQP_URL).await;
+        let channel = connection.create_channel().await.unwrap();
+        let name = unique(prefix);
+        let dlq = format!("{name}.dlq");
+        let durable = QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        };
+        channel
+            .queue_declare(
+                ShortString::from(dlq.clone()),
+                durable,
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        let mut args = FieldTable::default();
+        args.insert(
+            ShortString::from("x-dead-letter-exchange"),
+            AMQPValue::LongString("".into()),
+        );
+        args.insert(
+            ShortString::from("x-dead-letter-routing-key"),
+            AMQPValue::LongString(dlq.as_str().into()),
+        );
+        channel
+            .queue_declare(ShortString::from(name.clone()), durable, args)
+            .await
+            .unwrap();
+        Self {
+            name,
+            dlq,
+            channel,
+            _connection: connection,
+        }
+    }
+
+    /// Publishes `body` (persistent, JSON) with `message_id` when given.
+    pub async fn publish(&self, id: Option<&str>, body: &str) {
+        let mut props = BasicProperties::default()
+            .with_delivery_mode(2)
+            .with_content_type(ShortString::from("application/json"));
+        if let Some(id) = id {
+            props = props.with_message_id(ShortString::from(id));
+        }
+        self.channel
+            .basic_publish(
+                ShortString::from(""),
+                ShortString::from(self.name.clone()),
+                BasicPublishOptions::default(),
+                body.as_bytes(),
+                props,
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+
+    /// Takes every message of the dead-letter queue: their message ids
+    /// (or bodies, where there is no id).
+    pub async fn drain_dead_letters(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        while let Some(m) = self
+            .channel
+            .basic_get(
+                ShortString::from(self.dlq.clone()),
+                BasicGetOptions::default(),
+            )
+            .await
+            .unwrap()
+        {
+            let d = m.delivery;
+            out.push(match d.properties.message_id() {
+                Some(id) => id.as_str().to_string(),
+                None => String::from_utf8_lossy(&d.data).into_owned(),
+            });
+            d.acker.ack(BasicAckOptions::default()).await.unwrap();
+        }
+        out
+    }
+
+    pub async fn delete(&self) {
+        for q in [&self.name, &self.dlq] {
+            let _ = self
+                .channel
+                .queue_delete(ShortString::from(q.clone()), QueueDeleteOptions::default())
+                .await;
+        }
+    }
+}
+
+/// `rabbitmqctl`'s view of a queue: (ready, unacknowledged).
+pub fn rabbitmq_counts(queue: &str) -> (u64, u64) {
+    let out = Command::new("rabbitmqctl")
+        .args([
+            "-q",
+            "list_queues",
+            "name",
+            "messages_ready",
+            "messages_unacknowledged",
+        ])
+        .output()
+        .expect("run rabbitmqctl");
+    let text = String::from_utf8_lossy(&out.stdout);
+    for line in text.lines() {
+        let cols: Vec<&str> = line.split_whitespace().collect();
+        if cols.len() == 3 && cols[0] == queue {
+            return (cols[1].parse().unwrap_or(0), cols[2].parse().unwrap_or(0));
+        }
+    }
+    panic!("rabbitmqctl does not list the queue {queue}:\n{text}");
+}
+
+/// Closes the broker side of idemgate's connection for `queue` (named
+/// `idemgate/<queue>`): its unacked deliveries return to the queue.
+pub fn close_idemgate_connection(queue: &str) {
+    let out = Command::new("rabbitmqctl")
+        .args(["-q", "list_connections", "pid", "client_properties"])
+        .output()
+        .expect("run rabbitmqctl");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let tag = format!("idemgate/{queue}");
+    let names: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains(&tag))
+        .filter_map(|l| l.split('\t').next())
+        .collect();
+    assert!(!names.is_empty(), "no connection named {tag}:\n{text}");
+    for pid in names {
+        let out = Command::new("rabbitmqctl")
+            .args(["-q", "close_connection", pid, "test: forced redelivery"])
+            .output()
+            .expect("run rabbitmqctl");
+        assert!(out.status.success(), "close_connection {pid}: {out:?}");
+    }
+}
+
+// ===== NATS JetStream =====
+
+/// Fails the test when NATS does not answer, naming what to start.
+pub async fn nats(url: &str) -> jetstream::Context {
+    match async_nats::ConnectOptions::new()
+        .connection_timeout(Duration::from_secs(3))
+        .connect(url)
+        .await
+    {
+        Ok(c) => jetstream::new(c),
+        Err(e) => panic!(
+            "NATS is not reachable at {url} ({e}): start nats-server with JetStream (`nats-server -js`, or run scripts/test.sh, which starts it)"
+        ),
+    }
+}
+
+/// A stream of the test's own (`<NAME>.in`), with a dead-letter stream
+/// capturing `<NAME>.dead`, deleted by [`TestStream::delete`].
+pub struct TestStream {
+    pub name: String,
+    pub dead_subject: String,
+    pub js: jetstream::Context,
+}
+
+impl TestStream {
+    pub async fn new(url: &str, prefix: &str) -> Self {
+        let js = nats(url).await;
+        let name = unique(prefix).to_uppercase();
+        let dead_subject = format!("{name}.dead");
+        js.create_stream(jetstream::stream::Config {
+            name: name.clone(),
+            subjects: vec![format!("{name}.in")],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        js.create_stream(jetstream::stream::Config {
+            name: format!("{name}_DLQ"),
+            subjects: vec![dead_subject.clone()],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        Self {
+            name,
+            dead_subject,
+            js,
+        }
+    }
+
+    /// Publishes `body` with `Nats-Msg-Id` when `id` is given (a repeat
+    /// within the stream's duplicate window is dropped by the broker, so
+    /// the duplicates a test wants carry a header key instead).
+    pub async fn publish(&self, id: Option<&str>, headers: &[(&str, &str)], body: &str) {
+        let mut h = async_nats::HeaderMap::new();
+        if let Some(id) = id {
+            h.insert("Nats-Msg-Id", id);
+        }
+        for (n, v) in headers {
+            h.insert(*n, *v);
+        }
+        self.js
+            .publish_with_headers(
+                format!("{}.in", self.name),
+                h,
+                Bytes::from(body.to_string()),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+
+    /// The durable consumer's (pending, unacked) counts.
+    pub async fn consumer_counts(&self, durable: &str) -> Option<(u64, usize)> {
+        let stream = self.js.get_stream(&self.name).await.ok()?;
+        let mut c: jetstream::consumer::PullConsumer = stream.get_consumer(durable).await.ok()?;
+        let info = c.info().await.ok()?;
+        Some((info.num_pending, info.num_ack_pending))
+    }
+
+    /// The dead letters' reasons by key header (`x-order-id`, else body).
+    pub async fn dead_letters(&self) -> Vec<(String, String)> {
+        let stream = self
+            .js
+            .get_stream(format!("{}_DLQ", self.name))
+            .await
+            .unwrap();
+        let c: jetstream::consumer::PullConsumer = stream
+            .create_consumer(jetstream::consumer::pull::Config::default())
+            .await
+            .unwrap();
+        let mut out = Vec::new();
+        let mut batch = c
+            .fetch()
+            .max_messages(1000)
+            .expires(Duration::from_millis(500))
+            .messages()
+            .await
+            .unwrap();
+        while let Some(Ok(m)) = batch.next().await {
+            let h = m.message.headers.clone().unwrap_or_default();
+            let key = h
+                .get("x-order-id")
+                .map(|v| v.as_str().to_string())
+                .unwrap_or_else(|| String::from_utf8_lossy(&m.message.payload).into_owned());
+            let reason = h
+                .get("Idemgate-Dead-Letter-Reason")
+                .map(|v| v.as_str().to_string())
+                .unwrap_or_default();
+            out.push((key, reason));
+            let _ = m.ack().await;
+        }
+        out
+    }
+
+    pub async fn delete(&self) {
+        let _ = self.js.delete_stream(&self.name).await;
+        let _ = self.js.delete_stream(format!("{}_DLQ", self.name)).await;
+    }
+}
+
+/// A private `nats-server -js` on a free port with its own store, which a
+/// test may stop and start again (the shared one is never touched).
+pub struct PrivateNats {
+    pub addr: SocketAddr,
+    dir: tempfile::TempDir,
+    child: Option<Child>,
+}
+
+impl PrivateNats {
+    pub async fn start() -> Self {
+        let mut n = Self {
+            addr: free_port(),
+            dir: tempfile::TempDir::new().unwrap(),
+            child: None,
+        };
+        n.up().await;
+        n
+    }
+
+    pub fn url(&self) -> String {
+        format!("nats://{}", self.addr)
+    }
+
+    fn store(&self) -> PathBuf {
+        self.dir.path().join("js")
+    }
+
+    pub async fn up(&mut self) {
+        let child = Command::new("nats-server")
+            .args([
+                "-js",
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &self.addr.port().to_string(),
+                "-sd",
+            ])
+            .arg(self.store())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start nats-server (install the nats-server package)");
+        self.child = Some(child);
+        let addr = self.addr;
+        wait_for("the private nats-server to listen", || async move {
+            tokio::net::TcpStream::connect(addr).await.ok()
+        })
+        .await;
+    }
+
+    /// SIGTERM and wait: JetStream keeps its store for the next start.
+    pub fn down(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = Command::new("kill")
+                .args(["-TERM", &c.id().to_string()])
+                .status();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for PrivateNats {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
