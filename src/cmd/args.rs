@@ -17,6 +17,9 @@ pub struct Cli {
     pub command: Command,
 }
 
+// Parsed once per process: the size of its largest variant (`keys`, with
+// every way of naming a scope) costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the proxy.

@@ -33,6 +33,8 @@ pub enum ScopeArg {
     Hash(String),
     /// A route's fixed consumer name (`scope = { value }`).
     Value(String),
+    /// A `[[consumer]]`'s name: its messages' keys.
+    Consumer(String),
     /// The PEM file of a client's certificate (`scope = { client_cert }`).
     ClientCert(std::path::PathBuf),
     Anonymous,
@@ -51,6 +53,20 @@ impl ScopeArg {
             ScopeArg::Headers { sent, route } => scope_of_headers(sent, *route, config),
             ScopeArg::Anonymous => Ok(Scope::derive(None, secret)),
             ScopeArg::Value(v) => Ok(Scope::of_value(v, secret)),
+            ScopeArg::Consumer(name) => {
+                let consumers = &config.restart.consumers;
+                if !consumers.iter().any(|c| &*c.name == name) {
+                    let names: Vec<&str> = consumers.iter().map(|c| &*c.name).collect();
+                    return Err(format!(
+                        "--consumer {name:?}: the config has no [[consumer]] of that name ({})",
+                        match names.is_empty() {
+                            true => "it has none".to_string(),
+                            false => format!("it has: {}", names.join(", ")),
+                        }
+                    ));
+                }
+                Ok(Scope::of_value(name, secret))
+            }
             ScopeArg::ClientCert(path) => {
                 let cert = ClientCert::of_file("--client-cert", path).map_err(|e| e.to_string())?;
                 Ok(Scope::of_client_cert(&cert.spki_sha256, secret))
@@ -478,7 +494,7 @@ pub struct ScopeArgs {
     /// With --scope-header: the route whose scope headers give their order
     /// (#N as check-config lists it); needed only when routes that list
     /// these headers would derive different scopes from them.
-    #[arg(long, value_name = "N", conflicts_with_all = ["scope_header_value", "scope", "scope_value", "client_cert", "anonymous"])]
+    #[arg(long, value_name = "N", conflicts_with_all = ["scope_header_value", "scope", "scope_value", "client_cert", "consumer", "anonymous"])]
     pub route: Option<usize>,
     /// The `key.id` of the request's access log line: refuse a key and
     /// scope that do not give it (rather than say "no record").
@@ -512,6 +528,10 @@ pub struct ScopeNamed {
     /// client's certificate (its public key names the scope).
     #[arg(long, value_name = "FILE")]
     pub client_cert: Option<std::path::PathBuf>,
+    /// A `[[consumer]]`'s name: the key is a message's key (its message
+    /// id, or where the consumer's `key` says).
+    #[arg(long, value_name = "NAME")]
+    pub consumer: Option<String>,
     /// Requests that carried none of the scope headers.
     #[arg(long)]
     pub anonymous: bool,
@@ -522,6 +542,9 @@ impl ScopeArgs {
         let named = &self.named;
         if let Some(v) = &named.scope_value {
             return ScopeArg::Value(v.clone());
+        }
+        if let Some(name) = &named.consumer {
+            return ScopeArg::Consumer(name.clone());
         }
         if let Some(path) = &named.client_cert {
             return ScopeArg::ClientCert(path.clone());
@@ -1098,6 +1121,22 @@ mod tests {
         let err = check_key_id("evt_2", &wrong, &id, &config).unwrap_err();
         assert!(err.contains("nor is it this key"), "{err}");
         assert!(check_key_id("evt_1", &logged, "abc", &config).is_err());
+    }
+
+    /// `--consumer NAME` names the scope a `[[consumer]]` gives its
+    /// messages' keys, and only a consumer the config has.
+    #[test]
+    fn a_consumer_names_the_scope_of_its_messages() {
+        let text = "[server]\nupstream = \"http://127.0.0.1:3000\"\n[[consumer]]\nname = \"reserve\"\nsource = { amqp = { url = \"amqp://h\", queue = \"q\" } }\ndeliver = { path = \"/in\" }\n";
+        let config = Config::parse(text, "c.toml").unwrap();
+        let ours = ScopeArg::Consumer("reserve".into())
+            .resolve(&config)
+            .unwrap();
+        assert_eq!(ours, Scope::of_value("reserve", None));
+        let err = ScopeArg::Consumer("other".into())
+            .resolve(&config)
+            .unwrap_err();
+        assert!(err.contains("it has: reserve"), "{err}");
     }
 
     #[test]

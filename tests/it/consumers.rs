@@ -10,7 +10,9 @@ use crate::support::brokers::{
     AMQP_URL, NATS_URL,
 };
 use crate::support::services::{database_url, require_postgres};
-use crate::support::{free_port, wait_for, ServeProcess, TestConfig, TestSchema};
+use crate::support::{
+    free_port, run_to_completion, wait_for, ServeProcess, TestConfig, TestSchema,
+};
 use std::collections::HashMap;
 use std::path::Path;
 use std::time::Duration;
@@ -278,6 +280,37 @@ async fn amqp_fates_follow_the_table() {
     );
     let health = replica.p().admin_get("/healthz").send().await.text();
     assert_eq!(health, format!("ok\nconsumer {CONSUMER}: broker up\n"));
+    // The operator finds a message's record by its consumer and key.
+    let config = replica.config.display().to_string();
+    let shown = run_to_completion(
+        &[
+            "keys",
+            "show",
+            "--consumer",
+            CONSUMER,
+            "k422",
+            "--config",
+            &config,
+        ],
+        &[],
+    )
+    .await;
+    assert_eq!(shown.code, 0, "{shown:?}");
+    assert!(shown.stdout.contains("422"), "{}", shown.stdout);
+    let deleted = run_to_completion(
+        &[
+            "keys",
+            "delete",
+            "--consumer",
+            CONSUMER,
+            "kdown",
+            "--config",
+            &config,
+        ],
+        &[],
+    )
+    .await;
+    assert_eq!(deleted.code, 0, "{deleted:?}");
     drop(replica);
     queue.delete().await;
 }
