@@ -138,6 +138,33 @@ if ! answers "$phost" "$pport" && [ -z "${IDEMGATE_IN_PG_VIRTUALENV:-}" ]; then
   fi
 fi
 
+# The consumer tests (tests/it/consumers.rs) use RabbitMQ on 127.0.0.1:5672
+# (guest/guest, with rabbitmqctl) and NATS with JetStream on 127.0.0.1:4222,
+# and start private nats-servers of their own. Installed where missing (as
+# root with apt-get), started where stopped; never stopped by this script
+# (other work on the machine may share them). The tests fail, naming what
+# to start, when one still does not answer.
+install_if_possible rabbitmq-server rabbitmq-server ||
+  say "rabbitmq-server is not installed: the consumer tests will fail saying so"
+install_if_possible nats-server nats-server ||
+  say "nats-server is not installed: the consumer tests will fail saying so"
+if ! answers 127.0.0.1 5672 && command -v rabbitmq-server >/dev/null 2>&1; then
+  say "starting RabbitMQ (rabbitmq-server -detached)"
+  rabbitmq-server -detached >&2 || true
+  for _ in $(seq 120); do answers 127.0.0.1 5672 && break; sleep 0.5; done
+fi
+if ! answers 127.0.0.1 4222 && command -v nats-server >/dev/null 2>&1; then
+  say "starting nats-server with JetStream on 127.0.0.1:4222"
+  mkdir -p /var/lib/nats-server
+  if command -v start-stop-daemon >/dev/null 2>&1; then
+    start-stop-daemon --start --oknodo --background --exec "$(command -v nats-server)" -- \
+      -a 127.0.0.1 -p 4222 -js -sd /var/lib/nats-server -l /var/log/nats-server.log >&2 || true
+  else
+    nohup nats-server -a 127.0.0.1 -p 4222 -js -sd /var/lib/nats-server >/dev/null 2>&1 &
+  fi
+  for _ in $(seq 50); do answers 127.0.0.1 4222 && break; sleep 0.1; done
+fi
+
 say "PostgreSQL: $(echo "$IDEMGATE_TEST_DATABASE_URL" | sed -E 's#(://[^:/@]+):[^@]*@#\1:****@#'), Redis: $IDEMGATE_TEST_REDIS_URL"
 # `otel` (OpenTelemetry traces) is not a default feature; test it too.
 cargo test --all-targets --features otel "$@"
