@@ -106,6 +106,15 @@ impl Source for Amqp {
         }
     }
 
+    async fn close(&mut self) {
+        let bye = || ShortString::from("idemgate stopping");
+        let _ = self.channel.close(200, bye()).await;
+        let _ = self.publish.close(200, bye()).await;
+        if let Some(connection) = self.connection.take() {
+            let _ = connection.close(200, bye()).await;
+        }
+    }
+
     async fn stop(&mut self) {
         let tag = self.consumer.tag();
         let _ = self

@@ -149,7 +149,7 @@ pub async fn run(ctx: Arc<Context>, grace: Duration) {
                 if tokio::time::timeout(grace, handlers.wait()).await.is_err() {
                     warn!(consumer = %name, "grace period over with deliveries in flight; the broker redelivers them");
                 }
-                drop(source);
+                source.close().await;
                 break;
             }
         }

@@ -56,6 +56,10 @@ pub trait Source: Send {
     /// Stops taking new deliveries (shutdown); those already handed out
     /// can still be settled.
     async fn stop(&mut self);
+
+    /// Closes the connection (after shutdown settled what it could): the
+    /// broker returns whatever is still unacked.
+    async fn close(&mut self) {}
 }
 
 /// One delivery of a message: told its fate exactly once.

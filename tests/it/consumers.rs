@@ -546,3 +546,125 @@ async fn jetstream_broker_restart_loses_nothing_and_runs_nothing_twice() {
     drop(replica);
     stream.delete().await;
 }
+
+// ===== shutdown, reload =====
+
+/// SIGTERM with deliveries in flight: the consumer stops taking messages,
+/// those in flight finish and are acked within the grace period, the rest
+/// stay in the queue; started again, it runs them, each once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_graceful_shutdown_finishes_what_it_holds_and_leaves_the_rest() {
+    let handler = Handler::start().await;
+    let queue = TestQueue::new("idemgate_drain").await;
+    let dir = tempfile::TempDir::new().unwrap();
+    let keys: Vec<String> = (0..12).map(|i| format!("g{i}")).collect();
+    for (i, k) in keys.iter().enumerate() {
+        queue.publish(Some(k), &order(i, ",\"delay_ms\":700")).await;
+    }
+    let mut replica = Replica::start(
+        dir.path(),
+        0,
+        &handler,
+        consumer(amqp(&queue.name, 3), &[]),
+        None,
+    )
+    .await;
+    wait_for("the first deliveries to reach the handler", || async {
+        (replica.counter("in_flight", None).await == 3).then_some(())
+    })
+    .await;
+    let mut p = replica.process.take().unwrap();
+    p.terminate();
+    assert_eq!(p.exited().await, Some(0), "{}", p.log());
+    let done = handler.counts().len();
+    assert!((3..12).contains(&done), "{done} executed before the exit");
+    assert_eq!(
+        rabbitmq_counts(&queue.name),
+        ((12 - done) as u64, 0),
+        "the rest wait, none unacked"
+    );
+    assert!(!p.log().contains("ERROR"), "{}", p.log());
+    replica.restart().await;
+    wait_executed(&handler, &keys).await;
+    wait_for("the queue to end empty", || async {
+        (rabbitmq_counts(&queue.name) == (0, 0)).then_some(())
+    })
+    .await;
+    assert_once(&handler, &keys);
+    replica.kill();
+    queue.delete().await;
+}
+
+/// A reload keeps the running consumers and names a changed one as
+/// needing a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_keeps_the_running_consumer_and_names_the_change() {
+    let handler = Handler::start().await;
+    let queue = TestQueue::new("idemgate_reload").await;
+    let dir = tempfile::TempDir::new().unwrap();
+    let replica = Replica::start(
+        dir.path(),
+        0,
+        &handler,
+        consumer(amqp(&queue.name, 3), &[]),
+        None,
+    )
+    .await;
+    let text = std::fs::read_to_string(&replica.config).unwrap();
+    std::fs::write(
+        &replica.config,
+        text.replace("prefetch = 3", "prefetch = 5"),
+    )
+    .unwrap();
+    replica.p().hangup();
+    wait_for("the reload's warning", || async {
+        let log = replica.p().log();
+        (log.contains("only change on a restart") && log.contains("consumer.reserve")).then_some(())
+    })
+    .await;
+    queue.publish(Some("after-reload"), "{}").await;
+    wait_executed(&handler, &["after-reload".to_string()]).await;
+    drop(replica);
+    queue.delete().await;
+}
+
+/// JetStream, two replicas on one PostgreSQL schema sharing one durable
+/// consumer: each key runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_two_postgres_replicas_share_a_durable_consumer() {
+    require_postgres(&database_url()).await;
+    let handler = Handler::start().await;
+    let stream = TestStream::new(NATS_URL, "idemgate_replicas").await;
+    let schema = TestSchema::new();
+    let dir = tempfile::TempDir::new().unwrap();
+    let c = || {
+        consumer(
+            jetstream(NATS_URL, &stream, "2s"),
+            &[("key", table(&[("header", s("x-order-id"))]))],
+        )
+    };
+    let a = Replica::start(dir.path(), 0, &handler, c(), Some(&schema)).await;
+    let b = Replica::start(dir.path(), 1, &handler, c(), Some(&schema)).await;
+    let keys: Vec<String> = (0..150).map(|i| format!("p{i}")).collect();
+    for (i, k) in keys.iter().enumerate() {
+        stream
+            .publish(None, &[("x-order-id", k)], &order(i, ",\"delay_ms\":5"))
+            .await;
+    }
+    for (i, k) in keys.iter().take(50).enumerate() {
+        stream
+            .publish(None, &[("x-order-id", k)], &order(i, ",\"delay_ms\":5"))
+            .await;
+    }
+    wait_executed(&handler, &keys).await;
+    wait_for("nothing pending or unacked", || async {
+        (stream.consumer_counts(CONSUMER).await == Some((0, 0))).then_some(())
+    })
+    .await;
+    assert_once(&handler, &keys);
+    let suppressed = a.counter("duplicates_suppressed_total", None).await
+        + b.counter("duplicates_suppressed_total", None).await;
+    assert!(suppressed >= 50, "{suppressed}");
+    drop((a, b));
+    stream.delete().await;
+}
