@@ -167,7 +167,12 @@ pub struct TestQueue {
 
 impl TestQueue {
     pub async fn new(prefix: &str) -> Self {
-        let connection = rabbitmq(AMQP_URL).await;
+        Self::on(AMQP_URL, prefix).await
+    }
+
+    /// On the RabbitMQ at `url`.
+    pub async fn on(url: &str, prefix: &str) -> Self {
+        let connection = rabbitmq(url).await;
         let channel = connection.create_channel().await.unwrap();
         let name = unique(prefix);
         let dlq = format!("{name}.dlq");
@@ -261,9 +266,16 @@ impl TestQueue {
 
 /// `rabbitmqctl`'s view of a queue: (ready, unacknowledged).
 pub fn rabbitmq_counts(queue: &str) -> (u64, u64) {
+    rabbitmq_counts_on("rabbit@localhost", queue)
+}
+
+/// [`rabbitmq_counts`] on the node `node`.
+pub fn rabbitmq_counts_on(node: &str, queue: &str) -> (u64, u64) {
     let out = Command::new("rabbitmqctl")
         .args([
             "-q",
+            "-n",
+            node,
             "list_queues",
             "name",
             "messages_ready",
@@ -302,6 +314,103 @@ pub fn close_idemgate_connection(queue: &str) {
             .output()
             .expect("run rabbitmqctl");
         assert!(out.status.success(), "close_connection {pid}: {out:?}");
+    }
+}
+
+/// A private RabbitMQ node (its own node name, ports, Mnesia and log
+/// directories, and a config listening on its port only), which a test
+/// may stop and start again; the shared node is never touched.
+pub struct PrivateRabbit {
+    pub port: u16,
+    pub node: String,
+    dir: tempfile::TempDir,
+    /// The `rabbitmq-server` script, reaped once the node stops.
+    child: Option<Child>,
+}
+
+impl PrivateRabbit {
+    pub async fn start() -> Self {
+        let port = free_port().port();
+        let dir = tempfile::TempDir::new().unwrap();
+        let path = dir.path();
+        std::fs::create_dir_all(path.join("mnesia")).unwrap();
+        std::fs::create_dir_all(path.join("log")).unwrap();
+        std::fs::write(
+            path.join("rabbitmq.conf"),
+            format!("listeners.tcp.local = 127.0.0.1:{port}\n"),
+        )
+        .unwrap();
+        // rabbitmq-server run as root switches to the rabbitmq user.
+        let status = Command::new("chown")
+            .args(["-R", "rabbitmq"])
+            .arg(path)
+            .status()
+            .expect("run chown");
+        assert!(status.success());
+        let _ = Command::new("chmod").arg("755").arg(path).status();
+        let mut r = Self {
+            port,
+            node: format!("idemgate-test-{port}@localhost"),
+            dir,
+            child: None,
+        };
+        r.up().await;
+        r
+    }
+
+    pub fn url(&self) -> String {
+        format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.port)
+    }
+
+    pub async fn up(&mut self) {
+        let p = self.dir.path();
+        let dist = self.port + 1;
+        let child = Command::new("rabbitmq-server")
+            .env("RABBITMQ_NODENAME", &self.node)
+            .env("RABBITMQ_NODE_PORT", self.port.to_string())
+            .env("RABBITMQ_DIST_PORT", dist.to_string())
+            .env("RABBITMQ_MNESIA_BASE", p.join("mnesia"))
+            .env("RABBITMQ_LOG_BASE", p.join("log"))
+            .env("RABBITMQ_ENABLED_PLUGINS_FILE", p.join("plugins"))
+            .env("RABBITMQ_FEATURE_FLAGS_FILE", p.join("feature_flags"))
+            .env("RABBITMQ_PLUGINS_EXPAND_DIR", p.join("expand"))
+            .env("RABBITMQ_PID_FILE", p.join("node.pid"))
+            .env("RABBITMQ_CONFIG_FILE", p.join("rabbitmq.conf"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start rabbitmq-server (install the rabbitmq-server package)");
+        self.child = Some(child);
+        let addr: SocketAddr = ([127, 0, 0, 1], self.port).into();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        while tokio::net::TcpStream::connect(addr).await.is_err() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the private RabbitMQ node did not listen on {addr} within 60 s (logs in {})",
+                p.join("log").display()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// `rabbitmqctl stop`: the node halts; durable queues and persistent
+    /// messages are there at the next start.
+    pub fn down(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = Command::new("rabbitmqctl")
+                .args(["-q", "-n", &self.node, "stop"])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for PrivateRabbit {
+    fn drop(&mut self) {
+        self.down();
     }
 }
 
