@@ -9,7 +9,7 @@ use crate::support::brokers::{
     close_idemgate_connection, rabbitmq_counts, rabbitmq_counts_on, Handler, PrivateNats,
     PrivateRabbit, TestQueue, TestStream, AMQP_URL, NATS_URL,
 };
-use crate::support::services::{database_url, require_postgres};
+use crate::support::services::{database_url, redis_url, require_postgres, require_redis};
 use crate::support::{
     free_port, run_to_completion, wait_for, ServeProcess, TestConfig, TestSchema,
 };
@@ -80,8 +80,18 @@ fn jetstream(url: &str, stream: &TestStream, ack_wait: &str) -> Value {
     )])
 }
 
-/// One `idemgate serve` with `consumer`, on SQLite in `dir` (or on
-/// PostgreSQL's `schema`).
+/// The store a replica runs on.
+#[derive(Clone, Copy)]
+enum Store<'a> {
+    /// In `dir`.
+    Sqlite,
+    Memory,
+    Postgres(&'a TestSchema),
+    /// PostgreSQL with the Redis fast path (the schema's prefix).
+    PostgresRedis(&'a TestSchema),
+}
+
+/// One `idemgate serve` with `consumer`, on `store`.
 struct Replica {
     config: std::path::PathBuf,
     listen: std::net::SocketAddr,
@@ -95,23 +105,30 @@ impl Replica {
         i: usize,
         handler: &Handler,
         consumer: Value,
-        schema: Option<&TestSchema>,
+        store: Store<'_>,
     ) -> Self {
         let (listen, admin) = (free_port(), free_port());
         let mut config = TestConfig::new(handler.addr)
             .listen(listen, admin)
             .set("server.shutdown_grace", "3s")
             .set("consumer", Value::Array(vec![consumer]));
-        config = match schema {
-            None => config
+        config = match store {
+            Store::Sqlite => config
                 .set("store.backend", "sqlite")
                 .set("store.path", dir.join("store.db").display().to_string()),
-            Some(schema) => config
+            Store::Memory => config.set("store.backend", "memory"),
+            Store::Postgres(schema) | Store::PostgresRedis(schema) => config
                 .set("store.backend", "postgres")
                 .set("store.url", database_url())
                 .set("store.schema", schema.schema.as_str())
                 .set("store.pool_size", 4),
         };
+        if let Store::PostgresRedis(schema) = store {
+            require_redis(&redis_url());
+            config = config
+                .set("redis.url", redis_url())
+                .set("redis.prefix", schema.prefix.as_str());
+        }
         let path = dir.join(format!("replica-{i}.toml"));
         config.write(&path);
         let process = ServeProcess::start(&path, listen, admin, &[]).await;
@@ -200,7 +217,7 @@ async fn amqp_messages_execute_once_across_redeliveries_and_duplicates() {
         queue.publish(Some(k), &order(i, ",\"delay_ms\":5")).await;
     }
     let c = consumer(amqp(&queue.name, 16), &[]);
-    let mut replica = Replica::start(dir.path(), 0, &handler, c, None).await;
+    let mut replica = Replica::start(dir.path(), 0, &handler, c, Store::Sqlite).await;
     wait_for("a third of the messages to execute", || async {
         (handler.counts().len() >= 60).then_some(())
     })
@@ -242,7 +259,7 @@ async fn amqp_fates_follow_the_table() {
     let queue = TestQueue::new("idemgate_fates").await;
     let dir = tempfile::TempDir::new().unwrap();
     let c = consumer(amqp(&queue.name, 8), &[("max_attempts", Value::Integer(3))]);
-    let replica = Replica::start(dir.path(), 0, &handler, c, None).await;
+    let replica = Replica::start(dir.path(), 0, &handler, c, Store::Sqlite).await;
     queue.publish(Some("k422"), r#"{"plan":[422]}"#).await;
     queue.publish(Some("k503"), r#"{"plan":[503,201]}"#).await;
     queue.publish(None, r#"{"no":"key"}"#).await;
@@ -332,8 +349,8 @@ async fn amqp_two_postgres_replicas_share_a_queue_and_survive_a_kill() {
     let schema = TestSchema::new();
     let dir = tempfile::TempDir::new().unwrap();
     let c = || consumer(amqp(&queue.name, 4), &[]);
-    let mut a = Replica::start(dir.path(), 0, &handler, c(), Some(&schema)).await;
-    let b = Replica::start(dir.path(), 1, &handler, c(), Some(&schema)).await;
+    let mut a = Replica::start(dir.path(), 0, &handler, c(), Store::Postgres(&schema)).await;
+    let b = Replica::start(dir.path(), 1, &handler, c(), Store::Postgres(&schema)).await;
     let keys: Vec<String> = (0..200).map(|i| format!("r{i}")).collect();
     for (i, k) in keys.iter().enumerate() {
         queue.publish(Some(k), &order(i, ",\"delay_ms\":10")).await;
@@ -380,7 +397,7 @@ async fn amqp_broker_restart_loses_nothing_and_runs_nothing_twice() {
         queue.publish(Some(k), &order(i, ",\"delay_ms\":50")).await;
     }
     let c = consumer(amqp_at(&url, &queue.name, 2), &[]);
-    let replica = Replica::start(dir.path(), 0, &handler, c, None).await;
+    let replica = Replica::start(dir.path(), 0, &handler, c, Store::Sqlite).await;
     wait_for("some messages to execute", || async {
         (handler.counts().len() >= 40).then_some(())
     })
@@ -439,7 +456,7 @@ async fn jetstream_messages_execute_once_with_progress_duplicates_and_a_kill() {
         let body = order(i, &format!(",\"delay_ms\":{delay}"));
         stream.publish(None, &[("x-order-id", k)], &body).await;
     }
-    let mut replica = Replica::start(dir.path(), 0, &handler, c, None).await;
+    let mut replica = Replica::start(dir.path(), 0, &handler, c, Store::Sqlite).await;
     wait_for("half the messages to execute", || async {
         (handler.counts().len() >= 100).then_some(())
     })
@@ -476,8 +493,8 @@ async fn jetstream_messages_execute_once_with_progress_duplicates_and_a_kill() {
     stream.delete().await;
 }
 
-/// The fate table on JetStream, dead letters published to the
-/// `dead_letter_subject` with their reason.
+/// The fate table on JetStream (on the memory store), dead letters
+/// published to the `dead_letter_subject` with their reason.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jetstream_fates_follow_the_table() {
     let handler = Handler::start().await;
@@ -490,7 +507,7 @@ async fn jetstream_fates_follow_the_table() {
             ("max_attempts", Value::Integer(3)),
         ],
     );
-    let replica = Replica::start(dir.path(), 0, &handler, c, None).await;
+    let replica = Replica::start(dir.path(), 0, &handler, c, Store::Memory).await;
     stream
         .publish(None, &[("x-order-id", "k422")], r#"{"plan":[422]}"#)
         .await;
@@ -570,7 +587,7 @@ async fn jetstream_broker_restart_loses_nothing_and_runs_nothing_twice() {
             .publish(None, &[("x-order-id", k)], &order(i, ",\"delay_ms\":10"))
             .await;
     }
-    let replica = Replica::start(dir.path(), 0, &handler, c, None).await;
+    let replica = Replica::start(dir.path(), 0, &handler, c, Store::Sqlite).await;
     wait_for("some messages to execute", || async {
         (handler.counts().len() >= 40).then_some(())
     })
@@ -631,7 +648,7 @@ async fn amqp_graceful_shutdown_finishes_what_it_holds_and_leaves_the_rest() {
         0,
         &handler,
         consumer(amqp(&queue.name, 3), &[]),
-        None,
+        Store::Sqlite,
     )
     .await;
     wait_for("the first deliveries to reach the handler", || async {
@@ -672,7 +689,7 @@ async fn a_reload_keeps_the_running_consumer_and_names_the_change() {
         0,
         &handler,
         consumer(amqp(&queue.name, 3), &[]),
-        None,
+        Store::Sqlite,
     )
     .await;
     let text = std::fs::read_to_string(&replica.config).unwrap();
@@ -693,10 +710,10 @@ async fn a_reload_keeps_the_running_consumer_and_names_the_change() {
     queue.delete().await;
 }
 
-/// JetStream, two replicas on one PostgreSQL schema sharing one durable
-/// consumer: each key runs once.
+/// JetStream, two replicas on one PostgreSQL schema with the Redis fast
+/// path, sharing one durable consumer: each key runs once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn jetstream_two_postgres_replicas_share_a_durable_consumer() {
+async fn jetstream_two_postgres_redis_replicas_share_a_durable_consumer() {
     require_postgres(&database_url()).await;
     let handler = Handler::start().await;
     let stream = TestStream::new(NATS_URL, "idemgate_replicas").await;
@@ -708,8 +725,8 @@ async fn jetstream_two_postgres_replicas_share_a_durable_consumer() {
             &[("key", table(&[("header", s("x-order-id"))]))],
         )
     };
-    let a = Replica::start(dir.path(), 0, &handler, c(), Some(&schema)).await;
-    let b = Replica::start(dir.path(), 1, &handler, c(), Some(&schema)).await;
+    let a = Replica::start(dir.path(), 0, &handler, c(), Store::PostgresRedis(&schema)).await;
+    let b = Replica::start(dir.path(), 1, &handler, c(), Store::PostgresRedis(&schema)).await;
     let keys: Vec<String> = (0..150).map(|i| format!("p{i}")).collect();
     for (i, k) in keys.iter().enumerate() {
         stream
