@@ -750,3 +750,196 @@ async fn jetstream_two_postgres_redis_replicas_share_a_durable_consumer() {
     drop((a, b));
     stream.delete().await;
 }
+
+// ===== throughput (bench/consumers.sh) =====
+
+/// Messages per second through idemgate (SQLite, fresh keys) against the
+/// same consumer without dedup (an in-process client: consume, POST,
+/// ack), on each broker; `IDEMGATE_BENCH_MESSAGES` messages (default
+/// 2000), prefetch / max_ack_pending 32. Run by `bench/consumers.sh`
+/// (release build); ignored in the suite.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a benchmark: bench/consumers.sh"]
+async fn throughput() {
+    let n: usize = std::env::var("IDEMGATE_BENCH_MESSAGES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2000);
+    let mut rows = Vec::new();
+    for broker in ["amqp", "jetstream"] {
+        for dedup in [false, true] {
+            let handler = Handler::start().await;
+            let dir = tempfile::TempDir::new().unwrap();
+            let (rate, keys) = match broker {
+                "amqp" => {
+                    let queue = TestQueue::new("idemgate_bench").await;
+                    for i in 0..n {
+                        queue.publish(Some(&format!("b{i}")), &order(i, "")).await;
+                    }
+                    let rate = if dedup {
+                        let c = consumer(amqp(&queue.name, 32), &[]);
+                        timed(n, &handler, || async {
+                            Replica::start(dir.path(), 0, &handler, c, Store::Sqlite).await
+                        })
+                        .await
+                    } else {
+                        timed(n, &handler, || plain_amqp(&queue.name, handler.addr)).await
+                    };
+                    queue.delete().await;
+                    (rate, handler.counts().len())
+                }
+                _ => {
+                    let stream = TestStream::new(NATS_URL, "idemgate_bench").await;
+                    for i in 0..n {
+                        let k = format!("b{i}");
+                        stream
+                            .publish(None, &[("x-order-id", &k)], &order(i, ""))
+                            .await;
+                    }
+                    let rate = if dedup {
+                        let mut source = jetstream(NATS_URL, &stream, "30s");
+                        source["jetstream"]["max_ack_pending"] = Value::Integer(32);
+                        let c = consumer(source, &[("key", table(&[("header", s("x-order-id"))]))]);
+                        timed(n, &handler, || async {
+                            Replica::start(dir.path(), 0, &handler, c, Store::Sqlite).await
+                        })
+                        .await
+                    } else {
+                        timed(n, &handler, || plain_jetstream(&stream, handler.addr)).await
+                    };
+                    stream.delete().await;
+                    (rate, handler.counts().len())
+                }
+            };
+            assert_eq!(keys, n);
+            let what = if dedup {
+                "idemgate consumer, sqlite"
+            } else {
+                "plain consumer, no dedup"
+            };
+            rows.push(format!("| {broker} | {what} | {n} | {rate:.0} |"));
+        }
+    }
+    println!("| broker | consumer | messages | messages/s |\n|---|---|---:|---:|");
+    for r in rows {
+        println!("{r}");
+    }
+}
+
+/// Starts a consumer with `start` and measures how fast the `n`
+/// queued messages are executed (from the start of the consumer).
+async fn timed<F, Fut, T>(n: usize, handler: &Handler, start: F) -> f64
+where
+    F: FnOnce() -> Fut,
+    Fut: std::future::Future<Output = T>,
+{
+    let began = std::time::Instant::now();
+    let _running = start().await;
+    let deadline = began + Duration::from_secs(120);
+    while handler.counts().len() < n {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the bench did not finish in 120 s"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    n as f64 / began.elapsed().as_secs_f64()
+}
+
+type BenchClient = hyper_util::client::legacy::Client<
+    hyper_util::client::legacy::connect::HttpConnector,
+    http_body_util::Full<bytes::Bytes>,
+>;
+
+fn bench_client() -> BenchClient {
+    hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build_http()
+}
+
+async fn post(client: &BenchClient, upstream: std::net::SocketAddr, key: &str, body: bytes::Bytes) {
+    let req = http::Request::post(format!("http://{upstream}/reserve"))
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(body))
+        .unwrap();
+    let resp = client.request(req).await.expect("the upstream answers");
+    let _ = http_body_util::BodyExt::collect(resp.into_body()).await;
+}
+
+/// The same consumer without dedup: consume (prefetch 32), POST, ack.
+async fn plain_amqp(queue: &str, upstream: std::net::SocketAddr) -> tokio::task::JoinHandle<()> {
+    use futures_util::StreamExt;
+    let conn = crate::support::brokers::rabbitmq(AMQP_URL).await;
+    let channel = conn.create_channel().await.unwrap();
+    channel
+        .basic_qos(32, lapin::options::BasicQosOptions::default())
+        .await
+        .unwrap();
+    let mut consumer = channel
+        .basic_consume(
+            queue.into(),
+            "bench-plain".into(),
+            lapin::options::BasicConsumeOptions::default(),
+            lapin::types::FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    tokio::spawn(async move {
+        let _conn = conn;
+        let client = bench_client();
+        while let Some(Ok(d)) = consumer.next().await {
+            let client = client.clone();
+            tokio::spawn(async move {
+                let key = d
+                    .properties
+                    .message_id()
+                    .as_ref()
+                    .map(|k| k.to_string())
+                    .unwrap_or_default();
+                post(&client, upstream, &key, bytes::Bytes::from(d.data.clone())).await;
+                let _ = d
+                    .acker
+                    .ack(lapin::options::BasicAckOptions::default())
+                    .await;
+            });
+        }
+    })
+}
+
+/// The same consumer without dedup on JetStream: pull (max_ack_pending
+/// 32), POST, double ack.
+async fn plain_jetstream(
+    stream: &TestStream,
+    upstream: std::net::SocketAddr,
+) -> tokio::task::JoinHandle<()> {
+    use futures_util::StreamExt;
+    let s = stream.js.get_stream(&stream.name).await.unwrap();
+    let c: async_nats::jetstream::consumer::PullConsumer = s
+        .get_or_create_consumer(
+            "bench-plain",
+            async_nats::jetstream::consumer::pull::Config {
+                durable_name: Some("bench-plain".into()),
+                max_ack_pending: 32,
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    let mut messages = c.messages().await.unwrap();
+    tokio::spawn(async move {
+        let client = bench_client();
+        while let Some(Ok(m)) = messages.next().await {
+            let client = client.clone();
+            tokio::spawn(async move {
+                let key = m
+                    .message
+                    .headers
+                    .as_ref()
+                    .and_then(|h| h.get("x-order-id"))
+                    .map(|v| v.to_string())
+                    .unwrap_or_default();
+                post(&client, upstream, &key, m.message.payload.clone()).await;
+                let _ = m.double_ack().await;
+            });
+        }
+    })
+}
