@@ -10,12 +10,15 @@
 //! - `deliver.rs`: a message as its request (key, headers, fingerprint),
 //!   and the protected path's result read back.
 //! - `fate.rs`: the fate table, pure and table-tested.
-//! - `run.rs`: connecting, reconnecting, bounded concurrency, shutdown.
+//! - `run.rs`: connecting, reconnecting, bounded concurrency, shutdown;
+//!   `link.rs`: the connection's state (metric, `/healthz`, the log line
+//!   written once per outage).
 
 mod amqp;
 pub mod deliver;
 pub mod fate;
 mod jetstream;
+mod link;
 mod run;
 pub mod source;
 

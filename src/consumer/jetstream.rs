@@ -13,7 +13,7 @@
 //!   found the key in flight elsewhere counts too).
 
 use super::fate::Reason;
-use super::run::Link;
+use super::link::Link;
 use super::source::{Delivery, Message, Source, SourceError};
 use crate::config::consumers::JetStreamSource;
 use async_nats::jetstream::{self, consumer::pull, AckKind};

@@ -6,6 +6,7 @@
 
 use super::deliver;
 use super::fate::{fate, Fate, Happened, RetryPolicy};
+use super::link::Link;
 use super::source::{Delivery, Source, SourceError};
 use super::{amqp, jetstream};
 use crate::config::consumers::{ConsumerConfig, SourceConfig};
@@ -35,42 +36,6 @@ pub struct Context {
     pub stopping: CancellationToken,
     /// Whether the broker connection is up and consuming (`/healthz`).
     pub up: Arc<AtomicBool>,
-}
-
-/// The broker connection's state: the metric, `/healthz`, and the log
-/// line written once per outage. Shared with a source whose client
-/// reconnects by itself (JetStream), which reports through it too.
-pub struct Link {
-    name: Arc<str>,
-    source: String,
-    metrics: Arc<Metrics>,
-    up: Arc<AtomicBool>,
-    /// Set from the first failure of an outage to the reconnect.
-    outage: std::sync::Mutex<bool>,
-}
-
-impl Link {
-    pub fn down(&self, e: &dyn std::fmt::Display) {
-        self.metrics.consumers().broker_up(&self.name, false);
-        self.up.store(false, Ordering::Relaxed);
-        let mut outage = self.outage.lock().unwrap_or_else(|p| p.into_inner());
-        if *outage {
-            debug!(consumer = %self.name, error = %e, "still reconnecting");
-        } else {
-            *outage = true;
-            warn!(consumer = %self.name, source = %self.source, error = %e,
-                "broker connection lost or refused; reconnecting with backoff (logged once per outage)");
-        }
-    }
-
-    pub fn up(&self) {
-        self.metrics.consumers().broker_up(&self.name, true);
-        self.up.store(true, Ordering::Relaxed);
-        let mut outage = self.outage.lock().unwrap_or_else(|p| p.into_inner());
-        if std::mem::take(&mut *outage) {
-            info!(consumer = %self.name, "broker connection back; consuming again");
-        }
-    }
 }
 
 /// Connects to the consumer's broker.
