@@ -606,10 +606,7 @@ async fn jetstream_broker_restart_loses_nothing_and_runs_nothing_twice() {
     assert_eq!(replica.counter("broker_up", None).await, 0);
     nats.up().await;
     wait_executed(&handler, &keys).await;
-    let stream = TestStream {
-        js: crate::support::brokers::nats(&url).await,
-        ..stream
-    };
+    let stream = TestStream::reconnected(stream).await;
     wait_for("nothing pending or unacked", || async {
         (stream.consumer_counts(CONSUMER).await == Some((0, 0))).then_some(())
     })

@@ -163,6 +163,44 @@ pub struct TestQueue {
     pub dlq: String,
     pub channel: Channel,
     _connection: Connection,
+    /// The broker's URL, for the cleanup on drop.
+    url: String,
+}
+
+/// Runs `work` on a thread with a runtime of its own (a drop may run
+/// inside the test's runtime), best effort, bounded.
+fn cleanup<F: std::future::Future<Output = ()> + Send + 'static>(work: F) {
+    let done = std::thread::spawn(move || {
+        if let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        {
+            rt.block_on(async {
+                let _ = tokio::time::timeout(Duration::from_secs(5), work).await;
+            });
+        }
+    });
+    let _ = done.join();
+}
+
+impl Drop for TestQueue {
+    /// Deletes the queues even when the test failed before its own delete.
+    fn drop(&mut self) {
+        let (url, queues) = (self.url.clone(), [self.name.clone(), self.dlq.clone()]);
+        cleanup(async move {
+            let Ok(c) = Connection::connect(&url, ConnectionProperties::default()).await else {
+                return;
+            };
+            if let Ok(ch) = c.create_channel().await {
+                for q in queues {
+                    let _ = ch
+                        .queue_delete(ShortString::from(q), QueueDeleteOptions::default())
+                        .await;
+                }
+            }
+            let _ = c.close(200, ShortString::from("bye")).await;
+        });
+    }
 }
 
 impl TestQueue {
@@ -206,6 +244,7 @@ impl TestQueue {
             dlq,
             channel,
             _connection: connection,
+            url: url.to_string(),
         }
     }
 
@@ -436,6 +475,22 @@ pub struct TestStream {
     pub name: String,
     pub dead_subject: String,
     pub js: jetstream::Context,
+    /// The server's URL, for the cleanup on drop.
+    pub url: String,
+}
+
+impl Drop for TestStream {
+    /// Deletes the streams even when the test failed before its own delete.
+    fn drop(&mut self) {
+        let (url, name) = (self.url.clone(), self.name.clone());
+        cleanup(async move {
+            if let Ok(c) = async_nats::connect(url).await {
+                let js = jetstream::new(c);
+                let _ = js.delete_stream(&name).await;
+                let _ = js.delete_stream(format!("{name}_DLQ")).await;
+            }
+        });
+    }
 }
 
 impl TestStream {
@@ -461,7 +516,14 @@ impl TestStream {
             name,
             dead_subject,
             js,
+            url: url.to_string(),
         }
+    }
+
+    /// The same streams through a new connection (after a broker restart).
+    pub async fn reconnected(mut self) -> Self {
+        self.js = nats(&self.url).await;
+        self
     }
 
     /// Publishes `body` with `Nats-Msg-Id` when `id` is given (a repeat
