@@ -303,18 +303,22 @@ impl TestQueue {
     }
 }
 
-/// `rabbitmqctl`'s view of a queue: (ready, unacknowledged).
+/// `rabbitmqctl`'s view of a queue on the machine's node (whatever its
+/// name: `rabbitmqctl`'s default): (ready, unacknowledged).
 pub fn rabbitmq_counts(queue: &str) -> (u64, u64) {
-    rabbitmq_counts_on("rabbit@localhost", queue)
+    counts(&[], queue)
 }
 
 /// [`rabbitmq_counts`] on the node `node`.
 pub fn rabbitmq_counts_on(node: &str, queue: &str) -> (u64, u64) {
+    counts(&["-n", node], queue)
+}
+
+fn counts(node: &[&str], queue: &str) -> (u64, u64) {
     let out = Command::new("rabbitmqctl")
+        .arg("-q")
+        .args(node)
         .args([
-            "-q",
-            "-n",
-            node,
             "list_queues",
             "name",
             "messages_ready",
