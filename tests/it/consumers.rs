@@ -252,18 +252,27 @@ async fn amqp_messages_execute_once_across_redeliveries_and_duplicates() {
 /// The fate table on RabbitMQ: 422 dead-letters once (and its duplicate
 /// too, without a second execution); 503 then 201 is one success, acked;
 /// a message without a key is dead-lettered; a key whose every attempt
-/// answers 503 is dead-lettered after `max_attempts`.
+/// answers 503 is dead-lettered after `max_attempts`; one whose upstream
+/// executed and never answered is parked (`on_ambiguous = "keep"`) and
+/// dead-lettered for an operator, not run again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn amqp_fates_follow_the_table() {
     let handler = Handler::start().await;
     let queue = TestQueue::new("idemgate_fates").await;
     let dir = tempfile::TempDir::new().unwrap();
-    let c = consumer(amqp(&queue.name, 8), &[("max_attempts", Value::Integer(3))]);
+    let c = consumer(
+        amqp(&queue.name, 8),
+        &[
+            ("max_attempts", Value::Integer(3)),
+            ("on_ambiguous", s("keep")),
+        ],
+    );
     let replica = Replica::start(dir.path(), 0, &handler, c, Store::Sqlite).await;
     queue.publish(Some("k422"), r#"{"plan":[422]}"#).await;
     queue.publish(Some("k503"), r#"{"plan":[503,201]}"#).await;
     queue.publish(None, r#"{"no":"key"}"#).await;
     queue.publish(Some("kdown"), r#"{"plan":[503]}"#).await;
+    queue.publish(Some("kreset"), r#"{"reset":true}"#).await;
     wait_for("the 422 to be dead-lettered", || async {
         (replica
             .counter("messages_dead_lettered_total", Some("rejected"))
@@ -278,6 +287,7 @@ async fn amqp_fates_follow_the_table() {
         let done = dl("rejected").await == 2
             && dl("no_key").await == 1
             && dl("exhausted").await == 1
+            && dl("outcome_unknown").await == 1
             && handler.runs("k503") == [503, 201];
         done.then_some(())
     })
@@ -292,9 +302,10 @@ async fn amqp_fates_follow_the_table() {
         "the duplicate did not run again"
     );
     assert_eq!(handler.runs("kdown"), [503, 503, 503], "max_attempts = 3");
+    assert_eq!(handler.runs("kreset").len(), 1, "parked, not run again");
     let mut dead = queue.drain_dead_letters().await;
     dead.sort();
-    assert_eq!(dead, ["k422", "k422", "kdown", r#"{"no":"key"}"#]);
+    assert_eq!(dead, ["k422", "k422", "kdown", "kreset", r#"{"no":"key"}"#]);
     assert_eq!(
         replica.counter("duplicates_suppressed_total", None).await,
         1

@@ -42,7 +42,8 @@ pub fn unique(prefix: &str) -> String {
 /// Counts executions per `Idempotency-Key` (the message key). A message's
 /// JSON body may say how to answer: `"plan": [503, 201]` (the n-th
 /// execution of the key answers the n-th status, the last one after
-/// that; default 201) and `"delay_ms": N`.
+/// that; default 201), `"delay_ms": N`, and `"reset": true` (executes,
+/// then drops the connection without answering).
 pub struct Handler {
     pub addr: SocketAddr,
     executions: Arc<Mutex<HashMap<String, Vec<u16>>>>,
@@ -95,7 +96,12 @@ impl Handler {
                         runs.push(status);
                         status
                     };
-                    Ok::<_, hyper::Error>(
+                    if doc["reset"].as_bool() == Some(true) {
+                        // Executed, then no answer: the proxy sees the
+                        // connection fail after sending (an ambiguous outcome).
+                        return Err("reset after executing".into());
+                    }
+                    Ok::<_, Box<dyn std::error::Error + Send + Sync>>(
                         Response::builder()
                             .status(status)
                             .body(Full::new(Bytes::from(format!("{{\"key\":{key:?}}}"))))
