@@ -116,7 +116,7 @@ impl Proxy {
 
     /// Claims, then executes or answers from the record found.
     async fn claim_and_execute(&self, req: ProtectedRequest) -> Result<Served, ProxyError> {
-        let check = Pending::of(&req.route, req.record_key.scope, &req.parts.headers);
+        let check = Pending::of(&req.route, &req.parts);
         let peer = req.peer;
         match (Box::pin(self.claim_and_answer(req)).await, check) {
             (Ok((Outcome::Replayed, stored)), Some(check)) => {
