@@ -2,7 +2,8 @@
 //!
 //! Operators name a key the way clients send it, plus the scope: the scope
 //! header's value (hashed here exactly as the proxy hashes it), a scope hash
-//! as printed by `show`, a route's consumer name, a client certificate's
+//! as printed by `show` or logged on the access log line (`scope`), a
+//! route's consumer name, a client certificate's
 //! PEM file (`scope = { client_cert = true }`), or `--anonymous` for
 //! requests without the header.
 
@@ -501,7 +502,8 @@ pub struct ScopeNamed {
     /// out was absent. The config's routes give the order.
     #[arg(long, value_name = "NAME=VALUE")]
     pub scope_header: Vec<ScopeHeader>,
-    /// The scope's hash, as printed by `keys show`.
+    /// The scope's hash: the access log line's `scope`, or what `keys
+    /// show` printed (no credential needed).
     #[arg(long)]
     pub scope: Option<String>,
     /// A route's fixed consumer name (`scope = { value = "..." }`, or a

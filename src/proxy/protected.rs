@@ -92,7 +92,7 @@ impl Proxy {
         let req = prepare(route, parts, body, key, doc, peer);
         let key_id = req.record_key.log_id();
         trace::set_key_id(&key_id);
-        log.set_key_id(key_id);
+        log.set_key(key_id, req.record_key.scope);
 
         let (tx, rx) = tokio::sync::oneshot::channel();
         let (this, task_log) = (Arc::clone(self), log.clone());

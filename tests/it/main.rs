@@ -10,6 +10,7 @@ mod support;
 
 mod config_traps;
 mod demo_docs;
+mod doc_commands;
 mod error_shapes;
 mod faults;
 mod fd_limit;
