@@ -453,6 +453,154 @@ async fn a_tampered_or_moved_sealed_response_is_never_replayed_or_run_again() {
     drop_schema(&url, &schema).await;
 }
 
+/// The Redis values of one test's records, by idempotency key.
+struct RedisValues {
+    conn: redis::aio::MultiplexedConnection,
+    names: Vec<String>,
+}
+
+async fn redis_values(redis: &str, prefix: &str) -> RedisValues {
+    let (conn, names) = redis_names(redis, prefix).await;
+    RedisValues { conn, names }
+}
+
+impl RedisValues {
+    /// The name of `k`'s value (its key digest ends it).
+    fn name(&self, k: &str) -> String {
+        let digest = hex_key(k);
+        let name = self.names.iter().find(|n| n.ends_with(&digest));
+        name.unwrap_or_else(|| panic!("no Redis copy of {k}: {:?}", self.names))
+            .clone()
+    }
+
+    async fn get(&mut self, k: &str) -> Vec<u8> {
+        redis::cmd("GET")
+            .arg(self.name(k))
+            .query_async(&mut self.conn)
+            .await
+            .expect("get")
+    }
+
+    /// Sets `k`'s value, keeping its expiry.
+    async fn set(&mut self, k: &str, value: Vec<u8>) {
+        let _: () = redis::cmd("SET")
+            .arg(self.name(k))
+            .arg(value)
+            .arg("KEEPTTL")
+            .query_async(&mut self.conn)
+            .await
+            .expect("set");
+    }
+
+    /// Flips the last byte of `k`'s value (the body's, sealed: its tag).
+    async fn flip(&mut self, k: &str) {
+        let mut value = self.get(k).await;
+        *value.last_mut().expect("a value") ^= 1;
+        self.set(k, value).await;
+    }
+}
+
+/// Never a refusal while a readable copy exists: records stored under
+/// `old` and replayed (so Redis holds copies under `old`); `keys
+/// reencrypt` run with a Redis that does not answer rewrites them in
+/// PostgreSQL (exit 0, no copy to `DEL` by hand) and leaves the copies as
+/// they were; one is then altered. Under `new` alone both copies fail to
+/// open, and each key replays PostgreSQL's copy byte for byte, never run
+/// again, none 410 and nothing counted unreadable; the copies are
+/// replaced by it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_copy_that_does_not_open_gives_way_to_the_postgres_copy() {
+    let url = database_url();
+    require_postgres(&url).await;
+    let redis = redis_url();
+    require_redis(&redis);
+    let schema = unique_schema("vault_fallback");
+    let up = Upstream::start().await;
+    let dir = tempfile::TempDir::new().expect("tempdir");
+    let (listen, admin) = (free_port(), free_port());
+    let with_redis = |c: TestConfig, redis: &str| {
+        on_postgres(c, &url, &schema)
+            .set("redis.url", redis)
+            .set("redis.prefix", schema.as_str())
+    };
+    let base = || {
+        TestConfig::new(up.addr)
+            .listen(listen, admin)
+            .route(Route::post(ORDERS))
+    };
+    let config = dir.path().join("idemgate.toml");
+    with_redis(base(), &redis).write(&config);
+    // Nothing listens there: the rewrite cannot drop the copies.
+    let away = dir.path().join("redis-away.toml");
+    let nowhere = format!("redis://{}", free_port());
+    with_redis(base(), &nowhere)
+        .set("redis.timeout", "200ms")
+        .write(&away);
+    let keys = ["k-removed", "k-tampered"];
+    let send = |gate: &ServeProcess, k: &'static str| gate.post(TARGET).key(k).body("{}").send();
+
+    let gate = serve_with_keys(&config, listen, admin, key("old", OLD)).await;
+    let mut first = Vec::new();
+    for k in keys {
+        let resp = send(&gate, k).await;
+        assert_eq!(resp.status(), 201, "{}", resp.text());
+        assert!(send(&gate, k).await.replayed());
+        first.push(resp);
+    }
+    stop(gate).await;
+    let mut values = redis_values(&redis, &schema).await;
+    let mut under_old = Vec::new();
+    for k in keys {
+        under_old.push(values.get(k).await);
+    }
+
+    let both = format!("{},{}", key("new", NEW), key("old", OLD));
+    let away_arg = away.display().to_string();
+    let run = run_to_completion(
+        &["keys", "--config", &away_arg, "reencrypt"],
+        &[("IDEMGATE_STORE_ENCRYPTION_KEYS", both.as_str())],
+    )
+    .await;
+    assert_eq!(run.code, 0, "{run:?}");
+    assert!(run.stdout.contains("done: 2 rewritten,"), "{run:?}");
+    assert!(
+        run.stdout
+            .contains("2 rewritten records kept their Redis copy under the old key"),
+        "{run:?}"
+    );
+    for (k, old) in keys.into_iter().zip(&under_old) {
+        assert_eq!(&values.get(k).await, old, "{k}: the copy is left as it was");
+    }
+    values.flip("k-tampered").await;
+
+    let gate = serve_with_keys(&config, listen, admin, key("new", NEW)).await;
+    for (k, first) in keys.into_iter().zip(&first) {
+        for _ in 0..2 {
+            let replay = send(&gate, k).await;
+            assert!(
+                replay.replayed(),
+                "{k}: {} {}",
+                replay.status(),
+                replay.text()
+            );
+            assert_eq!(replay.body, first.body, "{k}: byte for byte");
+            assert_eq!(replay.header("location"), first.header("location"));
+        }
+    }
+    for (k, old) in keys.into_iter().zip(&under_old) {
+        assert_ne!(&values.get(k).await, old, "{k}: the copy is replaced");
+    }
+    assert_eq!(up.hits(ORDERS), keys.len(), "each ran once");
+    let metrics = gate.admin_get("/metrics").send().await.text();
+    assert!(
+        !metrics.contains("idemgate_sealed_unreadable_total{"),
+        "{metrics}"
+    );
+    stop(gate).await;
+    drop_schema(&url, &schema).await;
+    drop_redis_keys(&redis, &schema).await;
+}
+
 /// The stored digest of an idempotency key, as hex.
 fn hex_key(k: &str) -> String {
     hex::encode(idemgate::idempotency::key::hash_key(k))
