@@ -386,55 +386,33 @@ async fn execute(url: &str, sql: &str) -> u64 {
     n
 }
 
-/// Through the binary on PostgreSQL: a sealed response altered in its row,
-/// or copied over another record's, never opens there: those keys answer
-/// 410 and the upstream is not called again.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_tampered_or_moved_sealed_response_is_never_replayed_or_run_again() {
-    let url = database_url();
-    require_postgres(&url).await;
-    let schema = unique_schema("vault_tamper");
+/// Three responses stored under one key (and replayed once, so a fast
+/// path in front holds a copy of each); then `alter` flips one byte of
+/// `k-tampered`'s ciphertext and copies `k-source`'s over `k-moved`'s,
+/// wherever the store keeps them: those two answer 410 and the upstream
+/// is not called again; the untouched one replays.
+async fn tampered_and_moved<F, Fut>(store: impl Fn(TestConfig) -> TestConfig, alter: F)
+where
+    F: FnOnce() -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
     let up = Upstream::start().await;
     let dir = tempfile::TempDir::new().expect("tempdir");
     let config = dir.path().join("idemgate.toml");
     let (listen, admin) = (free_port(), free_port());
-    on_postgres(
+    store(
         TestConfig::new(up.addr)
             .listen(listen, admin)
             .route(Route::post(ORDERS)),
-        &url,
-        &schema,
     )
     .write(&config);
     let gate = serve_with_keys(&config, listen, admin, key("k1", OLD)).await;
     let send = |k: &'static str| gate.post(TARGET).key(k).body("{}").send();
     for k in ["k-tampered", "k-moved", "k-source"] {
         assert_eq!(send(k).await.status(), 201);
+        assert!(send(k).await.replayed());
     }
-    let (tampered, source) = (hex_key("k-tampered"), hex_key("k-source"));
-    // One byte of the ciphertext flipped in place.
-    let flipped = execute(
-        &url,
-        &format!(
-            "UPDATE {schema}.idempotency_records SET body = overlay(body placing \
-         decode(lpad(to_hex(get_byte(body, 40) # 1), 2, '0'), 'hex') from 41 for 1) \
-         WHERE key = decode('{tampered}', 'hex')"
-        ),
-    )
-    .await;
-    assert_eq!(flipped, 1);
-    // Another record's sealed response copied over this one's.
-    let moved = execute(
-        &url,
-        &format!(
-            "UPDATE {schema}.idempotency_records AS r SET body = s.body, headers = s.headers \
-         FROM {schema}.idempotency_records AS s \
-         WHERE s.key = decode('{source}', 'hex') AND r.key = decode('{}', 'hex')",
-            hex_key("k-moved")
-        ),
-    )
-    .await;
-    assert_eq!(moved, 1);
+    alter().await;
     for k in ["k-tampered", "k-moved"] {
         let retry = send(k).await;
         assert_eq!(retry.status(), 410, "{k}: {}", retry.text());
@@ -450,7 +428,128 @@ async fn a_tampered_or_moved_sealed_response_is_never_replayed_or_run_again() {
         "{metrics}"
     );
     stop(gate).await;
+}
+
+/// One byte of `k-tampered`'s body flipped, and `k-source`'s body and
+/// headers copied over `k-moved`'s, in the PostgreSQL rows.
+async fn tamper_and_move_rows(url: &str, schema: &str) {
+    let (tampered, source) = (hex_key("k-tampered"), hex_key("k-source"));
+    let flipped = execute(
+        url,
+        &format!(
+            "UPDATE {schema}.idempotency_records SET body = overlay(body placing \
+         decode(lpad(to_hex(get_byte(body, 40) # 1), 2, '0'), 'hex') from 41 for 1) \
+         WHERE key = decode('{tampered}', 'hex')"
+        ),
+    )
+    .await;
+    assert_eq!(flipped, 1);
+    let moved = execute(
+        url,
+        &format!(
+            "UPDATE {schema}.idempotency_records AS r SET body = s.body, headers = s.headers \
+         FROM {schema}.idempotency_records AS s \
+         WHERE s.key = decode('{source}', 'hex') AND r.key = decode('{}', 'hex')",
+            hex_key("k-moved")
+        ),
+    )
+    .await;
+    assert_eq!(moved, 1);
+}
+
+/// Through the binary on PostgreSQL: a sealed response altered in its row,
+/// or copied over another record's, never opens there: those keys answer
+/// 410 and the upstream is not called again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tampered_or_moved_sealed_response_is_never_replayed_or_run_again() {
+    let url = database_url();
+    require_postgres(&url).await;
+    let schema = unique_schema("vault_tamper");
+    tampered_and_moved(
+        |c| on_postgres(c, &url, &schema),
+        || tamper_and_move_rows(&url, &schema),
+    )
+    .await;
     drop_schema(&url, &schema).await;
+}
+
+/// The same in the SQLite file, altered by another connection while the
+/// proxy runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tampered_or_moved_sealed_response_on_sqlite_is_never_replayed_or_run_again() {
+    let dir = tempfile::TempDir::new().expect("tempdir");
+    let db = dir.path().join("tamper.db");
+    let alter = || async {
+        let file = rusqlite::Connection::open(&db).expect("open the database");
+        file.busy_timeout(std::time::Duration::from_secs(5))
+            .expect("busy timeout");
+        let body_of = |k: &str| -> Vec<u8> {
+            file.query_row(
+                "SELECT body FROM idempotency_records WHERE key = ?1",
+                [hex::decode(hex_key(k)).expect("hex")],
+                |row| row.get(0),
+            )
+            .expect("the record's row")
+        };
+        let mut tampered = body_of("k-tampered");
+        tampered[40] ^= 1;
+        let flipped = file
+            .execute(
+                "UPDATE idempotency_records SET body = ?1 WHERE key = ?2",
+                rusqlite::params![tampered, hex::decode(hex_key("k-tampered")).expect("hex")],
+            )
+            .expect("flip");
+        assert_eq!(flipped, 1);
+        let moved = file
+            .execute(
+                "UPDATE idempotency_records SET (body, headers) = \
+                 (SELECT body, headers FROM idempotency_records WHERE key = ?1) WHERE key = ?2",
+                rusqlite::params![
+                    hex::decode(hex_key("k-source")).expect("hex"),
+                    hex::decode(hex_key("k-moved")).expect("hex")
+                ],
+            )
+            .expect("move");
+        assert_eq!(moved, 1);
+    };
+    tampered_and_moved(
+        |c| {
+            c.set("store.backend", "sqlite")
+                .set("store.path", db.display().to_string())
+        },
+        alter,
+    )
+    .await;
+}
+
+/// Behind the Redis fast path, with both copies altered (the Redis value
+/// and the PostgreSQL row): no copy opens, so 410, never run again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tampered_or_moved_sealed_response_in_postgres_and_redis_is_never_replayed_or_run_again()
+{
+    let url = database_url();
+    require_postgres(&url).await;
+    let redis = redis_url();
+    require_redis(&redis);
+    let schema = unique_schema("vault_tamper_redis");
+    let alter = || async {
+        tamper_and_move_rows(&url, &schema).await;
+        let mut values = redis_values(&redis, &schema).await;
+        values.flip("k-tampered").await;
+        let source = values.get("k-source").await;
+        values.set("k-moved", source).await;
+    };
+    tampered_and_moved(
+        |c| {
+            on_postgres(c, &url, &schema)
+                .set("redis.url", redis.as_str())
+                .set("redis.prefix", schema.as_str())
+        },
+        alter,
+    )
+    .await;
+    drop_schema(&url, &schema).await;
+    drop_redis_keys(&redis, &schema).await;
 }
 
 /// The Redis values of one test's records, by idempotency key.
