@@ -10,7 +10,7 @@ use crate::support::services::{
     database_url, drop_schema, redis_url, require_postgres, require_redis, unique_schema,
 };
 use crate::support::{
-    free_port, run_to_completion, Route, ServeProcess, TestConfig, Upstream, ORDERS,
+    free_port, run_to_completion, Resp, Route, ServeProcess, TestConfig, Upstream, ORDERS,
 };
 use base64::Engine;
 use std::path::Path;
@@ -698,6 +698,92 @@ async fn a_redis_copy_that_does_not_open_gives_way_to_the_postgres_copy() {
     stop(gate).await;
     drop_schema(&url, &schema).await;
     drop_redis_keys(&redis, &schema).await;
+}
+
+/// A response stored before keys were set: it still replays once they
+/// are (in plaintext, as stored); `keys reencrypt` seals it (the census
+/// before and after says so), and it replays byte for byte under the key
+/// alone, never run again.
+async fn sealed_after_the_fact(store: impl Fn(TestConfig) -> TestConfig) {
+    let up = Upstream::start().await;
+    let dir = tempfile::TempDir::new().expect("tempdir");
+    let config = dir.path().join("idemgate.toml");
+    let (listen, admin) = (free_port(), free_port());
+    store(
+        TestConfig::new(up.addr)
+            .listen(listen, admin)
+            .route(Route::post(ORDERS)),
+    )
+    .write(&config);
+    let send = |gate: &ServeProcess| gate.post(TARGET).key("k-before").body("{}").send();
+    async fn replays(gate: &ServeProcess, first: &Resp) {
+        let replay = gate.post(TARGET).key("k-before").body("{}").send().await;
+        assert!(replay.replayed(), "{} {}", replay.status(), replay.text());
+        assert_eq!(replay.body, first.body, "byte for byte");
+        assert_eq!(replay.header("location"), first.header("location"));
+    }
+
+    let gate = ServeProcess::start(&config, listen, admin, &[]).await;
+    let first = send(&gate).await;
+    assert_eq!(first.status(), 201, "{}", first.text());
+    replays(&gate, &first).await;
+    stop(gate).await;
+
+    let gate = serve_with_keys(&config, listen, admin, key("new", NEW)).await;
+    replays(&gate, &first).await;
+    stop(gate).await;
+
+    let keys = key("new", NEW);
+    let env = [("IDEMGATE_STORE_ENCRYPTION_KEYS", keys.as_str())];
+    let config_arg = config.display().to_string();
+    let check = ["check-config", "--connect", "-c", &config_arg];
+    let census = run_to_completion(&check, &env).await;
+    assert!(
+        census.stdout.contains("by configured key id: none;")
+            && census.stdout.contains("not sealed: 1"),
+        "{census:?}"
+    );
+    let run = run_to_completion(&["keys", "--config", &config_arg, "reencrypt"], &env).await;
+    assert_eq!(run.code, 0, "{run:?}");
+    assert!(run.stdout.contains("done: 1 rewritten,"), "{run:?}");
+    let census = run_to_completion(&check, &env).await;
+    assert!(
+        census
+            .stdout
+            .contains("by configured key id: new (current) 1;")
+            && census.stdout.contains("not sealed: 0"),
+        "{census:?}"
+    );
+
+    let gate = serve_with_keys(&config, listen, admin, key("new", NEW)).await;
+    replays(&gate, &first).await;
+    stop(gate).await;
+    assert_eq!(up.hits(ORDERS), 1, "run once in all");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_stored_before_keys_replays_and_reencrypt_seals_it_on_sqlite() {
+    let dir = tempfile::TempDir::new().expect("tempdir");
+    let db = dir.path().join("before.db").display().to_string();
+    sealed_after_the_fact(|c| {
+        c.set("store.backend", "sqlite")
+            .set("store.path", db.as_str())
+    })
+    .await;
+}
+
+/// On PostgreSQL, where the live rows can be read: plaintext before the
+/// rewrite, no byte run of the response after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_stored_before_keys_replays_and_reencrypt_seals_it_on_postgres() {
+    let url = database_url();
+    require_postgres(&url).await;
+    let schema = unique_schema("vault_before");
+    sealed_after_the_fact(|c| on_postgres(c, &url, &schema)).await;
+    let kept = rows(&url, &schema).await;
+    assert_eq!(kept.len(), 1, "one record");
+    assert!(!kept.iter().any(|b| holds_run(b)), "sealed at rest");
+    drop_schema(&url, &schema).await;
 }
 
 /// The stored digest of an idempotency key, as hex.
