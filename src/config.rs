@@ -39,7 +39,10 @@ pub use log::{LogConfig, LogFormat};
 // Other modules still name these through `config`; they live in `route`.
 pub use crate::route::{OnAmbiguous, OnStoreError, RouteConfig};
 pub use server::{AdminConfig, Readiness, ServerConfig, ServerRestart};
-pub use store::{Backend, MigrationLock, RedisConfig, SentinelConfig, SqliteSync, StoreConfig};
+pub use store::{
+    Backend, MigrationLock, PlaintextResponses, RedisConfig, SentinelConfig, SqliteSync,
+    StoreConfig,
+};
 pub use tracing::TracingConfig;
 pub use upstreams::{UpstreamConfig, UpstreamProtocol, UpstreamTls, DEFAULT_UPSTREAM_NAME};
 
@@ -370,6 +373,14 @@ impl Config {
     /// them again on the config as it will run ([`Config::check_composed`]).
     fn check_across(&self) -> Result<(), Invalid> {
         let restart = &self.restart;
+        if restart.store.plaintext_responses == PlaintextResponses::Refuse
+            && self.store_keys.is_none()
+        {
+            return Err(Invalid::field(
+                "store.plaintext_responses",
+                "store.plaintext_responses = \"refuse\" needs IDEMGATE_STORE_ENCRYPTION_KEYS: without keys every stored response is plaintext",
+            ));
+        }
         if restart.redis.is_some() && restart.store.backend != Backend::Postgres {
             return Err(Invalid::field(
                 "redis",
@@ -523,9 +534,13 @@ impl fmt::Display for Config {
         match &self.store_keys {
             Some(ring) => writeln!(
                 f,
-                "responses  sealed at rest (AES-256-GCM) under key {:?}; {} key(s) open them",
+                "responses  sealed at rest (AES-256-GCM) under key {:?}; {} key(s) open them; plaintext records {}",
                 ring.current_id(),
-                ring.len()
+                ring.len(),
+                match self.restart.store.plaintext_responses {
+                    PlaintextResponses::Replay => "replayed (store.plaintext_responses = \"refuse\" once none is left)",
+                    PlaintextResponses::Refuse => "refused (410)",
+                }
             )?,
             None => writeln!(
                 f,

@@ -1526,3 +1526,29 @@ fn store_encryption_keys_come_from_the_environment_and_name_a_bad_entry() {
     ));
     assert!(e.contains("unknown field `encryption_keys`"), "{e}");
 }
+
+/// `store.plaintext_responses = "refuse"` needs keys to refuse by (an error
+/// naming the field and line without them), and check-config says which.
+#[test]
+fn refusing_plaintext_responses_needs_encryption_keys() {
+    use base64::Engine;
+    let good = base64::engine::general_purpose::STANDARD.encode([7u8; 32]);
+    let text = format!(
+        "{MINIMAL}[store]\nplaintext_responses = \"refuse\"\n[[route]]\nmethods = [\"POST\"]\npath = \"/o\"\n"
+    );
+    let e = err(&text);
+    assert!(
+        e.contains("store.plaintext_responses") && e.contains("IDEMGATE_STORE_ENCRYPTION_KEYS"),
+        "{e}"
+    );
+    let list = format!("k2:{good}");
+    let keys = env(&[("IDEMGATE_STORE_ENCRYPTION_KEYS", &list)]);
+    let shown = Config::parse_with_env(&text, "t.toml", &keys)
+        .unwrap()
+        .to_string();
+    assert!(shown.contains("plaintext records refused (410)"), "{shown}");
+    let e = err(&format!(
+        "{MINIMAL}[store]\nplaintext_responses = \"drop\"\n"
+    ));
+    assert!(e.contains("plaintext_responses"), "{e}");
+}

@@ -11,7 +11,9 @@
 //! bytes tampered with or moved to another row) is never executed again:
 //! it reads as executed-but-not-replayable (410), logged by `key.id` and
 //! key id and counted. A record written before keys were set replays as
-//! it was.
+//! it was, unless `store.plaintext_responses = "refuse"`: then it is
+//! unreadable too, so a plaintext response written into the store by
+//! anyone but idemgate is never served (review F1).
 //!
 //! **Never a refusal while a readable copy exists**: a claim whose record
 //! does not open asks again with [`Store::claim_authoritative`], so a
@@ -25,6 +27,7 @@ use super::{
     Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, RecordState, Resolution, Span,
     Store, StoreError, StoredResponse, UnixMillis, Verdict,
 };
+use crate::config::PlaintextResponses;
 use crate::idempotency::vault::{Binding, KeyRing, OpenError};
 use crate::idempotency::RecordKey;
 use crate::metrics::Metrics;
@@ -42,14 +45,21 @@ pub struct Sealed {
     inner: Arc<dyn Store>,
     ring: Arc<KeyRing>,
     metrics: Arc<Metrics>,
+    plaintext: PlaintextResponses,
 }
 
 impl Sealed {
-    pub fn new(inner: Arc<dyn Store>, ring: Arc<KeyRing>, metrics: Arc<Metrics>) -> Self {
+    pub fn new(
+        inner: Arc<dyn Store>,
+        ring: Arc<KeyRing>,
+        metrics: Arc<Metrics>,
+        plaintext: PlaintextResponses,
+    ) -> Self {
         Self {
             inner,
             ring,
             metrics,
+            plaintext,
         }
     }
 
@@ -73,8 +83,12 @@ impl Sealed {
     /// does not open, leaves it as read and says why.
     fn try_open(&self, key: &RecordKey, record: &mut Record) -> Result<(), OpenError> {
         if let RecordState::Completed(resp) = &record.state {
-            if let Some(opened) = open_response(&self.ring, key, resp)? {
-                record.state = RecordState::Completed(opened);
+            match open_response(&self.ring, key, resp)? {
+                Some(opened) => record.state = RecordState::Completed(opened),
+                None if self.plaintext == PlaintextResponses::Refuse => {
+                    return Err(OpenError::Plaintext)
+                }
+                None => {}
             }
         }
         Ok(())
@@ -173,6 +187,7 @@ fn reason(e: &OpenError) -> &'static str {
         OpenError::UnknownKey(_) => "unknown_key",
         OpenError::Malformed => "malformed",
         OpenError::Forged(_) => "forged",
+        OpenError::Plaintext => "plaintext",
     }
 }
 
@@ -315,7 +330,12 @@ mod tests {
     async fn a_completion_is_stored_sealed_and_read_back_opened() {
         let backend: Arc<dyn Store> = Arc::new(MemoryStore::new());
         let metrics = Arc::new(Metrics::new());
-        let sealed = Sealed::new(backend.clone(), ring(&[("k1", 1)]), metrics.clone());
+        let sealed = Sealed::new(
+            backend.clone(),
+            ring(&[("k1", 1)]),
+            metrics.clone(),
+            PlaintextResponses::Replay,
+        );
         let c = sample_claim();
         assert!(matches!(
             sealed.claim(&c).await.unwrap(),
@@ -494,7 +514,12 @@ mod tests {
             stored(&both.copy, &c, copy).await;
             stored(&both.authority, &c, authority).await;
             let metrics = Arc::new(Metrics::new());
-            let sealed = Sealed::new(Arc::new(both), new.clone(), metrics.clone());
+            let sealed = Sealed::new(
+                Arc::new(both),
+                new.clone(),
+                metrics.clone(),
+                PlaintextResponses::Replay,
+            );
             let ClaimOutcome::Existing(seen) = sealed.claim(&retry).await.unwrap() else {
                 panic!("case {i}: a retry finds the record")
             };
@@ -519,8 +544,22 @@ mod tests {
         };
         let sealed = seal_response(&ring(&[("old", 1)]), &key, &response());
         let store = |list: &[(&str, u8)]| {
-            Sealed::new(Arc::new(MemoryStore::new()), ring(list), metrics.clone())
+            let replay = PlaintextResponses::Replay;
+            Sealed::new(
+                Arc::new(MemoryStore::new()),
+                ring(list),
+                metrics.clone(),
+                replay,
+            )
         };
+        // Pins review finding F1 (2026-12-06): with keys set, a plaintext
+        // record written into the store by anyone was replayed as it was.
+        let strict = Sealed::new(
+            Arc::new(MemoryStore::new()),
+            ring(&[("old", 1)]),
+            metrics.clone(),
+            PlaintextResponses::Refuse,
+        );
         let record = |resp: StoredResponse| Record {
             fingerprint: sample_claim().fingerprint,
             state: RecordState::Completed(resp),
@@ -551,6 +590,7 @@ mod tests {
                 response(),
                 RecordState::Completed(response()),
             ),
+            (strict, key, response(), unstored.clone()),
         ];
         for (i, (s, k, resp, want)) in cases.into_iter().enumerate() {
             assert_eq!(s.open(&k, record(resp)).state, want, "case {i}");
@@ -562,6 +602,10 @@ mod tests {
         );
         assert!(
             text.contains("idemgate_sealed_unreadable_total{reason=\"forged\"} 2"),
+            "{text}"
+        );
+        assert!(
+            text.contains("idemgate_sealed_unreadable_total{reason=\"plaintext\"} 1"),
             "{text}"
         );
     }

@@ -703,18 +703,22 @@ async fn a_redis_copy_that_does_not_open_gives_way_to_the_postgres_copy() {
 /// A response stored before keys were set: it still replays once they
 /// are (in plaintext, as stored); `keys reencrypt` seals it (the census
 /// before and after says so), and it replays byte for byte under the key
-/// alone, never run again.
+/// alone, never run again. With `store.plaintext_responses = "refuse"` it
+/// is a 410 until sealed, and replays once it is.
 async fn sealed_after_the_fact(store: impl Fn(TestConfig) -> TestConfig) {
     let up = Upstream::start().await;
     let dir = tempfile::TempDir::new().expect("tempdir");
     let config = dir.path().join("idemgate.toml");
     let (listen, admin) = (free_port(), free_port());
-    store(
+    let base = store(
         TestConfig::new(up.addr)
             .listen(listen, admin)
             .route(Route::post(ORDERS)),
-    )
-    .write(&config);
+    );
+    base.write(&config);
+    let strict = dir.path().join("strict.toml");
+    base.set("store.plaintext_responses", "refuse")
+        .write(&strict);
     let send = |gate: &ServeProcess| gate.post(TARGET).key("k-before").body("{}").send();
     async fn replays(gate: &ServeProcess, first: &Resp) {
         let replay = gate.post(TARGET).key("k-before").body("{}").send().await;
@@ -731,6 +735,19 @@ async fn sealed_after_the_fact(store: impl Fn(TestConfig) -> TestConfig) {
 
     let gate = serve_with_keys(&config, listen, admin, key("new", NEW)).await;
     replays(&gate, &first).await;
+    stop(gate).await;
+
+    // With plaintext refused, the record not sealed yet is a 410, counted,
+    // and not run again (review F1: a plaintext response planted in the
+    // store would be served otherwise).
+    let gate = serve_with_keys(&strict, listen, admin, key("new", NEW)).await;
+    let refused = send(&gate).await;
+    assert_eq!(refused.status(), 410, "{}", refused.text());
+    let metrics = gate.admin_get("/metrics").send().await.text();
+    assert!(
+        metrics.contains("idemgate_sealed_unreadable_total{reason=\"plaintext\"} 1"),
+        "{metrics}"
+    );
     stop(gate).await;
 
     let keys = key("new", NEW);
@@ -755,7 +772,8 @@ async fn sealed_after_the_fact(store: impl Fn(TestConfig) -> TestConfig) {
         "{census:?}"
     );
 
-    let gate = serve_with_keys(&config, listen, admin, key("new", NEW)).await;
+    // Sealed now: replayed with plaintext refused too.
+    let gate = serve_with_keys(&strict, listen, admin, key("new", NEW)).await;
     replays(&gate, &first).await;
     stop(gate).await;
     assert_eq!(up.hits(ORDERS), 1, "run once in all");

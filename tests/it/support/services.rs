@@ -115,6 +115,7 @@ pub fn pg_store_config(url: &str, schema: &str) -> StoreConfig {
         statement_timeout: Duration::from_secs(2),
         migration_lock: MigrationLock::Advisory,
         require_synchronous_replication: false,
+        plaintext_responses: idemgate::config::PlaintextResponses::Replay,
         timeout: Duration::from_secs(2),
         sweep_interval: Duration::from_secs(60),
         sweep_batch: 500,
