@@ -26,8 +26,9 @@
 //!   `idemgate check-config --config FILE` and
 //!   `idemgate reload --config FILE` (they sit in no block).
 //!
-//! Not run here: `docker compose` and `kubectl` (deploy/check.sh validates
-//! the compose file and renders the manifests offline), `scripts/test.sh`,
+//! Not run here: `docker compose` (no engine here, and nothing checks
+//! docker-compose.yml yet) and `kubectl` (no cluster; deploy/check.sh
+//! renders and validates the manifests offline), `scripts/test.sh`,
 //! `soak.sh` and `fuzz.sh` (minutes by design; CI runs the suite), and,
 //! within the keys block, `--client-cert alice.pem` (needs a TLS listener
 //! with a client CA: tests/it/tls_listener.rs runs it).
@@ -46,7 +47,9 @@ const BLOCKS: &[(&str, &str, Coverage)] = &[
     (
         "containers.md",
         "docker compose up",
-        Coverage::NotHere("needs Docker; deploy/check.sh validates docker-compose.yml"),
+        Coverage::NotHere(
+            "needs a Docker engine (none here); nothing in the suite validates docker-compose.yml yet",
+        ),
     ),
     (
         "containers.md",
