@@ -11,6 +11,9 @@
 //! does. A new block, or a new command in a run block, fails here until it
 //! is run or said to be illustrative.
 //!
+//! README.md's blocks are listed too (its walkthrough runs in
+//! tests/it/doc_commands.rs).
+//!
 //! Covered (see [`BLOCKS`] for the exact list):
 //! - operations.md, the `keys --config data/demo.toml` block: against
 //!   `idemgate demo`;
@@ -96,6 +99,18 @@ const BLOCKS: &[(&str, &str, Coverage)] = &[
         Coverage::Run("operations_md_keys_commands_work_on_your_own_proxys_config"),
     ),
     (
+        "README.md",
+        "cargo run --release -- demo",
+        Coverage::NotHere(
+            "a release build takes minutes; the demo it starts is what doc_commands.rs and demo_docs.rs run, and scripts/test.sh is the suite",
+        ),
+    ),
+    (
+        "README.md",
+        "# 1. A new key",
+        Coverage::Run("doc_commands::the_readme_curl_walkthrough_answers_as_its_comments_say"),
+    ),
+    (
         "tests.md",
         "scripts/test.sh",
         Coverage::NotHere("the whole suite (minutes); CI runs it"),
@@ -119,7 +134,7 @@ const BLOCKS: &[(&str, &str, Coverage)] = &[
 
 #[derive(Debug)]
 enum Coverage {
-    /// Run by the test of that name, in this file.
+    /// Run by the test of that name, in this file (or `module::name`).
     Run(&'static str),
     /// Not run by this suite, and why.
     NotHere(&'static str),
@@ -154,8 +169,8 @@ fn book() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/book/src")
 }
 
-/// Every ```sh block of the book, page by page (a block inside a list
-/// item has its indentation removed).
+/// Every ```sh block of the book, page by page, and of README.md (a
+/// block inside a list item has its indentation removed).
 fn sh_blocks() -> Vec<Block> {
     let mut pages: Vec<PathBuf> = std::fs::read_dir(book())
         .expect("read docs/book/src")
@@ -163,6 +178,7 @@ fn sh_blocks() -> Vec<Block> {
         .filter(|p| p.extension().is_some_and(|e| e == "md"))
         .collect();
     pages.sort();
+    pages.push(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md"));
     let mut out = Vec::new();
     for path in pages {
         let text = std::fs::read_to_string(&path).expect("read a page");
@@ -360,7 +376,10 @@ fn every_sh_block_is_run_or_says_why_not() {
             b.raw
         );
     }
-    let source = include_str!("book_commands.rs");
+    let sources = [
+        ("book_commands", include_str!("book_commands.rs")),
+        ("doc_commands", include_str!("doc_commands.rs")),
+    ];
     for (page, fragment, coverage) in BLOCKS {
         let n = blocks
             .iter()
@@ -368,10 +387,18 @@ fn every_sh_block_is_run_or_says_why_not() {
             .count();
         assert_eq!(n, 1, "BLOCKS: {page} has {n} blocks with {fragment:?}");
         match coverage {
-            Coverage::Run(test) => assert!(
-                source.contains(&format!("async fn {test}()")),
-                "BLOCKS names no test {test}"
-            ),
+            Coverage::Run(test) => {
+                let (module, name) = test.split_once("::").unwrap_or(("book_commands", test));
+                let source = sources
+                    .iter()
+                    .find(|(m, _)| *m == module)
+                    .unwrap_or_else(|| panic!("BLOCKS: no module {module}"))
+                    .1;
+                assert!(
+                    source.contains(&format!("async fn {name}()")),
+                    "BLOCKS names no test {test}"
+                );
+            }
             Coverage::NotHere(why) => assert!(!why.is_empty(), "{page}: say why"),
         }
     }
