@@ -672,6 +672,17 @@ impl From<&str> for Invalid {
     }
 }
 
+/// The names of this process's `IDEMGATE_*` variables that are Kubernetes
+/// service links (`IDEMGATE_ADMIN_PORT=tcp://10.0.0.1:9090` for a Service
+/// named `idemgate-admin`), which [`Config::load`] skips rather than reads
+/// as settings; never their values.
+pub fn skipped_service_links() -> Vec<String> {
+    env::service_links(&env_overrides())
+        .into_iter()
+        .map(str::to_string)
+        .collect()
+}
+
 /// The `IDEMGATE_*` variables of this process.
 fn env_overrides() -> BTreeMap<String, String> {
     std::env::vars()

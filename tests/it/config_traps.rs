@@ -107,6 +107,42 @@ async fn kubernetes_service_link_variables_are_not_read_as_settings() {
     let (run, _) = run_on_config_text(&["check-config"], &text, &env).await;
     assert_eq!(run.code, 0, "{run:?}");
     assert!(run.stdout.contains("timeout 7s"), "{}", run.stdout);
+    // check-config lists what it skipped, by name only (a value may be an
+    // address the operator did not mean to print), and nothing else.
+    let skipped: Vec<&str> = run
+        .stdout
+        .lines()
+        .filter_map(|l| l.strip_prefix("skipped    "))
+        .collect();
+    assert_eq!(skipped.len(), 1, "{}", run.stdout);
+    let (names, why) = skipped[0]
+        .split_once(" (")
+        .unwrap_or_else(|| panic!("{}", skipped[0]));
+    let mut want: Vec<&str> = links.iter().map(|(name, _)| *name).collect();
+    want.sort_unstable();
+    assert_eq!(
+        names.split(", ").collect::<Vec<_>>(),
+        want,
+        "{}",
+        skipped[0]
+    );
+    assert!(
+        why.starts_with("Kubernetes service-link variables"),
+        "{why}"
+    );
+    // No address anywhere (the ports and `tcp` are parts of the names).
+    for (_, value) in links.iter().filter(|(_, v)| v.contains('.')) {
+        assert!(!run.stdout.contains(value), "{value}: {}", run.stdout);
+    }
+    // Without service links there is no such line.
+    let (run, _) = run_on_config_text(
+        &["check-config"],
+        &text,
+        &[("IDEMGATE_SERVER_UPSTREAM_TIMEOUT", "7s")],
+    )
+    .await;
+    assert_eq!(run.code, 0, "{run:?}");
+    assert!(!run.stdout.contains("skipped"), "{}", run.stdout);
     // A genuinely unknown IDEMGATE_ variable still fails, as does a link's
     // name with a value of another form.
     for bad in [

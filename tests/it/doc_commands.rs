@@ -5,7 +5,7 @@
 //! order, the headers it names (`Idempotency-Status: created`,
 //! `Retry-After: 1`, ...; `201 (created)` is an `Idempotency-Status`), the
 //! order ids. Editing a command or a comment so that they disagree with the
-//! product fails here.
+//! product fails here. The book's `sh` blocks: tests/it/book_commands.rs.
 
 use crate::support::process::command;
 use crate::support::{free_port, wait_for};
@@ -26,31 +26,31 @@ impl Drop for Demo {
 /// One numbered step of the walkthrough: its comment (joined into one
 /// line) and its shell text (continuation lines kept, for `sh`).
 #[derive(Debug)]
-struct Step {
-    number: u32,
-    comment: String,
-    shell: String,
+pub(super) struct Step {
+    pub(super) number: u32,
+    pub(super) comment: String,
+    pub(super) shell: String,
 }
 
 /// What a step's comment says one answer is.
 #[derive(Debug, Default)]
-struct Expect {
-    status: u16,
-    headers: Vec<(String, String)>,
+pub(super) struct Expect {
+    pub(super) status: u16,
+    pub(super) headers: Vec<(String, String)>,
     /// Order ids (`ord_1`) its body holds.
-    orders: Vec<String>,
+    pub(super) orders: Vec<String>,
 }
 
 /// One response as `curl -i` printed it.
 #[derive(Debug)]
-struct Answer {
-    status: u16,
-    headers: Vec<(String, String)>,
-    body: String,
+pub(super) struct Answer {
+    pub(super) status: u16,
+    pub(super) headers: Vec<(String, String)>,
+    pub(super) body: String,
 }
 
 impl Answer {
-    fn header(&self, name: &str) -> Option<&str> {
+    pub(super) fn header(&self, name: &str) -> Option<&str> {
         let mut found = self
             .headers
             .iter()
@@ -77,7 +77,7 @@ fn readme_block(heading: &str) -> String {
 
 /// The numbered steps: a comment line `# N. ...` starts one; the comment
 /// lines after it continue its comment, the other lines are its commands.
-fn steps(block: &str) -> Vec<Step> {
+pub(super) fn steps(block: &str) -> Vec<Step> {
     let mut steps: Vec<Step> = Vec::new();
     for line in block.lines() {
         let trimmed = line.trim();
@@ -113,7 +113,7 @@ fn steps(block: &str) -> Vec<Step> {
 /// (its `Idempotency-Status`) belong to the answer before them. What comes
 /// before any status is returned apart: a claim about the step's commands
 /// without one (step 6: "a key sent here would be answered with ...").
-fn expectations(comment: &str) -> (Vec<Expect>, Vec<(String, String)>) {
+pub(super) fn expectations(comment: &str) -> (Vec<Expect>, Vec<(String, String)>) {
     let bytes = comment.as_bytes();
     let word_char = |b: u8| b.is_ascii_alphanumeric() || b == b'_' || b == b'-';
     let mut answers: Vec<Expect> = Vec::new();
@@ -178,7 +178,7 @@ fn expectations(comment: &str) -> (Vec<Expect>, Vec<(String, String)>) {
 
 /// Runs `shell` with `sh` (each step's text as the README has it), curl
 /// reading no user's `.curlrc` but one with a time limit; returns stdout.
-fn run_shell(shell: &str, curl_home: &Path) -> String {
+pub(super) fn run_shell(shell: &str, curl_home: &Path) -> String {
     let out = std::process::Command::new("sh")
         .arg("-c")
         .arg(shell)
@@ -197,7 +197,7 @@ fn run_shell(shell: &str, curl_home: &Path) -> String {
 
 /// The responses `curl -i` printed, in order (a background `curl -s`'s
 /// body lands in the body before it: only heads are compared there).
-fn answers(output: &str) -> Vec<Answer> {
+pub(super) fn answers(output: &str) -> Vec<Answer> {
     let mut answers: Vec<Answer> = Vec::new();
     let mut in_head = false;
     for line in output.split('\n') {

@@ -8,6 +8,7 @@
 
 mod support;
 
+mod book_commands;
 mod config_traps;
 mod demo_docs;
 mod doc_commands;
