@@ -158,7 +158,7 @@ async fn check_config_connect_names_synchronous_commit_and_what_idemgate_runs_wi
     for (options, says) in [
         ("off", "synchronous_commit is off (the server's, database's, role's or store.url's); raised to on"),
         ("local", "synchronous_commit is local (the server's, database's, role's or store.url's); raised to on"),
-        ("remote_write", "synchronous_commit is remote_write: kept"),
+        ("remote_write", "synchronous_commit is remote_write (the server's, database's, role's or store.url's); raised to on"),
         ("remote_apply", "synchronous_commit is remote_apply: kept"),
     ] {
         let url = with_query(
