@@ -113,7 +113,7 @@ async fn a_failover_to_a_synchronous_standby_keeps_every_answer_and_runs_nothing
     let strict_first = order(&strict, "strict-before").await;
     assert_eq!(strict_first.status(), 201, "{}", strict.log());
 
-    primary.stop_immediate();
+    primary.kill();
     let promoting = Instant::now();
     standby.promote();
     let mut n = 0;
