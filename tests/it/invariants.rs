@@ -1405,6 +1405,16 @@ fn the_checker_reports_each_broken_invariant_and_nothing_else() {
     );
     let kept = [first(), obs(2, alice, &body_a, 3000, resp(&e1, true))];
     assert!(lost_answers(&kept, crash).is_empty());
+    let busy = [
+        first(),
+        obs(2, alice, &body_a, 2000, resp(&e1, true)),
+        obs(4, alice, &body_a, 3000, conflict()),
+    ];
+    let lost = lost_answers(&busy, crash);
+    assert!(
+        lost.len() == 1 && lost[0].ends_with("the key's last answer is a 409"),
+        "{lost:?}"
+    );
     assert!(
         lost_answers(&[first()], at(10)).is_empty(),
         "delivered after"
