@@ -111,6 +111,12 @@ async fn a_failover_to_a_synchronous_standby_keeps_every_answer_and_runs_nothing
         out.contains("replication: 1 synchronous standby(s) of 1 streaming"),
         "{out}"
     );
+    // The default 30 s lease with two hosts: a longer failover could run
+    // a key twice.
+    assert!(
+        out.contains("warning: route #1 /orders: lease (30s) is shorter than 1m and store.url lists 2 PostgreSQL hosts"),
+        "{out}"
+    );
 
     let up = Upstream::start().await;
     let (gate, _dir) = serve(config(up.addr, &url, false)).await;
