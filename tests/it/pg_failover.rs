@@ -9,7 +9,7 @@
 //! synchronous standby.
 
 use crate::support::pg_cluster::PgCluster;
-use crate::support::services::unique_schema;
+use crate::support::services::{unique_schema, TcpRelay};
 use crate::support::{
     free_port, run_on_config_text, Resp, Route, ServeProcess, TestConfig, Upstream, DEADLINE,
     ORDERS,
@@ -334,4 +334,74 @@ async fn on_a_local_default_server_idemgate_commits_wait_for_the_synchronous_sta
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert_eq!(hits_of_key(&up, "after"), 1);
+}
+
+/// Issue 20, a primary that vanishes without a word (its machine gone:
+/// no reset, no FIN, nothing answers; here a relay in front of it stops
+/// forwarding and holds every connection open, the primary is SIGKILLed
+/// behind it and the standby promoted): protected requests are 2xx again
+/// within [`RECOVERED_WITHIN`] of the start of the promotion, without a
+/// restart, and stay so. Only idemgate's own timeouts can notice (the
+/// call bound, `store.connect_timeout` per host).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primary_that_vanishes_silently_is_left_for_the_promoted_standby_within_10_s() {
+    let mut primary = PgCluster::private(SYNC_PRIMARY);
+    let standby = primary.standby("synchronous_standby_names = ''\n");
+    let relay = TcpRelay::start(format!("127.0.0.1:{}", primary.port).parse().unwrap()).await;
+    let hosts = format!(
+        "postgres://postgres@{},127.0.0.1:{}/postgres?sslmode=disable",
+        relay.addr(),
+        standby.port
+    );
+    let up = Upstream::start().await;
+    let (gate, _dir) = serve(config(up.addr, &hosts, false)).await;
+    let mut stored = Vec::new();
+    for i in 0..5 {
+        let key = format!("before-{i}");
+        let first = order(&gate, &key).await;
+        assert_eq!(first.status(), 201, "{}\n{}", first.text(), gate.log());
+        stored.push(key);
+    }
+    // The standby has every stored key before the primary goes.
+    primary.wait_for_value(
+        "SELECT count(*) FROM pg_stat_replication WHERE replay_lsn = pg_current_wal_lsn()",
+        "1",
+    );
+
+    relay.freeze();
+    primary.kill();
+    let promoting = Instant::now();
+    standby.promote();
+    let mut n = 0;
+    let recovered = loop {
+        n += 1;
+        let r = order(&gate, &format!("after-{n}")).await;
+        if r.status() == 201 {
+            break promoting.elapsed();
+        }
+        assert_eq!(r.status(), 503, "{}", r.text());
+        assert!(
+            promoting.elapsed() < RECOVERED_WITHIN,
+            "no 2xx {:?} after the promotion began (the old primary silent):\n{}",
+            promoting.elapsed(),
+            gate.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    eprintln!("silent primary: protected requests answered 2xx again {recovered:?} after the promotion began");
+    for i in 0..STAYING {
+        let key = format!("staying-{i}");
+        let r = order(&gate, &key).await;
+        assert_eq!(r.status(), 201, "{key}: {}\n{}", r.text(), gate.log());
+    }
+    for key in &stored {
+        let retry = order(&gate, key).await;
+        assert!(
+            retry.replayed(),
+            "{key}: {} {}",
+            retry.status(),
+            retry.text()
+        );
+        assert_eq!(hits_of_key(&up, key), 1, "{key} ran once");
+    }
 }
