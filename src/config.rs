@@ -128,6 +128,12 @@ pub struct Config {
     pub restart: Restart,
 }
 
+/// How long a PostgreSQL failover may take before a lease shorter than it
+/// is warned about (`check-config`, start-up) when `store.url` lists
+/// several hosts: managed failovers take tens of seconds to two minutes
+/// (docs/book/src/deploy.md, Failover).
+pub const FAILOVER_HORIZON: Duration = Duration::from_secs(60);
+
 /// What is bound at start and only a restart changes: a reload keeps the
 /// running values ([`Restart::changes`] names those the file changed).
 #[derive(Clone, Debug, PartialEq)]
@@ -448,6 +454,8 @@ impl Config {
     }
 
     /// Settings that are valid but probably not what the operator wants.
+    /// Among them, a `lease` shorter than [`FAILOVER_HORIZON`] with
+    /// several PostgreSQL hosts in `store.url`.
     pub fn warnings(&self) -> Vec<String> {
         let mut out = Vec::new();
         for r in self.routes.iter() {
@@ -479,6 +487,24 @@ impl Config {
                     units::format_duration(upstream_timeout),
                     units::format_duration(r.lease)
                 ));
+            }
+        }
+        // A store that fails over: an answer still waiting to be recorded
+        // while no primary accepts writes is recorded only if its lease
+        // outlasts the failover; otherwise a retry takes the key over once
+        // the store is back and runs it again.
+        let hosts = self.restart.store.postgres_hosts();
+        if hosts > 1 {
+            for r in self.routes.iter().filter(|r| r.require_key) {
+                if r.lease < FAILOVER_HORIZON {
+                    out.push(format!(
+                        "route #{} {}: lease ({}) is shorter than {} and store.url lists {hosts} PostgreSQL hosts: a failover longer than the lease can run a request twice (an answer that waits for the new primary is fenced out once a retry took its key over); set lease above your failover's duration (docs/book/src/deploy.md, Failover)",
+                        r.index,
+                        r.path,
+                        units::format_duration(r.lease),
+                        units::format_duration(FAILOVER_HORIZON),
+                    ));
+                }
             }
         }
         out.extend(routes::shadowing_warnings(&self.routes));

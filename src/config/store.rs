@@ -154,6 +154,20 @@ impl fmt::Debug for SentinelConfig {
 
 // === impl StoreConfig ===
 
+impl StoreConfig {
+    /// How many hosts `store.url` lists for PostgreSQL (0 for another
+    /// backend): more than one, and the store is expected to fail over
+    /// from one to another.
+    pub fn postgres_hosts(&self) -> usize {
+        match (&self.backend, &self.url) {
+            (Backend::Postgres, Some(url)) => super::pg_url::PgUrl::parse(url)
+                .and_then(|u| u.pg_config())
+                .map_or(0, |c| c.get_hosts().len()),
+            _ => 0,
+        }
+    }
+}
+
 impl TryFrom<RawStore> for StoreConfig {
     type Error = Invalid;
 

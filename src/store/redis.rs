@@ -46,8 +46,10 @@
 //! epoch of the master they were written to (`master.rs`), and every
 //! operation pins one master and its names ([`RedisConn::pin`]). A stale
 //! lock copy on a cluster shard is confirmed with the inner store as
-//! above; a stale record copy there can replay until it expires (see
-//! docs/book/src/deploy.md, "Redis failover").
+//! above; an operator's `DEL` of a record copy there (delete, resolve,
+//! rewrite) succeeds only once every replica of the shard has it
+//! ([`RedisConn::replicated`]), so a replica promoted later holds no copy
+//! PostgreSQL deleted (docs/book/src/deploy.md, "Redis failover").
 //!
 //! Redis is reached through [`RedisConn`] (`conn.rs`): one node, a Redis
 //! Cluster (`redis.cluster`) or the master Redis Sentinel names
@@ -522,15 +524,21 @@ impl RedisFastPath {
                 Some(pinned) => pinned,
                 None => self.conn.pin_waiting().await?,
             };
-            let cmd = redis::cmd("DEL")
-                .arg(pinned.name(&base, &self.prefix))
-                .to_owned();
-            cmd.query_async::<i64>(&mut pinned.conn.clone()).await
+            let named = pinned.name(&base, &self.prefix);
+            let cmd = redis::cmd("DEL").arg(&named).to_owned();
+            cmd.query_async::<i64>(&mut pinned.conn.clone()).await?;
+            // A cluster shard's replicas must have the DEL too: their
+            // copies carry no epoch (RedisConn::replicated).
+            pinned
+                .conn
+                .replicated(&named, self.timeout / 2)
+                .await
+                .map_err(crate::net::errors::BoxError::from)
         })
         .await;
         let source = match removed {
-            Ok(Ok(_)) => return Ok(()),
-            Ok(Err(err)) => err.into(),
+            Ok(Ok(())) => return Ok(()),
+            Ok(Err(err)) => err,
             Err(_) => "redis did not answer in time".into(),
         };
         Err(StoreError::StaleCopy { name, source })
