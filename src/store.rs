@@ -283,6 +283,19 @@ pub trait Store: Send + Sync + 'static {
     /// Atomically claims `claim.key`, or returns the live record there.
     async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome, StoreError>;
 
+    /// [`Store::claim`] again, answered by the authority alone, for a
+    /// caller that could not use the record `claim` returned (a sealed
+    /// response that did not open, see [`sealed::Sealed`]): a store that
+    /// may answer claims from a copy (the Redis fast path) asks the store
+    /// behind it, then makes its copy of the key agree with that answer
+    /// (replaced, or dropped), so the next claim does not read the old
+    /// copy. `None` from a store whose claims the authority answers
+    /// already: there is nothing else to read.
+    async fn claim_authoritative(&self, claim: &Claim) -> Result<Option<ClaimOutcome>, StoreError> {
+        let _ = claim;
+        Ok(None)
+    }
+
     /// Extends the holder's lease to `lease.end()`.
     async fn renew(
         &self,

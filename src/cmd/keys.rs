@@ -2,7 +2,8 @@
 //!
 //! Operators name a key the way clients send it, plus the scope: the scope
 //! header's value (hashed here exactly as the proxy hashes it), a scope hash
-//! as printed by `show`, a route's consumer name, a client certificate's
+//! as printed by `show` or logged on the access log line (`scope`), a
+//! route's consumer name, a client certificate's
 //! PEM file (`scope = { client_cert = true }`), or `--anonymous` for
 //! requests without the header.
 
@@ -517,7 +518,8 @@ pub struct ScopeNamed {
     /// out was absent. The config's routes give the order.
     #[arg(long, value_name = "NAME=VALUE")]
     pub scope_header: Vec<ScopeHeader>,
-    /// The scope's hash, as printed by `keys show`.
+    /// The scope's hash: the access log line's `scope`, or what `keys
+    /// show` printed (no credential needed).
     #[arg(long)]
     pub scope: Option<String>,
     /// A route's fixed consumer name (`scope = { value = "..." }`, or a
@@ -824,11 +826,6 @@ async fn reencrypt(
         .await
     {
         Ok(tally) => tally,
-        // Rewritten in the store: a rerun finds it current and never
-        // touches the copy again, so the operator must remove it.
-        Err(StoreError::StaleCopy { name, source }) => anyhow::bail!(
-            "reencrypt stopped: a record was rewritten under the current key, but its Redis copy {name} (still under the old key) could not be removed ({source}); DEL {name} in Redis before removing the old key, then rerun (with --after the last progress line's cursor) to continue"
-        ),
         Err(err) => {
             return Err(anyhow::Error::new(err).context(
                 "reencrypt stopped (rerun it, or with --after the last progress line's cursor, to continue)",
@@ -850,6 +847,12 @@ async fn reencrypt(
     }
     for (why, n) in by_reason {
         outln!("reencrypt: {n} unreadable: {why}");
+    }
+    if tally.copies_left > 0 {
+        outln!(
+            "reencrypt: {} rewritten records kept their Redis copy under the old key (Redis did not answer the delete); they expire on their own, and once the old key is removed a proxy answers those keys from the store's copy and replaces them: nothing to do by hand",
+            tally.copies_left
+        );
     }
     outln!(
         "reencrypt: done: {} rewritten, {} already current, {} changed by live traffic meanwhile (a proxy with these keys seals new completions under {:?}), {} unreadable",

@@ -87,7 +87,7 @@ pub(super) fn settings<'e>(
         {
             continue;
         }
-        if name.starts_with("IDEMGATE_") && is_service_link(name, value) {
+        if skipped_as_service_link(name, value) {
             tracing::debug!(
                 variable = %name,
                 "skipped a kubernetes service-link variable"
@@ -129,6 +129,26 @@ pub(super) fn settings<'e>(
         out.push(setting);
     }
     Ok(out)
+}
+
+/// The names (never the values) of the variables of `env` that
+/// [`settings`] skips as Kubernetes service links, in name order:
+/// `check-config` lists them, so an operator sees what was not read.
+pub(super) fn service_links(env: &BTreeMap<String, String>) -> Vec<&str> {
+    env.iter()
+        .filter(|(name, value)| {
+            !value.is_empty()
+                && *name != STORE_KEYS
+                && !ALIASES.iter().any(|(alias, _)| alias == name)
+                && skipped_as_service_link(name, value)
+        })
+        .map(|(name, _)| name.as_str())
+        .collect()
+}
+
+/// An `IDEMGATE_` variable [`is_service_link`] tells from a setting.
+fn skipped_as_service_link(name: &str, value: &str) -> bool {
+    name.starts_with("IDEMGATE_") && is_service_link(name, value)
 }
 
 /// Lays `settings` onto the parsed file.
@@ -432,6 +452,14 @@ mod tests {
             .map(|s| format!("{}.{}", s.section, s.key))
             .collect();
         assert_eq!(keys, ["store.pool_size"]);
+        assert_eq!(
+            service_links(&env),
+            [
+                "IDEMGATE_ADMIN_PORT",
+                "IDEMGATE_ADMIN_SERVICE_HOST",
+                "IDEMGATE_REDIS_PORT_6379_TCP_ADDR"
+            ]
+        );
         let mut unknown = env.clone();
         unknown.insert("IDEMGATE_ADMIN_PORT".into(), "9090".into());
         let err = settings(&unknown, &[]).err().unwrap();

@@ -7,8 +7,8 @@
 
 use super::units::{ByteSize, HumanDuration};
 use super::{
-    Backend, LogFormat, MigrationLock, OnAmbiguous, OnStoreError, Readiness, SqliteSync,
-    UpstreamProtocol,
+    Backend, LogFormat, MigrationLock, OnAmbiguous, OnStoreError, PlaintextResponses, Readiness,
+    SqliteSync, UpstreamProtocol,
 };
 use crate::idempotency::canonical_json::Pointer;
 use crate::idempotency::decision::{ReleaseStatuses, StatusEntry};
@@ -125,6 +125,7 @@ pub(super) struct RawStore {
     pub(super) statement_timeout: Option<HumanDuration>,
     pub(super) migration_lock: Option<MigrationLock>,
     pub(super) require_synchronous_replication: Option<bool>,
+    pub(super) plaintext_responses: Option<PlaintextResponses>,
     pub(super) timeout: Option<HumanDuration>,
     pub(super) sweep_interval: Option<HumanDuration>,
     pub(super) sweep_batch: Option<u32>,

@@ -41,6 +41,21 @@ pub enum SqliteSync {
     Normal,
 }
 
+/// What a stored response that was never sealed is, once responses are
+/// sealed at rest (`store.plaintext_responses`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PlaintextResponses {
+    /// Replayed as stored: records written before keys were set keep
+    /// working until they expire or `keys reencrypt` seals them.
+    Replay,
+    /// Unreadable (410, never executed again, counted as `plaintext`): once
+    /// `check-config --connect` says no record is left unsealed, a
+    /// plaintext record can only have been written by someone other than
+    /// idemgate, and replaying it would serve their response.
+    Refuse,
+}
+
 /// How PostgreSQL migrations (and sweeps) keep replicas from colliding.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -73,6 +88,8 @@ pub struct StoreConfig {
     /// PostgreSQL only: claim only while the primary has a synchronous
     /// standby (a failover then loses no acknowledged claim or answer).
     pub require_synchronous_replication: bool,
+    /// With `IDEMGATE_STORE_ENCRYPTION_KEYS`: see [`PlaintextResponses`].
+    pub plaintext_responses: PlaintextResponses,
     pub timeout: Duration,
     pub sweep_interval: Duration,
     pub sweep_batch: u32,
@@ -136,6 +153,20 @@ impl fmt::Debug for SentinelConfig {
 }
 
 // === impl StoreConfig ===
+
+impl StoreConfig {
+    /// How many hosts `store.url` lists for PostgreSQL (0 for another
+    /// backend): more than one, and the store is expected to fail over
+    /// from one to another.
+    pub fn postgres_hosts(&self) -> usize {
+        match (&self.backend, &self.url) {
+            (Backend::Postgres, Some(url)) => super::pg_url::PgUrl::parse(url)
+                .and_then(|u| u.pg_config())
+                .map_or(0, |c| c.get_hosts().len()),
+            _ => 0,
+        }
+    }
+}
 
 impl TryFrom<RawStore> for StoreConfig {
     type Error = Invalid;
@@ -251,6 +282,7 @@ impl TryFrom<RawStore> for StoreConfig {
             statement_timeout: dur(s.statement_timeout, DEFAULT_PG_STATEMENT_TIMEOUT),
             migration_lock: s.migration_lock.unwrap_or(MigrationLock::Advisory),
             require_synchronous_replication: s.require_synchronous_replication.unwrap_or(false),
+            plaintext_responses: s.plaintext_responses.unwrap_or(PlaintextResponses::Replay),
             timeout,
             sweep_interval,
             sweep_batch,
@@ -301,6 +333,7 @@ impl fmt::Debug for StoreConfig {
                 "require_synchronous_replication",
                 &self.require_synchronous_replication,
             )
+            .field("plaintext_responses", &self.plaintext_responses)
             .field("timeout", &self.timeout)
             .field("sweep_interval", &self.sweep_interval)
             .field("sweep_batch", &self.sweep_batch)

@@ -1527,3 +1527,63 @@ fn store_encryption_keys_come_from_the_environment_and_name_a_bad_entry() {
     ));
     assert!(e.contains("unknown field `encryption_keys`"), "{e}");
 }
+
+/// `store.plaintext_responses = "refuse"` needs keys to refuse by (an error
+/// naming the field and line without them), and check-config says which.
+#[test]
+fn refusing_plaintext_responses_needs_encryption_keys() {
+    use base64::Engine;
+    let good = base64::engine::general_purpose::STANDARD.encode([7u8; 32]);
+    let text = format!(
+        "{MINIMAL}[store]\nplaintext_responses = \"refuse\"\n[[route]]\nmethods = [\"POST\"]\npath = \"/o\"\n"
+    );
+    let e = err(&text);
+    assert!(
+        e.contains("store.plaintext_responses") && e.contains("IDEMGATE_STORE_ENCRYPTION_KEYS"),
+        "{e}"
+    );
+    let list = format!("k2:{good}");
+    let keys = env(&[("IDEMGATE_STORE_ENCRYPTION_KEYS", &list)]);
+    let shown = Config::parse_with_env(&text, "t.toml", &keys)
+        .unwrap()
+        .to_string();
+    assert!(shown.contains("plaintext records refused (410)"), "{shown}");
+    let e = err(&format!(
+        "{MINIMAL}[store]\nplaintext_responses = \"drop\"\n"
+    ));
+    assert!(e.contains("plaintext_responses"), "{e}");
+}
+
+/// Issue 20: with several PostgreSQL hosts in store.url (a store that
+/// fails over), a protected route's lease shorter than FAILOVER_HORIZON is
+/// warned about; one host, a lease of a minute or more, or a routing-only
+/// route is not.
+#[test]
+fn a_lease_shorter_than_a_failover_warns_when_store_url_lists_several_hosts() {
+    let config = |hosts: &str, lease: &str| {
+        let mut text = format!(
+            "{MINIMAL}[store]\nbackend = \"postgres\"\nurl = \"postgres://u@{hosts}/app\"\n"
+        );
+        text.push_str("[[route]]\nmethods = [\"POST\"]\npath = \"/orders\"\n");
+        text.push_str(lease);
+        text.push_str("[[route]]\nmethods = [\"GET\"]\npath = \"/ws\"\nrequire_key = false\n");
+        parse(&text).unwrap().warnings()
+    };
+    let failover = |w: &Vec<String>| -> Vec<String> {
+        w.iter()
+            .filter(|w| w.contains("PostgreSQL hosts"))
+            .cloned()
+            .collect()
+    };
+    let two = failover(&config("db-a:5432,db-b:5432", ""));
+    assert_eq!(two.len(), 1, "{two:?}");
+    assert!(
+        two[0].starts_with("route #1 /orders: lease (30s) is shorter than 1m")
+            && two[0].contains("store.url lists 2 PostgreSQL hosts")
+            && two[0].contains("set lease above your failover's duration"),
+        "{two:?}"
+    );
+    assert!(failover(&config("db-a:5432", "")).is_empty());
+    let long = "lease = \"90s\"\nttl = \"24h\"\n";
+    assert!(failover(&config("db-a:5432,db-b:5432", long)).is_empty());
+}

@@ -52,6 +52,9 @@ pub enum OpenError {
     Malformed,
     #[error("sealed response under key id {0:?} failed authentication (tampered, moved, or another key with that id)")]
     Forged(String),
+    /// Never sealed, where `store.plaintext_responses = "refuse"`.
+    #[error("stored response is not sealed, and store.plaintext_responses = \"refuse\"")]
+    Plaintext,
 }
 
 /// The keys: the first seals, every one opens.

@@ -7,6 +7,7 @@ use super::headers::content_length;
 use super::request_id::RequestId;
 use crate::body::ProxyBody;
 use crate::error::{Origin, ProxyError};
+use crate::idempotency::Scope;
 use crate::metrics::{Metrics, Outcome, RequestSample};
 use crate::problem::Problem;
 use crate::route::errors::ErrorShape;
@@ -146,6 +147,11 @@ pub struct RequestLog {
     route: Arc<String>,
     /// The short non-reversible key id (`RecordKey::log_id`), once known.
     key_id: Option<String>,
+    /// The key's scope digest, once known: what `idemgate keys --scope`
+    /// takes, so an operator goes from this line to the record without
+    /// the client's credential. A digest (HMAC-SHA256 with
+    /// `IDEMGATE_SCOPE_SECRET`), never a header value.
+    scope: Option<Scope>,
     /// The shape of idemgate's error answers: the route's once it is
     /// known, else `[defaults] errors`.
     errors: ErrorShape,
@@ -165,6 +171,19 @@ pub struct RequestLog {
 /// upstream: replays, refusals).
 #[derive(Clone, Copy, Debug)]
 pub struct UpstreamTime(pub Duration);
+
+/// A scope as the access log writes it: its digest in hex (as `keys show`
+/// prints it and `keys --scope` takes it), or `-`.
+struct LoggedScope(Option<Scope>);
+
+impl std::fmt::Display for LoggedScope {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.0 {
+            Some(scope) => scope.0.iter().try_for_each(|b| write!(f, "{b:02x}")),
+            None => f.write_str("-"),
+        }
+    }
+}
 
 /// User agents are the client's text: bounded in the log.
 const MAX_USER_AGENT: usize = 256;
@@ -190,6 +209,7 @@ impl RequestLog {
             target: req.uri().clone(),
             route: UNROUTED.clone(),
             key_id: None,
+            scope: None,
             errors: errors.clone(),
             peer,
             started: Instant::now(),
@@ -205,8 +225,10 @@ impl RequestLog {
         self.errors = route.errors.clone();
     }
 
-    pub fn set_key_id(&mut self, id: String) {
+    /// The request's key: its id (`RecordKey::log_id`) and its scope.
+    pub fn set_key(&mut self, id: String, scope: Scope) {
         self.key_id = Some(id);
+        self.scope = Some(scope);
     }
 
     pub fn set_bytes_in(&mut self, n: u64) {
@@ -280,6 +302,7 @@ impl RequestLog {
             bytes_in = self.bytes_in,
             bytes_out,
             key.id = self.key_id.as_deref().unwrap_or("-"),
+            scope = %LoggedScope(self.scope),
             client.addr = %self.peer,
             user_agent = self.user_agent.as_ref().and_then(bounded_user_agent),
             client_left,

@@ -110,7 +110,7 @@ impl Proxy {
         let req = prepare(route, parts, body, key, doc, peer);
         let key_id = req.record_key.log_id();
         trace::set_key_id(&key_id);
-        log.set_key_id(key_id);
+        log.set_key(key_id, req.record_key.scope);
 
         let (tx, rx) = tokio::sync::oneshot::channel();
         let (this, task_log) = (Arc::clone(self), log.clone());
@@ -134,7 +134,7 @@ impl Proxy {
 
     /// Claims, then executes or answers from the record found.
     async fn claim_and_execute(&self, req: ProtectedRequest) -> Result<Served, ProxyError> {
-        let check = Pending::of(&req.route, req.record_key.scope, &req.parts.headers);
+        let check = Pending::of(&req.route, &req.parts);
         let peer = req.peer;
         match (Box::pin(self.claim_and_answer(req)).await, check) {
             (Ok((Outcome::Replayed, stored)), Some(check)) => {

@@ -115,6 +115,11 @@ impl Store for Instrumented {
         self.call(Op::Claim, self.inner.claim(claim)).await
     }
 
+    async fn claim_authoritative(&self, claim: &Claim) -> Result<Option<ClaimOutcome>, StoreError> {
+        self.call(Op::Claim, self.inner.claim_authoritative(claim))
+            .await
+    }
+
     async fn renew(
         &self,
         key: &RecordKey,

@@ -28,7 +28,12 @@ pub async fn open_with_metrics(
     let mut backend = open_backend(cfg, metrics, clock).await?;
     if let Some(ring) = &cfg.store_keys {
         // Outside the Redis fast path: its copies are sealed too.
-        backend = Arc::new(Sealed::new(backend, ring.clone(), metrics.clone()));
+        backend = Arc::new(Sealed::new(
+            backend,
+            ring.clone(),
+            metrics.clone(),
+            cfg.restart.store.plaintext_responses,
+        ));
     }
     Ok(Arc::new(Instrumented::new(backend, metrics.clone())))
 }

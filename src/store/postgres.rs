@@ -13,7 +13,8 @@
 //! on disk. Every session runs with `synchronous_commit` at least `on`: a
 //! server, database, role or URL default of `off` (acknowledged before
 //! the WAL is flushed: a server crash loses it) or `local` (a failover to
-//! a synchronous standby loses it) is raised to `on` for idemgate's own
+//! a synchronous standby loses it) or `remote_write` (the standby has not
+//! flushed it) is raised to `on` for idemgate's own
 //! sessions, and anything stronger is kept ([`raised_commit`]). Each new
 //! connection is raised once (`pool::Connector`); behind PgBouncer each call's
 //! transaction is. Start-up logs it once, and `check-config --connect`

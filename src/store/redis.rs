@@ -46,8 +46,10 @@
 //! epoch of the master they were written to (`master.rs`), and every
 //! operation pins one master and its names ([`RedisConn::pin`]). A stale
 //! lock copy on a cluster shard is confirmed with the inner store as
-//! above; a stale record copy there can replay until it expires (see
-//! docs/book/src/deploy.md, "Redis failover").
+//! above; an operator's `DEL` of a record copy there (delete, resolve,
+//! rewrite) succeeds only once every replica of the shard has it
+//! ([`RedisConn::replicated`]), so a replica promoted later holds no copy
+//! PostgreSQL deleted (docs/book/src/deploy.md, "Redis failover").
 //!
 //! Redis is reached through [`RedisConn`] (`conn.rs`): one node, a Redis
 //! Cluster (`redis.cluster`) or the master Redis Sentinel names
@@ -451,6 +453,21 @@ impl RedisFastPath {
         let _: Option<Value> = self.run(cmd.query_async(&mut at.conn.clone())).await;
     }
 
+    /// Puts `record`'s copy over whatever Redis holds for the key, or (a
+    /// record Redis never caches, or one expired by now) deletes it. False
+    /// when Redis did not answer.
+    async fn replace(&self, at: &Target, record: &Record) -> bool {
+        let ttl = record.expires_at - self.clock.now_millis();
+        let cmd = match encode_record(record).filter(|_| ttl > 0) {
+            Some(value) => redis::cmd("SET")
+                .arg((&at.name, value, "PX", ttl))
+                .to_owned(),
+            None => redis::cmd("DEL").arg(&at.name).to_owned(),
+        };
+        let written: Option<Value> = self.run(cmd.query_async(&mut at.conn.clone())).await;
+        written.is_some()
+    }
+
     /// After the inner store answered a claim: make Redis agree with it.
     /// `locked` says whether our lock went into Redis.
     async fn follow(&self, at: &Target, claim: &Claim, locked: bool, outcome: &ClaimOutcome) {
@@ -507,15 +524,21 @@ impl RedisFastPath {
                 Some(pinned) => pinned,
                 None => self.conn.pin_waiting().await?,
             };
-            let cmd = redis::cmd("DEL")
-                .arg(pinned.name(&base, &self.prefix))
-                .to_owned();
-            cmd.query_async::<i64>(&mut pinned.conn.clone()).await
+            let named = pinned.name(&base, &self.prefix);
+            let cmd = redis::cmd("DEL").arg(&named).to_owned();
+            cmd.query_async::<i64>(&mut pinned.conn.clone()).await?;
+            // A cluster shard's replicas must have the DEL too: their
+            // copies carry no epoch (RedisConn::replicated).
+            pinned
+                .conn
+                .replicated(&named, self.timeout / 2)
+                .await
+                .map_err(crate::net::errors::BoxError::from)
         })
         .await;
         let source = match removed {
-            Ok(Ok(_)) => return Ok(()),
-            Ok(Err(err)) => err.into(),
+            Ok(Ok(())) => return Ok(()),
+            Ok(Err(err)) => err,
             Err(_) => "redis did not answer in time".into(),
         };
         Err(StoreError::StaleCopy { name, source })
@@ -590,6 +613,37 @@ impl Store for RedisFastPath {
                 Err(err)
             }
         }
+    }
+
+    /// The inner store answers, as on a miss; its answer then replaces
+    /// whatever Redis holds for the key (the copy the caller could not
+    /// use): a completed or unstored record is cached over it, a claim the
+    /// inner store granted puts our lock over it, and anything else drops
+    /// it. Where Redis cannot be told, the key is marked stale, so this
+    /// process stops reading the copy and the healer deletes it. Round
+    /// trips: the claim's and one Redis write, within [`Self::call_bound`]
+    /// with the read that found the copy.
+    async fn claim_authoritative(&self, claim: &Claim) -> Result<Option<ClaimOutcome>, StoreError> {
+        let outcome = self.inner.claim(claim).await?;
+        self.counters.misses.fetch_add(1, Ordering::Relaxed);
+        let base = self.redis_key(&claim.key);
+        if !self.trusted(&base) {
+            // Not read from Redis; the healer deletes the copy.
+            return Ok(Some(outcome));
+        }
+        let Some(at) = self.target_if_enabled(&claim.key).await else {
+            self.mark_stale(base);
+            return Ok(Some(outcome));
+        };
+        match &outcome {
+            ClaimOutcome::Claimed { .. } => self.overwrite_with_lock(&at, claim).await,
+            ClaimOutcome::Existing(record) => {
+                if !self.replace(&at, record).await {
+                    self.mark_stale(base);
+                }
+            }
+        }
+        Ok(Some(outcome))
     }
 
     async fn renew(
@@ -726,7 +780,8 @@ impl Store for RedisFastPath {
     /// Rewrites the record in the inner store, then removes its Redis copy
     /// as [`Store::delete`] does: the copy still holds the old bytes (after
     /// a key rotation, sealed under a key about to be removed), and must
-    /// never be the one a claim reads.
+    /// never be the one a claim reads. [`StoreError::StaleCopy`] when
+    /// Redis could not be told (the record is rewritten all the same).
     async fn rewrite_response(
         &self,
         key: &RecordKey,

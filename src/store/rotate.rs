@@ -57,6 +57,12 @@ pub struct Tally {
     pub rewritten: u64,
     /// Read, then changed by live traffic before the rewrite: left as it is.
     pub changed: u64,
+    /// Of `rewritten`, those whose Redis copy (the same response, under the
+    /// old key) could not be removed, Redis not answering: left to expire.
+    /// Nothing to do by hand: once the old key is removed such a copy does
+    /// not open, and a proxy answers from the store's copy, which replaces
+    /// it ([`super::sealed`]).
+    pub copies_left: u64,
     /// `(key.id, why)` of each record no configured key opens.
     pub unreadable: Vec<(String, OpenError)>,
     /// The last key scanned: a rerun with it as the cursor continues after it.
@@ -90,13 +96,15 @@ pub async fn reencrypt(
             match plan(ring, &key, stored) {
                 Plan::Current => tally.current += 1,
                 Plan::Unreadable(e) => tally.unreadable.push((key.log_id(), e)),
-                Plan::Rewrite(new) => {
-                    if store.rewrite_response(&key, stored, &new).await? {
+                Plan::Rewrite(new) => match store.rewrite_response(&key, stored, &new).await {
+                    Ok(true) => tally.rewritten += 1,
+                    Ok(false) => tally.changed += 1,
+                    Err(StoreError::StaleCopy { .. }) => {
                         tally.rewritten += 1;
-                    } else {
-                        tally.changed += 1;
+                        tally.copies_left += 1;
                     }
-                }
+                    Err(err) => return Err(err),
+                },
             }
         }
         progress(&tally);

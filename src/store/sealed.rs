@@ -11,12 +11,23 @@
 //! bytes tampered with or moved to another row) is never executed again:
 //! it reads as executed-but-not-replayable (410), logged by `key.id` and
 //! key id and counted. A record written before keys were set replays as
-//! it was.
+//! it was, unless `store.plaintext_responses = "refuse"`: then it is
+//! unreadable too, so a plaintext response written into the store by
+//! anyone but idemgate is never served (review F1).
+//!
+//! **Never a refusal while a readable copy exists**: a claim whose record
+//! does not open asks again with [`Store::claim_authoritative`], so a
+//! Redis copy under a removed key (or with altered bytes) gives way to
+//! PostgreSQL's copy, which replaces it in Redis. Only a record whose
+//! authoritative copy does not open is a 410. (Where the first answer came
+//! from PostgreSQL already, that second claim reads it again: a cost only
+//! unreadable records pay.)
 
 use super::{
     Claim, ClaimOutcome, Completion, Fence, LeaseToken, Record, RecordState, Resolution, Span,
     Store, StoreError, StoredResponse, UnixMillis, Verdict,
 };
+use crate::config::PlaintextResponses;
 use crate::idempotency::vault::{Binding, KeyRing, OpenError};
 use crate::idempotency::RecordKey;
 use crate::metrics::Metrics;
@@ -24,7 +35,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use std::sync::Arc;
 use std::time::Duration;
-use tracing::error;
+use tracing::{error, warn};
 
 /// The stored "header" that marks a sealed response: a pseudo-header name
 /// (leading `:`), which no HTTP/1 field and no stored HTTP/2 field has.
@@ -34,14 +45,21 @@ pub struct Sealed {
     inner: Arc<dyn Store>,
     ring: Arc<KeyRing>,
     metrics: Arc<Metrics>,
+    plaintext: PlaintextResponses,
 }
 
 impl Sealed {
-    pub fn new(inner: Arc<dyn Store>, ring: Arc<KeyRing>, metrics: Arc<Metrics>) -> Self {
+    pub fn new(
+        inner: Arc<dyn Store>,
+        ring: Arc<KeyRing>,
+        metrics: Arc<Metrics>,
+        plaintext: PlaintextResponses,
+    ) -> Self {
         Self {
             inner,
             ring,
             metrics,
+            plaintext,
         }
     }
 
@@ -55,21 +73,66 @@ impl Sealed {
     /// `record` as its request sees it: opened, or (when it cannot be)
     /// executed and not replayable.
     fn open(&self, key: &RecordKey, mut record: Record) -> Record {
-        if let RecordState::Completed(resp) = &record.state {
-            match open_response(&self.ring, key, resp) {
-                Ok(Some(opened)) => record.state = RecordState::Completed(opened),
-                Ok(None) => {}
-                Err(e) => {
-                    error!(key.id = %key.log_id(), error = %e,
-                        "a stored response could not be opened; its key is answered 410 and never executed again");
-                    self.metrics.sealed_unreadable(reason(&e));
-                    record.state = RecordState::Unstored {
-                        status: resp.status,
-                    };
-                }
-            }
+        if let Err(e) = self.try_open(key, &mut record) {
+            self.unreadable(key, &mut record, &e);
         }
         record
+    }
+
+    /// Opens `record` in place (one never sealed is left alone); when it
+    /// does not open, leaves it as read and says why.
+    fn try_open(&self, key: &RecordKey, record: &mut Record) -> Result<(), OpenError> {
+        if let RecordState::Completed(resp) = &record.state {
+            match open_response(&self.ring, key, resp)? {
+                Some(opened) => record.state = RecordState::Completed(opened),
+                None if self.plaintext == PlaintextResponses::Refuse => {
+                    return Err(OpenError::Plaintext)
+                }
+                None => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes `record`, which did not open, executed and not replayable:
+    /// logged and counted.
+    fn unreadable(&self, key: &RecordKey, record: &mut Record, e: &OpenError) {
+        error!(key.id = %key.log_id(), error = %e,
+            "a stored response could not be opened; its key is answered 410 and never executed again");
+        self.metrics.sealed_unreadable(reason(e));
+        if let RecordState::Completed(resp) = &record.state {
+            record.state = RecordState::Unstored {
+                status: resp.status,
+            };
+        }
+    }
+
+    /// Opens the record a claim found, in place, as [`Self::try_open`].
+    fn try_open_outcome(
+        &self,
+        key: &RecordKey,
+        outcome: &mut ClaimOutcome,
+    ) -> Result<(), OpenError> {
+        match outcome {
+            ClaimOutcome::Existing(record) => self.try_open(key, record),
+            _ => Ok(()),
+        }
+    }
+
+    /// A claim's outcome as its request sees it, as [`Self::open`].
+    fn open_outcome(&self, key: &RecordKey, mut outcome: ClaimOutcome) -> ClaimOutcome {
+        match self.try_open_outcome(key, &mut outcome) {
+            Ok(()) => outcome,
+            Err(e) => self.refused(key, outcome, &e),
+        }
+    }
+
+    /// A claim's outcome whose record did not open, as [`Self::unreadable`].
+    fn refused(&self, key: &RecordKey, mut outcome: ClaimOutcome, e: &OpenError) -> ClaimOutcome {
+        if let ClaimOutcome::Existing(record) = &mut outcome {
+            self.unreadable(key, record, e);
+        }
+        outcome
     }
 }
 
@@ -124,16 +187,36 @@ fn reason(e: &OpenError) -> &'static str {
         OpenError::UnknownKey(_) => "unknown_key",
         OpenError::Malformed => "malformed",
         OpenError::Forged(_) => "forged",
+        OpenError::Plaintext => "plaintext",
     }
 }
 
 #[async_trait]
 impl Store for Sealed {
+    /// A record that does not open is claimed again from the authority
+    /// (see the module docs): a 410 only when its copy does not open either.
     async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
-        Ok(match self.inner.claim(claim).await? {
-            ClaimOutcome::Existing(record) => ClaimOutcome::Existing(self.open(&claim.key, record)),
-            claimed => claimed,
-        })
+        let key = &claim.key;
+        let mut outcome = self.inner.claim(claim).await?;
+        let Err(e) = self.try_open_outcome(key, &mut outcome) else {
+            return Ok(outcome);
+        };
+        let Some(mut again) = self.inner.claim_authoritative(claim).await? else {
+            return Ok(self.refused(key, outcome, &e));
+        };
+        match self.try_open_outcome(key, &mut again) {
+            Ok(()) => {
+                warn!(key.id = %key.log_id(), error = %e,
+                    "a fast-path copy of a stored response did not open; answered from the store's own copy, which replaces it");
+                Ok(again)
+            }
+            Err(e) => Ok(self.refused(key, again, &e)),
+        }
+    }
+
+    async fn claim_authoritative(&self, claim: &Claim) -> Result<Option<ClaimOutcome>, StoreError> {
+        let again = self.inner.claim_authoritative(claim).await?;
+        Ok(again.map(|outcome| self.open_outcome(&claim.key, outcome)))
     }
 
     async fn renew(
@@ -247,7 +330,12 @@ mod tests {
     async fn a_completion_is_stored_sealed_and_read_back_opened() {
         let backend: Arc<dyn Store> = Arc::new(MemoryStore::new());
         let metrics = Arc::new(Metrics::new());
-        let sealed = Sealed::new(backend.clone(), ring(&[("k1", 1)]), metrics.clone());
+        let sealed = Sealed::new(
+            backend.clone(),
+            ring(&[("k1", 1)]),
+            metrics.clone(),
+            PlaintextResponses::Replay,
+        );
         let c = sample_claim();
         assert!(matches!(
             sealed.claim(&c).await.unwrap(),
@@ -289,6 +377,163 @@ mod tests {
         assert_eq!(again.state, RecordState::Completed(response()));
     }
 
+    /// Claims answered from a copy, as the Redis fast path answers them,
+    /// and from the authority when asked again; nothing else is called.
+    struct WithCopy {
+        copy: MemoryStore,
+        authority: MemoryStore,
+    }
+
+    #[async_trait]
+    impl Store for WithCopy {
+        async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
+            self.copy.claim(claim).await
+        }
+        async fn claim_authoritative(
+            &self,
+            claim: &Claim,
+        ) -> Result<Option<ClaimOutcome>, StoreError> {
+            self.authority.claim(claim).await.map(Some)
+        }
+        async fn renew(&self, _: &RecordKey, _: &LeaseToken, _: Span) -> Result<Fence, StoreError> {
+            unreachable!()
+        }
+        async fn complete(
+            &self,
+            _: &RecordKey,
+            _: &LeaseToken,
+            _: &Completion,
+            _: Span,
+        ) -> Result<Fence, StoreError> {
+            unreachable!()
+        }
+        async fn release(&self, _: &RecordKey, _: &LeaseToken) -> Result<Fence, StoreError> {
+            unreachable!()
+        }
+        async fn get(&self, _: &RecordKey) -> Result<Option<Record>, StoreError> {
+            unreachable!()
+        }
+        async fn delete(&self, _: &RecordKey) -> Result<bool, StoreError> {
+            unreachable!()
+        }
+        async fn resolve(
+            &self,
+            _: &RecordKey,
+            _: &Verdict,
+            _: UnixMillis,
+        ) -> Result<bool, StoreError> {
+            unreachable!()
+        }
+        async fn resolution(&self, _: &RecordKey) -> Result<Option<Resolution>, StoreError> {
+            unreachable!()
+        }
+        async fn sweep(&self, _: UnixMillis, _: u32) -> Result<u64, StoreError> {
+            unreachable!()
+        }
+        async fn scan_completed(
+            &self,
+            _: Option<RecordKey>,
+            _: u32,
+            _: UnixMillis,
+        ) -> Result<Vec<(RecordKey, Record)>, StoreError> {
+            unreachable!()
+        }
+        async fn rewrite_response(
+            &self,
+            _: &RecordKey,
+            _: &StoredResponse,
+            _: &StoredResponse,
+        ) -> Result<bool, StoreError> {
+            unreachable!()
+        }
+        async fn ping(&self) -> Result<(), StoreError> {
+            unreachable!()
+        }
+        fn backend(&self) -> &'static str {
+            "with-copy"
+        }
+        fn call_bound(&self) -> Duration {
+            Duration::from_secs(1)
+        }
+    }
+
+    /// Completes `c` in `store` with `resp` as stored.
+    async fn stored(store: &MemoryStore, c: &Claim, resp: StoredResponse) {
+        assert!(matches!(
+            store.claim(c).await.unwrap(),
+            ClaimOutcome::Claimed { .. }
+        ));
+        let keep = Span { now: c.now, ms: 1 };
+        let done = Completion::Stored(resp);
+        store.complete(&c.key, &c.token, &done, keep).await.unwrap();
+    }
+
+    /// A copy that does not open (under a removed key, or altered) gives
+    /// way to the authority's, which replays; only when the authority's
+    /// does not open either is the key unreadable, counted once.
+    #[tokio::test]
+    async fn a_copy_that_does_not_open_gives_way_to_the_authoritys() {
+        let c = sample_claim();
+        let retry = Claim {
+            token: LeaseToken([7; 16]),
+            now: c.now + 1,
+            ..sample_claim()
+        };
+        let (old, new) = (ring(&[("old", 1)]), ring(&[("new", 2)]));
+        let under_new = seal_response(&new, &c.key, &response());
+        let mut altered = under_new.clone();
+        let mut body = altered.body.to_vec();
+        body[20] ^= 1;
+        altered.body = Bytes::from(body);
+        // (copy, authority's) -> state seen, unreadable counted
+        let cases = [
+            (
+                seal_response(&old, &c.key, &response()),
+                under_new.clone(),
+                RecordState::Completed(response()),
+                0,
+            ),
+            (
+                altered.clone(),
+                under_new.clone(),
+                RecordState::Completed(response()),
+                0,
+            ),
+            (
+                altered.clone(),
+                altered.clone(),
+                RecordState::Unstored { status: 201 },
+                1,
+            ),
+        ];
+        for (i, (copy, authority, want, counted)) in cases.into_iter().enumerate() {
+            let both = WithCopy {
+                copy: MemoryStore::new(),
+                authority: MemoryStore::new(),
+            };
+            stored(&both.copy, &c, copy).await;
+            stored(&both.authority, &c, authority).await;
+            let metrics = Arc::new(Metrics::new());
+            let sealed = Sealed::new(
+                Arc::new(both),
+                new.clone(),
+                metrics.clone(),
+                PlaintextResponses::Replay,
+            );
+            let ClaimOutcome::Existing(seen) = sealed.claim(&retry).await.unwrap() else {
+                panic!("case {i}: a retry finds the record")
+            };
+            assert_eq!(seen.state, want, "case {i}");
+            let text = metrics.encode();
+            let total: u64 = text
+                .lines()
+                .filter(|l| l.starts_with("idemgate_sealed_unreadable_total{"))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+                .sum();
+            assert_eq!(total, counted, "case {i}: {text}");
+        }
+    }
+
     #[test]
     fn what_does_not_open_is_not_replayable_and_a_plain_record_is_left_alone() {
         let metrics = Arc::new(Metrics::new());
@@ -299,8 +544,22 @@ mod tests {
         };
         let sealed = seal_response(&ring(&[("old", 1)]), &key, &response());
         let store = |list: &[(&str, u8)]| {
-            Sealed::new(Arc::new(MemoryStore::new()), ring(list), metrics.clone())
+            let replay = PlaintextResponses::Replay;
+            Sealed::new(
+                Arc::new(MemoryStore::new()),
+                ring(list),
+                metrics.clone(),
+                replay,
+            )
         };
+        // Pins review finding F1 (2026-12-06): with keys set, a plaintext
+        // record written into the store by anyone was replayed as it was.
+        let strict = Sealed::new(
+            Arc::new(MemoryStore::new()),
+            ring(&[("old", 1)]),
+            metrics.clone(),
+            PlaintextResponses::Refuse,
+        );
         let record = |resp: StoredResponse| Record {
             fingerprint: sample_claim().fingerprint,
             state: RecordState::Completed(resp),
@@ -331,6 +590,7 @@ mod tests {
                 response(),
                 RecordState::Completed(response()),
             ),
+            (strict, key, response(), unstored.clone()),
         ];
         for (i, (s, k, resp, want)) in cases.into_iter().enumerate() {
             assert_eq!(s.open(&k, record(resp)).state, want, "case {i}");
@@ -342,6 +602,10 @@ mod tests {
         );
         assert!(
             text.contains("idemgate_sealed_unreadable_total{reason=\"forged\"} 2"),
+            "{text}"
+        );
+        assert!(
+            text.contains("idemgate_sealed_unreadable_total{reason=\"plaintext\"} 1"),
             "{text}"
         );
     }

@@ -107,6 +107,42 @@ async fn kubernetes_service_link_variables_are_not_read_as_settings() {
     let (run, _) = run_on_config_text(&["check-config"], &text, &env).await;
     assert_eq!(run.code, 0, "{run:?}");
     assert!(run.stdout.contains("timeout 7s"), "{}", run.stdout);
+    // check-config lists what it skipped, by name only (a value may be an
+    // address the operator did not mean to print), and nothing else.
+    let skipped: Vec<&str> = run
+        .stdout
+        .lines()
+        .filter_map(|l| l.strip_prefix("skipped    "))
+        .collect();
+    assert_eq!(skipped.len(), 1, "{}", run.stdout);
+    let (names, why) = skipped[0]
+        .split_once(" (")
+        .unwrap_or_else(|| panic!("{}", skipped[0]));
+    let mut want: Vec<&str> = links.iter().map(|(name, _)| *name).collect();
+    want.sort_unstable();
+    assert_eq!(
+        names.split(", ").collect::<Vec<_>>(),
+        want,
+        "{}",
+        skipped[0]
+    );
+    assert!(
+        why.starts_with("Kubernetes service-link variables"),
+        "{why}"
+    );
+    // No address anywhere (the ports and `tcp` are parts of the names).
+    for (_, value) in links.iter().filter(|(_, v)| v.contains('.')) {
+        assert!(!run.stdout.contains(value), "{value}: {}", run.stdout);
+    }
+    // Without service links there is no such line.
+    let (run, _) = run_on_config_text(
+        &["check-config"],
+        &text,
+        &[("IDEMGATE_SERVER_UPSTREAM_TIMEOUT", "7s")],
+    )
+    .await;
+    assert_eq!(run.code, 0, "{run:?}");
+    assert!(!run.stdout.contains("skipped"), "{}", run.stdout);
     // A genuinely unknown IDEMGATE_ variable still fails, as does a link's
     // name with a value of another form.
     for bad in [
@@ -355,4 +391,116 @@ async fn keys_name_the_scope_of_a_logged_request_or_say_why_not() {
     ]))
     .await;
     assert_eq!(open.code, 0, "{open:?}");
+}
+
+/// Pins: the scope was in no log line, so an operator holding an access
+/// log line but not the client's credential could not name the record.
+/// The line carries the scope's digest (never the credential or the key),
+/// and `keys show` / `delete` take it with `--scope`, checked by the
+/// line's `--key-id`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_access_log_line_names_the_scope_keys_commands_take() {
+    use crate::support::{free_port, process::ServeProcess, Route, TestConfig, Upstream, ORDERS};
+    const CREDENTIAL: &str = "Bearer sk_live_only-the-client-knows";
+    const KEY: &str = "k-from-the-log";
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("idemgate.toml");
+    let (listen, admin) = (free_port(), free_port());
+    TestConfig::new(up.addr)
+        .listen(listen, admin)
+        .set("store.backend", "sqlite")
+        .set("store.path", "keys.db")
+        .set("log.level", "info")
+        .set("log.format", "json")
+        .route(Route::post(ORDERS))
+        .write(&path);
+    let secret = [("IDEMGATE_SCOPE_SECRET", "a-long-enough-secret")];
+    let serve_env = [secret[0], ("RUST_LOG", "info")];
+    let gate = ServeProcess::start(&path, listen, admin, &serve_env).await;
+    let sent = gate
+        .post(ORDERS)
+        .header("authorization", CREDENTIAL)
+        .key(KEY)
+        .body("{}")
+        .send()
+        .await;
+    assert_eq!(sent.status(), 201, "{}", sent.text());
+    let keyless = gate.post(ORDERS).header("authorization", CREDENTIAL);
+    assert_eq!(keyless.body("{}").send().await.status(), 400);
+
+    // The access log lines' (key.id, scope), in order.
+    let field = |l: &serde_json::Value, name: &str| {
+        let v = l
+            .pointer(&format!("/fields/{name}"))
+            .or_else(|| l.get(name));
+        v.and_then(|v| v.as_str()).map(str::to_string)
+    };
+    let mut lines = Vec::new();
+    for _ in 0..50 {
+        lines = gate
+            .log()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|l| l["fields"]["message"] == "request" || l["message"] == "request")
+            .map(|l| (field(&l, "key.id"), field(&l, "scope")))
+            .collect();
+        if lines.len() == 2 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let log = gate.log();
+    assert_eq!(lines.len(), 2, "access log lines in:\n{log}");
+    let (Some(key_id), Some(scope)) = lines[0].clone() else {
+        panic!("no key.id or scope on the keyed request's line:\n{log}");
+    };
+    assert_eq!(scope.len(), 64, "{scope}");
+    assert!(scope.bytes().all(|b| b.is_ascii_hexdigit()), "{scope}");
+    // A request refused before its key was known has neither.
+    assert_eq!(lines[1], (Some("-".into()), Some("-".into())), "{log}");
+    for raw in [CREDENTIAL, "sk_live_only-the-client-knows", KEY] {
+        assert!(!log.contains(raw), "{raw:?} logged:\n{log}");
+    }
+
+    let config = path.to_str().unwrap();
+    let keys = |args: &[&str]| {
+        let mut all = vec!["keys", "--config", config];
+        all.extend_from_slice(args);
+        all.iter().map(|s| s.to_string()).collect::<Vec<_>>()
+    };
+    let run = |args: Vec<String>| async move {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        crate::support::process::run_to_completion(&args, &secret).await
+    };
+    let logged = ["--scope", &scope, "--key-id", &key_id, KEY];
+    let shown = run(keys(&[&["show"][..], &logged].concat())).await;
+    assert_eq!(shown.code, 0, "{shown:?}");
+    for want in [
+        format!("key id       {key_id}\n"),
+        format!("scope        {scope}\n"),
+        "status       201\n".to_string(),
+    ] {
+        assert!(
+            shown.stdout.contains(&want),
+            "{want:?} in:\n{}",
+            shown.stdout
+        );
+    }
+    // The same record as naming the credential.
+    let by_credential = ["show", "--scope-header-value", CREDENTIAL, KEY];
+    let named = run(keys(&by_credential)).await;
+    assert_eq!(named.code, 0, "{named:?}");
+    let ids = |out: &str| out.lines().take(2).collect::<Vec<_>>().join("\n");
+    assert_eq!(ids(&named.stdout), ids(&shown.stdout));
+    // Another key in that scope is refused by the line's key.id.
+    let other = ["show", "--scope", &scope, "--key-id", &key_id, "k-other"];
+    let refused = run(keys(&other)).await;
+    assert_eq!(refused.code, 64, "{refused:?}");
+
+    let deleted = run(keys(&[&["delete"][..], &logged].concat())).await;
+    assert_eq!(deleted.code, 0, "{deleted:?}");
+    assert_eq!(deleted.stdout, format!("deleted key id {key_id}\n"));
+    let gone = run(keys(&[&["show"][..], &logged].concat())).await;
+    assert_eq!(gone.code, 3, "{gone:?}");
 }

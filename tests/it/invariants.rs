@@ -18,7 +18,7 @@
 //! message says how to replay it, e.g.
 //! `IDEMGATE_TEST_SEED=<n> cargo test --test it invariants_hold_without_faults`.
 
-use crate::support::checker::{check, Event, EventKind, Report, Trace};
+use crate::support::checker::{check, lost_answers, Event, EventKind, Report, Trace};
 use crate::support::pg_cluster::PgCluster;
 use crate::support::recording_upstream::{Kind, Mix, RecordingUpstream};
 use crate::support::redis_sentinel::{SentinelSet, MASTER_NAME};
@@ -695,8 +695,8 @@ fn outage_since(crashed: Instant) -> Vec<Event> {
 const LAZY_COMMITS: &str = "synchronous_commit = off\nwal_writer_delay = 10s\n";
 
 /// The replicas on a private PostgreSQL with [`LAZY_COMMITS`] (no Redis:
-/// PostgreSQL alone is the guard), which crashes (`pg_ctl stop -m
-/// immediate`) under load and is started again at once (crash recovery):
+/// PostgreSQL alone is the guard), which crashes (SIGKILL to every
+/// process of it, [`PgCluster::kill`]) under load and is started again at once (crash recovery):
 /// no key may run twice, i.e. nothing idemgate acted on may have been only
 /// in the WAL buffers. The outage stays shorter than a lease, so this
 /// checks durability, not what an outage longer than a lease does to a
@@ -721,7 +721,7 @@ async fn invariants_hold_when_a_synchronous_commit_off_postgres_crashes_under_lo
 
     tokio::time::sleep_until((started + INJECT_AT).into()).await;
     let crashed = Instant::now();
-    pg.stop_immediate();
+    pg.kill();
     pg.restart();
     let events = outage_since(crashed);
     let report = judge(
@@ -756,8 +756,7 @@ enum Replication {
 const STANDBY_HELD_BACK: Duration = Duration::from_secs(2);
 
 /// The failover runs' lease: longer than their outage (the sender held
-/// [`STANDBY_HELD_BACK`], up to 5 s for the immediate stop to kill it, the
-/// promotion), as the lazy-commit crash keeps its outage shorter than a
+/// [`STANDBY_HELD_BACK`], the promotion), as the lazy-commit crash keeps its outage shorter than a
 /// lease. They check what a failover does to acknowledged commits; an
 /// outage longer than a lease while an answer waits to be recorded lets a
 /// retry take the key over once the lease ran out (docs/book/src/deploy.md,
@@ -766,10 +765,12 @@ const FAILOVER_LEASE: &str = "15s";
 
 /// The replicas on a private primary with a streaming standby, both in
 /// `store.url`. Under load the primary's WAL sender is held back for
-/// [`STANDBY_HELD_BACK`], then the primary crashes (`pg_ctl stop -m
-/// immediate`) and the standby is promoted. Returns the report and the
-/// lag (bytes of WAL the standby had not flushed) at the crash.
-async fn failover_run(replication: Replication, name: &'static str) -> (Report, i64) {
+/// [`STANDBY_HELD_BACK`], then the primary is SIGKILLed (the postmaster
+/// and every process of it, the held WAL sender included:
+/// [`PgCluster::kill`]) and the standby is promoted. Returns the report and the
+/// lag (bytes of WAL the standby had not flushed) at the crash, and the
+/// answers lost.
+async fn failover_run(replication: Replication, name: &'static str) -> FailoverCost {
     let fault = Fault::None;
     let t0 = Instant::now();
     let seed = seed_for(name);
@@ -816,17 +817,49 @@ async fn failover_run(replication: Replication, name: &'static str) -> (Report, 
         .parse()
         .expect("a lag in bytes");
     let crashed = Instant::now();
-    // The stopped sender ignores the immediate shutdown's SIGQUIT until the
-    // postmaster SIGKILLs it (after 5 s): it never sends another byte.
-    primary.stop_immediate();
+    // The held sender dies with the rest: it never sends another byte.
+    primary.kill();
     standby.promote();
     let events = outage_since(crashed);
     let report = judge(
         fault, name, t0, &up, &cluster, &traffic, load_task, events, CI_LOAD,
     )
     .await;
-    println!("standby {lag} bytes of WAL behind at the crash");
-    (report, lag)
+    let lost = lost_answers(&traffic.observations(), crashed);
+    println!(
+        "standby {lag} bytes of WAL behind at the crash; {} answer(s) lost",
+        lost.len()
+    );
+    for l in lost.iter().take(10) {
+        println!("  answer lost: {l}");
+    }
+    FailoverCost {
+        report,
+        lag,
+        lost: lost.len(),
+    }
+}
+
+/// What one failover run saw.
+struct FailoverCost {
+    report: Report,
+    /// Bytes of WAL the standby had not flushed at the crash.
+    lag: i64,
+    /// Keys whose answer had reached its client before the crash and no
+    /// longer replays after it ([`lost_answers`]).
+    lost: usize,
+}
+
+impl FailoverCost {
+    /// Keys executed twice without a release (the checker's violations
+    /// that say so).
+    fn twice(&self) -> usize {
+        self.report
+            .violations
+            .iter()
+            .filter(|v| v.contains("executed twice"))
+            .count()
+    }
 }
 
 /// Issue 20 (a) and (c): a failover to a synchronous standby, on a server
@@ -836,11 +869,13 @@ async fn failover_run(replication: Replication, name: &'static str) -> (Report, 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn invariants_hold_when_postgres_fails_over_to_a_synchronous_standby() {
     let name = "postgres failover (sync)";
-    let (report, lag) = failover_run(Replication::SynchronousLocalDefault, name).await;
+    let run = failover_run(Replication::SynchronousLocalDefault, name).await;
     assert!(
-        report.violations.is_empty(),
-        "{} invariant violation(s) across a failover to a synchronous standby ({lag} bytes behind); see the report above; {}",
-        report.violations.len(),
+        run.report.violations.is_empty() && run.lost == 0,
+        "{} invariant violation(s), {} answer(s) lost, across a failover to a synchronous standby ({} bytes behind); see the report above; {}",
+        run.report.violations.len(),
+        run.lost,
+        run.lag,
         replay()
     );
 }
@@ -852,17 +887,15 @@ async fn invariants_hold_when_postgres_fails_over_to_a_synchronous_standby() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn what_a_failover_to_an_asynchronous_standby_costs() {
     let name = "postgres failover (async)";
-    let (report, lag) = failover_run(Replication::Asynchronous, name).await;
-    let twice = report
-        .violations
-        .iter()
-        .filter(|v| v.contains("twice"))
-        .count();
+    let run = failover_run(Replication::Asynchronous, name).await;
     println!(
-        "asynchronous failover, standby {lag} bytes ({STANDBY_HELD_BACK:?}) behind: {} violation(s), {twice} of them a key executed twice, of {} requests and {} executions",
-        report.violations.len(),
-        report.requests,
-        report.executions
+        "asynchronous failover, standby {} bytes ({STANDBY_HELD_BACK:?}) behind: {} violation(s), {} of them a key executed twice; {} answer(s) lost (delivered before the crash, no longer replayed); of {} requests and {} executions",
+        run.lag,
+        run.report.violations.len(),
+        run.twice(),
+        run.lost,
+        run.report.requests,
+        run.report.executions
     );
 }
 
@@ -1023,9 +1056,11 @@ async fn soak() {
     // replica and sentinels) of their own, so they run once each; the
     // asynchronous PostgreSQL one is a measurement.
     let sync = Replication::SynchronousLocalDefault;
-    reports.push(failover_run(sync, "postgres failover (sync)").await.0);
+    let sync_failover = failover_run(sync, "postgres failover (sync)").await;
+    let sync_lost = sync_failover.lost;
+    reports.push(sync_failover.report);
     reports.push(redis_failover_run("redis sentinel failover").await.0);
-    let (unsafe_failover, lag) =
+    let unsafe_failover =
         failover_run(Replication::Asynchronous, "postgres failover (async)").await;
     println!(
         "\nsoak invariant report ({} s of load per fault)\n{}",
@@ -1036,9 +1071,13 @@ async fn soak() {
         println!("{}", r.line());
     }
     println!(
-        "{}   (measured, not asserted: standby {lag} bytes behind)",
-        unsafe_failover.line()
+        "{}   (measured, not asserted: standby {} bytes behind, {} key(s) executed twice, {} answer(s) lost)",
+        unsafe_failover.report.line(),
+        unsafe_failover.lag,
+        unsafe_failover.twice(),
+        unsafe_failover.lost
     );
+    println!("postgres failover (sync): {sync_lost} answer(s) lost");
     for r in reports.iter().filter(|r| !r.violations.is_empty()) {
         println!("\n{}: {} violation(s)", r.fault, r.violations.len());
         for v in r.violations.iter().take(10) {
@@ -1051,8 +1090,8 @@ async fn soak() {
         .map(|r| r.fault)
         .collect();
     assert!(
-        failed.is_empty(),
-        "invariants violated under: {failed:?}; {}",
+        failed.is_empty() && sync_lost == 0,
+        "invariants violated under: {failed:?}; {sync_lost} answer(s) lost across the synchronous failover; {}",
         replay()
     );
 }
@@ -1347,6 +1386,45 @@ fn the_checker_reports_each_broken_invariant_and_nothing_else() {
         vec![killed(20)],
     );
     assert!(v.is_empty(), "{v:?}");
+
+    // Answers lost to a crash at 1000 ms: an answer its client had before
+    // the crash is lost when the key's last answer is another execution,
+    // not when it still replays; an answer delivered after the crash, or
+    // one that releases the key, is not counted.
+    let e1 = exec(1, 1, alice, &body_a, answer(201), 0);
+    let e2 = exec(2, 3, alice, &body_a, answer(201), 3000);
+    let crash = at(1000);
+    let first = || obs(1, alice, &body_a, 0, resp(&e1, false));
+    let lost = lost_answers(
+        &[first(), obs(3, alice, &body_a, 3000, resp(&e2, false))],
+        crash,
+    );
+    assert!(
+        lost.len() == 1 && lost[0].contains("execution 1 before the crash"),
+        "{lost:?}"
+    );
+    let kept = [first(), obs(2, alice, &body_a, 3000, resp(&e1, true))];
+    assert!(lost_answers(&kept, crash).is_empty());
+    let busy = [
+        first(),
+        obs(2, alice, &body_a, 2000, resp(&e1, true)),
+        obs(4, alice, &body_a, 3000, conflict()),
+    ];
+    let lost = lost_answers(&busy, crash);
+    assert!(
+        lost.len() == 1 && lost[0].ends_with("the key's last answer is a 409"),
+        "{lost:?}"
+    );
+    assert!(
+        lost_answers(&[first()], at(10)).is_empty(),
+        "delivered after"
+    );
+    let e503 = exec(1, 1, alice, &body_a, answer(503), 0);
+    let released = [
+        obs(1, alice, &body_a, 0, resp(&e503, false)),
+        obs(3, alice, &body_a, 3000, resp(&e2, false)),
+    ];
+    assert!(lost_answers(&released, crash).is_empty());
 }
 
 /// A replay draws what the failed run drew: a derived generator depends on

@@ -8,9 +8,11 @@
 
 mod support;
 
+mod book_commands;
 mod config_traps;
 mod consumers;
 mod demo_docs;
+mod doc_commands;
 mod error_shapes;
 mod faults;
 mod fd_limit;

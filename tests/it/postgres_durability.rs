@@ -9,8 +9,9 @@
 //!
 //! The crash tests run a private cluster ([`PgCluster::private`]) with
 //! `synchronous_commit = off` and `wal_writer_delay = 10s` (an unflushed
-//! commit stays in the WAL buffers that long), crash it with `pg_ctl stop
-//! -m immediate`, start it again and retry.
+//! commit stays in the WAL buffers that long), crash it (SIGKILL to the
+//! postmaster and every process of it, [`PgCluster::kill`]), start it
+//! again and retry.
 
 use crate::support::pg_cluster::PgCluster;
 use crate::support::pgbouncer::PrivatePgBouncer;
@@ -88,7 +89,7 @@ async fn a_stored_post_survives_a_crash(cluster: &mut PgCluster, url: &str) -> S
     assert_eq!(first.status(), 201, "{}", first.text());
     assert_eq!(up.hits(ORDERS), 1);
 
-    cluster.stop_immediate();
+    cluster.kill();
     cluster.restart();
 
     let retry = post_until_the_store_answers(&serve, "pay-1").await;
@@ -158,7 +159,7 @@ async fn check_config_connect_names_synchronous_commit_and_what_idemgate_runs_wi
     for (options, says) in [
         ("off", "synchronous_commit is off (the server's, database's, role's or store.url's); raised to on"),
         ("local", "synchronous_commit is local (the server's, database's, role's or store.url's); raised to on"),
-        ("remote_write", "synchronous_commit is remote_write: kept"),
+        ("remote_write", "synchronous_commit is remote_write (the server's, database's, role's or store.url's); raised to on"),
         ("remote_apply", "synchronous_commit is remote_apply: kept"),
     ] {
         let url = with_query(

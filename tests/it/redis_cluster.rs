@@ -2,7 +2,8 @@
 //! a private three-node cluster the test starts: fast-path hits match a
 //! single node's for the same traffic over keys in every node's slots,
 //! `MOVED` never reaches the log, and a node killed during traffic leaves
-//! every request answered right, each key executed once, on PostgreSQL.
+//! every request answered right, each key executed once, on PostgreSQL. An
+//! operator's delete is done only once the shard's replicas have the `DEL`.
 
 use crate::support::fast_path::config_on_postgres;
 use crate::support::redis_cluster::RedisCluster;
@@ -282,4 +283,54 @@ async fn after_a_failover_to_a_replica_the_fast_path_resumes_and_every_key_ran_o
             r.assert_problem(409);
         }
     }
+}
+
+/// Issue 20: a cluster's key names carry no epoch, so a copy an operator
+/// deleted (`keys delete`, `keys resolve`) whose `DEL` a lagging replica
+/// missed would be replayed after that replica's promotion. The delete
+/// now waits (`WAIT`) for every replica of the copy's shard: with the
+/// replicas held back it reports the copy it could not be sure of (exit
+/// non-zero, naming it), where it used to say "deleted"; once they run
+/// again, the delete goes through and the key runs anew.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delete_on_a_cluster_is_reported_until_the_shards_replicas_have_the_del() {
+    require_postgres(&database_url()).await;
+    let cluster = RedisCluster::start_with_replicas(3, 1);
+    let up = Upstream::start().await;
+    let dir = tempfile::TempDir::new().expect("tempdir");
+    let schema = TestSchema::new();
+    let gate = serve(&up, &schema, dir.path(), &cluster.url(), true).await;
+    let config = dir
+        .path()
+        .join(format!("idemgate-{}.toml", gate.listen.port()));
+    let first = gate.post(ORDERS).key("del-1").body(BODY).send().await;
+    assert_eq!(first.status(), 201, "{}", first.text());
+    let replay = gate.post(ORDERS).key("del-1").body(BODY).send().await;
+    assert!(replay.replayed(), "{replay:?}");
+    let delete = || async {
+        let config = config.to_str().expect("utf-8 path");
+        crate::support::run_to_completion(
+            &["keys", "--config", config, "delete", "--anonymous", "del-1"],
+            &[],
+        )
+        .await
+    };
+
+    assert_eq!(cluster.hold_replicas(Some(20_000)), 3);
+    let held = delete().await;
+    cluster.hold_replicas(None);
+    let said = format!("{}{}", held.stdout, held.stderr);
+    assert_ne!(held.code, 0, "{said}");
+    assert!(
+        said.contains("could not be removed") && said.contains("acknowledged the DEL"),
+        "{said}"
+    );
+
+    // The replicas run again: the delete (again) goes through.
+    let again = delete().await;
+    assert_eq!(again.code, 0, "{}{}", again.stdout, again.stderr);
+    let rerun = gate.post(ORDERS).key("del-1").body(BODY).send().await;
+    assert_eq!(rerun.status(), 201, "{}", rerun.text());
+    assert!(!rerun.replayed(), "ran anew after the delete");
+    assert_eq!(up.hits(ORDERS), 2);
 }

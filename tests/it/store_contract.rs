@@ -154,6 +154,7 @@ pub(crate) async fn run_contract(store: Arc<dyn Store>, later: Arc<dyn Store>) {
     resolve_settles_only_live_outcome_unknown_records(&*store).await;
     scan_pages_live_completed_records_in_key_order(&*store).await;
     rewrite_is_a_compare_and_set(&*store).await;
+    an_authoritative_claim_agrees_with_the_claim(&*store).await;
     store.ping().await.expect("ping");
 }
 
@@ -801,6 +802,32 @@ async fn rewrite_is_a_compare_and_set(store: &dyn Store) {
     assert!(store.get(&gone.key).await.unwrap().is_none());
 }
 
+/// `claim_authoritative` answers as `claim` does (where the store reads
+/// no copies, it says so with `None`), and a claim after it agrees: a
+/// completed record is the same record, a free key granted stays held.
+async fn an_authoritative_claim_agrees_with_the_claim(store: &dyn Store) {
+    let c = completed_with(store, &response(), TTL_MS).await;
+    let seen = existing(store.claim(&again(&c)).await.unwrap());
+    if let Some(outcome) = store.claim_authoritative(&again(&c)).await.unwrap() {
+        assert_same_record(&existing(outcome), &seen);
+    }
+    assert_same_record(&existing(store.claim(&again(&c)).await.unwrap()), &seen);
+
+    let free = claim_for(record_key(), LEASE_MS, TTL_MS);
+    if let Some(outcome) = store.claim_authoritative(&free).await.unwrap() {
+        assert!(claimed(&outcome), "{outcome:?}");
+        let held = existing(store.claim(&again(&free)).await.unwrap());
+        assert!(
+            matches!(held.state, RecordState::InFlight { .. }),
+            "{held:?}"
+        );
+        assert_eq!(
+            store.release(&free.key, &free.token).await.unwrap(),
+            Fence::Held
+        );
+    }
+}
+
 // ===== backends =====
 
 async fn postgres(schema: &str) -> Arc<PostgresStore> {
@@ -968,6 +995,52 @@ fn completion_with(body: &'static str) -> Completion {
         headers: vec![],
         body: Bytes::from_static(body.as_bytes()),
     })
+}
+
+/// A Redis copy the caller could not use (here: older than the record,
+/// which changed in PostgreSQL behind the fast path's back) is answered
+/// by a claim, as a hint is; `claim_authoritative` answers PostgreSQL's
+/// record and puts it in Redis over the copy, where the next claim finds
+/// it. PostgreSQL alone reads no copy: `None`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_authoritative_claim_replaces_the_redis_copy() {
+    let schema = unique_schema("t");
+    let _keys = RedisPrefix(schema.clone());
+    let url = redis_url();
+    require_redis(&url);
+    let pg = postgres(&schema).await;
+    let fast = RedisFastPath::new(pg.clone(), &redis_config(url, &schema))
+        .await
+        .unwrap();
+    let counters = fast.counters();
+    let c = complete_one(&fast).await;
+    let cached = existing(fast.claim(&again(&c)).await.unwrap());
+    assert_eq!(body_of(&cached), response().body);
+    let newer = StoredResponse {
+        body: Bytes::from_static(b"what PostgreSQL holds now"),
+        ..response()
+    };
+    assert!(pg
+        .rewrite_response(&c.key, &response(), &newer)
+        .await
+        .unwrap());
+    let hint = existing(fast.claim(&again(&c)).await.unwrap());
+    assert_eq!(body_of(&hint), response().body, "the copy answers alone");
+
+    let authority = fast.claim_authoritative(&again(&c)).await.unwrap();
+    assert_eq!(
+        body_of(&existing(authority.expect("a fast path re-reads"))),
+        newer.body
+    );
+    let (hits, _, _) = snapshot(&counters);
+    assert_eq!(
+        body_of(&existing(fast.claim(&again(&c)).await.unwrap())),
+        newer.body
+    );
+    assert_eq!(snapshot(&counters).0, hits + 1, "from the replaced copy");
+    assert_eq!(pg.claim_authoritative(&again(&c)).await.unwrap(), None);
+    assert_eq!(snapshot(&counters).2, 0);
+    drop_schema(&database_url(), &schema).await;
 }
 
 /// Pins: with Redis stalled, deleting a key reported success; a retry ran

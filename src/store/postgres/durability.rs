@@ -7,15 +7,18 @@
 
 /// `synchronous_commit` values that acknowledge a commit before it is
 /// durable: `off` before the WAL is flushed (a server crash loses it),
-/// `local` before a synchronous standby has it (a failover loses it).
-const WEAK_COMMIT: [&str; 2] = ["off", "local"];
+/// `local` before a synchronous standby has it (a failover loses it),
+/// `remote_write` once a synchronous standby has written it but before it
+/// flushed it (a crash of the standby's machine, then a failover to it,
+/// loses it). PostgreSQL ranks all three below `on`.
+const WEAK_COMMIT: [&str; 3] = ["off", "local", "remote_write"];
 /// What idemgate raises them to.
 const DURABLE_COMMIT: &str = "on";
 
 /// The `synchronous_commit` a session whose value is `effective` must run
 /// with: `on` for a weak value ([`WEAK_COMMIT`]); `None` keeps it (`on`,
-/// `remote_write`, `remote_apply`, and a value this version does not know:
-/// never lowered). The statements that apply it ([`raise_commit_sql`])
+/// `remote_apply`, and a value this version does not know: never
+/// lowered). The statements that apply it ([`raise_commit_sql`])
 /// test the same list on the server.
 pub fn raised_commit(effective: &str) -> Option<&'static str> {
     WEAK_COMMIT.contains(&effective).then_some(DURABLE_COMMIT)
@@ -62,7 +65,7 @@ impl CommitReport {
         let Self { server, session } = self;
         if raised_commit(session).is_some() {
             return Err(format!(
-                "postgres: synchronous_commit is {session} in idemgate's sessions and could not be raised to {DURABLE_COMMIT}: claims would not survive a server crash"
+                "postgres: synchronous_commit is {session} in idemgate's sessions and could not be raised to {DURABLE_COMMIT}: a claim could be acknowledged before it is durable on the server and its synchronous standby"
             ));
         }
         Ok(if self.raised() {
@@ -162,7 +165,8 @@ mod tests {
         for (effective, runs_with) in [
             ("off", Some("on")),
             ("local", Some("on")),
-            ("remote_write", None),
+            // The standby wrote the WAL but did not flush it: below `on`.
+            ("remote_write", Some("on")),
             ("on", None),
             ("remote_apply", None),
             // A value a newer server may add: kept rather than guessed at.
@@ -172,7 +176,10 @@ mod tests {
         }
         // The server applies the same list.
         for sql in [raise_commit_sql(false), raise_commit_sql(true)] {
-            assert!(sql.ends_with("IN ('off', 'local')"), "{sql}");
+            assert!(
+                sql.ends_with("IN ('off', 'local', 'remote_write')"),
+                "{sql}"
+            );
         }
         assert!(raise_commit_sql(true).contains("'on', true)"));
         assert!(raise_commit_sql(false).contains("'on', false)"));
@@ -231,5 +238,11 @@ mod tests {
         );
         let stuck = report("local", "local").describe().unwrap_err();
         assert!(stuck.contains("could not be raised"), "{stuck}");
+        let stuck = report("remote_write", "remote_write")
+            .describe()
+            .unwrap_err();
+        assert!(stuck.contains("could not be raised to on"), "{stuck}");
+        let raised = report("remote_write", "on").describe().unwrap();
+        assert!(raised.contains("raised to on"), "{raised}");
     }
 }

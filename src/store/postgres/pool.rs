@@ -20,7 +20,7 @@ use deadpool_postgres::{
 };
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 use tokio::sync::OnceCell;
@@ -111,9 +111,162 @@ struct Connector {
     /// [`raise_commit_sql`] for a session, or `None` behind a pooler.
     session: Option<String>,
     last_tls: Arc<Mutex<Option<&'static str>>>,
+    /// With several hosts in `store.url`: the host a new connection tries
+    /// first, and how long each but the last one tried may take
+    /// ([`connect_any`]).
+    next_host: AtomicUsize,
+    per_host: Duration,
 }
 
 type Connected = Result<(tokio_postgres::Client, JoinHandle<()>), tokio_postgres::Error>;
+
+/// One config per host of a multi-host `store.url`, each naming only that
+/// host (with its port and `hostaddr`), everything else as in `pg`; empty
+/// for one host.
+fn per_host(pg: &tokio_postgres::Config) -> Vec<tokio_postgres::Config> {
+    use tokio_postgres::config::Host;
+    let hosts = pg.get_hosts();
+    if hosts.len() < 2 {
+        return Vec::new();
+    }
+    let ports = pg.get_ports();
+    hosts
+        .iter()
+        .enumerate()
+        .map(|(i, host)| {
+            let mut one = tokio_postgres::Config::new();
+            if let Some(user) = pg.get_user() {
+                one.user(user);
+            }
+            if let Some(password) = pg.get_password() {
+                one.password(password);
+            }
+            if let Some(dbname) = pg.get_dbname() {
+                one.dbname(dbname);
+            }
+            if let Some(options) = pg.get_options() {
+                one.options(options);
+            }
+            if let Some(name) = pg.get_application_name() {
+                one.application_name(name);
+            }
+            match host {
+                Host::Tcp(h) => one.host(h),
+                #[cfg(unix)]
+                Host::Unix(path) => one.host_path(path),
+            };
+            if let Some(addr) = pg.get_hostaddrs().get(i) {
+                one.hostaddr(*addr);
+            }
+            one.port(ports.get(i).or(ports.first()).copied().unwrap_or(5432));
+            if let Some(t) = pg.get_connect_timeout() {
+                one.connect_timeout(*t);
+            }
+            if let Some(t) = pg.get_tcp_user_timeout() {
+                one.tcp_user_timeout(*t);
+            }
+            one.keepalives(pg.get_keepalives())
+                .keepalives_idle(pg.get_keepalives_idle());
+            if let Some(interval) = pg.get_keepalives_interval() {
+                one.keepalives_interval(interval);
+            }
+            if let Some(retries) = pg.get_keepalives_retries() {
+                one.keepalives_retries(retries);
+            }
+            one.ssl_mode(pg.get_ssl_mode())
+                .ssl_negotiation(pg.get_ssl_negotiation())
+                .target_session_attrs(pg.get_target_session_attrs())
+                .channel_binding(pg.get_channel_binding());
+            one
+        })
+        .collect()
+}
+
+/// Moves [`Connector::next_host`] past host `from` when dropped armed:
+/// that host failed, stalled past its bound, or the call gave up on it
+/// (its deadline), so the next connection starts at the one after it.
+struct MoveOn<'a> {
+    next: &'a AtomicUsize,
+    from: usize,
+    hosts: usize,
+    armed: bool,
+}
+
+impl Drop for MoveOn<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            let after = (self.from + 1) % self.hosts;
+            let _ =
+                self.next
+                    .compare_exchange(self.from, after, Ordering::Relaxed, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Connects to one host of `pg` that accepts writes. With one host, as
+/// tokio-postgres does. With several, host by host from
+/// [`Connector::next_host`] (the last one that worked), each but the last
+/// one tried bounded by `per_host` (connecting, TLS, start-up and the
+/// read-write check: tokio-postgres bounds only the TCP connect, so a
+/// host that accepts and then says nothing, or drops packets, would
+/// otherwise use up the pool's whole `create_timeout` and the next host
+/// would never be tried); the last one by the pool's `create_timeout`.
+/// The error is the one of the last host in `store.url` that answered
+/// with one, as tokio-postgres reports.
+async fn connect_any<T>(
+    pg: &tokio_postgres::Config,
+    tls: T,
+    next: &AtomicUsize,
+    per_host_bound: Duration,
+) -> Result<
+    (
+        tokio_postgres::Client,
+        tokio_postgres::Connection<tokio_postgres::Socket, T::Stream>,
+    ),
+    tokio_postgres::Error,
+>
+where
+    T: tokio_postgres::tls::MakeTlsConnect<tokio_postgres::Socket> + Clone,
+{
+    let hosts = per_host(pg);
+    if hosts.is_empty() {
+        return pg.connect(tls).await;
+    }
+    let n = hosts.len();
+    let start = next.load(Ordering::Relaxed) % n;
+    let mut failed: Option<(usize, tokio_postgres::Error)> = None;
+    for k in 0..n {
+        let i = (start + k) % n;
+        let mut moving = MoveOn {
+            next,
+            from: i,
+            hosts: n,
+            armed: true,
+        };
+        let attempt = hosts[i].connect(tls.clone());
+        let outcome = if k + 1 < n {
+            tokio::time::timeout(per_host_bound, attempt).await.ok()
+        } else {
+            Some(attempt.await)
+        };
+        match outcome {
+            Some(Ok(connected)) => {
+                moving.armed = false;
+                next.store(i, Ordering::Relaxed);
+                return Ok(connected);
+            }
+            Some(Err(err)) if failed.as_ref().is_none_or(|(j, _)| i > *j) => {
+                failed = Some((i, err));
+            }
+            Some(Err(_)) | None => {}
+        }
+    }
+    match failed {
+        Some((_, err)) => Err(err),
+        // The last host tried has no bound of its own: it answered.
+        None => unreachable!("the last host tried ran to an answer"),
+    }
+}
 
 impl deadpool_postgres::Connect for Connector {
     fn connect(
@@ -123,7 +276,8 @@ impl deadpool_postgres::Connect for Connector {
         let (tls, seen) = self.tls.recording();
         let pg = pg.clone();
         Box::pin(async move {
-            let (client, connection) = pg.connect(tls).await?;
+            let (client, connection) =
+                connect_any(&pg, tls, &self.next_host, self.per_host).await?;
             // As deadpool's own connector does.
             let task = tokio::spawn(async move {
                 if let Err(e) = connection.await {
@@ -219,7 +373,12 @@ impl Core {
             // startup, so this sees (and raises) it too.
             session: pooled.is_none().then(|| raise_commit_sql(false)),
             last_tls: last_tls.clone(),
+            next_host: AtomicUsize::new(0),
+            per_host: cfg.connect_timeout,
         };
+        // Each host but the last one tried gets `connect_timeout`
+        // (connect_any), the last one the rest.
+        let hosts = u32::try_from(pg.get_hosts().len().max(1)).unwrap_or(u32::MAX);
         let manager = Manager::from_connect(
             pg,
             connector,
@@ -235,7 +394,7 @@ impl Core {
             // Bounded so a dead database answers within seconds, not after
             // TCP's own timeouts.
             .wait_timeout(Some(cfg.timeout))
-            .create_timeout(Some(cfg.connect_timeout))
+            .create_timeout(Some(cfg.connect_timeout.saturating_mul(hosts)))
             .recycle_timeout(Some(cfg.connect_timeout))
             .build()
             .map_err(|err| StoreError::caused("cannot build postgres pool", err))?;
@@ -646,6 +805,88 @@ impl Core {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_multi_host_url_gives_one_config_per_host_with_everything_else_kept() {
+        let pg: tokio_postgres::Config =
+            "postgres://u:pw@db-a:5433,db-b/app?sslmode=require&application_name=x&options=-c%20a%3Db&connect_timeout=3"
+                .parse()
+                .unwrap();
+        let one = per_host(&pg);
+        assert_eq!(one.len(), 2);
+        for (c, (host, port)) in one.iter().zip([("db-a", 5433), ("db-b", 5432)]) {
+            assert_eq!(
+                c.get_hosts(),
+                &[tokio_postgres::config::Host::Tcp(host.into())]
+            );
+            assert_eq!(c.get_ports(), &[port]);
+            assert_eq!(c.get_user(), Some("u"));
+            assert_eq!(c.get_password(), Some(&b"pw"[..]));
+            assert_eq!(c.get_dbname(), Some("app"));
+            assert_eq!(c.get_application_name(), Some("x"));
+            assert_eq!(c.get_options(), Some("-c a=b"));
+            assert_eq!(c.get_ssl_mode(), pg.get_ssl_mode());
+            assert_eq!(c.get_connect_timeout(), Some(&Duration::from_secs(3)));
+        }
+        let single: tokio_postgres::Config = "postgres://u@db-a/app".parse().unwrap();
+        assert!(per_host(&single).is_empty());
+    }
+
+    /// A first host that accepts and then says nothing no longer uses up
+    /// the whole connection attempt: it gets `per_host`, the next host is
+    /// tried, and the next connection starts past the silent one.
+    #[tokio::test]
+    async fn a_silent_host_is_left_after_its_bound_and_the_next_one_tried() {
+        let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let silent_port = silent.local_addr().unwrap().port();
+        let held = tokio::spawn(async move {
+            let mut kept = Vec::new();
+            while let Ok((socket, _)) = silent.accept().await {
+                kept.push(socket);
+            }
+        });
+        // A port nothing listens on: refused at once.
+        let refused = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let refused_port = refused.local_addr().unwrap().port();
+        drop(refused);
+        let pg: tokio_postgres::Config = format!(
+            "postgres://u@127.0.0.1:{silent_port},127.0.0.1:{refused_port}/app?sslmode=disable"
+        )
+        .parse()
+        .unwrap();
+        let next = AtomicUsize::new(0);
+        let started = std::time::Instant::now();
+        let got = tokio::time::timeout(
+            Duration::from_secs(5),
+            connect_any(
+                &pg,
+                tokio_postgres::NoTls,
+                &next,
+                Duration::from_millis(200),
+            ),
+        )
+        .await
+        .expect("bounded by the silent host's bound, not hung on it");
+        assert!(got.is_err(), "nothing accepts writes");
+        assert!(started.elapsed() < Duration::from_secs(2));
+        // Both failed: the pointer moved past each, back to the first.
+        assert_eq!(next.load(Ordering::Relaxed), 0);
+        // Started at the second host, the silent one comes last: unbounded
+        // here (the pool's create_timeout bounds it), so it hangs.
+        next.store(1, Ordering::Relaxed);
+        let last = tokio::time::timeout(
+            Duration::from_millis(500),
+            connect_any(
+                &pg,
+                tokio_postgres::NoTls,
+                &next,
+                Duration::from_millis(200),
+            ),
+        )
+        .await;
+        assert!(last.is_err(), "the last host tried has no bound of its own");
+        held.abort();
+    }
 
     #[test]
     fn only_serialization_failures_and_deadlocks_are_run_again() {

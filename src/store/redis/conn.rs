@@ -16,9 +16,11 @@
 //!
 //! A cluster's key names carry no epoch: each shard fails over on its
 //! own, and an epoch would have to be read per shard and kept per slot
-//! by a client that hides which node answered. So a shard's promoted
-//! replica can still replay a record copy PostgreSQL deleted just before
-//! the failover (docs/book/src/deploy.md, "Redis failover").
+//! by a client that hides which node answered. So an operator's `DEL` of
+//! a copy PostgreSQL deleted or resolved waits (`WAIT`) until every
+//! replica of that shard has it ([`RedisConn::replicated`]); when one
+//! does not within `redis.timeout`, the delete says so, as when Redis
+//! does not answer (docs/book/src/deploy.md, "Redis failover").
 
 use super::master::{Follower, Following, Source};
 use super::{sentinel, tls};
@@ -152,6 +154,58 @@ impl RedisConn {
     /// Sentinel (a lookup may ask every sentinel in turn).
     pub(crate) fn connects_in_line(&self) -> bool {
         matches!(self, Self::Node(_))
+    }
+
+    /// On a cluster, waits (`WAIT`, at most `timeout`) until every replica
+    /// connected to the primary of `key`'s slot has what this connection
+    /// wrote there before (an operator's `DEL`): a cluster's names carry
+    /// no epoch, so a replica that lagged and is promoted later would hold
+    /// the deleted copy again and replay it. `Err` says how many replicas
+    /// acknowledged. One node's and Sentinel's names carry the master's
+    /// epoch (a promoted replica's copies are never read): nothing to wait
+    /// for there.
+    pub(crate) async fn replicated(
+        &self,
+        key: &str,
+        timeout: std::time::Duration,
+    ) -> Result<(), String> {
+        use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+        let Self::Cluster(c) = self else {
+            return Ok(());
+        };
+        let mut c = c.clone();
+        let node = || {
+            RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(Route::with_key(
+                key,
+                SlotAddr::Master,
+            )))
+        };
+        let failed = |e: RedisError| format!("its cluster node did not answer WAIT: {e}");
+        let info = c
+            .route_command(redis::cmd("INFO").arg("replication").to_owned(), node())
+            .await
+            .map_err(failed)?;
+        let info: String = redis::from_redis_value(info).map_err(|e| e.to_string())?;
+        let replicas: i64 = info
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("connected_slaves:"))
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0);
+        if replicas == 0 {
+            return Ok(());
+        }
+        let ms = u64::try_from(timeout.as_millis())
+            .unwrap_or(u64::MAX)
+            .max(1);
+        let wait = redis::cmd("WAIT").arg(replicas).arg(ms).to_owned();
+        let acked = c.route_command(wait, node()).await.map_err(failed)?;
+        let acked: i64 = redis::from_redis_value(acked).map_err(|e| e.to_string())?;
+        if acked >= replicas {
+            return Ok(());
+        }
+        Err(format!(
+            "{acked} of the {replicas} replica(s) of its cluster node acknowledged the DEL within {ms} ms: a failover to a lagging one would replay the copy"
+        ))
     }
 
     /// The fast path failed to reach Redis: forget the master so the next

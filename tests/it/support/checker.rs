@@ -232,6 +232,52 @@ pub fn check(trace: &Trace) -> Report {
     c.report
 }
 
+/// Answers lost to a crash at `crashed` (a measure, not an invariant of
+/// its own: a failover to an asynchronous standby): keys whose answer
+/// reached its client before `crashed` (the upstream's answer, not a
+/// replay, of a status that keeps the key) and whose last response (the
+/// sweep's, which repeats the request) is not a replay of that answer: the
+/// key ran again, or answers 409 for a retry in flight. One line per key.
+pub fn lost_answers(observations: &[Observation], crashed: Instant) -> Vec<String> {
+    type Id<'a> = (Option<&'a str>, &'a str);
+    let mut last: HashMap<Id, (Instant, String, Option<u64>)> = HashMap::new();
+    let mut delivered: BTreeMap<Id, (u64, u64)> = BTreeMap::new();
+    for o in observations {
+        let Seen::Response(r) = &o.seen else { continue };
+        let id = (o.scope, o.key.as_str());
+        let answer = read_answer(r);
+        let seq = match answer {
+            Answer::Upstream { seq, replayed } => {
+                if !replayed && !releases_key(r.status()) && o.ended < crashed {
+                    delivered.insert(id, (seq, o.id));
+                }
+                Some(seq)
+            }
+            _ => None,
+        };
+        if last.get(&id).is_none_or(|(at, ..)| *at < o.started) {
+            let what = match seq {
+                Some(seq) => format!("execution {seq}"),
+                None => format!("a {}", r.status()),
+            };
+            last.insert(id, (o.started, what, seq));
+        }
+    }
+    delivered
+        .into_iter()
+        .filter_map(|(id, (seq, request))| {
+            let (_, what, now) = &last[&id];
+            (*now != Some(seq)).then(|| {
+                format!(
+                    "scope {:?}, key {}: request {request} got execution {seq} before the crash; the key's last answer is {what}",
+                    id.0.unwrap_or("-"),
+                    id.1
+                )
+            })
+        })
+        .collect()
+}
+
 impl Checker<'_> {
     fn ms(&self, at: Instant) -> u128 {
         at.saturating_duration_since(self.t.t0).as_millis()

@@ -13,8 +13,8 @@
 //!
 //! [`PgCluster::private`] starts one of a test's own, with settings of its
 //! own appended (e.g. `synchronous_commit = off`, `ssl = off`), that the
-//! test may crash ([`PgCluster::stop_immediate`], as `pg_ctl stop -m
-//! immediate`) and start again on the same port and data
+//! test may crash ([`PgCluster::kill`]: SIGKILL to the postmaster and
+//! every process of it) and start again on the same port and data
 //! ([`PgCluster::restart`]).
 //!
 //! `pg_hba.conf`: `certuser` must present a client certificate
@@ -180,17 +180,39 @@ impl PgCluster {
         self.wait_ready(bin);
     }
 
-    /// `pg_ctl stop -m immediate`: the postmaster and every backend quit
-    /// at once, without a checkpoint and without writing out the WAL
-    /// buffers (as after a crash or a power cut of the server process).
-    pub fn stop_immediate(&mut self) {
-        let mut pg_ctl = Command::new(postgres_bin_dir().join("pg_ctl"));
-        pg_ctl
-            .args(["stop", "-m", "immediate", "-w", "-D"])
-            .arg(&self.data);
-        run_as_postgres(pg_ctl, "pg_ctl stop -m immediate");
-        if let Some(mut child) = self.postmaster.take() {
-            let _ = child.wait();
+    /// SIGKILL to the postmaster (its pid from the first line of
+    /// `postmaster.pid`), then to every process it had started (backends,
+    /// WAL sender and writer, checkpointer): the server dies at once, as
+    /// when its machine loses power, with no shutdown code run anywhere,
+    /// no checkpoint and the WAL buffers not written out. The postmaster
+    /// is SIGSTOPped first so that it forks nothing while its children
+    /// are listed; returns once every one of them is gone, so that the
+    /// cluster can be [`restart`](Self::restart)ed (and its directory
+    /// removed) with nothing of it left running.
+    pub fn kill(&mut self) {
+        let mut child = self.postmaster.take().expect("the cluster is running");
+        let pid_file =
+            std::fs::read_to_string(self.data.join("postmaster.pid")).expect("read postmaster.pid");
+        let pid: u32 = pid_file
+            .lines()
+            .next()
+            .and_then(|l| l.trim().parse().ok())
+            .expect("postmaster.pid starts with the postmaster's pid");
+        assert_eq!(pid, child.id(), "postmaster.pid names the postmaster");
+        signal(pid, "-STOP");
+        let children = children_of(pid);
+        signal(pid, "-KILL");
+        let _ = child.wait();
+        for &c in &children {
+            signal(c, "-KILL");
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while let Some(c) = children.iter().find(|&&c| alive(c)) {
+            assert!(
+                Instant::now() < deadline,
+                "process {c} of the SIGKILLed cluster still runs"
+            );
+            std::thread::sleep(Duration::from_millis(10));
         }
     }
 
@@ -362,6 +384,43 @@ impl Drop for PgCluster {
         }
         // The TempDir removes the data directory after this.
     }
+}
+
+/// `kill {sig} {pid}`; a process already gone is not an error.
+fn signal(pid: u32, sig: &str) {
+    let _ = Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .stderr(Stdio::null())
+        .status();
+}
+
+/// The pids whose parent is `parent` (from `/proc/<pid>/stat`).
+fn children_of(parent: u32) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|stat| {
+                    // "pid (comm) state ppid ...": comm may hold spaces.
+                    let rest = &stat[stat.rfind(')')? + 1..];
+                    rest.split_whitespace().nth(1)?.parse::<u32>().ok()
+                })
+                == Some(parent)
+        })
+        .collect()
+}
+
+/// Whether `pid` still runs (a zombie waiting to be reaped does not).
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        stat.rfind(')')
+            .and_then(|i| stat[i + 1..].split_whitespace().next().map(str::to_string))
+            .is_some_and(|state| state != "Z" && state != "X")
+    })
 }
 
 /// `/usr/lib/postgresql/<newest>/bin`.

@@ -261,6 +261,38 @@ impl RedisCluster {
         i
     }
 
+    /// Holds every replica's replication stream (`CLIENT PAUSE <ms>
+    /// WRITE` on the replica: it stops applying what its primary sends,
+    /// still answers reads and stays connected) for up to `ms`, or, with
+    /// `None`, lets them catch up again (`CLIENT UNPAUSE`); returns how
+    /// many replicas. A held replica is one that lags: a failover to it
+    /// now would lose the writes it holds back.
+    pub fn hold_replicas(&self, ms: Option<u64>) -> usize {
+        let nodes = self.command(self.nodes[0].port, "CLUSTER NODES");
+        let replica_ports: Vec<u16> = nodes
+            .lines()
+            .map(|l| l.split(' ').collect::<Vec<_>>())
+            .filter(|f| f.len() > 3 && f[2].contains("slave"))
+            .filter_map(|f| {
+                f[1].split(['@', ','])
+                    .next()?
+                    .rsplit(':')
+                    .next()?
+                    .parse()
+                    .ok()
+            })
+            .collect();
+        let line = match ms {
+            Some(ms) => format!("CLIENT PAUSE {ms} WRITE"),
+            None => "CLIENT UNPAUSE".to_string(),
+        };
+        for port in &replica_ports {
+            let reply = self.command(*port, &line);
+            assert!(reply.starts_with("+OK"), "{line} on {port}: {reply:?}");
+        }
+        replica_ports.len()
+    }
+
     /// Waits (bounded) until every live node reports `cluster_state:ok`.
     pub fn wait_ok(&self, within: Duration) {
         let deadline = Instant::now() + within;

@@ -115,6 +115,7 @@ pub fn pg_store_config(url: &str, schema: &str) -> StoreConfig {
         statement_timeout: Duration::from_secs(2),
         migration_lock: MigrationLock::Advisory,
         require_synchronous_replication: false,
+        plaintext_responses: idemgate::config::PlaintextResponses::Replay,
         timeout: Duration::from_secs(2),
         sweep_interval: Duration::from_secs(60),
         sweep_batch: 500,
@@ -250,6 +251,10 @@ enum RelayState {
     /// Current connections dropped; new ones accepted and then stalled
     /// (a black hole: the client's own timeouts must fire).
     Cut,
+    /// Nothing forwarded either way, and nothing closed: current and new
+    /// connections stall (a peer that vanished without a word: only the
+    /// client's own timeouts end them).
+    Frozen,
     Closed,
 }
 
@@ -299,6 +304,12 @@ impl TcpRelay {
         self.state.send_replace(RelayState::Cut);
     }
 
+    /// Stops forwarding on every connection, current and new, without
+    /// closing any (a server that vanished silently).
+    pub fn freeze(&self) {
+        self.state.send_replace(RelayState::Frozen);
+    }
+
     /// Relays new connections again.
     pub fn restore(&self) {
         self.state.send_replace(RelayState::Open);
@@ -327,9 +338,10 @@ async fn relay_one(
     target: Arc<std::sync::Mutex<(SocketAddr, u64)>>,
     mut rx: watch::Receiver<RelayState>,
 ) {
+    let stalled = |s: &RelayState| matches!(s, RelayState::Cut | RelayState::Frozen);
     if *rx.borrow_and_update() != RelayState::Open {
         // Stall: hold the socket, say nothing, until the relay opens or closes.
-        let _ = rx.wait_for(|s| *s != RelayState::Cut).await;
+        let _ = rx.wait_for(|s| !stalled(s)).await;
         return;
     }
     let current = || *target.lock().unwrap_or_else(|p| p.into_inner());
@@ -340,6 +352,11 @@ async fn relay_one(
     tokio::select! {
         _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
         _ = rx.wait_for(|s| *s != RelayState::Open || current().1 != generation) => {}
+    }
+    if *rx.borrow() == RelayState::Frozen {
+        // Both sockets held open, nothing read or written, until it ends.
+        let _ = rx.wait_for(|s| *s == RelayState::Closed).await;
+        drop((inbound, outbound));
     }
 }
 
