@@ -48,6 +48,13 @@ use std::process::{Child, Stdio};
 /// of the page has, coverage)`.
 const BLOCKS: &[(&str, &str, Coverage)] = &[
     (
+        "consumers.md",
+        "rabbitmqadmin declare queue name=orders.dlq",
+        Coverage::NotHere(
+            "needs RabbitMQ's management plugin (rabbitmqadmin), not enabled on the shared broker here; tests/it/consumers.rs runs the same steps through lapin (a duplicate message runs once, keys show --consumer)",
+        ),
+    ),
+    (
         "containers.md",
         "docker compose up",
         Coverage::NotHere(
