@@ -213,6 +213,9 @@ pub(super) fn is_connection_error(err: &RedisError) -> bool {
                 | ErrorKind::ClusterConnectionNotFound
                 | ErrorKind::Server(ServerErrorKind::MasterDown | ServerErrorKind::ReadOnly)
         )
+        // A master cut off from its replicas under `min-replicas-to-write`
+        // (docs/book/src/deploy.md, "Redis failover"): not to be used.
+        || err.code() == Some("NOREPLICAS")
 }
 
 impl RedisFastPath {
@@ -287,9 +290,11 @@ impl RedisFastPath {
         Ok(pinned.name(&self.redis_key(key), &self.prefix))
     }
 
-    /// Runs one Redis call under the timeout. `None` means "no answer":
-    /// counted as an error, and a connection-level failure starts [`BACKOFF`].
-    async fn run<T, F>(&self, fut: F) -> Option<T>
+    /// Runs one Redis call under the timeout, on the master of epoch
+    /// `pinned` (`None`: a cluster, or no master yet). `None` means "no
+    /// answer": counted as an error, and a connection-level failure starts
+    /// [`BACKOFF`] and drops that master (not one found since).
+    async fn run<T, F>(&self, pinned: Option<&Arc<str>>, fut: F) -> Option<T>
     where
         F: Future<Output = redis::RedisResult<T>>,
     {
@@ -319,7 +324,7 @@ impl RedisFastPath {
         tracing::debug!(error = %message, "redis fast path call failed");
         if conn_level {
             // Sentinel: ask the sentinels again (a failover, maybe).
-            self.conn.lost();
+            self.conn.lost(pinned);
             let until = self.clock.now_millis() + BACKOFF.as_millis() as i64;
             let prev = self.down_until.swap(until, Ordering::Relaxed);
             // Log the transition, not every request during an outage.
@@ -351,7 +356,7 @@ impl RedisFastPath {
         let base = self.redis_key(key);
         let pinned = match self.conn.pin() {
             Some(pinned) => pinned,
-            None if self.conn.connects_in_line() => self.run(self.conn.pin_waiting()).await?,
+            None if self.conn.connects_in_line() => self.run(None, self.conn.pin_waiting()).await?,
             None => {
                 self.counters.errors.fetch_add(1, Ordering::Relaxed);
                 return None;
@@ -360,6 +365,7 @@ impl RedisFastPath {
         Some(Target {
             name: pinned.name(&base, &self.prefix),
             conn: pinned.conn,
+            epoch: pinned.epoch,
             base,
         })
     }
@@ -381,7 +387,9 @@ impl RedisFastPath {
         inv.key(&at.name)
             .arg(encode_lock(claim))
             .arg(claim.lease_ms.max(1));
-        let v: Value = self.run(inv.invoke_async(&mut at.conn.clone())).await?;
+        let v: Value = self
+            .run(at.epoch.as_ref(), inv.invoke_async(&mut at.conn.clone()))
+            .await?;
         Some(match v {
             Value::Int(1) => Locking::Locked,
             Value::Array(mut parts) if parts.len() == 1 => match parts.pop() {
@@ -447,7 +455,9 @@ impl RedisFastPath {
     async fn unlock(&self, at: &Target, token: &LeaseToken) {
         let mut inv = self.scripts.unlock.prepare_invoke();
         inv.key(&at.name).arg(&token.0[..]);
-        let _: Option<i64> = self.run(inv.invoke_async(&mut at.conn.clone())).await;
+        let _: Option<i64> = self
+            .run(at.epoch.as_ref(), inv.invoke_async(&mut at.conn.clone()))
+            .await;
     }
 
     /// Caches a completed/unstored record the inner store reported, only
@@ -468,7 +478,9 @@ impl RedisFastPath {
             .arg(seen)
             .arg(value)
             .arg(ttl.min(MAX_COPY_MS));
-        let _: Option<i64> = self.run(inv.invoke_async(&mut at.conn.clone())).await;
+        let _: Option<i64> = self
+            .run(at.epoch.as_ref(), inv.invoke_async(&mut at.conn.clone()))
+            .await;
     }
 
     /// Puts `record`'s copy over `seen` (what the name held before the
@@ -484,13 +496,15 @@ impl RedisFastPath {
                     .arg(seen)
                     .arg(value)
                     .arg(ttl.min(MAX_COPY_MS));
-                self.run(inv.invoke_async(&mut at.conn.clone())).await
+                self.run(at.epoch.as_ref(), inv.invoke_async(&mut at.conn.clone()))
+                    .await
             }
             // Nothing there to replace: the next claim caches it.
             (Some(_), None) => Some(Value::Nil),
             (None, _) => {
                 let cmd = redis::cmd("DEL").arg(&at.name).to_owned();
-                self.run(cmd.query_async(&mut at.conn.clone())).await
+                self.run(at.epoch.as_ref(), cmd.query_async(&mut at.conn.clone()))
+                    .await
             }
         };
         written.is_some()
@@ -541,7 +555,9 @@ impl RedisFastPath {
     async fn overwrite_with_lock(&self, at: &Target, claim: &Claim) {
         let lock = (&at.name, encode_lock(claim), "PX", claim.lease_ms.max(1));
         let cmd = redis::cmd("SET").arg(lock).to_owned();
-        let written: Option<Value> = self.run(cmd.query_async(&mut at.conn.clone())).await;
+        let written: Option<Value> = self
+            .run(at.epoch.as_ref(), cmd.query_async(&mut at.conn.clone()))
+            .await;
         if written.is_none() {
             self.mark_stale(at.base.clone());
         }
@@ -604,6 +620,8 @@ impl RedisFastPath {
 /// name, which the stale set and operators use.
 struct Target {
     conn: RedisConn,
+    /// The pinned master's epoch (its identity, see `master.rs`).
+    epoch: Option<Arc<str>>,
     name: String,
     base: String,
 }
@@ -680,8 +698,9 @@ impl Store for RedisFastPath {
         let seen = match self.target_if_enabled(&claim.key).await {
             Some(at) => {
                 let get = redis::cmd("GET").arg(&at.name).to_owned();
-                let read: Option<Option<Vec<u8>>> =
-                    self.run(get.query_async(&mut at.conn.clone())).await;
+                let read: Option<Option<Vec<u8>>> = self
+                    .run(at.epoch.as_ref(), get.query_async(&mut at.conn.clone()))
+                    .await;
                 read.map(|seen| (at, seen))
             }
             None => None,
@@ -714,7 +733,9 @@ impl Store for RedisFastPath {
             (Some(at), Fence::Held) => {
                 let mut inv = self.scripts.extend.prepare_invoke();
                 inv.key(&at.name).arg(&token.0[..]).arg(lease.ms.max(1));
-                let _: Option<i64> = self.run(inv.invoke_async(&mut at.conn.clone())).await;
+                let _: Option<i64> = self
+                    .run(at.epoch.as_ref(), inv.invoke_async(&mut at.conn.clone()))
+                    .await;
             }
             (Some(at), Fence::Lost) => self.unlock(&at, token).await,
             (None, Fence::Lost) => self.unlock_in_background(self.redis_key(key), *token),
@@ -767,7 +788,9 @@ impl Store for RedisFastPath {
                 .arg(keep.ms)
                 .arg(&tagged[..])
                 .arg(MAX_COPY_MS);
-            let written: Option<i64> = self.run(inv.invoke_async(&mut at.conn.clone())).await;
+            let written: Option<i64> = self
+                .run(at.epoch.as_ref(), inv.invoke_async(&mut at.conn.clone()))
+                .await;
             if written.is_none() {
                 self.mark_stale(at.base);
             }
@@ -1033,6 +1056,10 @@ mod tests {
             ),
             (
                 server(b"-READONLY You can't write against a read only replica.\r\n"),
+                true,
+            ),
+            (
+                server(b"-NOREPLICAS Not enough good replicas to write.\r\n"),
                 true,
             ),
             (server(b"-ERR wrong number of arguments\r\n"), false),
