@@ -1375,6 +1375,49 @@ async fn redis_outage_falls_back_to_postgres_and_recovers() {
     drop_schema(&database_url(), &schema).await;
 }
 
+/// Review F4, on one node (`redis.url`): the server behind an open
+/// connection was promoted anew (`REPLICAOF` another, then `NO ONE`: a
+/// new `master_replid`, its data replaced), and the fast path kept using
+/// it under the old epoch (reading copies named for the data set it had
+/// before) until a connection-level error, which never came. The pinned
+/// master's epoch is read again once a second: the fast path moves to
+/// the new epoch within a couple of seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_promoted_anew_behind_an_open_connection_is_left_within_seconds() {
+    let a = PrivateRedis::start();
+    let b = PrivateRedis::start();
+    let fast = RedisFastPath::new(Arc::new(MemoryStore::new()), &redis_config(a.url(), "ep"))
+        .await
+        .unwrap();
+    let key = record_key();
+    let old = fast.redis_name(&key).await.unwrap();
+    let epoch = |name: &str| name.split(':').nth(1).unwrap().to_string();
+    let client = redis::Client::open(a.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let b_port = b.url().rsplit(':').next().unwrap().to_string();
+    for args in [vec!["127.0.0.1", b_port.as_str()], vec!["NO", "ONE"]] {
+        let _: redis::Value = redis::cmd("REPLICAOF")
+            .arg(&args)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+    }
+    let moved = Instant::now();
+    loop {
+        if let Ok(now) = fast.redis_name(&key).await {
+            if epoch(&now) != epoch(&old) {
+                break;
+            }
+        }
+        assert!(
+            moved.elapsed() < Duration::from_secs(4),
+            "the fast path still uses the epoch of a data set the server no longer has ({old})"
+        );
+        sleep_ms(50).await;
+    }
+    eprintln!("on the new epoch after {:?}", moved.elapsed());
+}
+
 #[tokio::test]
 async fn redis_down_at_start_is_not_an_error() {
     let schema = unique_schema("t");
