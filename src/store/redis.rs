@@ -93,6 +93,16 @@ use std::time::Duration;
 /// failure, so a dead Redis costs one timeout per second, not one per request.
 pub const BACKOFF: Duration = Duration::from_secs(1);
 
+/// The longest a record's Redis copy lives (its `PX`), whatever the
+/// record's ttl (review F9): copies are named per master epoch, and those
+/// under a dead epoch (after a restart or a failover) are never read
+/// again, yet would hold memory for the rest of their ttl (days for the
+/// webhook presets), which under `maxmemory-policy noeviction` can fill
+/// Redis. A record older than its copy is read from the inner store, as
+/// any miss is, and cached again for at most as long. The value keeps
+/// the record's own expiry: a copy never answers past it.
+pub const MAX_COPY_MS: i64 = 3_600_000;
+
 /// How often the healer retries deleting stale copies while Redis is away.
 pub const HEAL_INTERVAL: Duration = Duration::from_millis(500);
 
@@ -203,6 +213,9 @@ pub(super) fn is_connection_error(err: &RedisError) -> bool {
                 | ErrorKind::ClusterConnectionNotFound
                 | ErrorKind::Server(ServerErrorKind::MasterDown | ServerErrorKind::ReadOnly)
         )
+        // A master cut off from its replicas under `min-replicas-to-write`
+        // (docs/book/src/deploy.md, "Redis failover"): not to be used.
+        || err.code() == Some("NOREPLICAS")
 }
 
 impl RedisFastPath {
@@ -277,9 +290,11 @@ impl RedisFastPath {
         Ok(pinned.name(&self.redis_key(key), &self.prefix))
     }
 
-    /// Runs one Redis call under the timeout. `None` means "no answer":
-    /// counted as an error, and a connection-level failure starts [`BACKOFF`].
-    async fn run<T, F>(&self, fut: F) -> Option<T>
+    /// Runs one Redis call under the timeout, on the master of epoch
+    /// `pinned` (`None`: a cluster, or no master yet). `None` means "no
+    /// answer": counted as an error, and a connection-level failure starts
+    /// [`BACKOFF`] and drops that master (not one found since).
+    async fn run<T, F>(&self, pinned: Option<&Arc<str>>, fut: F) -> Option<T>
     where
         F: Future<Output = redis::RedisResult<T>>,
     {
@@ -309,7 +324,7 @@ impl RedisFastPath {
         tracing::debug!(error = %message, "redis fast path call failed");
         if conn_level {
             // Sentinel: ask the sentinels again (a failover, maybe).
-            self.conn.lost();
+            self.conn.lost(pinned);
             let until = self.clock.now_millis() + BACKOFF.as_millis() as i64;
             let prev = self.down_until.swap(until, Ordering::Relaxed);
             // Log the transition, not every request during an outage.
@@ -341,7 +356,7 @@ impl RedisFastPath {
         let base = self.redis_key(key);
         let pinned = match self.conn.pin() {
             Some(pinned) => pinned,
-            None if self.conn.connects_in_line() => self.run(self.conn.pin_waiting()).await?,
+            None if self.conn.connects_in_line() => self.run(None, self.conn.pin_waiting()).await?,
             None => {
                 self.counters.errors.fetch_add(1, Ordering::Relaxed);
                 return None;
@@ -350,6 +365,7 @@ impl RedisFastPath {
         Some(Target {
             name: pinned.name(&base, &self.prefix),
             conn: pinned.conn,
+            epoch: pinned.epoch,
             base,
         })
     }
@@ -371,7 +387,9 @@ impl RedisFastPath {
         inv.key(&at.name)
             .arg(encode_lock(claim))
             .arg(claim.lease_ms.max(1));
-        let v: Value = self.run(inv.invoke_async(&mut at.conn.clone())).await?;
+        let v: Value = self
+            .run(at.epoch.as_ref(), inv.invoke_async(&mut at.conn.clone()))
+            .await?;
         Some(match v {
             Value::Int(1) => Locking::Locked,
             Value::Array(mut parts) if parts.len() == 1 => match parts.pop() {
@@ -437,40 +455,72 @@ impl RedisFastPath {
     async fn unlock(&self, at: &Target, token: &LeaseToken) {
         let mut inv = self.scripts.unlock.prepare_invoke();
         inv.key(&at.name).arg(&token.0[..]);
-        let _: Option<i64> = self.run(inv.invoke_async(&mut at.conn.clone())).await;
+        let _: Option<i64> = self
+            .run(at.epoch.as_ref(), inv.invoke_async(&mut at.conn.clone()))
+            .await;
     }
 
-    /// Caches a completed/unstored record the inner store reported.
-    async fn cache(&self, at: &Target, record: &Record) {
+    /// Caches a completed/unstored record the inner store reported, only
+    /// while `key`'s name still holds `seen`, what the claim found (or put)
+    /// there before it asked the inner store: an operator's delete,
+    /// resolve or rewrite updates PostgreSQL, then `DEL`s the name, so a
+    /// name that changed since may mean the record just read is no longer
+    /// PostgreSQL's, and a plain `SET` would bring it back for the rest of
+    /// its life (review F3). Whatever is there then is newer than the
+    /// read, or nothing: the next claim reads the inner store.
+    async fn cache(&self, at: &Target, seen: &[u8], record: &Record) {
         let ttl = record.expires_at - self.clock.now_millis();
         let Some(value) = encode_record(record).filter(|_| ttl > 0) else {
             return;
         };
-        // One argument each, as `.arg()` in turn would give.
-        let cmd = redis::cmd("SET")
-            .arg((&at.name, value, "PX", ttl))
-            .to_owned();
-        let _: Option<Value> = self.run(cmd.query_async(&mut at.conn.clone())).await;
+        let mut inv = self.scripts.cache.prepare_invoke();
+        inv.key(&at.name)
+            .arg(seen)
+            .arg(value)
+            .arg(ttl.min(MAX_COPY_MS));
+        let _: Option<i64> = self
+            .run(at.epoch.as_ref(), inv.invoke_async(&mut at.conn.clone()))
+            .await;
     }
 
-    /// Puts `record`'s copy over whatever Redis holds for the key, or (a
-    /// record Redis never caches, or one expired by now) deletes it. False
-    /// when Redis did not answer.
-    async fn replace(&self, at: &Target, record: &Record) -> bool {
+    /// Puts `record`'s copy over `seen` (what the name held before the
+    /// inner store was asked, `None` if nothing) as [`Self::cache`] does,
+    /// or (a record Redis never caches, or one expired by now) deletes
+    /// whatever is there. False when Redis did not answer.
+    async fn replace(&self, at: &Target, seen: Option<&[u8]>, record: &Record) -> bool {
         let ttl = record.expires_at - self.clock.now_millis();
-        let cmd = match encode_record(record).filter(|_| ttl > 0) {
-            Some(value) => redis::cmd("SET")
-                .arg((&at.name, value, "PX", ttl))
-                .to_owned(),
-            None => redis::cmd("DEL").arg(&at.name).to_owned(),
+        let written: Option<Value> = match (encode_record(record).filter(|_| ttl > 0), seen) {
+            (Some(value), Some(seen)) => {
+                let mut inv = self.scripts.cache.prepare_invoke();
+                inv.key(&at.name)
+                    .arg(seen)
+                    .arg(value)
+                    .arg(ttl.min(MAX_COPY_MS));
+                self.run(at.epoch.as_ref(), inv.invoke_async(&mut at.conn.clone()))
+                    .await
+            }
+            // Nothing there to replace: the next claim caches it.
+            (Some(_), None) => Some(Value::Nil),
+            (None, _) => {
+                let cmd = redis::cmd("DEL").arg(&at.name).to_owned();
+                self.run(at.epoch.as_ref(), cmd.query_async(&mut at.conn.clone()))
+                    .await
+            }
         };
-        let written: Option<Value> = self.run(cmd.query_async(&mut at.conn.clone())).await;
         written.is_some()
     }
 
     /// After the inner store answered a claim: make Redis agree with it.
-    /// `locked` says whether our lock went into Redis.
-    async fn follow(&self, at: &Target, claim: &Claim, locked: bool, outcome: &ClaimOutcome) {
+    /// `locked` says whether our lock went into Redis; `seen` is what the
+    /// name held before the inner store was asked (our lock, if `locked`;
+    /// `None` if nothing), over which alone a record is cached.
+    async fn follow(
+        &self,
+        at: &Target,
+        claim: &Claim,
+        (locked, seen): (bool, Option<&[u8]>),
+        outcome: &ClaimOutcome,
+    ) {
         match outcome {
             ClaimOutcome::Claimed { .. } if locked => {}
             // Granted while Redis holds something else: that is stale.
@@ -480,7 +530,11 @@ impl RedisFastPath {
                     state: RecordState::Completed(_) | RecordState::Unstored { .. },
                     ..
                 },
-            ) => self.cache(at, record).await,
+            ) => {
+                if let Some(seen) = seen {
+                    self.cache(at, seen, record).await;
+                }
+            }
             ClaimOutcome::Existing(_) if locked => self.unlock(at, &claim.token).await,
             ClaimOutcome::Existing(_) => {}
         }
@@ -501,7 +555,9 @@ impl RedisFastPath {
     async fn overwrite_with_lock(&self, at: &Target, claim: &Claim) {
         let lock = (&at.name, encode_lock(claim), "PX", claim.lease_ms.max(1));
         let cmd = redis::cmd("SET").arg(lock).to_owned();
-        let written: Option<Value> = self.run(cmd.query_async(&mut at.conn.clone())).await;
+        let written: Option<Value> = self
+            .run(at.epoch.as_ref(), cmd.query_async(&mut at.conn.clone()))
+            .await;
         if written.is_none() {
             self.mark_stale(at.base.clone());
         }
@@ -564,6 +620,8 @@ impl RedisFastPath {
 /// name, which the stale set and operators use.
 struct Target {
     conn: RedisConn,
+    /// The pinned master's epoch (its identity, see `master.rs`).
+    epoch: Option<Arc<str>>,
     name: String,
     base: String,
 }
@@ -578,10 +636,10 @@ impl Store for RedisFastPath {
         let Some(at) = self.target(&claim.key).await else {
             return self.claim_bypassing(&base, claim).await;
         };
-        let locked = match self.lock_or_peek(&at, claim).await {
+        let (locked, seen) = match self.lock_or_peek(&at, claim).await {
             // No answer: the inner store decides alone.
             None => return self.claim_bypassing(&base, claim).await,
-            Some(Locking::Locked) => true,
+            Some(Locking::Locked) => (true, Some(encode_lock(claim))),
             Some(Locking::Held(Some(value))) => {
                 if let Some(outcome) = Self::answer(claim, &value) {
                     self.counters.hits.fetch_add(1, Ordering::Relaxed);
@@ -589,19 +647,21 @@ impl Store for RedisFastPath {
                 }
                 // Another claimant's lock is confirmed below: the inner
                 // store's in-flight record is the 409; a record it
-                // completed is replayed (and cached over the stale lock);
-                // a key it holds free is claimed (our lock put over it).
-                false
+                // completed is replayed (and cached over the stale lock,
+                // if it is still there); a key it holds free is claimed
+                // (our lock put over it).
+                (false, Some(value))
             }
             // Expired in between.
-            Some(Locking::Held(None)) => false,
+            Some(Locking::Held(None)) => (false, None),
         };
         self.counters.misses.fetch_add(1, Ordering::Relaxed);
         // Redis is never the only guard: a lock we just set still goes to
         // the inner store, whose answer wins.
         match self.inner.claim(claim).await {
             Ok(outcome) => {
-                self.follow(&at, claim, locked, &outcome).await;
+                self.follow(&at, claim, (locked, seen.as_deref()), &outcome)
+                    .await;
                 Ok(outcome)
             }
             Err(err) => {
@@ -620,25 +680,41 @@ impl Store for RedisFastPath {
     /// use): a completed or unstored record is cached over it, a claim the
     /// inner store granted puts our lock over it, and anything else drops
     /// it. Where Redis cannot be told, the key is marked stale, so this
-    /// process stops reading the copy and the healer deletes it. Round
-    /// trips: the claim's and one Redis write, within [`Self::call_bound`]
-    /// with the read that found the copy.
+    /// process stops reading the copy and the healer deletes it. The copy
+    /// is read first and a record cached only over it (as a claim caches
+    /// one only over its lock): an operator's delete in between wins. Round
+    /// trips: that read, the claim's and one Redis write, within
+    /// [`Self::call_bound`] with the read that found the copy.
     async fn claim_authoritative(&self, claim: &Claim) -> Result<Option<ClaimOutcome>, StoreError> {
-        let outcome = self.inner.claim(claim).await?;
-        self.counters.misses.fetch_add(1, Ordering::Relaxed);
         let base = self.redis_key(&claim.key);
+        // What the name holds, read before the inner store is: a record is
+        // cached over that alone (see `cache`). Not read from Redis when
+        // marked stale: the healer deletes the copy.
         if !self.trusted(&base) {
-            // Not read from Redis; the healer deletes the copy.
+            let outcome = self.inner.claim(claim).await?;
+            self.counters.misses.fetch_add(1, Ordering::Relaxed);
             return Ok(Some(outcome));
         }
-        let Some(at) = self.target_if_enabled(&claim.key).await else {
+        let seen = match self.target_if_enabled(&claim.key).await {
+            Some(at) => {
+                let get = redis::cmd("GET").arg(&at.name).to_owned();
+                let read: Option<Option<Vec<u8>>> = self
+                    .run(at.epoch.as_ref(), get.query_async(&mut at.conn.clone()))
+                    .await;
+                read.map(|seen| (at, seen))
+            }
+            None => None,
+        };
+        let outcome = self.inner.claim(claim).await?;
+        self.counters.misses.fetch_add(1, Ordering::Relaxed);
+        let Some((at, seen)) = seen else {
             self.mark_stale(base);
             return Ok(Some(outcome));
         };
         match &outcome {
             ClaimOutcome::Claimed { .. } => self.overwrite_with_lock(&at, claim).await,
             ClaimOutcome::Existing(record) => {
-                if !self.replace(&at, record).await {
+                if !self.replace(&at, seen.as_deref(), record).await {
                     self.mark_stale(base);
                 }
             }
@@ -657,7 +733,9 @@ impl Store for RedisFastPath {
             (Some(at), Fence::Held) => {
                 let mut inv = self.scripts.extend.prepare_invoke();
                 inv.key(&at.name).arg(&token.0[..]).arg(lease.ms.max(1));
-                let _: Option<i64> = self.run(inv.invoke_async(&mut at.conn.clone())).await;
+                let _: Option<i64> = self
+                    .run(at.epoch.as_ref(), inv.invoke_async(&mut at.conn.clone()))
+                    .await;
             }
             (Some(at), Fence::Lost) => self.unlock(&at, token).await,
             (None, Fence::Lost) => self.unlock_in_background(self.redis_key(key), *token),
@@ -708,8 +786,11 @@ impl Store for RedisFastPath {
                 .arg(value)
                 .arg(keep.now)
                 .arg(keep.ms)
-                .arg(&tagged[..]);
-            let written: Option<i64> = self.run(inv.invoke_async(&mut at.conn.clone())).await;
+                .arg(&tagged[..])
+                .arg(MAX_COPY_MS);
+            let written: Option<i64> = self
+                .run(at.epoch.as_ref(), inv.invoke_async(&mut at.conn.clone()))
+                .await;
             if written.is_none() {
                 self.mark_stale(at.base);
             }
@@ -975,6 +1056,10 @@ mod tests {
             ),
             (
                 server(b"-READONLY You can't write against a read only replica.\r\n"),
+                true,
+            ),
+            (
+                server(b"-NOREPLICAS Not enough good replicas to write.\r\n"),
                 true,
             ),
             (server(b"-ERR wrong number of arguments\r\n"), false),

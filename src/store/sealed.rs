@@ -35,7 +35,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use std::sync::Arc;
 use std::time::Duration;
-use tracing::{error, warn};
+use tracing::{debug, error, warn};
 
 /// The stored "header" that marks a sealed response: a pseudo-header name
 /// (leading `:`), which no HTTP/1 field and no stored HTTP/2 field has.
@@ -46,6 +46,41 @@ pub struct Sealed {
     ring: Arc<KeyRing>,
     metrics: Arc<Metrics>,
     plaintext: PlaintextResponses,
+    /// Which unreadable keys were logged lately (see [`LOG_EVERY`]).
+    logged: Logged,
+}
+
+/// How often one key's unreadable record is logged at most: a client
+/// retrying its 410 must not flood the log (review F10); the metric
+/// counts every one.
+const LOG_EVERY: Duration = Duration::from_secs(60);
+
+/// Keys remembered as logged at most (about 100 bytes each); past it, a
+/// key is logged at `debug` only until older ones age out.
+const LOGGED_KEYS: usize = 1024;
+
+/// The unreadable keys logged within the last [`LOG_EVERY`].
+#[derive(Default)]
+struct Logged(std::sync::Mutex<std::collections::HashMap<RecordKey, std::time::Instant>>);
+
+impl Logged {
+    /// Whether `key` is to be logged at `now`: not within [`LOG_EVERY`]
+    /// of its last time, and room to remember it.
+    fn first(&self, key: &RecordKey, now: std::time::Instant) -> bool {
+        let mut seen = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let fresh = |at: &std::time::Instant| now.saturating_duration_since(*at) < LOG_EVERY;
+        if seen.get(key).is_some_and(fresh) {
+            return false;
+        }
+        if seen.len() >= LOGGED_KEYS && !seen.contains_key(key) {
+            seen.retain(|_, at| fresh(at));
+            if seen.len() >= LOGGED_KEYS {
+                return false;
+            }
+        }
+        seen.insert(*key, now);
+        true
+    }
 }
 
 impl Sealed {
@@ -60,6 +95,7 @@ impl Sealed {
             ring,
             metrics,
             plaintext,
+            logged: Logged::default(),
         }
     }
 
@@ -97,8 +133,12 @@ impl Sealed {
     /// Makes `record`, which did not open, executed and not replayable:
     /// logged and counted.
     fn unreadable(&self, key: &RecordKey, record: &mut Record, e: &OpenError) {
-        error!(key.id = %key.log_id(), error = %e,
-            "a stored response could not be opened; its key is answered 410 and never executed again");
+        if self.logged.first(key, std::time::Instant::now()) {
+            error!(key.id = %key.log_id(), error = %e,
+                "a stored response could not be opened; its key is answered 410 and never executed again (logged once a minute per key)");
+        } else {
+            debug!(key.id = %key.log_id(), error = %e, "a stored response could not be opened");
+        }
         self.metrics.sealed_unreadable(reason(e));
         if let RecordState::Completed(resp) = &record.state {
             record.state = RecordState::Unstored {
@@ -310,6 +350,41 @@ impl Store for Sealed {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Review F10: a client retrying the 410 of an unreadable record
+    /// logged an error on every claim. Logged once per key per
+    /// [`LOG_EVERY`], in bounded memory.
+    #[test]
+    fn an_unreadable_key_is_logged_once_a_minute_in_bounded_memory() {
+        let logged = Logged::default();
+        let t0 = std::time::Instant::now();
+        let key = |n: u32| RecordKey {
+            scope: crate::idempotency::Scope([0; 32]),
+            key: {
+                let mut k = [0; 32];
+                k[..4].copy_from_slice(&n.to_be_bytes());
+                k
+            },
+        };
+        assert!(logged.first(&key(0), t0));
+        for s in 1..60 {
+            let at = t0 + Duration::from_secs(s);
+            assert!(!logged.first(&key(0), at), "again after {s} s");
+        }
+        assert!(
+            logged.first(&key(0), t0 + LOG_EVERY),
+            "once the minute is over"
+        );
+        // Other keys are their own; past the bound, none is remembered
+        // (nor logged) until older ones age out.
+        for n in 1..LOGGED_KEYS as u32 {
+            assert!(logged.first(&key(n), t0 + LOG_EVERY));
+        }
+        assert!(!logged.first(&key(u32::MAX), t0 + LOG_EVERY));
+        assert_eq!(logged.0.lock().unwrap().len(), LOGGED_KEYS);
+        assert!(logged.first(&key(u32::MAX), t0 + LOG_EVERY * 2));
+        assert!(logged.0.lock().unwrap().len() <= LOGGED_KEYS);
+    }
     use crate::idempotency::Scope;
     use crate::store::memory::MemoryStore;
     use crate::store::sample_claim;

@@ -357,3 +357,78 @@ async fn sentinel_over_tls() {
         "{log}"
     );
 }
+
+/// Review F4: a pinned master was never re-validated, so a proxy cut off
+/// with the old master from the sentinels' majority kept answering from
+/// its copies (records deleted since among them) until a connection-level
+/// error. Here the sentinels name another master while the old one stays
+/// up and a master: the fast path moves to it within a couple of seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_master_the_sentinels_no_longer_name_is_left_within_seconds() {
+    use idemgate::config::{RedisConfig, SentinelConfig};
+    use idemgate::idempotency::{RecordKey, Scope};
+    use idemgate::store::memory::MemoryStore;
+    use idemgate::store::redis::RedisFastPath;
+
+    let set = SentinelSet::start();
+    let other = crate::support::services::PrivateRedis::start();
+    let cfg = RedisConfig {
+        url: String::new(),
+        timeout: Duration::from_millis(500),
+        prefix: "f4".into(),
+        cluster: false,
+        ca_file: None,
+        cert_file: None,
+        key_file: None,
+        sentinel: Some(SentinelConfig {
+            sentinels: set
+                .sentinel_addrs()
+                .iter()
+                .map(|a| {
+                    let (host, port) = a.rsplit_once(':').unwrap();
+                    (host.to_string(), port.parse().unwrap())
+                })
+                .collect(),
+            master: MASTER_NAME.into(),
+            username: None,
+            password: None,
+            tls: false,
+            sentinel_username: None,
+            sentinel_password: None,
+        }),
+    };
+    let fast = RedisFastPath::new(Arc::new(MemoryStore::new()), &cfg)
+        .await
+        .unwrap();
+    let key = RecordKey {
+        scope: Scope([1; 32]),
+        key: [2; 32],
+    };
+    let old = fast.redis_name(&key).await.unwrap();
+    let old_epoch = epoch_of(&old, "f4").to_string();
+
+    let old_port = set.master_port();
+    let other_port: u16 = other.url().rsplit(':').next().unwrap().parse().unwrap();
+    set.monitor_instead(other_port);
+    let moved = Instant::now();
+    loop {
+        let now = fast.redis_name(&key).await.unwrap();
+        if epoch_of(&now, "f4") != old_epoch {
+            break;
+        }
+        assert!(
+            moved.elapsed() < Duration::from_secs(4),
+            "the fast path still uses the master the sentinels no longer name ({old})"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!(
+        "fast path on the new master {:?} after the sentinels named it",
+        moved.elapsed()
+    );
+    assert_eq!(
+        set.role(old_port).as_deref(),
+        Some("master"),
+        "the old master stayed up, a master"
+    );
+}

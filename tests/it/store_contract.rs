@@ -1105,6 +1105,227 @@ async fn redis_never_replays_what_postgres_no_longer_holds() {
     drop_schema(&database_url(), &schema).await;
 }
 
+/// PostgreSQL behind the fast path, where an operator's `keys delete`
+/// lands between the next claim's read and the fast path's caching of
+/// what it read: the record goes from PostgreSQL, then its Redis name is
+/// `DEL`eted (as the CLI does), right after the claim read it.
+struct DeletedAfterRead {
+    pg: Arc<PostgresStore>,
+    /// The Redis name to `DEL` and where, once.
+    armed: std::sync::Mutex<Option<(String, String)>>,
+}
+
+#[async_trait::async_trait]
+impl Store for DeletedAfterRead {
+    async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
+        let outcome = self.pg.claim(claim).await?;
+        let armed = self.armed.lock().unwrap().take();
+        if let Some((name, url)) = armed {
+            assert!(self.pg.delete(&claim.key).await.unwrap(), "deleted");
+            let client = redis::Client::open(url.as_str()).unwrap();
+            let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+            let _: i64 = redis::cmd("DEL")
+                .arg(&name)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+        }
+        Ok(outcome)
+    }
+    async fn renew(
+        &self,
+        key: &RecordKey,
+        token: &LeaseToken,
+        lease: Span,
+    ) -> Result<Fence, StoreError> {
+        self.pg.renew(key, token, lease).await
+    }
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        token: &LeaseToken,
+        completion: &Completion,
+        keep: Span,
+    ) -> Result<Fence, StoreError> {
+        self.pg.complete(key, token, completion, keep).await
+    }
+    async fn release(&self, key: &RecordKey, token: &LeaseToken) -> Result<Fence, StoreError> {
+        self.pg.release(key, token).await
+    }
+    async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+        self.pg.get(key).await
+    }
+    async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
+        self.pg.delete(key).await
+    }
+    async fn resolve(
+        &self,
+        key: &RecordKey,
+        verdict: &Verdict,
+        now: i64,
+    ) -> Result<bool, StoreError> {
+        self.pg.resolve(key, verdict, now).await
+    }
+    async fn resolution(
+        &self,
+        key: &RecordKey,
+    ) -> Result<Option<idemgate::store::Resolution>, StoreError> {
+        self.pg.resolution(key).await
+    }
+    async fn sweep(&self, now: i64, batch: u32) -> Result<u64, StoreError> {
+        self.pg.sweep(now, batch).await
+    }
+    async fn scan_completed(
+        &self,
+        after: Option<RecordKey>,
+        limit: u32,
+        now: i64,
+    ) -> Result<Vec<(RecordKey, Record)>, StoreError> {
+        self.pg.scan_completed(after, limit, now).await
+    }
+    async fn rewrite_response(
+        &self,
+        key: &RecordKey,
+        old: &StoredResponse,
+        new: &StoredResponse,
+    ) -> Result<bool, StoreError> {
+        self.pg.rewrite_response(key, old, new).await
+    }
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.pg.ping().await
+    }
+    fn backend(&self) -> &'static str {
+        self.pg.backend()
+    }
+    fn call_bound(&self) -> Duration {
+        self.pg.call_bound()
+    }
+}
+
+/// Review F3 (issue 20: the fast path must never answer with a record
+/// PostgreSQL no longer holds). Pins: a claim put its lock in Redis,
+/// read a completed record from PostgreSQL, an operator's `keys delete`
+/// then deleted it and `DEL`eted the Redis name (our lock with it), and
+/// the claim's plain `SET` cached the deleted record back for the rest of
+/// its ttl, so retries replayed it from Redis. The same for
+/// `claim_authoritative`, which replaced the copy it could not use.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delete_between_a_claims_read_and_its_caching_wins() {
+    let schema = unique_schema("t");
+    let _keys = RedisPrefix(schema.clone());
+    let url = redis_url();
+    require_redis(&url);
+    let pg = postgres(&schema).await;
+    let hooked = Arc::new(DeletedAfterRead {
+        pg: pg.clone(),
+        armed: Default::default(),
+    });
+    let fast = RedisFastPath::new(hooked.clone(), &redis_config(url.clone(), &schema))
+        .await
+        .unwrap();
+    let client = redis::Client::open(url.as_str()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+
+    // Completed in PostgreSQL only: the claim locks in Redis, reads it.
+    let direct = complete_one(&*pg).await;
+    // And one whose copy the caller could not use: re-read and replaced.
+    let cached = complete_one(&fast).await;
+    for (what, c) in [("claim", &direct), ("claim_authoritative", &cached)] {
+        let name = fast.redis_name(&c.key).await.unwrap();
+        *hooked.armed.lock().unwrap() = Some((name.clone(), url.clone()));
+        let read = match what {
+            "claim" => fast.claim(&again(c)).await.unwrap(),
+            _ => fast.claim_authoritative(&again(c)).await.unwrap().unwrap(),
+        };
+        assert!(
+            matches!(existing(read).state, RecordState::Completed(_)),
+            "{what}"
+        );
+        assert_eq!(pg.get(&c.key).await.unwrap(), None, "{what}: deleted");
+        let left: Option<Vec<u8>> = redis::cmd("GET")
+            .arg(&name)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(left, None, "{what}: the deleted record was cached back");
+        // The retry is a new request, never a replay of the deleted record.
+        let retry = again(c);
+        assert!(claimed(&fast.claim(&retry).await.unwrap()), "{what}");
+        assert_eq!(
+            fast.release(&retry.key, &retry.token).await.unwrap(),
+            Fence::Held
+        );
+    }
+    drop_schema(&database_url(), &schema).await;
+}
+
+/// Review F9: a record's Redis copy lived as long as the record (days for
+/// the webhook presets), and copies under a dead epoch are never read
+/// again, so under `noeviction` Redis could fill. A copy now lives
+/// `MAX_COPY_MS` at most, whether written by a completion or cached by a
+/// claim; past that the record is read from PostgreSQL (and cached again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_copy_lives_an_hour_at_most() {
+    use idemgate::store::redis::MAX_COPY_MS;
+    let schema = unique_schema("t");
+    let _keys = RedisPrefix(schema.clone());
+    let url = redis_url();
+    require_redis(&url);
+    let pg = postgres(&schema).await;
+    let fast = RedisFastPath::new(pg.clone(), &redis_config(url.clone(), &schema))
+        .await
+        .unwrap();
+    let client = redis::Client::open(url.as_str()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let day = 86_400_000;
+    let c = claim_for(record_key(), LEASE_MS, day);
+    assert!(claimed(&fast.claim(&c).await.unwrap()));
+    let done = Completion::Stored(response());
+    assert_eq!(
+        fast.complete(&c.key, &c.token, &done, keep())
+            .await
+            .unwrap(),
+        Fence::Held
+    );
+    let name = fast.redis_name(&c.key).await.unwrap();
+    let pttl = |conn: &mut redis::aio::MultiplexedConnection| {
+        let name = name.clone();
+        let mut conn = conn.clone();
+        async move {
+            redis::cmd("PTTL")
+                .arg(&name)
+                .query_async::<i64>(&mut conn)
+                .await
+                .unwrap()
+        }
+    };
+    let completed = pttl(&mut conn).await;
+    assert!(
+        completed > 0 && completed <= MAX_COPY_MS,
+        "the completion's copy lives {completed} ms"
+    );
+    // Cached again by a claim that read it from PostgreSQL.
+    let _: i64 = redis::cmd("DEL")
+        .arg(&name)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let r = existing(fast.claim(&again(&c)).await.unwrap());
+    assert!(
+        r.expires_at > now_millis() + day - 60_000,
+        "the record keeps its ttl"
+    );
+    let cached = pttl(&mut conn).await;
+    assert!(
+        cached > 0 && cached <= MAX_COPY_MS,
+        "the claim's copy lives {cached} ms"
+    );
+    // The copy answers alone, with the record's own expiry.
+    let hit = existing(fast.claim(&again(&c)).await.unwrap());
+    assert_eq!(hit.expires_at, r.expires_at);
+    drop_schema(&database_url(), &schema).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_outage_falls_back_to_postgres_and_recovers() {
     let schema = unique_schema("t");
@@ -1152,6 +1373,49 @@ async fn redis_outage_falls_back_to_postgres_and_recovers() {
         sleep_ms(100).await;
     }
     drop_schema(&database_url(), &schema).await;
+}
+
+/// Review F4, on one node (`redis.url`): the server behind an open
+/// connection was promoted anew (`REPLICAOF` another, then `NO ONE`: a
+/// new `master_replid`, its data replaced), and the fast path kept using
+/// it under the old epoch (reading copies named for the data set it had
+/// before) until a connection-level error, which never came. The pinned
+/// master's epoch is read again once a second: the fast path moves to
+/// the new epoch within a couple of seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_promoted_anew_behind_an_open_connection_is_left_within_seconds() {
+    let a = PrivateRedis::start();
+    let b = PrivateRedis::start();
+    let fast = RedisFastPath::new(Arc::new(MemoryStore::new()), &redis_config(a.url(), "ep"))
+        .await
+        .unwrap();
+    let key = record_key();
+    let old = fast.redis_name(&key).await.unwrap();
+    let epoch = |name: &str| name.split(':').nth(1).unwrap().to_string();
+    let client = redis::Client::open(a.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let b_port = b.url().rsplit(':').next().unwrap().to_string();
+    for args in [vec!["127.0.0.1", b_port.as_str()], vec!["NO", "ONE"]] {
+        let _: redis::Value = redis::cmd("REPLICAOF")
+            .arg(&args)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+    }
+    let moved = Instant::now();
+    loop {
+        if let Ok(now) = fast.redis_name(&key).await {
+            if epoch(&now) != epoch(&old) {
+                break;
+            }
+        }
+        assert!(
+            moved.elapsed() < Duration::from_secs(4),
+            "the fast path still uses the epoch of a data set the server no longer has ({old})"
+        );
+        sleep_ms(50).await;
+    }
+    eprintln!("on the new epoch after {:?}", moved.elapsed());
 }
 
 #[tokio::test]

@@ -208,12 +208,14 @@ impl RedisConn {
         ))
     }
 
-    /// The fast path failed to reach Redis: forget the master so the next
-    /// use connects again (and reads the epoch of whichever server answers
-    /// then). A cluster reconnects by itself.
-    pub(crate) fn lost(&self) {
+    /// The fast path failed to reach Redis on the master of epoch `failed`
+    /// (`None`: no master answered): forget that master so the next use
+    /// connects again (and reads the epoch of whichever server answers
+    /// then), unless another was found since. A cluster reconnects by
+    /// itself.
+    pub(crate) fn lost(&self, failed: Option<&Arc<str>>) {
         if let Self::Node(Following(f)) | Self::Sentinel(Following(f)) = self {
-            f.lost();
+            f.lost(failed);
         }
     }
 }

@@ -43,17 +43,27 @@ pub(crate) enum Source {
 }
 
 impl Source {
+    /// A connection to the master, and (Sentinel) the address the
+    /// sentinels named for it, which [`Follower::revalidate`] compares.
     async fn connect(
         &mut self,
         config: &AsyncConnectionConfig,
-    ) -> RedisResult<MultiplexedConnection> {
+    ) -> RedisResult<(MultiplexedConnection, Option<String>)> {
         match self {
-            Self::Sentinel(client) => client.get_async_connection_with_config(config).await,
-            Self::Node(client) => {
+            Self::Sentinel(client) => {
+                let master = client.async_get_client().await?;
+                let addr = master.get_connection_info().addr().to_string();
+                let conn = master
+                    .get_multiplexed_async_connection_with_config(config)
+                    .await?;
+                Ok((conn, Some(addr)))
+            }
+            Self::Node(client) => Ok((
                 client
                     .get_multiplexed_async_connection_with_config(config)
-                    .await
-            }
+                    .await?,
+                None,
+            )),
         }
     }
 
@@ -75,6 +85,9 @@ pub(crate) struct Follower {
     current: std::sync::Mutex<Option<Master>>,
     /// Whether a background attempt is running (see [`Follower::pin`]).
     looking: AtomicBool,
+    /// Whether the task re-validating the master runs (see
+    /// [`Follower::revalidate`]).
+    watching: AtomicBool,
     config: AsyncConnectionConfig,
     /// Bounds one attempt: (every sentinel asked,) the master connected
     /// and its `INFO` read.
@@ -85,7 +98,12 @@ pub(crate) struct Follower {
 #[derive(Clone)]
 pub(crate) struct Master {
     pub(crate) conn: MultiplexedConnection,
+    /// The epoch; also names this very connection (a fresh `Arc` per
+    /// connection), so a failure reported on it clears it and nothing
+    /// found since ([`Follower::lost`]).
     pub(crate) epoch: Arc<str>,
+    /// Under Sentinel, the address the sentinels named.
+    addr: Option<String>,
 }
 
 impl Follower {
@@ -100,6 +118,7 @@ impl Follower {
             source: tokio::sync::Mutex::new(source),
             current: Default::default(),
             looking: Default::default(),
+            watching: Default::default(),
             config,
             bound,
         }
@@ -137,7 +156,7 @@ impl Follower {
     }
 
     /// The current master, connecting if none is known.
-    pub(crate) async fn master(&self) -> RedisResult<Master> {
+    pub(crate) async fn master(self: &Arc<Self>) -> RedisResult<Master> {
         if let Some(master) = super::lock(&self.current).clone() {
             return Ok(master);
         }
@@ -147,34 +166,139 @@ impl Follower {
             return Ok(master);
         }
         let attempt = async {
-            let mut conn = source.connect(&self.config).await?;
+            let (mut conn, addr) = source.connect(&self.config).await?;
             let epoch = epoch(&mut conn).await?;
             Ok::<_, RedisError>(Master {
                 conn,
                 epoch: epoch.into(),
+                addr,
             })
         };
         let master = match tokio::time::timeout(self.bound, attempt).await {
             Ok(found) => found?,
-            Err(_) => {
-                return Err(RedisError::from(std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    "no master answered in time",
-                )))
-            }
+            Err(_) => return Err(timed_out()),
         };
         let previous = super::lock(&self.current).replace(master.clone());
         drop(previous);
         tracing::info!(epoch = %master.epoch, "{}: connected to the master", self.kind);
+        self.watch();
         Ok(master)
     }
 
-    /// The fast path could not use the master: forget it and connect again
-    /// at once, so the master promoted (or restarted) is known by the time
-    /// the fast path's backoff ends.
-    pub(crate) fn lost(self: &Arc<Self>) {
-        super::lock(&self.current).take();
-        self.find_in_background();
+    /// The fast path could not use the master it pinned (`failed`, its
+    /// [`Master::epoch`]; `None` when no master answered at all): forget
+    /// it and connect again at once, so the master promoted (or
+    /// restarted) is known by the time the fast path's backoff ends. A
+    /// master found after that pin (another failure's reconnect) is kept:
+    /// a late failure on the old connection says nothing of it (review F8).
+    pub(crate) fn lost(self: &Arc<Self>, failed: Option<&Arc<str>>) {
+        let dropped = take_if_current(&mut super::lock(&self.current), failed, |m| &m.epoch);
+        if dropped.is_some() || super::lock(&self.current).is_none() {
+            self.find_in_background();
+        }
+    }
+
+    /// Starts the task that calls [`Follower::revalidate`] every
+    /// [`REVALIDATE`], once; it ends with the follower (the store).
+    fn watch(self: &Arc<Self>) {
+        if self.watching.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let me = Arc::downgrade(self);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(REVALIDATE);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                let Some(follower) = me.upgrade() else {
+                    return;
+                };
+                follower.revalidate().await;
+            }
+        });
+    }
+
+    /// Asks whether the pinned master is still the one to use, and calls
+    /// [`Follower::lost`] if not (review F4): a master cut off with this
+    /// process from the sentinels' majority, or demoted while its
+    /// connection stays up, would otherwise keep answering from copies
+    /// the master promoted since no longer holds (deleted records among
+    /// them) until a connection-level error. Under Sentinel the sentinels
+    /// are asked again for the master's address (a sentinel that does not
+    /// answer, or names a master not promoted yet, changes nothing: the
+    /// next check asks again); on one node, the master's own role and
+    /// epoch, on the pinned connection (a connection that does not answer
+    /// is dropped too). Bounded by one attempt's bound.
+    async fn revalidate(self: &Arc<Self>) {
+        let Some(master) = super::lock(&self.current).clone() else {
+            return;
+        };
+        let check = async {
+            match &master.addr {
+                Some(addr) => {
+                    let mut source = self.source.lock().await;
+                    let Source::Sentinel(client) = &mut *source else {
+                        return Ok(None);
+                    };
+                    match client.async_get_client().await {
+                        Ok(named) => {
+                            let named = named.get_connection_info().addr().to_string();
+                            Ok((named != *addr).then(|| format!("the sentinels name {named} now")))
+                        }
+                        Err(err) => {
+                            tracing::debug!(error = %err, "{}: no sentinel confirmed the master", self.kind);
+                            Ok(None)
+                        }
+                    }
+                }
+                None => match epoch(&mut master.conn.clone()).await {
+                    Ok(now) if *now == *master.epoch => Ok(None),
+                    Ok(now) => Ok(Some(format!("its epoch is {now} now"))),
+                    Err(err) => Err(err),
+                },
+            }
+        };
+        let changed = match tokio::time::timeout(self.bound, check).await {
+            Ok(Ok(None)) => return,
+            Ok(Ok(Some(why))) => why,
+            Ok(Err(err)) => err.to_string(),
+            Err(_) => timed_out().to_string(),
+        };
+        // Only if it is still the one checked.
+        let current = super::lock(&self.current)
+            .as_ref()
+            .is_some_and(|m| Arc::ptr_eq(&m.epoch, &master.epoch));
+        if current {
+            tracing::warn!(epoch = %master.epoch, why = %changed, "{}: the master is no longer the one to use; connecting again", self.kind);
+            self.lost(Some(&master.epoch));
+        }
+    }
+}
+
+/// How often [`Follower::revalidate`] checks the master.
+pub(crate) const REVALIDATE: Duration = Duration::from_secs(1);
+
+fn timed_out() -> RedisError {
+    RedisError::from(std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        "no master answered in time",
+    ))
+}
+
+/// Takes what `slot` holds if it is the one `failed` names (by identity:
+/// the same `Arc`), leaving anything else, or anything found since, in
+/// place. `None` names none.
+fn take_if_current<T>(
+    slot: &mut Option<T>,
+    failed: Option<&Arc<str>>,
+    epoch: impl Fn(&T) -> &Arc<str>,
+) -> Option<T> {
+    let failed = failed?;
+    if slot.as_ref().is_some_and(|t| Arc::ptr_eq(epoch(t), failed)) {
+        slot.take()
+    } else {
+        None
     }
 }
 
@@ -225,14 +349,14 @@ fn epoch_of(run_id: &str, replid: &str) -> String {
 pub(crate) struct Following(pub(crate) Arc<Follower>);
 
 impl Following {
-    async fn conn(&self) -> RedisResult<MultiplexedConnection> {
-        self.0.master().await.map(|m| m.conn)
+    async fn conn(&self) -> RedisResult<Master> {
+        self.0.master().await
     }
 
-    fn after(&self, result: &RedisResult<impl Sized>) {
+    fn after(&self, used: Option<&Arc<str>>, result: &RedisResult<impl Sized>) {
         if let Err(err) = result {
             if super::is_connection_error(err) {
-                self.0.lost();
+                self.0.lost(used);
             }
         }
     }
@@ -244,11 +368,11 @@ impl ConnectionLike for Following {
         cmd: &'a redis::Cmd,
     ) -> redis::RedisFuture<'a, redis::Value> {
         Box::pin(async move {
-            let result = match self.conn().await {
-                Ok(mut conn) => conn.req_packed_command(cmd).await,
-                Err(err) => Err(err),
+            let (used, result) = match self.conn().await {
+                Ok(mut m) => (Some(m.epoch), m.conn.req_packed_command(cmd).await),
+                Err(err) => (None, Err(err)),
             };
-            self.after(&result);
+            self.after(used.as_ref(), &result);
             result
         })
     }
@@ -260,11 +384,14 @@ impl ConnectionLike for Following {
         count: usize,
     ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
         Box::pin(async move {
-            let result = match self.conn().await {
-                Ok(mut conn) => conn.req_packed_commands(pipeline, offset, count).await,
-                Err(err) => Err(err),
+            let (used, result) = match self.conn().await {
+                Ok(mut m) => (
+                    Some(m.epoch),
+                    m.conn.req_packed_commands(pipeline, offset, count).await,
+                ),
+                Err(err) => (None, Err(err)),
             };
-            self.after(&result);
+            self.after(used.as_ref(), &result);
             result
         })
     }
@@ -289,5 +416,31 @@ mod tests {
         assert_eq!(e, epoch_of(run, replid));
         assert_ne!(e, epoch_of(other_run, replid), "restart");
         assert_ne!(e, epoch_of(run, promoted), "promotion");
+    }
+
+    /// Review F8: a failure reported on a pinned master clears that master
+    /// only, never one found after it (whose connection is fine), nor one
+    /// of the same epoch on another connection; a failure with no master
+    /// pinned clears nothing.
+    #[test]
+    fn a_late_failure_clears_only_the_master_it_was_pinned_to() {
+        let e = |s: &str| -> Arc<str> { Arc::from(s) };
+        let (m1, m2) = (e("epoch-1"), e("epoch-2"));
+        let first = Some(m1.clone());
+        let mut slot = first.clone();
+        assert_eq!(take_if_current(&mut slot, Some(&m1), |m| m), first);
+        assert_eq!(slot, None, "the failed master is dropped");
+
+        // M2 was found after the pin on M1 failed; M1's late failure.
+        let mut slot = Some(m2.clone());
+        assert_eq!(take_if_current(&mut slot, Some(&m1), |m| m), None);
+        assert_eq!(slot, Some(m2.clone()), "the master found since is kept");
+        // The same epoch, another connection (a reconnect to one server).
+        let again = e("epoch-2");
+        assert_eq!(take_if_current(&mut slot, Some(&again), |m| m), None);
+        assert_eq!(take_if_current(&mut slot, None, |m| m), None);
+        assert_eq!(slot, Some(m2.clone()));
+        let mut empty: Option<Arc<str>> = None;
+        assert_eq!(take_if_current(&mut empty, Some(&m2), |m| m), None);
     }
 }

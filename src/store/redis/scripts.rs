@@ -17,6 +17,12 @@ pub(super) struct Scripts {
     /// than this completion): the next claim reads the record from the
     /// inner store and caches it then.
     pub(super) complete: Script,
+    /// Puts a record's copy in only while the name still holds the value
+    /// the claim saw there before it asked the inner store (our lock, or
+    /// the copy it could not use): an operator's delete, resolve or
+    /// rewrite that `DEL`s the name in between wins, and the record just
+    /// read (which PostgreSQL may no longer hold) is not cached.
+    pub(super) cache: Script,
 }
 
 impl Scripts {
@@ -26,6 +32,7 @@ impl Scripts {
             unlock: Script::new(UNLOCK_LUA),
             extend: Script::new(EXTEND_LUA),
             complete: Script::new(COMPLETE_LUA),
+            cache: Script::new(CACHE_LUA),
         }
     }
 }
@@ -58,8 +65,8 @@ return 0
 "#;
 
 // ARGV: token, the completed value without a first use (its created_at,
-// expires_at and fingerprint are placeholders), now, keep_ms, and the tag
-// for the value with one. The lock's own expires_at (the claim's, in the
+// expires_at and fingerprint are placeholders), now, keep_ms, the tag
+// for the value with one, and the longest PX a copy gets (MAX_COPY_MS). The lock's own expires_at (the claim's, in the
 // claiming process's clock, which is this one) gives the expiry: max(claim's
 // expiry, now + keep), written into the value and turned into a relative
 // PX, so no clock but the holder's is consulted. The lock's first use
@@ -77,11 +84,20 @@ if v and string.byte(v, 1) == 1 and string.sub(v, 50, 65) == ARGV[1] then
   if first ~= '' then tag = ARGV[5] end
   local val = tag .. string.sub(v, 2, 9) .. table.concat(bytes)
     .. string.sub(v, 18, 49) .. first .. string.sub(ARGV[2], 50)
-  redis.call('SET', KEYS[1], val, 'PX', exp - now)
+  redis.call('SET', KEYS[1], val, 'PX', math.min(exp - now, tonumber(ARGV[6])))
   return 1
 end
 -- Not our lock: whatever is there is older than this completion.
 redis.call('DEL', KEYS[1])
+return 0
+"#;
+
+// ARGV: the value expected there, the copy, its PX. `1` when it went in.
+const CACHE_LUA: &str = r#"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+  return 1
+end
 return 0
 "#;
 

@@ -33,13 +33,29 @@ pub(super) async fn heal(conn: RedisConn, prefix: String, stale: Arc<StaleSet>, 
         if batch.is_empty() {
             return;
         }
+        // The master pinned, for `lost` if its connection failed.
+        let used = std::sync::Mutex::new(None);
         let delete = async {
             let pinned = conn.pin_waiting().await?;
+            lock(&used).clone_from(&pinned.epoch);
             let named: Vec<String> = batch.iter().map(|b| pinned.name(b, &prefix)).collect();
             let cmd = redis::cmd("DEL").arg(&named).to_owned();
             cmd.query_async::<i64>(&mut pinned.conn.clone()).await
         };
-        match tokio::time::timeout(timeout, delete).await {
+        let deleted = tokio::time::timeout(timeout, delete).await;
+        // A pinned connection that failed (or never answered) is dropped,
+        // as the fast path drops it: else the healer would retry a dead
+        // connection every HEAL_INTERVAL until a request noticed (review
+        // F10). A master found since is kept (`Follower::lost`).
+        let failed = match &deleted {
+            Ok(Err(err)) => super::is_connection_error(err),
+            Ok(Ok(_)) => false,
+            Err(_) => true,
+        };
+        if failed {
+            conn.lost(lock(&used).take().as_ref());
+        }
+        match deleted {
             Ok(Ok(_)) => {
                 let mut stale = names();
                 for name in &batch {

@@ -165,6 +165,32 @@ impl SentinelSet {
         panic!("no sentinel names a master");
     }
 
+    /// Makes every sentinel watch the server at `port` under
+    /// [`MASTER_NAME`] instead (`SENTINEL REMOVE`, then `MONITOR`): the
+    /// sentinels name another master while the old one stays up, and
+    /// still a master, as on the far side of a partition.
+    pub fn monitor_instead(&self, port: u16) {
+        for s in &self.sentinels {
+            let remove = redis::cmd("SENTINEL")
+                .arg("REMOVE")
+                .arg(MASTER_NAME)
+                .to_owned();
+            let _: redis::Value = self
+                .query_sentinel(s.port, &remove)
+                .expect("SENTINEL REMOVE");
+            let monitor = redis::cmd("SENTINEL")
+                .arg("MONITOR")
+                .arg(MASTER_NAME)
+                .arg("127.0.0.1")
+                .arg(port)
+                .arg(2)
+                .to_owned();
+            let _: redis::Value = self
+                .query_sentinel(s.port, &monitor)
+                .expect("SENTINEL MONITOR");
+        }
+    }
+
     /// Kills the current master (SIGKILL); returns its port.
     pub fn kill_master(&mut self) -> u16 {
         let port = self.master_port();
@@ -247,7 +273,7 @@ impl SentinelSet {
     }
 
     /// `role:` from `INFO replication`, `None` if the server does not answer.
-    fn role(&self, port: u16) -> Option<String> {
+    pub fn role(&self, port: u16) -> Option<String> {
         let info: String = self
             .query_server(port, redis::cmd("INFO").arg("replication"))
             .ok()?;
