@@ -390,20 +390,6 @@ impl Config {
                     .filter_map(|(whose, r)| Some((whose, r.replay_check.as_ref()?.upstream()?))),
             );
         upstreams::check_choices(choices, &upstreams)?;
-        for (i, c) in restart.consumers.iter().enumerate() {
-            match c.route.upstream.as_deref() {
-                Some(name) if !upstreams.contains_key(name) => {
-                    return Err(Invalid::field(
-                        format!("consumer.{i}.deliver"),
-                        format!(
-                            "consumer {:?}: deliver.upstream = {name:?} names no [upstreams.{name}] section",
-                            &*c.name
-                        ),
-                    ))
-                }
-                _ => {}
-            }
-        }
         let routes = Defaults::try_from(raw.defaults)?.routes(raw.route)?;
         let config = Config {
             scope_secret: env::scope_secret(env)?,
@@ -421,6 +407,24 @@ impl Config {
     /// them again on the config as it will run ([`Config::check_composed`]).
     fn check_across(&self) -> Result<(), Invalid> {
         let restart = &self.restart;
+        // Here, not at parse: a reload keeps the running consumers (they
+        // need a restart), so the upstreams they deliver to must still be
+        // in the file it loads (an unknown name would fall back to the
+        // default upstream).
+        for (i, c) in restart.consumers.iter().enumerate() {
+            match c.route.upstream.as_deref() {
+                Some(name) if !self.upstreams.contains_key(name) => {
+                    return Err(Invalid::field(
+                        format!("consumer.{i}.deliver"),
+                        format!(
+                            "consumer {:?}: deliver.upstream = {name:?} names no [upstreams.{name}] section",
+                            &*c.name
+                        ),
+                    ))
+                }
+                _ => {}
+            }
+        }
         if restart.store.plaintext_responses == PlaintextResponses::Refuse
             && self.store_keys.is_none()
         {

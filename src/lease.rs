@@ -340,7 +340,9 @@ impl Lease {
         match answer {
             Some(fence) => Completed {
                 fate: fenced.completed(fence, unanswered),
-                recorded: fence == Fence::Held,
+                // A write whose answer was lost may be ours or a takeover's:
+                // only one confirmed under our token counts (a consumer acks it).
+                recorded: fence == Fence::Held && !unanswered,
             },
             None => {
                 warn!(key.id = %fenced.key.log_id(),

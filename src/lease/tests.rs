@@ -166,6 +166,36 @@ async fn a_completion_after_a_takeover_is_refused_and_counted() {
     assert_eq!(fresh.release().await, KeyFate::Released);
 }
 
+/// Pins consumer review L1 (2026-12-06): a completion whose first try went
+/// unanswered and whose retry found the key taken over was reported as
+/// recorded, so a message consumer would ack a delivery whose key another
+/// delivery now holds (a stale ack). Only a confirmed write under our own
+/// token counts as recorded; the redelivery finds the record and acks.
+#[tokio::test(start_paused = true)]
+async fn an_unanswered_completion_is_never_reported_recorded() {
+    let h = harness();
+    let stale = h.hold().await;
+    tokio::time::sleep(LEASE + Duration::from_millis(1)).await;
+    let Acquired::Held(fresh) = h.leases.acquire(request(1)).await.unwrap() else {
+        panic!("the lapsed lease should be taken over");
+    };
+    h.store.script("complete", &[Act::Fail]);
+    let done = stale.complete_reporting(stored()).await;
+    assert!(!done.recorded, "{done:?}");
+    assert_eq!(fresh.release().await, KeyFate::Released);
+
+    let h = harness();
+    let lease = h.hold().await;
+    h.store.script("complete", &[Act::Lose]);
+    let done = lease.complete_reporting(stored()).await;
+    assert_eq!(done.fate, KeyFate::Kept);
+    assert!(!done.recorded, "landed, but unconfirmed: {done:?}");
+
+    let h = harness();
+    let done = h.hold().await.complete_reporting(stored()).await;
+    assert!(done.recorded, "{done:?}");
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_release_whose_answer_was_lost_but_landed_is_released() {
     let h = harness();
