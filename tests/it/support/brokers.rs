@@ -5,6 +5,7 @@
 //! `nats-server -js` a test may stop and restart; and the counting
 //! upstream the messages are delivered to.
 
+use super::redis_tls::TestPki;
 use super::serve::{server, TestServer};
 use super::{free_port, wait_for};
 use async_nats::jetstream;
@@ -505,7 +506,12 @@ impl Drop for TestStream {
 
 impl TestStream {
     pub async fn new(url: &str, prefix: &str) -> Self {
-        let js = nats(url).await;
+        Self::on(nats(url).await, url, prefix).await
+    }
+
+    /// [`TestStream::new`] through `js`, a connection to `url` the test
+    /// made (TLS).
+    pub async fn on(js: jetstream::Context, url: &str, prefix: &str) -> Self {
         let name = unique(prefix).to_uppercase();
         let dead_subject = format!("{name}.dead");
         js.create_stream(jetstream::stream::Config {
@@ -614,17 +620,62 @@ pub struct PrivateNats {
     pub addr: SocketAddr,
     dir: tempfile::TempDir,
     child: Option<Child>,
+    /// TLS only, with the PKI's server certificate; clients must present
+    /// a certificate its CA signed.
+    tls: Option<NatsTls>,
+}
+
+/// The PKI's files a TLS `nats-server` is started with.
+struct NatsTls {
+    cert: String,
+    key: String,
+    ca: String,
 }
 
 impl PrivateNats {
     pub async fn start() -> Self {
+        Self::start_with(None).await
+    }
+
+    /// TLS required (`--tlsverify`: clients present a certificate `pki`'s
+    /// CA signed), with `pki`'s server certificate.
+    pub async fn start_tls(pki: &TestPki) -> Self {
+        let file = |name: &str| pki.path(name).display().to_string();
+        Self::start_with(Some(NatsTls {
+            cert: file("server.pem"),
+            key: file("server.key"),
+            ca: pki.ca(),
+        }))
+        .await
+    }
+
+    async fn start_with(tls: Option<NatsTls>) -> Self {
         let mut n = Self {
             addr: free_port(),
             dir: tempfile::TempDir::new().unwrap(),
             child: None,
+            tls,
         };
         n.up().await;
         n
+    }
+
+    /// `tls://127.0.0.1:<port>`.
+    pub fn tls_url(&self) -> String {
+        format!("tls://{}", self.addr)
+    }
+
+    /// The test's own TLS connection: `pki`'s CA and client certificate.
+    pub async fn tls_client(&self, pki: &TestPki) -> jetstream::Context {
+        let client = async_nats::ConnectOptions::new()
+            .require_tls(true)
+            .add_root_certificates(pki.path("ca.pem"))
+            .add_client_certificate(pki.path("client.pem"), pki.path("client.key"))
+            .connection_timeout(Duration::from_secs(3))
+            .connect(self.tls_url())
+            .await
+            .expect("connect to the private TLS nats-server");
+        jetstream::new(client)
     }
 
     pub fn url(&self) -> String {
@@ -636,7 +687,8 @@ impl PrivateNats {
     }
 
     pub async fn up(&mut self) {
-        let child = Command::new("nats-server")
+        let mut command = Command::new("nats-server");
+        command
             .args([
                 "-js",
                 "-a",
@@ -645,7 +697,19 @@ impl PrivateNats {
                 &self.addr.port().to_string(),
                 "-sd",
             ])
-            .arg(self.store())
+            .arg(self.store());
+        if let Some(tls) = &self.tls {
+            command.args([
+                "--tlsverify",
+                "--tlscert",
+                &tls.cert,
+                "--tlskey",
+                &tls.key,
+                "--tlscacert",
+                &tls.ca,
+            ]);
+        }
+        let child = command
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
