@@ -372,6 +372,8 @@ pub fn close_idemgate_connection(queue: &str) {
 /// may stop and start again; the shared node is never touched.
 pub struct PrivateRabbit {
     pub port: u16,
+    /// The TLS listener's port ([`PrivateRabbit::start_tls`]).
+    pub tls_port: Option<u16>,
     pub node: String,
     dir: tempfile::TempDir,
     /// The `rabbitmq-server` script, reaped once the node stops.
@@ -380,16 +382,44 @@ pub struct PrivateRabbit {
 
 impl PrivateRabbit {
     pub async fn start() -> Self {
+        Self::start_with(None).await
+    }
+
+    /// [`PrivateRabbit::start`] with a TLS listener too (`listeners.ssl`)
+    /// presenting `pki`'s server certificate and requiring a client
+    /// certificate its CA signed (`verify_peer`, `fail_if_no_peer_cert`).
+    pub async fn start_tls(pki: &TestPki) -> Self {
+        Self::start_with(Some(pki)).await
+    }
+
+    async fn start_with(pki: Option<&TestPki>) -> Self {
         let port = free_port().port();
         let dir = tempfile::TempDir::new().unwrap();
         let path = dir.path();
         std::fs::create_dir_all(path.join("mnesia")).unwrap();
         std::fs::create_dir_all(path.join("log")).unwrap();
-        std::fs::write(
-            path.join("rabbitmq.conf"),
-            format!("listeners.tcp.local = 127.0.0.1:{port}\n"),
-        )
-        .unwrap();
+        let mut conf = format!("listeners.tcp.local = 127.0.0.1:{port}\n");
+        let tls_port = pki.map(|pki| {
+            let tls_port = free_port().port();
+            // Copied: the node runs as the rabbitmq user.
+            for file in ["ca.pem", "server.pem", "server.key"] {
+                std::fs::copy(pki.path(file), path.join(file)).unwrap();
+            }
+            let at = |file: &str| path.join(file).display().to_string();
+            conf.push_str(&format!(
+                "listeners.ssl.default = 127.0.0.1:{tls_port}\n\
+                 ssl_options.cacertfile = {}\n\
+                 ssl_options.certfile = {}\n\
+                 ssl_options.keyfile = {}\n\
+                 ssl_options.verify = verify_peer\n\
+                 ssl_options.fail_if_no_peer_cert = true\n",
+                at("ca.pem"),
+                at("server.pem"),
+                at("server.key"),
+            ));
+            tls_port
+        });
+        std::fs::write(path.join("rabbitmq.conf"), conf).unwrap();
         // rabbitmq-server run as root switches to the rabbitmq user.
         let status = Command::new("chown")
             .args(["-R", "rabbitmq"])
@@ -400,6 +430,7 @@ impl PrivateRabbit {
         let _ = Command::new("chmod").arg("755").arg(path).status();
         let mut r = Self {
             port,
+            tls_port,
             node: format!("idemgate-test-{port}@localhost"),
             dir,
             child: None,
@@ -410,6 +441,12 @@ impl PrivateRabbit {
 
     pub fn url(&self) -> String {
         format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.port)
+    }
+
+    /// `amqps://` to the TLS listener.
+    pub fn tls_url(&self) -> String {
+        let port = self.tls_port.expect("started with start_tls");
+        format!("amqps://guest:guest@127.0.0.1:{port}/%2f")
     }
 
     pub async fn up(&mut self) {
@@ -441,6 +478,14 @@ impl PrivateRabbit {
                 p.join("log").display()
             );
             tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        if let Some(tls_port) = self.tls_port {
+            wait_for("the private RabbitMQ node's TLS listener", || async move {
+                tokio::net::TcpStream::connect(("127.0.0.1", tls_port))
+                    .await
+                    .ok()
+            })
+            .await;
         }
     }
 
