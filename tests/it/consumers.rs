@@ -778,6 +778,21 @@ async fn jetstream_over_verified_tls_refuses_a_ca_that_did_not_sign_the_broker()
     let log = replica.p().log();
     assert!(!log.contains("TLS handshake"), "{log}");
     drop(replica);
+
+    // A CA file that cannot be read fails the start, named.
+    let missing = dir.path().join("missing-ca.pem").display().to_string();
+    let bad = consumer(jetstream_tls(&url, &stream, &missing, None), &by_header);
+    let (listen, admin) = (free_port(), free_port());
+    let path = dir.path().join("bad.toml");
+    TestConfig::new(handler.addr)
+        .listen(listen, admin)
+        .set("store.backend", "memory")
+        .set("consumer", Value::Array(vec![bad]))
+        .write(&path);
+    let run = run_to_completion(&["serve", "--config", &path.display().to_string()], &[]).await;
+    assert_ne!(run.code, 0, "{run:?}");
+    let want = format!("consumer \"{CONSUMER}\": source ca_file {missing}: ");
+    assert!(run.stderr.contains(&want), "{run:?}");
     stream.delete().await;
 }
 
