@@ -10,6 +10,8 @@
 //! - `deliver.rs`: a message as its request (key, headers, fingerprint),
 //!   and the protected path's result read back.
 //! - `fate.rs`: the fate table, pure and table-tested.
+//! - `tls.rs`: TLS to the brokers through `net::tls`, and a failed
+//!   handshake named by its cause.
 //! - `run.rs`: connecting, reconnecting, bounded concurrency, shutdown;
 //!   `link.rs`: the connection's state (metric, `/healthz`, the log line
 //!   written once per outage).
@@ -21,6 +23,7 @@ mod jetstream;
 mod link;
 mod run;
 pub mod source;
+mod tls;
 
 use crate::config::ConsumerConfig;
 use crate::metrics::Metrics;
@@ -41,17 +44,24 @@ impl Consumers {
     /// Starts every consumer: each connects (and reconnects) by itself,
     /// so a broker that is down delays nothing else. `stopping` begins
     /// their shutdown; each then has `grace` to finish what it holds.
+    /// Each one's TLS files are read first: a bad one fails the start
+    /// (nothing is started then).
     pub fn start(
         configs: &[ConsumerConfig],
         current: Arc<ArcSwap<Proxy>>,
         metrics: Arc<Metrics>,
         stopping: CancellationToken,
         grace: Duration,
-    ) -> Self {
+    ) -> Result<Self, String> {
         let reasons: Vec<&'static str> = fate::Reason::ALL.iter().map(|r| r.as_str()).collect();
+        let tls = configs
+            .iter()
+            .map(tls::client_config)
+            .collect::<Result<Vec<_>, String>>()?;
         let running = configs
             .iter()
-            .map(|c| {
+            .zip(tls)
+            .map(|(c, tls)| {
                 metrics.consumers().register_consumer(&c.name, &reasons);
                 let up = Arc::new(AtomicBool::new(false));
                 let ctx = Arc::new(run::Context {
@@ -60,11 +70,12 @@ impl Consumers {
                     metrics: metrics.clone(),
                     stopping: stopping.clone(),
                     up: up.clone(),
+                    tls,
                 });
                 (c.name.clone(), up, tokio::spawn(run::run(ctx, grace)))
             })
             .collect();
-        Self { running }
+        Ok(Self { running })
     }
 
     /// Each consumer's broker state, shared, for `/healthz`.

@@ -196,7 +196,8 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
         metrics.clone(),
         drain.requested.clone(),
         config.restart.server.shutdown_grace,
-    );
+    )
+    .map_err(|e| anyhow::anyhow!(e))?;
 
     let sweeper = tokio::spawn(sweep_loop(
         store.clone(),

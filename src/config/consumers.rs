@@ -16,10 +16,12 @@ use super::{Invalid, OnAmbiguous, OnStoreError, RouteConfig};
 use super::{DEFAULT_KEY_HEADER, DEFAULT_LEASE, DEFAULT_MAX_RESPONSE_BODY, MIN_LEASE};
 use crate::idempotency::canonical_json::Pointer;
 use crate::idempotency::decision::ReleaseStatuses;
+use crate::net::tls::{ClientIdentity, ClientTls, FileNames, Roots, ServerCheck};
 use crate::route::{InFlight, PathPattern};
 use http::{HeaderName, Method};
 use std::collections::BTreeMap;
 use std::fmt;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 use toml::Spanned;
@@ -149,6 +151,8 @@ pub struct AmqpSource {
     pub url: BrokerUrl,
     pub queue: String,
     pub prefetch: u16,
+    /// TLS (`amqps://`): through `net::tls`, chain and name verified.
+    pub tls: Option<ClientTls>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -160,6 +164,10 @@ pub struct JetStreamSource {
     pub ack_wait: Duration,
     pub max_ack_pending: i64,
     pub dead_letter_subject: Option<String>,
+    /// TLS required (`tls://`): through `net::tls`, chain and name
+    /// verified. `None` for `nats://`, which still upgrades through
+    /// `net::tls` (system roots) when the server requires TLS.
+    pub tls: Option<ClientTls>,
 }
 
 impl fmt::Display for ConsumerConfig {
@@ -319,10 +327,19 @@ fn one(
             if prefetch == 0 {
                 return Err(at("source", format!("{who}: prefetch must be at least 1 (0 would mean unbounded)")));
             }
+            let tls = broker_tls(
+                &who,
+                &url,
+                url.expose().starts_with("amqps://"),
+                "amqps://",
+                [a.ca_file, a.cert_file, a.key_file],
+            )
+            .map_err(|m| at("source", m))?;
             SourceConfig::Amqp(AmqpSource {
                 url,
                 queue: a.queue,
                 prefetch,
+                tls,
             })
         }
         Some(RawSource::Jetstream(j)) => {
@@ -359,7 +376,16 @@ fn one(
                     ));
                 }
             }
+            let tls = broker_tls(
+                &who,
+                &url,
+                url.expose().starts_with("tls://"),
+                "tls://",
+                [j.ca_file, j.cert_file, j.key_file],
+            )
+            .map_err(|m| at("source", m))?;
             SourceConfig::JetStream(JetStreamSource {
+                tls,
                 url,
                 stream: j.stream,
                 durable: j.durable,
@@ -495,6 +521,53 @@ fn one(
     })
 }
 
+/// What the consumer's TLS files are called in errors (`net::tls`).
+pub const TLS_FILES: FileNames =
+    FileNames::new("source ca_file", "source cert_file", "source key_file");
+
+/// The TLS settings of a broker `url` (`tls_url`: its scheme is
+/// `tls_scheme`) from its `ca_file`, `cert_file` and `key_file`: the
+/// server's chain and name are always verified, against `ca_file` or the
+/// system roots. Files on a plain URL, or a certificate without its key
+/// (or the reverse), are refused: either would silently not be used.
+fn broker_tls(
+    who: &str,
+    url: &BrokerUrl,
+    tls_url: bool,
+    tls_scheme: &str,
+    [ca, cert, key]: [Option<PathBuf>; 3],
+) -> Result<Option<ClientTls>, String> {
+    if !tls_url {
+        let given = [("ca_file", &ca), ("cert_file", &cert), ("key_file", &key)];
+        if let Some((name, _)) = given.iter().find(|(_, f)| f.is_some()) {
+            return Err(format!(
+                "{who}: {name} only applies to a TLS URL ({tls_scheme}), but url is {url}"
+            ));
+        }
+        return Ok(None);
+    }
+    let identity = match (cert, key) {
+        (Some(cert), Some(key)) => Some(ClientIdentity { cert, key }),
+        (None, None) => None,
+        (Some(_), None) => {
+            return Err(format!(
+                "{who}: cert_file is set without key_file: a client certificate needs its private key (both PEM)"
+            ))
+        }
+        (None, Some(_)) => {
+            return Err(format!(
+                "{who}: key_file is set without cert_file: a private key needs its client certificate (both PEM)"
+            ))
+        }
+    };
+    Ok(Some(ClientTls {
+        check: ServerCheck::ChainAndName,
+        roots: ca.map_or(Roots::System, Roots::File),
+        identity,
+        names: TLS_FILES,
+    }))
+}
+
 /// `HeaderName::from_static` wants lower case.
 trait FromStaticLower {
     fn from_static_lower(name: &str) -> HeaderName;
@@ -554,12 +627,48 @@ mod tests {
             ("[[consumer]]\nname = \"a\"\nsource = { amqp = { url = \"amqp://h\", queue = \"q\" } }\ndeliver = { path = \"/in\", upstream = \"billing\" }\n", "line 6: consumer \"a\": deliver.upstream = \"billing\" names no [upstreams.billing]"),
             ("[[consumer]]\nname = \"a\"\nsource = { jetstream = { url = \"http://h\", stream = \"S\", durable = \"d\" } }\ndeliver = { path = \"/in\" }\n", "must start with nats:// or tls://"),
             ("[[consumer]]\nname = \"a\"\nsource = { amqp = { url = \"amqp://h\", queue = \"q\" } }\n", "line 3: consumer \"a\": `deliver` is required"),
+            ("[[consumer]]\nname = \"a\"\nsource = { amqp = { url = \"amqp://h\", queue = \"q\", ca_file = \"/ca.pem\" } }\ndeliver = { path = \"/in\" }\n", "line 5: consumer \"a\": ca_file only applies to a TLS URL (amqps://), but url is amqp://h"),
+            ("[[consumer]]\nname = \"a\"\nsource = { jetstream = { url = \"nats://h\", stream = \"S\", durable = \"d\", key_file = \"/k.pem\" } }\ndeliver = { path = \"/in\" }\n", "key_file only applies to a TLS URL (tls://), but url is nats://h"),
+            ("[[consumer]]\nname = \"a\"\nsource = { amqp = { url = \"amqps://h\", queue = \"q\", cert_file = \"/c.pem\" } }\ndeliver = { path = \"/in\" }\n", "cert_file is set without key_file"),
+            ("[[consumer]]\nname = \"a\"\nsource = { jetstream = { url = \"tls://h\", stream = \"S\", durable = \"d\", key_file = \"/k.pem\" } }\ndeliver = { path = \"/in\" }\n", "key_file is set without cert_file"),
         ];
         for (text, want) in rows {
             let e = parse(text).unwrap_err();
             assert!(e.starts_with("c.toml: "), "{e}");
             assert!(e.contains(want), "{text}\nwant {want:?}\ngot  {e}");
         }
+    }
+
+    /// TLS URLs verify the chain and the name, against `ca_file` or the
+    /// system roots; a client certificate goes with its key.
+    #[test]
+    fn tls_urls_take_the_ca_and_client_certificate() {
+        use super::SourceConfig;
+        use crate::net::tls::{ClientIdentity, Roots, ServerCheck};
+        let c = parse("[[consumer]]\nname = \"j\"\nsource = { jetstream = { url = \"tls://n:4222\", stream = \"S\", durable = \"d\", ca_file = \"/ca.pem\", cert_file = \"/c.pem\", key_file = \"/k.pem\" } }\ndeliver = { path = \"/in\" }\n").unwrap();
+        let SourceConfig::JetStream(j) = &c.restart.consumers[0].source else {
+            panic!("jetstream")
+        };
+        let tls = j.tls.as_ref().unwrap();
+        assert_eq!(tls.check, ServerCheck::ChainAndName);
+        assert_eq!(tls.roots, Roots::File("/ca.pem".into()));
+        assert_eq!(
+            tls.identity,
+            Some(ClientIdentity {
+                cert: "/c.pem".into(),
+                key: "/k.pem".into()
+            })
+        );
+        let c = parse("[[consumer]]\nname = \"a\"\nsource = { amqp = { url = \"amqps://h\", queue = \"q\" } }\ndeliver = { path = \"/in\" }\n").unwrap();
+        let SourceConfig::Amqp(a) = &c.restart.consumers[0].source else {
+            panic!("amqp")
+        };
+        assert_eq!(a.tls.as_ref().unwrap().roots, Roots::System);
+        let plain = parse(&format!("[[consumer]]\nname = \"a\"\n{AMQP}")).unwrap();
+        let SourceConfig::Amqp(a) = &plain.restart.consumers[0].source else {
+            panic!("amqp")
+        };
+        assert_eq!(a.tls, None);
     }
 
     #[test]

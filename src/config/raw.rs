@@ -322,6 +322,9 @@ pub(super) struct RawAmqp {
     pub(super) url: Option<String>,
     pub(super) queue: String,
     pub(super) prefetch: Option<u16>,
+    pub(super) ca_file: Option<PathBuf>,
+    pub(super) cert_file: Option<PathBuf>,
+    pub(super) key_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -333,6 +336,9 @@ pub(super) struct RawJetStream {
     pub(super) ack_wait: Option<HumanDuration>,
     pub(super) max_ack_pending: Option<i64>,
     pub(super) dead_letter_subject: Option<String>,
+    pub(super) ca_file: Option<PathBuf>,
+    pub(super) cert_file: Option<PathBuf>,
+    pub(super) key_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Deserialize)]

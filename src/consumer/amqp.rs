@@ -25,9 +25,16 @@ use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions,
     BasicPublishOptions, BasicQosOptions, BasicRejectOptions, ConfirmSelectOptions,
 };
+use lapin::tcp::{AsyncTcpStream, RustlsConnector};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::uri::AMQPUri;
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
+
+/// How long the TCP connect of an `amqps://` connection may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The header a retried copy carries: its attempt number.
 pub const ATTEMPTS_HEADER: &str = "x-idemgate-attempts";
@@ -45,14 +52,22 @@ fn err(what: &'static str) -> impl Fn(lapin::Error) -> SourceError {
     move |e| SourceError::new(what, e)
 }
 
-pub async fn connect(config: &AmqpSource) -> Result<Amqp, SourceError> {
+/// `tls`: the consumer's rustls configuration (`consumer::tls`), for an
+/// `amqps://` URL.
+pub async fn connect(
+    config: &AmqpSource,
+    tls: Option<&Arc<rustls::ClientConfig>>,
+) -> Result<Amqp, SourceError> {
     // Named after the queue, so an operator (or a test) can find it in
     // `rabbitmqctl list_connections client_properties`.
     let properties = ConnectionProperties::default()
         .with_connection_name(format!("idemgate/{}", config.queue).as_str().into());
-    let connection = Connection::connect(config.url.expose(), properties)
-        .await
-        .map_err(err("connect"))?;
+    let connected = match tls {
+        None => Connection::connect(config.url.expose(), properties).await,
+        Some(tls) => connect_tls(config, tls, properties).await,
+    };
+    let connection =
+        connected.map_err(|e| SourceError::new("connect", super::tls::describe("RabbitMQ", &e)))?;
     let channel = connection
         .create_channel()
         .await
@@ -86,6 +101,44 @@ pub async fn connect(config: &AmqpSource) -> Result<Amqp, SourceError> {
         consumer,
         queue: config.queue.clone(),
     })
+}
+
+/// An `amqps://` connection over a stream `tls` secured, rather than
+/// lapin's own TLS (which builds its rustls configuration itself from
+/// PEM text or PKCS#12): lapin drives AMQP over whatever transport its
+/// connector hands it, here and on its own reconnects.
+async fn connect_tls(
+    config: &AmqpSource,
+    tls: &Arc<rustls::ClientConfig>,
+    properties: ConnectionProperties,
+) -> lapin::Result<Connection> {
+    let uri: AMQPUri = config
+        .url
+        .expose()
+        .parse()
+        .map_err(|e: String| lapin::Error::from(std::io::Error::other(e)))?;
+    let connector = RustlsConnector::from(tls.clone());
+    let runtime = lapin::runtime::default_runtime()?;
+    Connection::connector(
+        uri,
+        runtime,
+        async move |uri: AMQPUri, runtime| {
+            let host = uri.authority.host.clone();
+            let tcp = async {
+                let addrs: Vec<SocketAddr> =
+                    tokio::net::lookup_host((host.as_str(), uri.authority.port))
+                        .await?
+                        .collect();
+                AsyncTcpStream::connect(&runtime, addrs).await
+            };
+            let stream = tokio::time::timeout(CONNECT_TIMEOUT, tcp)
+                .await
+                .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
+            Ok(stream.into_rustls(&connector, &host).await?)
+        },
+        properties,
+    )
+    .await
 }
 
 #[async_trait::async_trait]

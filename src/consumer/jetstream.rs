@@ -34,8 +34,21 @@ pub struct JetStream {
 
 /// `link` hears of the client's own reconnects (it resumes pulling by
 /// itself; the runner reconnects only when the message stream fails).
-pub async fn connect(config: &JetStreamSource, link: Arc<Link>) -> Result<JetStream, SourceError> {
-    let client = async_nats::ConnectOptions::new()
+/// `tls` is the consumer's rustls configuration (`consumer::tls`): TLS is
+/// required with it for a `tls://` URL, and used for a `nats://` one
+/// whose server requires TLS.
+pub async fn connect(
+    config: &JetStreamSource,
+    tls: Option<&Arc<rustls::ClientConfig>>,
+    link: Arc<Link>,
+) -> Result<JetStream, SourceError> {
+    let mut options = async_nats::ConnectOptions::new();
+    if let Some(tls) = tls {
+        options = options
+            .tls_client_config(rustls::ClientConfig::clone(tls))
+            .require_tls(config.tls.is_some());
+    }
+    let client = options
         .connection_timeout(CONNECT_TIMEOUT)
         .event_callback(move |event| {
             match event {
@@ -47,7 +60,7 @@ pub async fn connect(config: &JetStreamSource, link: Arc<Link>) -> Result<JetStr
         })
         .connect(config.url.expose())
         .await
-        .map_err(|e| SourceError::new("connect", e))?;
+        .map_err(|e| SourceError::new("connect", super::tls::describe("NATS", &e)))?;
     let context = jetstream::new(client);
     let stream = context
         .get_stream(&config.stream)

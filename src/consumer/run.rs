@@ -36,16 +36,16 @@ pub struct Context {
     pub stopping: CancellationToken,
     /// Whether the broker connection is up and consuming (`/healthz`).
     pub up: Arc<AtomicBool>,
+    /// TLS to the broker, built at start-up (`consumer::tls`).
+    pub tls: Option<Arc<rustls::ClientConfig>>,
 }
 
 /// Connects to the consumer's broker.
-async fn connect(
-    consumer: &ConsumerConfig,
-    link: &Arc<Link>,
-) -> Result<Box<dyn Source>, SourceError> {
-    match &consumer.source {
-        SourceConfig::Amqp(a) => Ok(Box::new(amqp::connect(a).await?)),
-        SourceConfig::JetStream(j) => Ok(Box::new(jetstream::connect(j, link.clone()).await?)),
+async fn connect(ctx: &Context, link: &Arc<Link>) -> Result<Box<dyn Source>, SourceError> {
+    let tls = ctx.tls.as_ref();
+    match &ctx.consumer.source {
+        SourceConfig::Amqp(a) => Ok(Box::new(amqp::connect(a, tls).await?)),
+        SourceConfig::JetStream(j) => Ok(Box::new(jetstream::connect(j, tls, link.clone()).await?)),
     }
 }
 
@@ -68,7 +68,7 @@ pub async fn run(ctx: Arc<Context>, grace: Duration) {
     let permits = Arc::new(Semaphore::new(limit.max(1)));
     loop {
         let connected = tokio::select! {
-            c = connect(&ctx.consumer, &link) => c,
+            c = connect(&ctx, &link) => c,
             _ = ctx.stopping.cancelled() => break,
         };
         let mut source = match connected {

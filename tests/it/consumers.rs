@@ -9,6 +9,7 @@ use crate::support::brokers::{
     close_idemgate_connection, rabbitmq_counts, rabbitmq_counts_on, Handler, PrivateNats,
     PrivateRabbit, TestQueue, TestStream, AMQP_URL, NATS_URL,
 };
+use crate::support::redis_tls::TestPki;
 use crate::support::services::{database_url, redis_url, require_postgres, require_redis};
 use crate::support::{
     free_port, run_to_completion, wait_for, ServeProcess, TestConfig, TestSchema,
@@ -634,6 +635,164 @@ async fn jetstream_broker_restart_loses_nothing_and_runs_nothing_twice() {
         "{log}"
     );
     drop(replica);
+    stream.delete().await;
+}
+
+// ===== TLS =====
+
+/// `jetstream(...)` with `ca_file`, and a client certificate when given.
+fn jetstream_tls(url: &str, stream: &TestStream, ca: &str, client: Option<(&str, &str)>) -> Value {
+    let mut source = jetstream(url, stream, "5s");
+    let t = source["jetstream"].as_table_mut().unwrap();
+    t.insert("ca_file".into(), s(ca));
+    if let Some((cert, key)) = client {
+        t.insert("cert_file".into(), s(cert));
+        t.insert("key_file".into(), s(key));
+    }
+    source
+}
+
+/// `amqp_at(...)` with `ca_file`, and a client certificate when given.
+fn amqp_tls(url: &str, queue: &str, ca: &str, client: Option<(&str, &str)>) -> Value {
+    let mut source = amqp_at(url, queue, 4);
+    let t = source["amqp"].as_table_mut().unwrap();
+    t.insert("ca_file".into(), s(ca));
+    if let Some((cert, key)) = client {
+        t.insert("cert_file".into(), s(cert));
+        t.insert("key_file".into(), s(key));
+    }
+    source
+}
+
+/// `amqps://` through idemgate's own TLS code, against a private RabbitMQ
+/// node with a TLS listener requiring client certificates: a CA that did
+/// not sign the node's certificate is refused with the broker and the
+/// cause named, and nothing is consumed; with the right CA and client
+/// certificate every message executes once and the queue ends empty.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqps_over_verified_tls_refuses_a_ca_that_did_not_sign_the_broker() {
+    let pki = TestPki::generate_for(&["localhost", "127.0.0.1"]);
+    let rabbit = PrivateRabbit::start_tls(&pki).await;
+    let url = rabbit.tls_url();
+    let handler = Handler::start().await;
+    // Published over the node's plain port.
+    let queue = TestQueue::on(&rabbit.url(), "idemgate_tls").await;
+    let keys: Vec<String> = (0..20).map(|i| format!("r{i}")).collect();
+    for (i, k) in keys.iter().enumerate() {
+        queue.publish(Some(k), &order(i, "")).await;
+    }
+    let dir = tempfile::TempDir::new().unwrap();
+    let (cert, key) = (pki.client_cert(), pki.client_key());
+    let client = Some((cert.as_str(), key.as_str()));
+
+    let wrong = consumer(amqp_tls(&url, &queue.name, &pki.other_ca(), client), &[]);
+    let replica = Replica::start(dir.path(), 0, &handler, wrong, Store::Sqlite).await;
+    let want = "connect: TLS handshake with RabbitMQ failed: the broker's certificate is not trusted (unknown issuer): it is not signed by the CA in source ca_file";
+    wait_for("the refused handshake to be logged", || async {
+        replica.p().log().contains(want).then_some(())
+    })
+    .await;
+    let health = replica.p().admin_get("/healthz").send().await.text();
+    assert!(health.contains("broker down"), "{health}");
+    drop(replica);
+    assert!(handler.counts().is_empty(), "{:?}", handler.counts());
+    assert_eq!(rabbitmq_counts_on(&rabbit.node, &queue.name), (20, 0));
+
+    let right = consumer(amqp_tls(&url, &queue.name, &pki.ca(), client), &[]);
+    let replica = Replica::start(dir.path(), 1, &handler, right, Store::Sqlite).await;
+    wait_executed(&handler, &keys).await;
+    wait_for("the queue to end empty, nothing unacked", || async {
+        (rabbitmq_counts_on(&rabbit.node, &queue.name) == (0, 0)).then_some(())
+    })
+    .await;
+    assert_once(&handler, &keys);
+    let log = replica.p().log();
+    assert!(!log.contains("TLS handshake"), "{log}");
+    drop(replica);
+}
+
+/// NATS over TLS through idemgate's own TLS code (`net::tls`), against a
+/// private `nats-server --tlsverify`: a CA that did not sign the server's
+/// certificate is refused with the broker and the cause named, and
+/// nothing is consumed; without a client certificate the broker refuses
+/// idemgate; with the right CA and client certificate every message
+/// executes once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_over_verified_tls_refuses_a_ca_that_did_not_sign_the_broker() {
+    let pki = TestPki::generate_for(&["localhost", "127.0.0.1"]);
+    let nats = PrivateNats::start_tls(&pki).await;
+    let url = nats.tls_url();
+    let handler = Handler::start().await;
+    let stream = TestStream::on(nats.tls_client(&pki).await, &url, "idemgate_tls").await;
+    let keys: Vec<String> = (0..20).map(|i| format!("t{i}")).collect();
+    for (i, k) in keys.iter().enumerate() {
+        stream
+            .publish(None, &[("x-order-id", k)], &order(i, ""))
+            .await;
+    }
+    let dir = tempfile::TempDir::new().unwrap();
+    let by_header = [("key", table(&[("header", s("x-order-id"))]))];
+    let (cert, key) = (pki.client_cert(), pki.client_key());
+    let client = Some((cert.as_str(), key.as_str()));
+
+    let wrong = consumer(
+        jetstream_tls(&url, &stream, &pki.other_ca(), client),
+        &by_header,
+    );
+    let replica = Replica::start(dir.path(), 0, &handler, wrong, Store::Sqlite).await;
+    let want = "connect: TLS handshake with NATS failed: the broker's certificate is not trusted (unknown issuer): it is not signed by the CA in source ca_file";
+    wait_for("the refused handshake to be logged", || async {
+        replica.p().log().contains(want).then_some(())
+    })
+    .await;
+    let health = replica.p().admin_get("/healthz").send().await.text();
+    assert!(health.contains("broker down"), "{health}");
+    drop(replica);
+
+    let no_cert = consumer(jetstream_tls(&url, &stream, &pki.ca(), None), &by_header);
+    let replica = Replica::start(dir.path(), 1, &handler, no_cert, Store::Sqlite).await;
+    let log = wait_for("the broker's refusal to be logged", || async {
+        let log = replica.p().log();
+        log.contains("broker connection lost or refused")
+            .then_some(log)
+    })
+    .await;
+    let want = "TLS handshake with NATS failed: the broker refused the client certificate";
+    assert!(log.contains(want), "{log}");
+    drop(replica);
+    assert!(handler.counts().is_empty(), "{:?}", handler.counts());
+    assert_eq!(
+        stream.consumer_counts(CONSUMER).await,
+        None,
+        "bound without TLS?"
+    );
+
+    let right = consumer(jetstream_tls(&url, &stream, &pki.ca(), client), &by_header);
+    let replica = Replica::start(dir.path(), 2, &handler, right, Store::Sqlite).await;
+    wait_executed(&handler, &keys).await;
+    wait_for("nothing pending or unacked", || async {
+        (stream.consumer_counts(CONSUMER).await == Some((0, 0))).then_some(())
+    })
+    .await;
+    assert_once(&handler, &keys);
+    let log = replica.p().log();
+    assert!(!log.contains("TLS handshake"), "{log}");
+    drop(replica);
+
+    // A CA file that cannot be read fails the start, named.
+    let missing = dir.path().join("missing-ca.pem").display().to_string();
+    let bad = consumer(jetstream_tls(&url, &stream, &missing, None), &by_header);
+    let (listen, admin) = (free_port(), free_port());
+    let path = dir.path().join("bad.toml");
+    TestConfig::new(handler.addr)
+        .listen(listen, admin)
+        .set("store.backend", "memory")
+        .set("consumer", Value::Array(vec![bad]))
+        .write(&path);
+    let run = run_to_completion(&["serve", "--config", &path.display().to_string()], &[]).await;
+    assert_ne!(run.code, 0, "{run:?}");
+    let want = format!("consumer \"{CONSUMER}\": source ca_file {missing}: ");
+    assert!(run.stderr.contains(&want), "{run:?}");
     stream.delete().await;
 }
 

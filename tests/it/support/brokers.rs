@@ -5,6 +5,7 @@
 //! `nats-server -js` a test may stop and restart; and the counting
 //! upstream the messages are delivered to.
 
+use super::redis_tls::TestPki;
 use super::serve::{server, TestServer};
 use super::{free_port, wait_for};
 use async_nats::jetstream;
@@ -371,6 +372,8 @@ pub fn close_idemgate_connection(queue: &str) {
 /// may stop and start again; the shared node is never touched.
 pub struct PrivateRabbit {
     pub port: u16,
+    /// The TLS listener's port ([`PrivateRabbit::start_tls`]).
+    pub tls_port: Option<u16>,
     pub node: String,
     dir: tempfile::TempDir,
     /// The `rabbitmq-server` script, reaped once the node stops.
@@ -379,16 +382,44 @@ pub struct PrivateRabbit {
 
 impl PrivateRabbit {
     pub async fn start() -> Self {
+        Self::start_with(None).await
+    }
+
+    /// [`PrivateRabbit::start`] with a TLS listener too (`listeners.ssl`)
+    /// presenting `pki`'s server certificate and requiring a client
+    /// certificate its CA signed (`verify_peer`, `fail_if_no_peer_cert`).
+    pub async fn start_tls(pki: &TestPki) -> Self {
+        Self::start_with(Some(pki)).await
+    }
+
+    async fn start_with(pki: Option<&TestPki>) -> Self {
         let port = free_port().port();
         let dir = tempfile::TempDir::new().unwrap();
         let path = dir.path();
         std::fs::create_dir_all(path.join("mnesia")).unwrap();
         std::fs::create_dir_all(path.join("log")).unwrap();
-        std::fs::write(
-            path.join("rabbitmq.conf"),
-            format!("listeners.tcp.local = 127.0.0.1:{port}\n"),
-        )
-        .unwrap();
+        let mut conf = format!("listeners.tcp.local = 127.0.0.1:{port}\n");
+        let tls_port = pki.map(|pki| {
+            let tls_port = free_port().port();
+            // Copied: the node runs as the rabbitmq user.
+            for file in ["ca.pem", "server.pem", "server.key"] {
+                std::fs::copy(pki.path(file), path.join(file)).unwrap();
+            }
+            let at = |file: &str| path.join(file).display().to_string();
+            conf.push_str(&format!(
+                "listeners.ssl.default = 127.0.0.1:{tls_port}\n\
+                 ssl_options.cacertfile = {}\n\
+                 ssl_options.certfile = {}\n\
+                 ssl_options.keyfile = {}\n\
+                 ssl_options.verify = verify_peer\n\
+                 ssl_options.fail_if_no_peer_cert = true\n",
+                at("ca.pem"),
+                at("server.pem"),
+                at("server.key"),
+            ));
+            tls_port
+        });
+        std::fs::write(path.join("rabbitmq.conf"), conf).unwrap();
         // rabbitmq-server run as root switches to the rabbitmq user.
         let status = Command::new("chown")
             .args(["-R", "rabbitmq"])
@@ -399,6 +430,7 @@ impl PrivateRabbit {
         let _ = Command::new("chmod").arg("755").arg(path).status();
         let mut r = Self {
             port,
+            tls_port,
             node: format!("idemgate-test-{port}@localhost"),
             dir,
             child: None,
@@ -409,6 +441,12 @@ impl PrivateRabbit {
 
     pub fn url(&self) -> String {
         format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.port)
+    }
+
+    /// `amqps://` to the TLS listener.
+    pub fn tls_url(&self) -> String {
+        let port = self.tls_port.expect("started with start_tls");
+        format!("amqps://guest:guest@127.0.0.1:{port}/%2f")
     }
 
     pub async fn up(&mut self) {
@@ -440,6 +478,14 @@ impl PrivateRabbit {
                 p.join("log").display()
             );
             tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        if let Some(tls_port) = self.tls_port {
+            wait_for("the private RabbitMQ node's TLS listener", || async move {
+                tokio::net::TcpStream::connect(("127.0.0.1", tls_port))
+                    .await
+                    .ok()
+            })
+            .await;
         }
     }
 
@@ -505,7 +551,12 @@ impl Drop for TestStream {
 
 impl TestStream {
     pub async fn new(url: &str, prefix: &str) -> Self {
-        let js = nats(url).await;
+        Self::on(nats(url).await, url, prefix).await
+    }
+
+    /// [`TestStream::new`] through `js`, a connection to `url` the test
+    /// made (TLS).
+    pub async fn on(js: jetstream::Context, url: &str, prefix: &str) -> Self {
         let name = unique(prefix).to_uppercase();
         let dead_subject = format!("{name}.dead");
         js.create_stream(jetstream::stream::Config {
@@ -614,17 +665,62 @@ pub struct PrivateNats {
     pub addr: SocketAddr,
     dir: tempfile::TempDir,
     child: Option<Child>,
+    /// TLS only, with the PKI's server certificate; clients must present
+    /// a certificate its CA signed.
+    tls: Option<NatsTls>,
+}
+
+/// The PKI's files a TLS `nats-server` is started with.
+struct NatsTls {
+    cert: String,
+    key: String,
+    ca: String,
 }
 
 impl PrivateNats {
     pub async fn start() -> Self {
+        Self::start_with(None).await
+    }
+
+    /// TLS required (`--tlsverify`: clients present a certificate `pki`'s
+    /// CA signed), with `pki`'s server certificate.
+    pub async fn start_tls(pki: &TestPki) -> Self {
+        let file = |name: &str| pki.path(name).display().to_string();
+        Self::start_with(Some(NatsTls {
+            cert: file("server.pem"),
+            key: file("server.key"),
+            ca: pki.ca(),
+        }))
+        .await
+    }
+
+    async fn start_with(tls: Option<NatsTls>) -> Self {
         let mut n = Self {
             addr: free_port(),
             dir: tempfile::TempDir::new().unwrap(),
             child: None,
+            tls,
         };
         n.up().await;
         n
+    }
+
+    /// `tls://127.0.0.1:<port>`.
+    pub fn tls_url(&self) -> String {
+        format!("tls://{}", self.addr)
+    }
+
+    /// The test's own TLS connection: `pki`'s CA and client certificate.
+    pub async fn tls_client(&self, pki: &TestPki) -> jetstream::Context {
+        let client = async_nats::ConnectOptions::new()
+            .require_tls(true)
+            .add_root_certificates(pki.path("ca.pem"))
+            .add_client_certificate(pki.path("client.pem"), pki.path("client.key"))
+            .connection_timeout(Duration::from_secs(3))
+            .connect(self.tls_url())
+            .await
+            .expect("connect to the private TLS nats-server");
+        jetstream::new(client)
     }
 
     pub fn url(&self) -> String {
@@ -636,7 +732,8 @@ impl PrivateNats {
     }
 
     pub async fn up(&mut self) {
-        let child = Command::new("nats-server")
+        let mut command = Command::new("nats-server");
+        command
             .args([
                 "-js",
                 "-a",
@@ -645,7 +742,19 @@ impl PrivateNats {
                 &self.addr.port().to_string(),
                 "-sd",
             ])
-            .arg(self.store())
+            .arg(self.store());
+        if let Some(tls) = &self.tls {
+            command.args([
+                "--tlsverify",
+                "--tlscert",
+                &tls.cert,
+                "--tlskey",
+                &tls.key,
+                "--tlscacert",
+                &tls.ca,
+            ]);
+        }
+        let child = command
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
