@@ -114,17 +114,18 @@ measure() { # name port
   read -r wc1 < <(io "$worker")
   kill "$proxy" "$master" 2>/dev/null || true
   wait "$proxy" "$master" 2>/dev/null || true
-  # stub_status counts its own requests too: one per read.
-  local reqs=$((r2 - r1 - 1))
-  echo "| $name | $((a2 - a0)) | $((a2 - a1)) | $reqs | $(awk -v r="$reqs" -v a="$((a2 - a0))" 'BEGIN { printf "%.0f", (r + 0) / (a > 0 ? a : 1) }') | $(awk -v b=$((wc1 - wc0)) -v n="$N" 'BEGIN { printf "%.1f", b / n }') |"
+  # stub_status counts its own connections and requests too: one per read
+  # (the reads after the first: a1 and a2).
+  local reqs=$((r2 - r1 - 1)) conns=$((a2 - a0 - 2)) during=$((a2 - a1 - 1))
+  echo "| $name | $conns | $during | $reqs | $(awk -v b=$((wc1 - wc0)) -v n="$N" 'BEGIN { printf "%.1f", b / n }') |"
   {
     echo "## $name: the upstream worker, per request (perf stat -p, N=$N; task-clock in µs)"
     awk -F, -v n="$N" '$1 ~ /^[0-9.]+$/ { v = $1 / n; if ($3 == "task-clock") v = $1 * 1000 / n; sub(/^syscalls:sys_enter_/, "", $3); printf "%s %.3f\n", $3, v }' "$OUT/$name.perf"
   } >>"$OUT/syscalls.txt"
 }
 
-echo "| proxy | upstream accepts (from start) | accepts during the $N | requests seen | requests per connection | bytes written per request |"
-echo "|---|---:|---:|---:|---:|---:|"
+echo "| proxy | upstream connections accepted (from the proxy's start) | accepted during the $N | requests seen | bytes written per request |"
+echo "|---|---:|---:|---:|---:|"
 measure idemgate "$ig"
 measure nginx "$nx"
 echo
