@@ -158,6 +158,8 @@ pub struct Metrics {
     registry: Registry,
     requests: Family<RequestLabels, Counter>,
     request_duration: Family<DurationLabels, Histogram>,
+    /// [`Metrics::request`]'s series, each looked up in its families once.
+    request_series: RequestSeries,
     takeovers: Family<RouteLabels, Counter>,
     lost_fences: Family<RouteLabels, Counter>,
     store_latency: Family<OpLabels, Histogram>,
@@ -178,8 +180,6 @@ pub struct Metrics {
     upstream_in_flight: Family<UpstreamLabels, Gauge>,
     tunnels: TunnelMetrics,
     sealed_unreadable: Family<ReasonLabels, Counter>,
-    /// [`Metrics::request`]'s series, each looked up in its families once.
-    request_series: RequestSeries,
 }
 
 /// The request counter and duration histogram of each kind of request
@@ -332,6 +332,7 @@ impl Metrics {
                 "Time from a request's head to its answer's head, for all traffic served (protected, replayed, refused, passed through), by route, method, status class and outcome",
                 latency_family(),
             ),
+            request_series: RequestSeries::default(),
             takeovers: add(
                 registry,
                 "lease_takeovers",
@@ -427,7 +428,6 @@ impl Metrics {
                     .set(1);
                 TunnelMetrics::register(registry)
             },
-            request_series: RequestSeries::default(),
             registry: root,
         };
         for result in ["ok", "error"] {
