@@ -8,6 +8,7 @@
 #
 #   bench/profile.sh                 # pass-through, 20000 requests
 #   MODE=replay N=5000 bench/profile.sh
+#   BIN=/path/to/old/idemgate NGINX=0 bench/profile.sh   # another build, idemgate only
 #   callgrind_annotate --inclusive=yes $OUT/idemgate.out | head -60
 #
 # Needs valgrind, nginx and h2load (nghttp2-client). Leaves the callgrind
@@ -26,8 +27,11 @@ pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; }
 trap cleanup EXIT
 
-cargo build --release --locked -q
-bin="${CARGO_TARGET_DIR:-$PWD/target}/release/idemgate"
+# BIN: an idemgate binary built elsewhere (another commit); else this checkout's.
+if [ -n "${BIN:-}" ]; then bin=$BIN; else
+  cargo build --release --locked -q
+  bin="${CARGO_TARGET_DIR:-$PWD/target}/release/idemgate"
+fi
 
 up=$(free_port); nx=$(free_port); ig=$(free_port); admin=$(free_port)
 nginx_conf() { # file, listen-and-locations
@@ -94,11 +98,13 @@ measure() { # name port command...
 
 wait_port "$up"
 a=$(measure idemgate "$ig" "$bin" serve --config "$OUT/idemgate.toml")
-b=$(measure nginx "$nx" nginx -c "$OUT/proxy.conf" -p "$OUT")
 echo
 echo "| process | instructions per request ($MODE, N=$N) |"
 echo "|---|---:|"
 echo "| ${a% *} | ${a#* } |"
-echo "| ${b% *} | ${b#* } |"
-echo "ratio idemgate / nginx: $(awk -v a="${a#* }" -v b="${b#* }" 'BEGIN { printf "%.2f", a / b }')"
+if [ "${NGINX:-1}" != 0 ]; then
+  b=$(measure nginx "$nx" nginx -c "$OUT/proxy.conf" -p "$OUT")
+  echo "| ${b% *} | ${b#* } |"
+  echo "ratio idemgate / nginx: $(awk -v a="${a#* }" -v b="${b#* }" 'BEGIN { printf "%.2f", a / b }')"
+fi
 echo "callgrind outputs: $OUT"

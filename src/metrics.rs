@@ -159,6 +159,8 @@ pub struct Metrics {
     registry: Registry,
     requests: Family<RequestLabels, Counter>,
     request_duration: Family<DurationLabels, Histogram>,
+    /// [`Metrics::request`]'s series, each looked up in its families once.
+    request_series: RequestSeries,
     takeovers: Family<RouteLabels, Counter>,
     lost_fences: Family<RouteLabels, Counter>,
     store_latency: Family<OpLabels, Histogram>,
@@ -180,6 +182,98 @@ pub struct Metrics {
     tunnels: TunnelMetrics,
     sealed_unreadable: Family<ReasonLabels, Counter>,
     consumers: consumers::ConsumerMetrics,
+}
+
+/// The request counter and duration histogram of each kind of request
+/// seen, so counting one does not look it up in two `Family`s: those hash
+/// every label (the route's text too) with SipHash under a lock, about a
+/// thousand instructions per request (bench/profile.sh). Here a key is a
+/// few words: the route's `Arc` by address (the entry holds the `Arc`, so
+/// the address is not reused while cached), the outcome, and the method
+/// and status class by the address of their `&'static str`. No key holds
+/// request data, so the hasher need not resist chosen collisions.
+#[derive(Default)]
+struct RequestSeries(std::sync::RwLock<SeriesMap>);
+
+type SeriesMap = std::collections::HashMap<
+    SeriesKey,
+    (Counter, Histogram),
+    std::hash::BuildHasherDefault<WordHasher>,
+>;
+
+/// Past this many entries the cache starts over: each reload brings new
+/// route `Arc`s, and the old ones' entries would otherwise stay.
+const REQUEST_SERIES_MAX: usize = 4096;
+
+impl RequestSeries {
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, SeriesMap> {
+        self.0.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn insert(&self, key: SeriesKey, series: (Counter, Histogram)) {
+        let mut map = self.0.write().unwrap_or_else(|e| e.into_inner());
+        if map.len() >= REQUEST_SERIES_MAX {
+            map.clear();
+        }
+        map.insert(key, series);
+    }
+}
+
+struct SeriesKey {
+    route: Arc<String>,
+    outcome: Outcome,
+    method: &'static str,
+    status_class: &'static str,
+}
+
+impl PartialEq for SeriesKey {
+    fn eq(&self, other: &Self) -> bool {
+        // Two literals with the same text at two addresses are two keys
+        // for one series: harmless.
+        Arc::ptr_eq(&self.route, &other.route)
+            && self.outcome == other.outcome
+            && std::ptr::eq(self.method, other.method)
+            && std::ptr::eq(self.status_class, other.status_class)
+    }
+}
+
+impl Eq for SeriesKey {}
+
+impl std::hash::Hash for SeriesKey {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        state.write_usize(Arc::as_ptr(&self.route) as usize);
+        state.write_usize(self.method.as_ptr() as usize);
+        state.write_usize(self.status_class.as_ptr() as usize);
+        state.write_u8(self.outcome as u8);
+    }
+}
+
+/// A multiply-rotate hash of a few machine words (the `FxHash` recipe).
+#[derive(Default)]
+struct WordHasher(u64);
+
+impl std::hash::Hasher for WordHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.write_u64(u64::from(*b));
+        }
+    }
+
+    fn write_u8(&mut self, n: u8) {
+        self.write_u64(u64::from(n));
+    }
+
+    fn write_usize(&mut self, n: usize) {
+        self.write_u64(n as u64);
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
 }
 
 /// `"2xx"` and so on; anything outside 100..=599 is `"other"`.
@@ -240,6 +334,7 @@ impl Metrics {
                 "Time from a request's head to its answer's head, for all traffic served (protected, replayed, refused, passed through), by route, method, status class and outcome",
                 latency_family(),
             ),
+            request_series: RequestSeries::default(),
             takeovers: add(
                 registry,
                 "lease_takeovers",
@@ -404,21 +499,38 @@ impl Metrics {
     }
 
     pub fn request(&self, r: RequestSample<'_>) {
-        let outcome = r.outcome.as_str();
-        self.requests
+        let key = SeriesKey {
+            route: r.route.clone(),
+            outcome: r.outcome,
+            method: r.method,
+            status_class: status_class(r.status),
+        };
+        let took = r.took.as_secs_f64();
+        if let Some((count, duration)) = self.request_series.read().get(&key) {
+            count.inc();
+            duration.observe(took);
+            return;
+        }
+        let outcome = key.outcome.as_str();
+        let count = self
+            .requests
             .get_or_create(&RequestLabels {
-                route: r.route.clone(),
+                route: key.route.clone(),
                 outcome,
             })
-            .inc();
-        self.request_duration
+            .clone();
+        let duration = self
+            .request_duration
             .get_or_create(&DurationLabels {
-                route: r.route.clone(),
-                method: r.method,
-                status_class: status_class(r.status),
+                route: key.route.clone(),
+                method: key.method,
+                status_class: key.status_class,
                 outcome,
             })
-            .observe(r.took.as_secs_f64());
+            .clone();
+        count.inc();
+        duration.observe(took);
+        self.request_series.insert(key, (count, duration));
     }
 
     /// Creates every route's series at zero, so dashboards and "absent"
@@ -620,6 +732,46 @@ mod tests {
             assert!(text.contains(line), "{line}\n{text}");
         }
         assert_eq!(m.request_count("/orders", Outcome::Replayed), 3);
+    }
+
+    /// The cached series are the families' own: a second route `Arc` with
+    /// the same text (a reload's) counts into the same series, and a full
+    /// cache starting over loses no count.
+    #[test]
+    fn cached_request_series_are_the_families_series() {
+        let m = Metrics::new();
+        let first = Arc::new("/orders".to_string());
+        let reloaded = Arc::new("/orders".to_string());
+        for route in [&first, &reloaded, &first] {
+            m.request(RequestSample {
+                route,
+                outcome: Outcome::Forwarded,
+                method: "POST",
+                status: 201,
+                took: Duration::from_millis(1),
+            });
+        }
+        assert_eq!(m.request_count("/orders", Outcome::Forwarded), 3);
+        for i in 0..REQUEST_SERIES_MAX + 1 {
+            let route = Arc::new(format!("/r{}", i % 3));
+            m.request(RequestSample {
+                route: &route,
+                outcome: Outcome::Passthrough,
+                method: "GET",
+                status: 200,
+                took: Duration::from_millis(1),
+            });
+        }
+        let counted: u64 = (0..3)
+            .map(|i| m.request_count(&format!("/r{i}"), Outcome::Passthrough))
+            .sum();
+        assert_eq!(counted, REQUEST_SERIES_MAX as u64 + 1);
+        assert!(m.request_series.read().len() <= REQUEST_SERIES_MAX);
+        let text = m.encode();
+        assert!(
+            text.contains(r#"idemgate_request_duration_seconds_count{route="/orders",method="POST",status_class="2xx",outcome="forwarded"} 3"#),
+            "{text}"
+        );
     }
 
     /// The operations series are there from the start; process_* keep

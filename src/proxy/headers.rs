@@ -27,21 +27,41 @@ fn is_hop_by_hop(name: &str) -> bool {
     HOP_BY_HOP.iter().any(|h| h.eq_ignore_ascii_case(name))
 }
 
+/// [`is_hop_by_hop`] for a parsed name: the standard ones compare as
+/// their tag, the two others as lowercase text (a `HeaderName` is always
+/// lowercase), instead of nine case-insensitive comparisons per field.
+fn is_hop_by_hop_name(name: &HeaderName) -> bool {
+    name == header::CONNECTION
+        || name == header::TE
+        || name == header::TRAILER
+        || name == header::TRANSFER_ENCODING
+        || name == header::UPGRADE
+        || name == header::PROXY_AUTHENTICATE
+        || name == header::PROXY_AUTHORIZATION
+        || matches!(name.as_str(), "keep-alive" | "proxy-connection")
+}
+
 /// Removes hop-by-hop headers, including those the `Connection` header names.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    // Only the names present are removed, found in one pass: most messages
-    // carry none, or just `Connection: keep-alive`, and a hashed removal of
-    // every hop-by-hop name cost more than the rest of the rewrite.
-    let mut doomed: Vec<HeaderName> = list_items(headers, header::CONNECTION)
-        .filter(|t| !is_hop_by_hop(t))
-        .filter_map(|t| HeaderName::from_bytes(t.as_bytes()).ok())
-        .collect();
-    doomed.extend(
-        headers
-            .keys()
-            .filter(|name| is_hop_by_hop(name.as_str()))
-            .cloned(),
-    );
+    // Only the names present are removed, found in one pass over the
+    // names: most messages carry none, or just `Connection: keep-alive`,
+    // and a hashed removal (or lookup) of every hop-by-hop name cost more
+    // than the rest of the rewrite. `Connection` is read only when present.
+    let mut doomed: Vec<HeaderName> = Vec::new();
+    let mut connection = false;
+    for name in headers.keys() {
+        if is_hop_by_hop_name(name) {
+            connection |= name == header::CONNECTION;
+            doomed.push(name.clone());
+        }
+    }
+    if connection {
+        doomed.extend(
+            list_items(headers, header::CONNECTION)
+                .filter(|t| !is_hop_by_hop(t))
+                .filter_map(|t| HeaderName::from_bytes(t.as_bytes()).ok()),
+        );
+    }
     for name in doomed {
         headers.remove(name);
     }
@@ -211,6 +231,32 @@ mod tests {
         strip_hop_by_hop(&mut h);
         assert_eq!(h.len(), 1, "{h:?}");
         assert!(h.contains_key("x-kept"));
+    }
+
+    #[test]
+    fn a_parsed_name_is_hop_by_hop_exactly_when_its_text_is() {
+        let names = HOP_BY_HOP.iter().copied().chain([
+            "Keep-Alive",
+            "PROXY-CONNECTION",
+            "Transfer-Encoding",
+            "x-kept",
+            "content-length",
+            "keep-alive-x",
+            "proxy-connections",
+            "tea",
+        ]);
+        for text in names {
+            let name = HeaderName::from_bytes(text.as_bytes()).unwrap();
+            assert_eq!(is_hop_by_hop_name(&name), is_hop_by_hop(text), "{text}");
+        }
+        // Every hop-by-hop field gone with no `Connection` at all.
+        let mut h = HeaderMap::new();
+        for text in HOP_BY_HOP.iter().filter(|t| **t != "connection") {
+            h.insert(HeaderName::from_static(text), "1".parse().unwrap());
+        }
+        h.insert("x-kept", "1".parse().unwrap());
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h.len(), 1, "{h:?}");
     }
 
     #[test]
