@@ -578,6 +578,121 @@ async fn jetstream_fates_follow_the_table() {
     stream.delete().await;
 }
 
+/// A dead letter is a copy of its own (review H1): the original's
+/// `Nats-*` headers are not copied (its `Nats-Expected-Stream` made every
+/// dead-letter publish fail, so the message was never termed; its
+/// `Nats-Msg-Id` made the dead-letter stream drop a second dead letter of
+/// the same id within its duplicate window), the original id is carried
+/// as `Idemgate-Original-Msg-Id`, and the copy's id is the delivery's
+/// stream and sequence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_dead_letters_drop_the_originals_nats_headers() {
+    let handler = Handler::start().await;
+    // The consumed stream forgets ids after 1 s, so the same id can be
+    // published again; the dead-letter stream keeps the default 2 min.
+    let stream = TestStream::with_window(NATS_URL, "idemgate_dlh", Duration::from_secs(1)).await;
+    let dir = tempfile::TempDir::new().unwrap();
+    let c = consumer(
+        jetstream(NATS_URL, &stream, "5s"),
+        &[("key", table(&[("header", s("x-order-id"))]))],
+    );
+    let replica = Replica::start(dir.path(), 0, &handler, c, Store::Memory).await;
+    let expected = stream.name.clone();
+    let first = [
+        ("x-order-id", "k422"),
+        ("Nats-Expected-Stream", expected.as_str()),
+    ];
+    stream
+        .publish(Some("order-1"), &first, r#"{"plan":[422]}"#)
+        .await;
+    wait_for("the 422 to be dead-lettered", || async {
+        (replica
+            .counter("messages_dead_lettered_total", Some("rejected"))
+            .await
+            == 1)
+            .then_some(())
+    })
+    .await;
+    // Past the consumed stream's window: the same id is stored again and
+    // is dead-lettered from the record (inside the dead-letter stream's
+    // window).
+    wait_for("the consumed stream to store order-1 again", || async {
+        let mut h = async_nats::HeaderMap::new();
+        h.insert("Nats-Msg-Id", "order-1");
+        h.insert("x-order-id", "k422");
+        let subject = format!("{}.in", stream.name);
+        let body = bytes::Bytes::from_static(br#"{"plan":[422]}"#);
+        let ack = stream.js.publish_with_headers(subject, h, body).await;
+        let ack = ack.unwrap().await.unwrap();
+        if ack.duplicate {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            return None;
+        }
+        Some(())
+    })
+    .await;
+    wait_for("both dead-lettered and nothing unacked", || async {
+        let n = replica
+            .counter("messages_dead_lettered_total", Some("rejected"))
+            .await;
+        (n == 2 && stream.consumer_counts(CONSUMER).await == Some((0, 0))).then_some(())
+    })
+    .await;
+    assert_eq!(handler.runs("k422"), [422]);
+    let dead = stream.dead_letter_headers().await;
+    let h = |pairs: &[(&str, String)]| -> Vec<(String, String)> {
+        let mut v: Vec<(String, String)> = pairs
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.clone()))
+            .collect();
+        v.sort();
+        v
+    };
+    let copy = |seq: u64| {
+        h(&[
+            ("Idemgate-Dead-Letter-Reason", "rejected".into()),
+            ("Idemgate-Original-Msg-Id", "order-1".into()),
+            ("Nats-Msg-Id", format!("idemgate-dl-{}-{seq}", stream.name)),
+            ("x-order-id", "k422".into()),
+        ])
+    };
+    assert_eq!(dead, [copy(1), copy(2)]);
+    drop(replica);
+    stream.delete().await;
+}
+
+/// A `dead_letter_subject` the consumed stream captures would bring each
+/// dead letter back as a new message (a loop): the consumer refuses to
+/// consume, names itself and the setting, and creates no durable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_dead_letter_subject_inside_the_consumed_stream_is_refused() {
+    let handler = Handler::start().await;
+    let stream = TestStream::new(NATS_URL, "idemgate_dlloop").await;
+    let dir = tempfile::TempDir::new().unwrap();
+    let mut source = jetstream(NATS_URL, &stream, "5s");
+    source["jetstream"]["dead_letter_subject"] = s(&format!("{}.in", stream.name));
+    let c = consumer(source, &[("key", table(&[("header", s("x-order-id"))]))]);
+    let replica = Replica::start(dir.path(), 0, &handler, c, Store::Memory).await;
+    stream
+        .publish(None, &[("x-order-id", "k1")], r#"{"plan":[201]}"#)
+        .await;
+    wait_for("the refusal in the log", || async {
+        let log = replica.p().log();
+        log.lines()
+            .find(|l| {
+                l.contains("refusing to consume")
+                    && l.contains("dead_letter_subject")
+                    && l.contains(CONSUMER)
+            })
+            .map(drop)
+    })
+    .await;
+    assert!(handler.counts().is_empty());
+    assert_eq!(stream.consumer_counts(CONSUMER).await, None);
+    drop(replica);
+    stream.delete().await;
+}
+
 /// A private nats-server stopped and started again mid-run: the consumer
 /// shows the outage (metric, `/healthz`), reconnects, and every message
 /// executes once.

@@ -505,12 +505,18 @@ impl Drop for TestStream {
 
 impl TestStream {
     pub async fn new(url: &str, prefix: &str) -> Self {
+        Self::with_window(url, prefix, Duration::ZERO).await
+    }
+
+    /// With the consumed stream's duplicate window (zero: the default).
+    pub async fn with_window(url: &str, prefix: &str, duplicate_window: Duration) -> Self {
         let js = nats(url).await;
         let name = unique(prefix).to_uppercase();
         let dead_subject = format!("{name}.dead");
         js.create_stream(jetstream::stream::Config {
             name: name.clone(),
             subjects: vec![format!("{name}.in")],
+            duplicate_window,
             ..Default::default()
         })
         .await
@@ -565,6 +571,39 @@ impl TestStream {
         let mut c: jetstream::consumer::PullConsumer = stream.get_consumer(durable).await.ok()?;
         let info = c.info().await.ok()?;
         Some((info.num_pending, info.num_ack_pending))
+    }
+
+    /// The dead letters' headers (name, value), in stream order.
+    pub async fn dead_letter_headers(&self) -> Vec<Vec<(String, String)>> {
+        let stream = self
+            .js
+            .get_stream(format!("{}_DLQ", self.name))
+            .await
+            .unwrap();
+        let c: jetstream::consumer::PullConsumer = stream
+            .create_consumer(jetstream::consumer::pull::Config::default())
+            .await
+            .unwrap();
+        let mut out = Vec::new();
+        let mut batch = c
+            .fetch()
+            .max_messages(1000)
+            .expires(Duration::from_millis(500))
+            .messages()
+            .await
+            .unwrap();
+        while let Some(Ok(m)) = batch.next().await {
+            let mut h: Vec<(String, String)> = Vec::new();
+            for (n, vs) in m.message.headers.iter().flat_map(|h| h.iter()) {
+                for v in vs {
+                    h.push((n.to_string(), v.as_str().to_string()));
+                }
+            }
+            h.sort();
+            out.push(h);
+            let _ = m.ack().await;
+        }
+        out
     }
 
     /// The dead letters' reasons by key header (`x-order-id`, else body).
