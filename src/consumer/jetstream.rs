@@ -1,6 +1,7 @@
 //! NATS JetStream (`async-nats`): a durable pull consumer on the stream,
 //! bound to when it exists and created (explicit acks, `ack_wait`,
-//! `max_ack_pending`) when it does not.
+//! `max_ack_pending`) when it does not. An existing one is refused unless
+//! it has explicit acks, no `max_deliver` limit and `ack_wait` >= 1 s.
 //!
 //! - ack: a confirmed double ack (`AckSync`), so the runner knows it landed.
 //! - dead-letter: the message, its headers without the `Nats-*` ones and
@@ -28,6 +29,8 @@ use std::time::Duration;
 
 /// How long a connect may take before the runner backs off and retries.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// The shortest `ack_wait` of a durable bound to (as in the config).
+const MIN_ACK_WAIT: Duration = Duration::from_secs(1);
 pub const REASON_HEADER: &str = "Idemgate-Dead-Letter-Reason";
 pub const ORIGINAL_ID_HEADER: &str = "Idemgate-Original-Msg-Id";
 
@@ -81,7 +84,14 @@ pub async fn connect(config: &JetStreamSource, link: Arc<Link>) -> Result<JetStr
         )
         .await
         .map_err(|e| SourceError::new("bind the durable consumer", e))?;
-    let ack_wait = consumer.cached_info().config.ack_wait;
+    let bound = &consumer.cached_info().config;
+    check_durable(bound).map_err(|e| {
+        SourceError(format!(
+            "refusing to consume: the durable {:?} of stream {:?} {e}; delete it (idemgate creates it right) or fix it",
+            config.durable, config.stream
+        ))
+    })?;
+    let ack_wait = bound.ack_wait;
     let messages = consumer
         .messages()
         .await
@@ -106,7 +116,9 @@ impl Source for JetStream {
                 Ok(Box::new(JsDelivery {
                     m,
                     msg,
-                    progress_every: self.ack_wait / 2,
+                    // Never zero (`interval_at` panics on it), whatever
+                    // the durable says.
+                    progress_every: (self.ack_wait / 2).max(Duration::from_millis(100)),
                     dead_letter_subject: self.dead_letter_subject.clone(),
                     context: self.context.clone(),
                 }))
@@ -231,6 +243,37 @@ impl Delivery for JsDelivery {
     }
 }
 
+/// An existing durable is bound as it is, so it must be one idemgate can
+/// keep its promises with:
+/// - explicit acks (`all` would ack a held or nak'd earlier message with a
+///   later one's ack; `none` loses a message on a crash);
+/// - no `max_deliver` limit: the server drops a message silently after so
+///   many deliveries, the uncounted ones (its key in flight elsewhere)
+///   included, with no dead letter; `max_attempts` is idemgate's limit;
+/// - `ack_wait` of at least a second (`+WPI` goes every half of it).
+fn check_durable(c: &jetstream::consumer::Config) -> Result<(), String> {
+    use jetstream::consumer::AckPolicy;
+    if c.ack_policy != AckPolicy::Explicit {
+        return Err(format!(
+            "has ack_policy {:?}; idemgate needs explicit acks",
+            c.ack_policy
+        ));
+    }
+    if c.max_deliver > 0 {
+        return Err(format!(
+            "has max_deliver {}; idemgate needs it unlimited (-1): the server would drop a message silently after that many deliveries, with no dead letter (max_attempts is idemgate's limit)",
+            c.max_deliver
+        ));
+    }
+    if c.ack_wait < MIN_ACK_WAIT {
+        return Err(format!(
+            "has ack_wait {:?}; idemgate needs at least {MIN_ACK_WAIT:?}",
+            c.ack_wait
+        ));
+    }
+    Ok(())
+}
+
 /// The dead-letter copy's headers: the original's without `Nats-*` (its
 /// `Nats-Msg-Id` would dedupe the copy away, `Nats-Expected-*` would fail
 /// every publish, `Nats-Rollup` would purge earlier dead letters), its
@@ -308,6 +351,69 @@ mod tests {
         ];
         for (p, s, want) in table {
             assert_eq!(subject_matches(p, s), want, "{p} {s}");
+        }
+    }
+
+    #[test]
+    fn a_durable_idemgate_cannot_keep_its_promises_with_is_refused() {
+        use jetstream::consumer::{AckPolicy, Config};
+        let ok = Config {
+            ack_policy: AckPolicy::Explicit,
+            ack_wait: Duration::from_secs(30),
+            max_deliver: -1,
+            ..Default::default()
+        };
+        let cases: [(Config, Option<&str>); 7] = [
+            (ok.clone(), None),
+            (
+                Config {
+                    max_deliver: 0,
+                    ..ok.clone()
+                },
+                None,
+            ),
+            (
+                Config {
+                    ack_policy: AckPolicy::All,
+                    ..ok.clone()
+                },
+                Some("ack_policy All"),
+            ),
+            (
+                Config {
+                    ack_policy: AckPolicy::None,
+                    ..ok.clone()
+                },
+                Some("ack_policy None"),
+            ),
+            (
+                Config {
+                    max_deliver: 1000,
+                    ..ok.clone()
+                },
+                Some("max_deliver 1000"),
+            ),
+            (
+                Config {
+                    ack_wait: Duration::from_nanos(1),
+                    ..ok.clone()
+                },
+                Some("ack_wait 1ns"),
+            ),
+            (
+                Config {
+                    ack_wait: Duration::from_millis(999),
+                    ..ok.clone()
+                },
+                Some("ack_wait 999ms"),
+            ),
+        ];
+        for (c, want) in cases {
+            match (check_durable(&c), want) {
+                (Ok(()), None) => {}
+                (Err(e), Some(w)) => assert!(e.contains(w), "{e} lacks {w}"),
+                (got, want) => panic!("{got:?} for {want:?}"),
+            }
         }
     }
 

@@ -693,6 +693,83 @@ async fn jetstream_dead_letter_subject_inside_the_consumed_stream_is_refused() {
     stream.delete().await;
 }
 
+/// An existing durable is bound as it is (review M3), so one idemgate
+/// cannot keep its promises with is refused, naming the setting: acks
+/// other than explicit, a `max_deliver` limit (the server drops a message
+/// silently after it), an `ack_wait` under 1 s (it made `+WPI`'s interval
+/// zero, which panics). Nothing is consumed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_an_existing_durable_with_wrong_settings_is_refused() {
+    use async_nats::jetstream::consumer::{pull, AckPolicy};
+    let handler = Handler::start().await;
+    let ok = pull::Config {
+        durable_name: Some(CONSUMER.to_string()),
+        ack_policy: AckPolicy::Explicit,
+        ack_wait: Duration::from_secs(5),
+        ..Default::default()
+    };
+    let cases = [
+        (
+            pull::Config {
+                ack_policy: AckPolicy::All,
+                ..ok.clone()
+            },
+            "ack_policy All",
+        ),
+        (
+            pull::Config {
+                max_deliver: 5,
+                ..ok.clone()
+            },
+            "max_deliver 5",
+        ),
+        (
+            pull::Config {
+                ack_wait: Duration::from_nanos(1),
+                ..ok.clone()
+            },
+            "ack_wait 1ns",
+        ),
+    ];
+    for (durable, want) in cases {
+        let stream = TestStream::new(NATS_URL, "idemgate_durable").await;
+        stream
+            .js
+            .get_stream(&stream.name)
+            .await
+            .unwrap()
+            .create_consumer(durable)
+            .await
+            .unwrap();
+        let dir = tempfile::TempDir::new().unwrap();
+        let c = consumer(
+            jetstream(NATS_URL, &stream, "5s"),
+            &[("key", table(&[("header", s("x-order-id"))]))],
+        );
+        let mut replica = Replica::start(dir.path(), 0, &handler, c, Store::Memory).await;
+        stream
+            .publish(None, &[("x-order-id", "k1")], r#"{"plan":[201]}"#)
+            .await;
+        wait_for("the refusal in the log", || async {
+            let log = replica.p().log();
+            log.lines()
+                .find(|l| {
+                    l.contains("refusing to consume") && l.contains(want) && l.contains(CONSUMER)
+                })
+                .map(drop)
+        })
+        .await;
+        replica.kill();
+        assert!(handler.counts().is_empty(), "{want}");
+        assert_eq!(
+            stream.consumer_counts(CONSUMER).await,
+            Some((1, 0)),
+            "{want}"
+        );
+        stream.delete().await;
+    }
+}
+
 /// A private nats-server stopped and started again mid-run: the consumer
 /// shows the outage (metric, `/healthz`), reconnects, and every message
 /// executes once.
