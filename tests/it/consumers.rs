@@ -445,6 +445,58 @@ async fn amqp_broker_restart_loses_nothing_and_runs_nothing_twice() {
     drop(replica);
 }
 
+/// The retry copy does not keep the original's `x-delivery-count` (review
+/// M2): a message carrying one (as a quorum queue's redelivery does) had it
+/// added to the copy's attempt number again, so it was dead-lettered as
+/// `exhausted` attempts early. Its `user_id` is dropped too (checked in the
+/// unit test: here idemgate and the producer are the same user).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_retry_copy_drops_the_stale_delivery_count() {
+    use lapin::types::{AMQPValue, FieldTable, ShortString};
+    let handler = Handler::start().await;
+    let queue = TestQueue::new("idemgate_copy").await;
+    let dir = tempfile::TempDir::new().unwrap();
+    let c = consumer(amqp(&queue.name, 4), &[("max_attempts", Value::Integer(4))]);
+    let replica = Replica::start(dir.path(), 0, &handler, c, Store::Memory).await;
+    let mut headers = FieldTable::default();
+    headers.insert(ShortString::from("x-delivery-count"), AMQPValue::LongInt(1));
+    let props = lapin::BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_content_type(ShortString::from("application/json"))
+        .with_message_id(ShortString::from("m1"))
+        .with_user_id(ShortString::from("guest"))
+        .with_headers(headers);
+    queue
+        .channel
+        .basic_publish(
+            ShortString::from(""),
+            ShortString::from(queue.name.clone()),
+            lapin::options::BasicPublishOptions::default(),
+            br#"{"plan":[503,503,201]}"#,
+            props,
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    wait_for("m1 to settle", || async {
+        let runs = handler.runs("m1");
+        let dead = replica
+            .counter("messages_dead_lettered_total", Some("exhausted"))
+            .await;
+        (runs.last() == Some(&201) || dead > 0).then_some(())
+    })
+    .await;
+    assert_eq!(handler.runs("m1"), [503, 503, 201]);
+    wait_for("the queue to be empty", || async {
+        (rabbitmq_counts(&queue.name) == (0, 0)).then_some(())
+    })
+    .await;
+    assert!(queue.drain_dead_letters().await.is_empty());
+    drop(replica);
+    queue.delete().await;
+}
+
 // ===== NATS JetStream =====
 
 /// 200 messages and 50 duplicates (the same `x-order-id`, another
