@@ -505,18 +505,12 @@ impl Drop for TestStream {
 
 impl TestStream {
     pub async fn new(url: &str, prefix: &str) -> Self {
-        Self::with_window(url, prefix, Duration::ZERO).await
-    }
-
-    /// With the consumed stream's duplicate window (zero: the default).
-    pub async fn with_window(url: &str, prefix: &str, duplicate_window: Duration) -> Self {
         let js = nats(url).await;
         let name = unique(prefix).to_uppercase();
         let dead_subject = format!("{name}.dead");
         js.create_stream(jetstream::stream::Config {
             name: name.clone(),
             subjects: vec![format!("{name}.in")],
-            duplicate_window,
             ..Default::default()
         })
         .await
@@ -534,6 +528,16 @@ impl TestStream {
             js,
             url: url.to_string(),
         }
+    }
+
+    /// With the consumed stream's duplicate window set to `window`.
+    pub async fn with_window(url: &str, prefix: &str, window: Duration) -> Self {
+        let this = Self::new(url, prefix).await;
+        let mut stream = this.js.get_stream(&this.name).await.unwrap();
+        let mut config = stream.info().await.unwrap().config.clone();
+        config.duplicate_window = window;
+        this.js.update_stream(config).await.unwrap();
+        this
     }
 
     /// The same streams through a new connection (after a broker restart).
