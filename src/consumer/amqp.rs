@@ -10,7 +10,9 @@
 //! - retry: AMQP has no delayed negative ack, so the core holds the
 //!   delivery for the backoff; then a copy with `x-idemgate-attempts` set
 //!   to the next attempt is published to the queue (default exchange,
-//!   confirmed) and the original acked. A crash between the two leaves
+//!   confirmed) and the original acked. The copy keeps the original's
+//!   properties and headers except `user_id` and `x-delivery-count`.
+//!   A crash between the two leaves
 //!   both: the same key, so one runs. Should the publish fail, the
 //!   original is requeued (`basic.nack`) instead.
 //! - attempt: `x-idemgate-attempts` (1 on a first delivery) plus a quorum
@@ -242,6 +244,51 @@ fn message(properties: &BasicProperties, data: &[u8]) -> Message {
     }
 }
 
+/// The headers a retry copy does not keep: a quorum queue's
+/// `x-delivery-count` counts the original's redeliveries, and would be
+/// added to the copy's own attempt number again and again.
+const NOT_COPIED: &[&str] = &["x-delivery-count"];
+
+/// The retry copy's properties: the original's, with `x-idemgate-attempts`
+/// set to `next_attempt`, without [`NOT_COPIED`] headers and without
+/// `user_id` (RabbitMQ checks it against the publishing connection's user:
+/// a message another user published would fail the copy's publish and
+/// close the publish channel).
+fn retry_properties(p: &BasicProperties, next_attempt: u32) -> BasicProperties {
+    let mut headers = FieldTable::default();
+    for (name, value) in p.headers().iter().flat_map(|t| t.inner()) {
+        if !NOT_COPIED.contains(&name.as_str()) {
+            headers.insert(name.clone(), value.clone());
+        }
+    }
+    headers.insert(
+        ShortString::from(ATTEMPTS_HEADER),
+        AMQPValue::LongLongInt(i64::from(next_attempt)),
+    );
+    let mut out = BasicProperties::default().with_headers(headers);
+    macro_rules! keep {
+        ($($get:ident => $set:ident),*) => {$(
+            if let Some(v) = p.$get() {
+                out = out.$set(v.clone());
+            }
+        )*};
+    }
+    keep!(content_type => with_content_type, content_encoding => with_content_encoding,
+        correlation_id => with_correlation_id, reply_to => with_reply_to,
+        expiration => with_expiration, message_id => with_message_id,
+        kind => with_type, app_id => with_app_id, cluster_id => with_cluster_id);
+    if let Some(v) = *p.delivery_mode() {
+        out = out.with_delivery_mode(v);
+    }
+    if let Some(v) = *p.priority() {
+        out = out.with_priority(v);
+    }
+    if let Some(v) = *p.timestamp() {
+        out = out.with_timestamp(v);
+    }
+    out
+}
+
 struct AmqpDelivery {
     delivery: lapin::message::Delivery,
     msg: Message,
@@ -274,17 +321,7 @@ impl Delivery for AmqpDelivery {
     }
 
     async fn retry_later(&self, _delay: Duration, next_attempt: u32) -> Result<(), SourceError> {
-        let mut headers = self
-            .delivery
-            .properties
-            .headers()
-            .clone()
-            .unwrap_or_default();
-        headers.insert(
-            ShortString::from(ATTEMPTS_HEADER),
-            AMQPValue::LongLongInt(i64::from(next_attempt)),
-        );
-        let properties = self.delivery.properties.clone().with_headers(headers);
+        let properties = retry_properties(&self.delivery.properties, next_attempt);
         let published = async {
             let confirm = self
                 .publish
@@ -324,5 +361,57 @@ impl Delivery for AmqpDelivery {
 
     async fn progress(&self) -> Result<(), SourceError> {
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_retry_copy_drops_user_id_and_the_stale_delivery_count() {
+        let mut h = FieldTable::default();
+        h.insert("x-delivery-count".into(), AMQPValue::LongInt(3));
+        h.insert(ATTEMPTS_HEADER.into(), AMQPValue::LongLongInt(2));
+        h.insert("x-order-id".into(), AMQPValue::LongString("k1".into()));
+        let original = BasicProperties::default()
+            .with_headers(h)
+            .with_user_id("someone-else".into())
+            .with_message_id("m1".into())
+            .with_content_type("application/json".into())
+            .with_delivery_mode(2)
+            .with_priority(5)
+            .with_timestamp(7)
+            .with_type("order".into())
+            .with_app_id("shop".into())
+            .with_correlation_id("c".into())
+            .with_reply_to("r".into())
+            .with_expiration("60000".into())
+            .with_content_encoding("gzip".into())
+            .with_cluster_id("x".into());
+        let copy = retry_properties(&original, 4);
+        assert_eq!(copy.user_id(), &None);
+        let mut want = FieldTable::default();
+        want.insert(ATTEMPTS_HEADER.into(), AMQPValue::LongLongInt(4));
+        want.insert("x-order-id".into(), AMQPValue::LongString("k1".into()));
+        assert_eq!(copy.headers(), &Some(want.clone()));
+        // Everything else is kept.
+        let expected = BasicProperties::default()
+            .with_headers(want)
+            .with_message_id("m1".into())
+            .with_content_type("application/json".into())
+            .with_delivery_mode(2)
+            .with_priority(5)
+            .with_timestamp(7)
+            .with_type("order".into())
+            .with_app_id("shop".into())
+            .with_correlation_id("c".into())
+            .with_reply_to("r".into())
+            .with_expiration("60000".into())
+            .with_content_encoding("gzip".into())
+            .with_cluster_id("x".into());
+        assert_eq!(copy, expected);
+        let m = message(&copy, b"{}");
+        assert_eq!(m.attempt, 4);
     }
 }

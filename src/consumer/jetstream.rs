@@ -1,11 +1,17 @@
 //! NATS JetStream (`async-nats`): a durable pull consumer on the stream,
 //! bound to when it exists and created (explicit acks, `ack_wait`,
-//! `max_ack_pending`) when it does not.
+//! `max_ack_pending`) when it does not. An existing one is refused unless
+//! it has explicit acks, no `max_deliver` limit and `ack_wait` >= 1 s.
 //!
 //! - ack: a confirmed double ack (`AckSync`), so the runner knows it landed.
-//! - dead-letter: the message, its headers and `Idemgate-Dead-Letter-Reason`
-//!   published (confirmed) to `dead_letter_subject` when one is set (a
-//!   stream must capture that subject), then `+TERM`.
+//! - dead-letter: the message, its headers without the `Nats-*` ones and
+//!   `Idemgate-Dead-Letter-Reason` published (confirmed) to
+//!   `dead_letter_subject` when one is set (a stream other than the
+//!   consumed one must capture that subject), then a confirmed `+TERM`.
+//!   The copy's `Nats-Msg-Id` is `idemgate-dl-<stream>-<sequence>` (one
+//!   delivery dead-lettered twice is stored once); the original's is kept
+//!   as `Idemgate-Original-Msg-Id`. A `duplicate` answer for that id is an
+//!   error (the copy may not be stored), so the message is not termed.
 //! - retry: `-NAK` with the delay; the broker redelivers it then.
 //! - progress: `+WPI` every half of `ack_wait` while the upstream runs.
 //! - attempt: the broker's `num_delivered` for the message (kept by the
@@ -23,7 +29,10 @@ use std::time::Duration;
 
 /// How long a connect may take before the runner backs off and retries.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// The shortest `ack_wait` of a durable bound to (as in the config).
+const MIN_ACK_WAIT: Duration = Duration::from_secs(1);
 pub const REASON_HEADER: &str = "Idemgate-Dead-Letter-Reason";
+pub const ORIGINAL_ID_HEADER: &str = "Idemgate-Original-Msg-Id";
 
 pub struct JetStream {
     messages: Option<pull::Stream>,
@@ -66,6 +75,15 @@ pub async fn connect(
         .get_stream(&config.stream)
         .await
         .map_err(|e| SourceError::new("get the stream", e))?;
+    if let Some(dl) = &config.dead_letter_subject {
+        let subjects = &stream.cached_info().config.subjects;
+        if let Some(s) = subjects.iter().find(|s| subject_matches(s, dl)) {
+            return Err(SourceError(format!(
+                "refusing to consume: dead_letter_subject {dl:?} is captured by the consumed stream {:?} (subject {s:?}), so dead letters would come back as new messages; capture it in another stream",
+                config.stream
+            )));
+        }
+    }
     let consumer: jetstream::consumer::PullConsumer = stream
         .get_or_create_consumer(
             &config.durable,
@@ -79,7 +97,14 @@ pub async fn connect(
         )
         .await
         .map_err(|e| SourceError::new("bind the durable consumer", e))?;
-    let ack_wait = consumer.cached_info().config.ack_wait;
+    let bound = &consumer.cached_info().config;
+    check_durable(bound).map_err(|e| {
+        SourceError(format!(
+            "refusing to consume: the durable {:?} of stream {:?} {e}; delete it (idemgate creates it right) or fix it",
+            config.durable, config.stream
+        ))
+    })?;
+    let ack_wait = bound.ack_wait;
     let messages = consumer
         .messages()
         .await
@@ -104,7 +129,9 @@ impl Source for JetStream {
                 Ok(Box::new(JsDelivery {
                     m,
                     msg,
-                    progress_every: self.ack_wait / 2,
+                    // Never zero (`interval_at` panics on it), whatever
+                    // the durable says.
+                    progress_every: (self.ack_wait / 2).max(Duration::from_millis(100)),
                     dead_letter_subject: self.dead_letter_subject.clone(),
                     context: self.context.clone(),
                 }))
@@ -175,17 +202,35 @@ impl Delivery for JsDelivery {
 
     async fn dead_letter(&self, reason: Reason) -> Result<(), SourceError> {
         if let Some(subject) = &self.dead_letter_subject {
-            let mut headers = self.m.message.headers.clone().unwrap_or_default();
-            headers.insert(REASON_HEADER, reason.as_str());
+            let info = self
+                .m
+                .info()
+                .map_err(|e| SourceError::new("message metadata", e))?;
+            let headers = dead_letter_headers(
+                self.m.message.headers.as_ref(),
+                reason,
+                info.stream,
+                info.stream_sequence,
+            );
             let ack = self
                 .context
                 .publish_with_headers(subject.clone(), headers, self.m.message.payload.clone())
                 .await
                 .map_err(|e| SourceError::new("publish the dead letter", e))?;
-            ack.await
+            let ack = ack
+                .await
                 .map_err(|e| SourceError::new("publish the dead letter", e))?;
+            if ack.duplicate {
+                return Err(SourceError(format!(
+                    "publish the dead letter: stream {:?} answered duplicate for a fresh Nats-Msg-Id (another publisher uses the idemgate-dl- prefix?)",
+                    ack.stream
+                )));
+            }
         }
-        self.m.ack_with(AckKind::Term).await.map_err(err("term"))
+        self.m
+            .double_ack_with(AckKind::Term)
+            .await
+            .map_err(err("term"))
     }
 
     async fn retry_later(&self, delay: Duration, _next_attempt: u32) -> Result<(), SourceError> {
@@ -208,5 +253,213 @@ impl Delivery for JsDelivery {
             .ack_with(AckKind::Progress)
             .await
             .map_err(err("progress"))
+    }
+}
+
+/// An existing durable is bound as it is, so it must be one idemgate can
+/// keep its promises with:
+/// - explicit acks (`all` would ack a held or nak'd earlier message with a
+///   later one's ack; `none` loses a message on a crash);
+/// - no `max_deliver` limit: the server drops a message silently after so
+///   many deliveries, the uncounted ones (its key in flight elsewhere)
+///   included, with no dead letter; `max_attempts` is idemgate's limit;
+/// - `ack_wait` of at least a second (`+WPI` goes every half of it).
+fn check_durable(c: &jetstream::consumer::Config) -> Result<(), String> {
+    use jetstream::consumer::AckPolicy;
+    if c.ack_policy != AckPolicy::Explicit {
+        return Err(format!(
+            "has ack_policy {:?}; idemgate needs explicit acks",
+            c.ack_policy
+        ));
+    }
+    if c.max_deliver > 0 {
+        return Err(format!(
+            "has max_deliver {}; idemgate needs it unlimited (-1): the server would drop a message silently after that many deliveries, with no dead letter (max_attempts is idemgate's limit)",
+            c.max_deliver
+        ));
+    }
+    if c.ack_wait < MIN_ACK_WAIT {
+        return Err(format!(
+            "has ack_wait {:?}; idemgate needs at least {MIN_ACK_WAIT:?}",
+            c.ack_wait
+        ));
+    }
+    Ok(())
+}
+
+/// The dead-letter copy's headers: the original's without `Nats-*` (its
+/// `Nats-Msg-Id` would dedupe the copy away, `Nats-Expected-*` would fail
+/// every publish, `Nats-Rollup` would purge earlier dead letters), its
+/// message id as [`ORIGINAL_ID_HEADER`], a `Nats-Msg-Id` of its own
+/// (stream and sequence: the same delivery dead-lettered twice, say after
+/// a lost `+TERM`, is stored once) and the reason.
+fn dead_letter_headers(
+    original: Option<&async_nats::HeaderMap>,
+    reason: Reason,
+    stream: &str,
+    sequence: u64,
+) -> async_nats::HeaderMap {
+    let mut out = async_nats::HeaderMap::new();
+    if let Some(map) = original {
+        for (name, values) in map.iter() {
+            let n = name.to_string();
+            let n = n.as_str();
+            let nats = n.len() >= 5 && n[..5].eq_ignore_ascii_case("nats-");
+            if nats {
+                if n.eq_ignore_ascii_case("Nats-Msg-Id") {
+                    if let Some(v) = values.first() {
+                        out.insert(ORIGINAL_ID_HEADER, v.as_str());
+                    }
+                }
+                continue;
+            }
+            if n.eq_ignore_ascii_case(REASON_HEADER) || n.eq_ignore_ascii_case(ORIGINAL_ID_HEADER) {
+                continue;
+            }
+            for v in values {
+                out.append(n, v.as_str());
+            }
+        }
+    }
+    out.insert(
+        "Nats-Msg-Id",
+        format!("idemgate-dl-{stream}-{sequence}").as_str(),
+    );
+    out.insert(REASON_HEADER, reason.as_str());
+    out
+}
+
+/// Whether the stream subject `pattern` (`*` one token, `>` the rest)
+/// captures `subject` (a subject without wildcards).
+fn subject_matches(pattern: &str, subject: &str) -> bool {
+    let mut p = pattern.split('.');
+    let mut s = subject.split('.');
+    loop {
+        match (p.next(), s.next()) {
+            (Some(">"), Some(_)) => return true,
+            (Some("*"), Some(_)) => {}
+            (Some(a), Some(b)) if a == b => {}
+            (None, None) => return true,
+            _ => return false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stream_subjects_capture_like_the_server() {
+        let table = [
+            ("ORDERS.>", "ORDERS.dead", true),
+            ("ORDERS.>", "ORDERS", false),
+            ("ORDERS.*", "ORDERS.dead", true),
+            ("ORDERS.*", "ORDERS.dead.x", false),
+            ("ORDERS.in", "ORDERS.dead", false),
+            ("*.dead", "ORDERS.dead", true),
+            (">", "anything.at.all", true),
+            ("ORDERS.dead", "ORDERS.dead", true),
+            ("ORDERS.dead.>", "ORDERS.dead", false),
+        ];
+        for (p, s, want) in table {
+            assert_eq!(subject_matches(p, s), want, "{p} {s}");
+        }
+    }
+
+    #[test]
+    fn a_durable_idemgate_cannot_keep_its_promises_with_is_refused() {
+        use jetstream::consumer::{AckPolicy, Config};
+        let ok = Config {
+            ack_policy: AckPolicy::Explicit,
+            ack_wait: Duration::from_secs(30),
+            max_deliver: -1,
+            ..Default::default()
+        };
+        let cases: [(Config, Option<&str>); 7] = [
+            (ok.clone(), None),
+            (
+                Config {
+                    max_deliver: 0,
+                    ..ok.clone()
+                },
+                None,
+            ),
+            (
+                Config {
+                    ack_policy: AckPolicy::All,
+                    ..ok.clone()
+                },
+                Some("ack_policy All"),
+            ),
+            (
+                Config {
+                    ack_policy: AckPolicy::None,
+                    ..ok.clone()
+                },
+                Some("ack_policy None"),
+            ),
+            (
+                Config {
+                    max_deliver: 1000,
+                    ..ok.clone()
+                },
+                Some("max_deliver 1000"),
+            ),
+            (
+                Config {
+                    ack_wait: Duration::from_nanos(1),
+                    ..ok.clone()
+                },
+                Some("ack_wait 1ns"),
+            ),
+            (
+                Config {
+                    ack_wait: Duration::from_millis(999),
+                    ..ok.clone()
+                },
+                Some("ack_wait 999ms"),
+            ),
+        ];
+        for (c, want) in cases {
+            match (check_durable(&c), want) {
+                (Ok(()), None) => {}
+                (Err(e), Some(w)) => assert!(e.contains(w), "{e} lacks {w}"),
+                (got, want) => panic!("{got:?} for {want:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn the_dead_letter_copy_drops_nats_headers_and_gets_its_own_id() {
+        let mut h = async_nats::HeaderMap::new();
+        h.insert("Nats-Msg-Id", "order-1");
+        h.insert("Nats-Expected-Stream", "ORDERS");
+        h.insert("Nats-Expected-Last-Sequence", "7");
+        h.insert("Nats-Rollup", "sub");
+        h.insert("nats-ttl", "1s");
+        h.insert("x-order-id", "k1");
+        h.insert(REASON_HEADER, "forged");
+        let out = dead_letter_headers(Some(&h), Reason::Rejected, "ORDERS", 42);
+        let mut names: Vec<String> = out.iter().map(|(n, _)| n.to_string()).collect();
+        names.sort();
+        assert_eq!(
+            names,
+            [
+                REASON_HEADER,
+                ORIGINAL_ID_HEADER,
+                "Nats-Msg-Id",
+                "x-order-id"
+            ]
+        );
+        assert_eq!(
+            out.get("Nats-Msg-Id").unwrap().as_str(),
+            "idemgate-dl-ORDERS-42"
+        );
+        assert_eq!(out.get(ORIGINAL_ID_HEADER).unwrap().as_str(), "order-1");
+        assert_eq!(out.get(REASON_HEADER).unwrap().as_str(), "rejected");
+        assert_eq!(out.get("x-order-id").unwrap().as_str(), "k1");
+        let none = dead_letter_headers(None, Reason::NoKey, "S", 1);
+        assert!(none.get(ORIGINAL_ID_HEADER).is_none());
     }
 }

@@ -25,6 +25,18 @@ use tracing::{debug, info, warn};
 /// Reconnecting: from a tenth of a second, doubling to 5 s.
 const RECONNECT: Backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
 
+/// A connection that stayed up this long was a good one.
+const STABLE: Duration = Duration::from_secs(30);
+
+/// Whether the reconnect backoff starts over after a lost connection:
+/// only when it stayed up [`STABLE`] or settled a delivery. One that dies
+/// at once (a message lapin cannot parse kills the connection, and the
+/// broker puts it back first) keeps backing off instead of reconnecting
+/// in a tight loop.
+fn starts_over(up_for: Duration, settled: bool) -> bool {
+    settled || up_for >= STABLE
+}
+
 /// What every delivery of one consumer shares.
 pub struct Context {
     pub consumer: Arc<ConsumerConfig>,
@@ -82,8 +94,9 @@ pub async fn run(ctx: Arc<Context>, grace: Duration) {
             }
         };
         info!(consumer = %name, source = %ctx.consumer.source.url(), "consuming");
-        retries.reset();
         link.up();
+        let up_since = std::time::Instant::now();
+        let settled = Arc::new(AtomicBool::new(false));
         let lost = loop {
             let permit = tokio::select! {
                 p = permits.clone().acquire_owned() => p.expect("never closed"),
@@ -96,8 +109,11 @@ pub async fn run(ctx: Arc<Context>, grace: Duration) {
             match delivery {
                 Ok(delivery) => {
                     let ctx = ctx.clone();
+                    let settled = settled.clone();
                     handlers.spawn(async move {
-                        handle(&ctx, delivery).await;
+                        if handle(&ctx, delivery).await {
+                            settled.store(true, Ordering::Relaxed);
+                        }
                         drop(permit);
                     });
                 }
@@ -105,7 +121,16 @@ pub async fn run(ctx: Arc<Context>, grace: Duration) {
             }
         };
         match lost {
-            Some(e) => link.down(&e),
+            Some(e) => {
+                link.down(&e);
+                if starts_over(up_since.elapsed(), settled.load(Ordering::Relaxed)) {
+                    retries.reset();
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(retries.wait()) => {}
+                    _ = ctx.stopping.cancelled() => break,
+                }
+            }
             None => {
                 // Shutdown: no new deliveries; those in flight finish on
                 // this connection (their acks need it), within the grace.
@@ -127,7 +152,8 @@ pub async fn run(ctx: Arc<Context>, grace: Duration) {
 }
 
 /// One delivery: its request through the protected path, then its fate.
-async fn handle(ctx: &Context, delivery: Box<dyn Delivery>) {
+/// Whether the broker confirmed the fate.
+async fn handle(ctx: &Context, delivery: Box<dyn Delivery>) -> bool {
     let name = &ctx.consumer.name;
     let metrics = ctx.metrics.consumers();
     metrics.received(name);
@@ -181,11 +207,13 @@ async fn handle(ctx: &Context, delivery: Box<dyn Delivery>) {
             delivery.retry_later(delay, next).await
         }
     };
+    let ok = told.is_ok();
     if let Err(e) = told {
         warn!(consumer = %name, key.id = %key_id, error = %e,
             "could not tell the broker the message's fate; it will redeliver it, and the record answers the redelivery");
     }
     gauge.dec();
+    ok
 }
 
 /// Runs `work`, telling the broker the delivery is still being worked on
@@ -205,5 +233,43 @@ async fn with_progress<F: std::future::Future>(delivery: &dyn Delivery, work: F)
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_reconnect_backoff_starts_over_only_after_a_good_connection() {
+        let s = Duration::from_secs;
+        let table = [
+            (Duration::ZERO, false, false),
+            (Duration::from_millis(50), false, false),
+            (s(29), false, false),
+            (s(30), false, true),
+            (s(3600), false, true),
+            (Duration::ZERO, true, true),
+            (s(1), true, true),
+        ];
+        for (up_for, settled, want) in table {
+            assert_eq!(starts_over(up_for, settled), want, "{up_for:?} {settled}");
+        }
+    }
+
+    /// A connection that dies at once, again and again, backs off to the
+    /// cap instead of reconnecting in a tight loop.
+    #[test]
+    fn a_connection_dying_at_once_backs_off_to_the_cap() {
+        let mut retries = RECONNECT.start_with(|| 0.5);
+        let mut waits = Vec::new();
+        for _ in 0..10 {
+            if starts_over(Duration::from_millis(10), false) {
+                retries.reset();
+            }
+            waits.push(retries.wait());
+        }
+        assert!(waits.windows(2).all(|w| w[0] <= w[1]), "{waits:?}");
+        assert!(waits[9] >= Duration::from_secs(2), "{waits:?}");
     }
 }

@@ -446,6 +446,58 @@ async fn amqp_broker_restart_loses_nothing_and_runs_nothing_twice() {
     drop(replica);
 }
 
+/// The retry copy does not keep the original's `x-delivery-count` (review
+/// M2): a message carrying one (as a quorum queue's redelivery does) had it
+/// added to the copy's attempt number again, so it was dead-lettered as
+/// `exhausted` attempts early. Its `user_id` is dropped too (checked in the
+/// unit test: here idemgate and the producer are the same user).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_retry_copy_drops_the_stale_delivery_count() {
+    use lapin::types::{AMQPValue, FieldTable, ShortString};
+    let handler = Handler::start().await;
+    let queue = TestQueue::new("idemgate_copy").await;
+    let dir = tempfile::TempDir::new().unwrap();
+    let c = consumer(amqp(&queue.name, 4), &[("max_attempts", Value::Integer(4))]);
+    let replica = Replica::start(dir.path(), 0, &handler, c, Store::Memory).await;
+    let mut headers = FieldTable::default();
+    headers.insert(ShortString::from("x-delivery-count"), AMQPValue::LongInt(1));
+    let props = lapin::BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_content_type(ShortString::from("application/json"))
+        .with_message_id(ShortString::from("m1"))
+        .with_user_id(ShortString::from("guest"))
+        .with_headers(headers);
+    queue
+        .channel
+        .basic_publish(
+            ShortString::from(""),
+            ShortString::from(queue.name.clone()),
+            lapin::options::BasicPublishOptions::default(),
+            br#"{"plan":[503,503,201]}"#,
+            props,
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    wait_for("m1 to settle", || async {
+        let runs = handler.runs("m1");
+        let dead = replica
+            .counter("messages_dead_lettered_total", Some("exhausted"))
+            .await;
+        (runs.last() == Some(&201) || dead > 0).then_some(())
+    })
+    .await;
+    assert_eq!(handler.runs("m1"), [503, 503, 201]);
+    wait_for("the queue to be empty", || async {
+        (rabbitmq_counts(&queue.name) == (0, 0)).then_some(())
+    })
+    .await;
+    assert!(queue.drain_dead_letters().await.is_empty());
+    drop(replica);
+    queue.delete().await;
+}
+
 // ===== NATS JetStream =====
 
 /// 200 messages and 50 duplicates (the same `x-order-id`, another
@@ -577,6 +629,198 @@ async fn jetstream_fates_follow_the_table() {
     assert_eq!(dead, want);
     drop(replica);
     stream.delete().await;
+}
+
+/// A dead letter is a copy of its own (review H1): the original's
+/// `Nats-*` headers are not copied (its `Nats-Expected-Stream` made every
+/// dead-letter publish fail, so the message was never termed; its
+/// `Nats-Msg-Id` made the dead-letter stream drop a second dead letter of
+/// the same id within its duplicate window), the original id is carried
+/// as `Idemgate-Original-Msg-Id`, and the copy's id is the delivery's
+/// stream and sequence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_dead_letters_drop_the_originals_nats_headers() {
+    let handler = Handler::start().await;
+    // The consumed stream forgets ids after 1 s, so the same id can be
+    // published again; the dead-letter stream keeps the default 2 min.
+    let stream = TestStream::with_window(NATS_URL, "idemgate_dlh", Duration::from_secs(1)).await;
+    let dir = tempfile::TempDir::new().unwrap();
+    let c = consumer(
+        jetstream(NATS_URL, &stream, "5s"),
+        &[("key", table(&[("header", s("x-order-id"))]))],
+    );
+    let replica = Replica::start(dir.path(), 0, &handler, c, Store::Memory).await;
+    let expected = stream.name.clone();
+    let first = [
+        ("x-order-id", "k422"),
+        ("Nats-Expected-Stream", expected.as_str()),
+    ];
+    stream
+        .publish(Some("order-1"), &first, r#"{"plan":[422]}"#)
+        .await;
+    wait_for("the 422 to be dead-lettered", || async {
+        (replica
+            .counter("messages_dead_lettered_total", Some("rejected"))
+            .await
+            == 1)
+            .then_some(())
+    })
+    .await;
+    // Past the consumed stream's window: the same id is stored again and
+    // is dead-lettered from the record (inside the dead-letter stream's
+    // window).
+    wait_for("the consumed stream to store order-1 again", || async {
+        let mut h = async_nats::HeaderMap::new();
+        h.insert("Nats-Msg-Id", "order-1");
+        h.insert("x-order-id", "k422");
+        let subject = format!("{}.in", stream.name);
+        let body = bytes::Bytes::from_static(br#"{"plan":[422]}"#);
+        let ack = stream.js.publish_with_headers(subject, h, body).await;
+        let ack = ack.unwrap().await.unwrap();
+        if ack.duplicate {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            return None;
+        }
+        Some(())
+    })
+    .await;
+    wait_for("both dead-lettered and nothing unacked", || async {
+        let n = replica
+            .counter("messages_dead_lettered_total", Some("rejected"))
+            .await;
+        (n == 2 && stream.consumer_counts(CONSUMER).await == Some((0, 0))).then_some(())
+    })
+    .await;
+    assert_eq!(handler.runs("k422"), [422]);
+    let dead = stream.dead_letter_headers().await;
+    let h = |pairs: &[(&str, String)]| -> Vec<(String, String)> {
+        let mut v: Vec<(String, String)> = pairs
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.clone()))
+            .collect();
+        v.sort();
+        v
+    };
+    let copy = |seq: u64| {
+        h(&[
+            ("Idemgate-Dead-Letter-Reason", "rejected".into()),
+            ("Idemgate-Original-Msg-Id", "order-1".into()),
+            ("Nats-Msg-Id", format!("idemgate-dl-{}-{seq}", stream.name)),
+            ("x-order-id", "k422".into()),
+        ])
+    };
+    assert_eq!(dead, [copy(1), copy(2)]);
+    drop(replica);
+    stream.delete().await;
+}
+
+/// A `dead_letter_subject` the consumed stream captures would bring each
+/// dead letter back as a new message (a loop): the consumer refuses to
+/// consume, names itself and the setting, and creates no durable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_dead_letter_subject_inside_the_consumed_stream_is_refused() {
+    let handler = Handler::start().await;
+    let stream = TestStream::new(NATS_URL, "idemgate_dlloop").await;
+    let dir = tempfile::TempDir::new().unwrap();
+    let mut source = jetstream(NATS_URL, &stream, "5s");
+    source["jetstream"]["dead_letter_subject"] = s(&format!("{}.in", stream.name));
+    let c = consumer(source, &[("key", table(&[("header", s("x-order-id"))]))]);
+    let replica = Replica::start(dir.path(), 0, &handler, c, Store::Memory).await;
+    stream
+        .publish(None, &[("x-order-id", "k1")], r#"{"plan":[201]}"#)
+        .await;
+    wait_for("the refusal in the log", || async {
+        let log = replica.p().log();
+        log.lines()
+            .find(|l| {
+                l.contains("refusing to consume")
+                    && l.contains("dead_letter_subject")
+                    && l.contains(CONSUMER)
+            })
+            .map(drop)
+    })
+    .await;
+    assert!(handler.counts().is_empty());
+    assert_eq!(stream.consumer_counts(CONSUMER).await, None);
+    drop(replica);
+    stream.delete().await;
+}
+
+/// An existing durable is bound as it is (review M3), so one idemgate
+/// cannot keep its promises with is refused, naming the setting: acks
+/// other than explicit, a `max_deliver` limit (the server drops a message
+/// silently after it), an `ack_wait` under 1 s (it made `+WPI`'s interval
+/// zero, which panics). Nothing is consumed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_an_existing_durable_with_wrong_settings_is_refused() {
+    use async_nats::jetstream::consumer::{pull, AckPolicy};
+    let handler = Handler::start().await;
+    let ok = pull::Config {
+        durable_name: Some(CONSUMER.to_string()),
+        ack_policy: AckPolicy::Explicit,
+        ack_wait: Duration::from_secs(5),
+        ..Default::default()
+    };
+    let cases = [
+        (
+            pull::Config {
+                ack_policy: AckPolicy::All,
+                ..ok.clone()
+            },
+            "ack_policy All",
+        ),
+        (
+            pull::Config {
+                max_deliver: 5,
+                ..ok.clone()
+            },
+            "max_deliver 5",
+        ),
+        (
+            pull::Config {
+                ack_wait: Duration::from_nanos(1),
+                ..ok.clone()
+            },
+            "ack_wait 1ns",
+        ),
+    ];
+    for (durable, want) in cases {
+        let stream = TestStream::new(NATS_URL, "idemgate_durable").await;
+        stream
+            .js
+            .get_stream(&stream.name)
+            .await
+            .unwrap()
+            .create_consumer(durable)
+            .await
+            .unwrap();
+        let dir = tempfile::TempDir::new().unwrap();
+        let c = consumer(
+            jetstream(NATS_URL, &stream, "5s"),
+            &[("key", table(&[("header", s("x-order-id"))]))],
+        );
+        let mut replica = Replica::start(dir.path(), 0, &handler, c, Store::Memory).await;
+        stream
+            .publish(None, &[("x-order-id", "k1")], r#"{"plan":[201]}"#)
+            .await;
+        wait_for("the refusal in the log", || async {
+            let log = replica.p().log();
+            log.lines()
+                .find(|l| {
+                    l.contains("refusing to consume") && l.contains(want) && l.contains(CONSUMER)
+                })
+                .map(drop)
+        })
+        .await;
+        replica.kill();
+        assert!(handler.counts().is_empty(), "{want}");
+        assert_eq!(
+            stream.consumer_counts(CONSUMER).await,
+            Some((1, 0)),
+            "{want}"
+        );
+        stream.delete().await;
+    }
 }
 
 /// A private nats-server stopped and started again mid-run: the consumer

@@ -581,6 +581,16 @@ impl TestStream {
         }
     }
 
+    /// With the consumed stream's duplicate window set to `window`.
+    pub async fn with_window(url: &str, prefix: &str, window: Duration) -> Self {
+        let this = Self::new(url, prefix).await;
+        let mut stream = this.js.get_stream(&this.name).await.unwrap();
+        let mut config = stream.info().await.unwrap().config.clone();
+        config.duplicate_window = window;
+        this.js.update_stream(config).await.unwrap();
+        this
+    }
+
     /// The same streams through a new connection (after a broker restart).
     pub async fn reconnected(mut self) -> Self {
         self.js = nats(&self.url).await;
@@ -616,6 +626,39 @@ impl TestStream {
         let mut c: jetstream::consumer::PullConsumer = stream.get_consumer(durable).await.ok()?;
         let info = c.info().await.ok()?;
         Some((info.num_pending, info.num_ack_pending))
+    }
+
+    /// The dead letters' headers (name, value), in stream order.
+    pub async fn dead_letter_headers(&self) -> Vec<Vec<(String, String)>> {
+        let stream = self
+            .js
+            .get_stream(format!("{}_DLQ", self.name))
+            .await
+            .unwrap();
+        let c: jetstream::consumer::PullConsumer = stream
+            .create_consumer(jetstream::consumer::pull::Config::default())
+            .await
+            .unwrap();
+        let mut out = Vec::new();
+        let mut batch = c
+            .fetch()
+            .max_messages(1000)
+            .expires(Duration::from_millis(500))
+            .messages()
+            .await
+            .unwrap();
+        while let Some(Ok(m)) = batch.next().await {
+            let mut h: Vec<(String, String)> = Vec::new();
+            for (n, vs) in m.message.headers.iter().flat_map(|h| h.iter()) {
+                for v in vs {
+                    h.push((n.to_string(), v.as_str().to_string()));
+                }
+            }
+            h.sort();
+            out.push(h);
+            let _ = m.ack().await;
+        }
+        out
     }
 
     /// The dead letters' reasons by key header (`x-order-id`, else body).
