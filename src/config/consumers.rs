@@ -402,7 +402,11 @@ fn one(
     })?;
     let path = PathPattern::parse(&deliver.path)
         .map_err(|e| at("deliver", format!("{who}: deliver.path: {e}")))?;
-    if !deliver.path.starts_with('/') || deliver.path.contains(['{', '}', '*', '?', '#']) {
+    // A path no request URI can carry (`/a b`) would fail every delivery.
+    if !deliver.path.starts_with('/')
+        || deliver.path.contains(['{', '}', '*', '?', '#'])
+        || http::Uri::try_from(deliver.path.as_str()).is_err()
+    {
         return Err(at(
             "deliver",
             format!("{who}: deliver.path {:?} must be one literal origin-form path such as \"/internal/{name}\"", deliver.path),
@@ -621,6 +625,8 @@ mod tests {
             (&format!("[[consumer]]\nname = \"a b\"\n{AMQP}"), "line 4: consumer #1: name \"a b\""),
             (&format!("[[consumer]]\nname = \"a\"\n{AMQP}[[consumer]]\nname = \"a\"\n{AMQP}"), "line 8: consumer #2: the name \"a\" is already"),
             (&format!("[[consumer]]\nname = \"a\"\n{AMQP}max_attempts = 0\n"), "line 7: consumer \"a\": max_attempts must be at least 1"),
+            // Pins consumer review M4: passed, then panicked on every message.
+            ("[[consumer]]\nname = \"a\"\nsource = { amqp = { url = \"amqp://h\", queue = \"q\" } }\ndeliver = { path = \"/a b\" }\n", "must be one literal origin-form path"),
             (&format!("[[consumer]]\nname = \"a\"\n{AMQP}retry_initial = \"10s\"\nretry_max = \"1s\"\n"), "line 8: consumer \"a\": retry_max"),
             (&format!("[[consumer]]\nname = \"a\"\n{AMQP}key = \"offset\"\n"), "key: \"offset\" is not"),
             (&format!("[[consumer]]\nname = \"a\"\n{AMQP}ttl = \"1s\"\n"), "line 7: consumer \"a\": ttl (1s) must be at least the lease"),
