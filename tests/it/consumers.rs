@@ -181,6 +181,30 @@ fn order(i: usize, extra: &str) -> String {
 
 /// Waits until every key in `keys` executed, then for `settled` (the
 /// broker holds nothing more).
+/// Waits until a broker outage can come mid-run: some messages executed.
+async fn some_executed(handler: &Handler) {
+    wait_for("some messages to execute", || async {
+        (handler.counts().len() >= 40).then_some(())
+    })
+    .await;
+}
+
+/// With the broker just taken down: not every message ran yet, and the
+/// replica's `/healthz` and `broker_up` say the broker is down.
+async fn outage_shown(replica: &Replica, handler: &Handler, keys: &[String]) {
+    let before = handler.counts().len();
+    assert!(
+        before < keys.len(),
+        "the outage came after every message ran"
+    );
+    wait_for("the outage to show on /healthz", || async {
+        let h = replica.p().admin_get("/healthz").send().await.text();
+        h.contains("broker down").then_some(())
+    })
+    .await;
+    assert_eq!(replica.counter("broker_up", None).await, 0);
+}
+
 async fn wait_executed(handler: &Handler, keys: &[String]) {
     wait_for("every message to execute", || async {
         let counts = handler.counts();
@@ -410,22 +434,9 @@ async fn amqp_broker_restart_loses_nothing_and_runs_nothing_twice() {
     }
     let c = consumer(amqp_at(&url, &queue.name, 2), &[]);
     let replica = Replica::start(dir.path(), 0, &handler, c, Store::Sqlite).await;
-    wait_for("some messages to execute", || async {
-        (handler.counts().len() >= 40).then_some(())
-    })
-    .await;
+    some_executed(&handler).await;
     rabbit.down();
-    let before = handler.counts().len();
-    assert!(
-        before < keys.len(),
-        "the outage came after every message ran"
-    );
-    wait_for("the outage to show on /healthz", || async {
-        let h = replica.p().admin_get("/healthz").send().await.text();
-        h.contains("broker down").then_some(())
-    })
-    .await;
-    assert_eq!(replica.counter("broker_up", None).await, 0);
+    outage_shown(&replica, &handler, &keys).await;
     rabbit.up().await;
     wait_executed(&handler, &keys).await;
     wait_for("the queue to end empty, nothing unacked", || async {
@@ -844,22 +855,9 @@ async fn jetstream_broker_restart_loses_nothing_and_runs_nothing_twice() {
             .await;
     }
     let replica = Replica::start(dir.path(), 0, &handler, c, Store::Sqlite).await;
-    wait_for("some messages to execute", || async {
-        (handler.counts().len() >= 40).then_some(())
-    })
-    .await;
+    some_executed(&handler).await;
     nats.down();
-    let before = handler.counts().len();
-    assert!(
-        before < keys.len(),
-        "the outage came after every message ran"
-    );
-    wait_for("the outage to show on /healthz", || async {
-        let h = replica.p().admin_get("/healthz").send().await.text();
-        h.contains("broker down").then_some(())
-    })
-    .await;
-    assert_eq!(replica.counter("broker_up", None).await, 0);
+    outage_shown(&replica, &handler, &keys).await;
     nats.up().await;
     wait_executed(&handler, &keys).await;
     let stream = TestStream::reconnected(stream).await;
