@@ -628,8 +628,9 @@ impl TestStream {
         Some((info.num_pending, info.num_ack_pending))
     }
 
-    /// The dead letters' headers (name, value), in stream order.
-    pub async fn dead_letter_headers(&self) -> Vec<Vec<(String, String)>> {
+    /// Every dead letter on the stream's dead-letter stream, in stream
+    /// order (each acked as read).
+    async fn dead_letter_messages(&self) -> Vec<async_nats::Message> {
         let stream = self
             .js
             .get_stream(format!("{}_DLQ", self.name))
@@ -648,50 +649,42 @@ impl TestStream {
             .await
             .unwrap();
         while let Some(Ok(m)) = batch.next().await {
+            let _ = m.ack().await;
+            out.push(m.message.clone());
+        }
+        out
+    }
+
+    /// The dead letters' headers (name, value), in stream order.
+    pub async fn dead_letter_headers(&self) -> Vec<Vec<(String, String)>> {
+        let mut out = Vec::new();
+        for m in self.dead_letter_messages().await {
             let mut h: Vec<(String, String)> = Vec::new();
-            for (n, vs) in m.message.headers.iter().flat_map(|h| h.iter()) {
+            for (n, vs) in m.headers.iter().flat_map(|h| h.iter()) {
                 for v in vs {
                     h.push((n.to_string(), v.as_str().to_string()));
                 }
             }
             h.sort();
             out.push(h);
-            let _ = m.ack().await;
         }
         out
     }
 
     /// The dead letters' reasons by key header (`x-order-id`, else body).
     pub async fn dead_letters(&self) -> Vec<(String, String)> {
-        let stream = self
-            .js
-            .get_stream(format!("{}_DLQ", self.name))
-            .await
-            .unwrap();
-        let c: jetstream::consumer::PullConsumer = stream
-            .create_consumer(jetstream::consumer::pull::Config::default())
-            .await
-            .unwrap();
         let mut out = Vec::new();
-        let mut batch = c
-            .fetch()
-            .max_messages(1000)
-            .expires(Duration::from_millis(500))
-            .messages()
-            .await
-            .unwrap();
-        while let Some(Ok(m)) = batch.next().await {
-            let h = m.message.headers.clone().unwrap_or_default();
+        for m in self.dead_letter_messages().await {
+            let h = m.headers.clone().unwrap_or_default();
             let key = h
                 .get("x-order-id")
                 .map(|v| v.as_str().to_string())
-                .unwrap_or_else(|| String::from_utf8_lossy(&m.message.payload).into_owned());
+                .unwrap_or_else(|| String::from_utf8_lossy(&m.payload).into_owned());
             let reason = h
                 .get("Idemgate-Dead-Letter-Reason")
                 .map(|v| v.as_str().to_string())
                 .unwrap_or_default();
             out.push((key, reason));
-            let _ = m.ack().await;
         }
         out
     }
