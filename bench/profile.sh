@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # Instructions per request, counted by valgrind's callgrind: repeatable
 # whatever else the machine does, so it can be run beside a build. Runs
-# idemgate (pass-through, or one key replayed on the memory store) and an
-# nginx proxy in its own process on the same upstream, each under
-# callgrind; the counters are zeroed after a warm-up, then N requests are
-# sent (h2load --h1, 8 connections) and the counters dumped.
+# idemgate (pass-through, one key replayed, or fresh keys, on the store
+# STORE names) and an nginx proxy in its own process on the same upstream,
+# each under callgrind; the counters are zeroed after a warm-up, then N
+# requests are sent (h2load --h1, 8 connections; fresh keys: wrk with
+# bench/wrk.lua for SECONDS, its completed requests counted) and the
+# counters dumped. Only idemgate's own instructions are counted: the
+# store's processes are not under callgrind.
 #
 #   bench/profile.sh                 # pass-through, 20000 requests
-#   MODE=replay N=5000 bench/profile.sh
+#   MODE=replay N=5000 bench/profile.sh                  # memory store
+#   MODE=replay STORE=postgres NGINX=0 bench/profile.sh  # or postgres+redis
+#   MODE=fresh STORE=postgres SECONDS_=10 NGINX=0 bench/profile.sh
 #   BIN=/path/to/old/idemgate NGINX=0 bench/profile.sh   # another build, idemgate only
 #   callgrind_annotate --inclusive=yes $OUT/idemgate.out | head -60
 #
@@ -17,6 +22,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 N="${N:-20000}"
 MODE="${MODE:-pass}"
+STORE="${STORE:-memory}"
+SECONDS_="${SECONDS_:-10}"
+DB_URL="${IDEMGATE_TEST_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}"
+REDIS_URL="${IDEMGATE_TEST_REDIS_URL:-redis://127.0.0.1:6379}"
+schema="profile_$$"
 OUT="${OUT:-$(mktemp -d)}"
 say() { echo "profile: $*" >&2; }
 for c in valgrind nginx h2load callgrind_control; do
@@ -24,7 +34,15 @@ for c in valgrind nginx h2load callgrind_control; do
 done
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; }
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  if [ "$STORE" != memory ]; then
+    psql -q "$DB_URL" -c "DROP SCHEMA IF EXISTS $schema CASCADE" >/dev/null 2>&1 || true
+  fi
+  if [ "$STORE" = postgres+redis ]; then
+    redis-cli -u "$REDIS_URL" --scan --pattern "$schema:*" 2>/dev/null | xargs -r redis-cli -u "$REDIS_URL" DEL >/dev/null 2>&1 || true
+  fi
+}
 trap cleanup EXIT
 
 # BIN: an idemgate binary built elsewhere (another commit); else this checkout's.
@@ -57,14 +75,22 @@ nginx_conf "$OUT/proxy.conf" "upstream origin { server 127.0.0.1:$up; keepalive 
 nginx -c "$OUT/origin.conf" -p "$OUT" &
 pids+=($!)
 
+store_toml() {
+  case $STORE in
+    memory) printf '[store]\nbackend = "memory"\n' ;;
+    postgres) printf '[store]\nbackend = "postgres"\nurl = "%s"\nschema = "%s"\n' "$DB_URL?sslmode=disable" "$schema" ;;
+    postgres+redis) printf '[store]\nbackend = "postgres"\nurl = "%s"\nschema = "%s"\n[redis]\nurl = "%s"\nprefix = "%s"\n' \
+      "$DB_URL?sslmode=disable" "$schema" "$REDIS_URL" "$schema" ;;
+    *) say "STORE is memory, postgres or postgres+redis, not $STORE"; exit 1 ;;
+  esac
+}
 cat >"$OUT/idemgate.toml" <<CONF
 [server]
 listen = "127.0.0.1:$ig"
 upstream = "http://127.0.0.1:$up"
 [admin]
 listen = "127.0.0.1:$admin"
-[store]
-backend = "memory"
+$(store_toml)
 [log]
 level = "warn"
 [[route]]
@@ -73,9 +99,23 @@ path = "/orders"
 CONF
 
 path=/plain; hdr=()
-if [ "$MODE" = replay ]; then path=/orders; hdr=(-H 'idempotency-key: profile-one'); fi
+case $MODE in
+  pass) ;;
+  replay) path=/orders; hdr=(-H 'idempotency-key: profile-one') ;;
+  fresh) path=/orders; command -v wrk >/dev/null || { say "missing wrk"; exit 1; } ;;
+  *) say "MODE is pass, replay or fresh, not $MODE"; exit 1 ;;
+esac
 printf '%s' '{"item":"book","qty":1}' >"$OUT/body.json"
 load() { # url n
+  if [ "$MODE" = fresh ]; then
+    # wrk runs for a time, not a count: its completed requests are N.
+    local secs=$SECONDS_
+    [ "$2" -lt "$N" ] && secs=2
+    KEYS=fresh PATH_=/orders wrk -t1 -c8 -d"${secs}s" -s bench/wrk.lua "${1%/orders}" >"$OUT/wrk.txt" 2>&1
+    sed -n 's/.*RESULT requests=\([0-9]*\).*/\1/p' "$OUT/wrk.txt" >"$OUT/count"
+    grep -E 'RESULT' "$OUT/wrk.txt" >&2
+    return
+  fi
   h2load --h1 -n "$2" -c 8 -m1 -t1 -d "$OUT/body.json" -H 'content-type: application/json' \
     -H 'authorization: Bearer bench' "${hdr[@]}" "$1" | grep -E '^requests:|^status codes:' >&2
 }
@@ -91,6 +131,7 @@ measure() { # name port command...
   load "http://127.0.0.1:$port$path" "$N"
   callgrind_control -d "$pid" >/dev/null
   sleep 1
+  [ "$MODE" = fresh ] && N=$(cat "$OUT/count")
   local total; total=$(cat "$OUT/$name.out".* 2>/dev/null | awk '/^summary:/ { t += $2 } END { print t + 0 }')
   kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true
   echo "$name $((total / N))"
@@ -99,7 +140,7 @@ measure() { # name port command...
 wait_port "$up"
 a=$(measure idemgate "$ig" "$bin" serve --config "$OUT/idemgate.toml")
 echo
-echo "| process | instructions per request ($MODE, N=$N) |"
+echo "| process | instructions per request ($MODE, $STORE, N=$N) |"
 echo "|---|---:|"
 echo "| ${a% *} | ${a#* } |"
 if [ "${NGINX:-1}" != 0 ]; then

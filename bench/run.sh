@@ -287,18 +287,21 @@ run_h2() { # label url keys(none|one) [pid]
   [ "$keys" = one ] && args+=(-H 'idempotency-key: bench-h2-one')
   h2load "${args[@]}" -D "$WARMUP" "$url" >/dev/null 2>&1 || true
   cpu_start "$pid"
-  local out; out=$(h2load "${args[@]}" -D "$DURATION" "$url" 2>&1 || true)
-  local rps ok failed mean max
+  # --log-file: one line per request (start, status, microseconds), the
+  # latency percentiles h2load itself does not print.
+  local log="$work/h2.log"
+  local out; out=$(h2load "${args[@]}" --log-file="$log" -D "$DURATION" "$url" 2>&1 || true)
+  local rps ok failed p50 p99 p999
   rps=$(awk '/^finished in/ { gsub(",", "", $4); printf "%.0f", $4 }' <<<"$out")
   ok=$(awk '/^requests:/ { print $8 }' <<<"$out")
   failed=$(awk '/^status codes:/ { print $5 + $7 + $9 }' <<<"$out")
-  # "time for request:  min  max  mean  sd  +/- sd", each with its unit.
-  to_ms() { awk -v v="$1" 'BEGIN { n = v + 0; if (v ~ /us$/) n /= 1000; else if (v ~ /ms$/) n += 0; else if (v ~ /s$/) n *= 1000; printf "%.2f", n }'; }
-  max=$(to_ms "$(awk '/^time for request:/ { print $5 }' <<<"$out")")
-  mean=$(to_ms "$(awk '/^time for request:/ { print $6 }' <<<"$out")")
   cpu_end "${ok:-0}"
+  read -r p50 p99 p999 < <(cut -f3 "$log" | sort -n | awk '{ v[NR] = $1 } END {
+    if (NR == 0) { print "- - -"; exit }
+    printf "%.2f %.2f %.2f\n", v[int(NR * 0.5) + 1] / 1000, v[int(NR * 0.99) + 1] / 1000, v[int(NR * 0.999) + 1] / 1000 }')
+  rm -f "$log"
   local rss="-"; [ -n "$pid" ] && rss=$(peak_rss_mib "$pid")
-  add_row "$label" "$CONNS" "${rps:-0}" "-" "$mean (mean)" "$max (max)" "${failed:-?}" "$rss" "-"
+  add_row "$label" "$CONNS" "${rps:-0}" "$p50" "$p99" "$p999" "${failed:-?}" "$rss" "-"
 }
 printf '%s' '{"item":"book","qty":1}' >"$work/body.json"
 
@@ -528,6 +531,7 @@ target "fresh keys, sqlite (synchronous = full) vs pass-through" "$(ratio "${RPS
 target "TLS pass-through req/s vs nginx terminating TLS" "$(ratio "${RPS[idemgate pass-through over TLS (listener)]:-}" "${RPS[nginx proxy terminating TLS, own process, 1 worker]:-}")" ">=" 1.0
 target "TLS pass-through CPU per request vs nginx terminating TLS" "$(ratio "${CPU[idemgate pass-through over TLS (listener)]:-}" "${CPU[nginx proxy terminating TLS, own process, 1 worker]:-}")" "<=" 1.25
 target "h2c pass-through vs h2c nginx" "$(ratio "${RPS[h2c idemgate pass-through (unprotected)]:-}" "${RPS[h2c nginx plain proxy, own process, 1 worker]:-}")" ">=" 1.0
+target "h2c pass-through p99 vs h2c nginx" "$(ratio "${P99[h2c idemgate pass-through (unprotected)]:-}" "${P99[h2c nginx plain proxy, own process, 1 worker]:-}")" "<=" 1.5
 target "h2c pass-through CPU per request vs h2c nginx" "$(ratio "${CPU[h2c idemgate pass-through (unprotected)]:-}" "${CPU[h2c nginx plain proxy, own process, 1 worker]:-}")" "<=" 1.25
 target "h2c one key replayed, postgres vs h2c pass-through" "$(ratio "${RPS[h2c one key replayed, postgres]:-}" "${RPS[h2c idemgate pass-through (unprotected)]:-}")" ">=" 0.5
 target "h2c one key replayed, postgres + redis vs h2c pass-through" "$(ratio "${RPS[h2c one key replayed, postgres + redis]:-}" "${RPS[h2c idemgate pass-through (unprotected)]:-}")" ">=" 1.0

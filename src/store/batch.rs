@@ -119,6 +119,12 @@ fn answer_when_done<R, Fut>(
     R: Send + 'static,
     Fut: Future<Output = Vec<R>> + Send + 'static,
 {
+    // Boxed before the spawn: a store's batch future (tokio-postgres
+    // queries, retries) is kilobytes, and an unboxed one is copied whole
+    // into the task, and again as the task's stage changes: half of a
+    // fresh key's instructions on PostgreSQL were those copies
+    // (callgrind, bench/profile.sh MODE=fresh STORE=postgres).
+    let work = Box::pin(work);
     tokio::spawn(async move {
         let results = work.await;
         for (answer, result) in answers.into_iter().zip(results) {
