@@ -257,11 +257,23 @@ impl TestQueue {
 
     /// Publishes `body` (persistent, JSON) with `message_id` when given.
     pub async fn publish(&self, id: Option<&str>, body: &str) {
+        self.publish_with(id, &[], body).await;
+    }
+
+    /// [`TestQueue::publish`] with string `headers`.
+    pub async fn publish_with(&self, id: Option<&str>, headers: &[(&str, &str)], body: &str) {
         let mut props = BasicProperties::default()
             .with_delivery_mode(2)
             .with_content_type(ShortString::from("application/json"));
         if let Some(id) = id {
             props = props.with_message_id(ShortString::from(id));
+        }
+        if !headers.is_empty() {
+            let mut table = FieldTable::default();
+            for (n, v) in headers {
+                table.insert(ShortString::from(*n), AMQPValue::LongString((*v).into()));
+            }
+            props = props.with_headers(table);
         }
         self.channel
             .basic_publish(
@@ -298,6 +310,42 @@ impl TestQueue {
             d.acker.ack(BasicAckOptions::default()).await.unwrap();
         }
         out
+    }
+
+    /// Takes every message of the dead-letter queue: the value of their
+    /// string header `name` (`None` where they have none).
+    pub async fn drain_dead_letter_header(&self, name: &str) -> Vec<Option<String>> {
+        let mut out = Vec::new();
+        while let Some(m) = self
+            .channel
+            .basic_get(
+                ShortString::from(self.dlq.clone()),
+                BasicGetOptions::default(),
+            )
+            .await
+            .unwrap()
+        {
+            let d = m.delivery;
+            let value = d.properties.headers().as_ref().and_then(|h| {
+                h.inner().iter().find_map(|(n, v)| match v {
+                    AMQPValue::LongString(s) if n.as_str() == name => {
+                        Some(String::from_utf8_lossy(s.as_bytes()).into_owned())
+                    }
+                    _ => None,
+                })
+            });
+            out.push(value);
+            d.acker.ack(BasicAckOptions::default()).await.unwrap();
+        }
+        out
+    }
+
+    /// The same queues through a new connection (after a broker restart).
+    pub async fn reconnected(mut self) -> Self {
+        let connection = rabbitmq(&self.url).await;
+        self.channel = connection.create_channel().await.unwrap();
+        self._connection = connection;
+        self
     }
 
     pub async fn delete(&self) {
@@ -653,6 +701,18 @@ impl TestStream {
             out.push(m.message.clone());
         }
         out
+    }
+
+    /// The value of each dead letter's header `name`, in stream order.
+    pub async fn dead_letter_header(&self, name: &str) -> Vec<Option<String>> {
+        self.dead_letter_messages()
+            .await
+            .iter()
+            .map(|m| {
+                let h = m.headers.as_ref()?;
+                Some(h.get(name)?.as_str().to_string())
+            })
+            .collect()
     }
 
     /// The dead letters' headers (name, value), in stream order.
