@@ -422,6 +422,9 @@ pub struct PrivateRabbit {
     pub port: u16,
     /// The TLS listener's port ([`PrivateRabbit::start_tls`]).
     pub tls_port: Option<u16>,
+    /// The management plugin's HTTP port, which `rabbitmqadmin` talks to
+    /// ([`PrivateRabbit::start_management`]).
+    pub management_port: Option<u16>,
     pub node: String,
     dir: tempfile::TempDir,
     /// The `rabbitmq-server` script, reaped once the node stops.
@@ -440,7 +443,17 @@ impl PrivateRabbit {
         Self::start_with(Some(pki)).await
     }
 
+    /// [`PrivateRabbit::start`] with the management plugin enabled (in
+    /// this node's own enabled-plugins file) on a free port of its own.
+    pub async fn start_management() -> Self {
+        Self::start_on(None, true).await
+    }
+
     async fn start_with(pki: Option<&TestPki>) -> Self {
+        Self::start_on(pki, false).await
+    }
+
+    async fn start_on(pki: Option<&TestPki>, management: bool) -> Self {
         let port = free_port().port();
         let dir = tempfile::TempDir::new().unwrap();
         let path = dir.path();
@@ -467,6 +480,14 @@ impl PrivateRabbit {
             ));
             tls_port
         });
+        let management_port = management.then(|| {
+            let port = free_port().port();
+            conf.push_str(&format!(
+                "management.tcp.ip = 127.0.0.1\nmanagement.tcp.port = {port}\n"
+            ));
+            std::fs::write(path.join("plugins"), "[rabbitmq_management].\n").unwrap();
+            port
+        });
         std::fs::write(path.join("rabbitmq.conf"), conf).unwrap();
         // rabbitmq-server run as root switches to the rabbitmq user.
         let status = Command::new("chown")
@@ -479,6 +500,7 @@ impl PrivateRabbit {
         let mut r = Self {
             port,
             tls_port,
+            management_port,
             node: format!("idemgate-test-{port}@localhost"),
             dir,
             child: None,
@@ -526,6 +548,21 @@ impl PrivateRabbit {
                 p.join("log").display()
             );
             tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        if let Some(port) = self.management_port {
+            // The plugin starts after the AMQP listener; it may take a while.
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+            while tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .is_err()
+            {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "the private RabbitMQ node's management plugin did not listen on {port} within 60 s (logs in {})",
+                    p.join("log").display()
+                );
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
         }
         if let Some(tls_port) = self.tls_port {
             wait_for("the private RabbitMQ node's TLS listener", || async move {
