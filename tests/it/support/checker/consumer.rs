@@ -81,6 +81,9 @@ pub struct ConsumerReport {
     pub duplicates: usize,
     /// Duplicate publishes that never reached the upstream.
     pub suppressed: usize,
+    /// Executions of a killed replica that were in flight at its kill
+    /// (their answers possibly unrecorded): the keys that may run again.
+    pub in_doubt: usize,
     /// Keys re-run after the killed replica's lease ran out, with the
     /// execution numbers (first, again).
     pub taken_over: Vec<(String, u64, u64)>,
@@ -218,6 +221,10 @@ impl<'a> ConsumerChecker<'a> {
             self.out.report.releases += chain
                 .iter()
                 .filter(|e| self.release_of(e).is_some())
+                .count();
+            self.out.in_doubt += chain
+                .iter()
+                .filter(|e| matches!(self.release_of(e), Some(Release::Abandoned(_))))
                 .count();
             let recorded = chain
                 .iter()
@@ -375,7 +382,8 @@ impl fmt::Display for ConsumerReport {
         writeln!(
             f,
             "  {} messages, {} keys, {} duplicates ({} never executed), {} executions, {} releases; \
-             {} key(s) ran again after the killed replica's lease ran out{}; \
+             {} execution(s) in flight on the killed replica at the kill, \
+             {} key(s) of them ran again after its lease ran out{}; \
              {} dead letters ({} expected, {} extra copies); broker left {} ready, {} unacked",
             self.report.requests,
             self.keys,
@@ -383,6 +391,7 @@ impl fmt::Display for ConsumerReport {
             self.suppressed,
             self.report.executions,
             self.report.releases,
+            self.in_doubt,
             self.taken_over.len(),
             if self.taken_over.is_empty() {
                 String::new()
