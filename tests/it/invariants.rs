@@ -2000,7 +2000,7 @@ fn the_consumer_checker_reports_each_broken_invariant_and_nothing_else() {
     let r = verdict(&killed(20, 4));
     assert!(r.report.violations.is_empty(), "{r}");
     assert_eq!(r.taken_over, [("m1".to_string(), 1, 2)]);
-    assert_eq!(r.in_doubt, 1);
+    assert_eq!((r.in_flight_at_kill, r.answered_before_kill), (1, 0));
     one(
         &verdict(&killed(20, 0)).report.violations,
         "more than the killed replica could hold",

@@ -81,9 +81,11 @@ pub struct ConsumerReport {
     pub duplicates: usize,
     /// Duplicate publishes that never reached the upstream.
     pub suppressed: usize,
-    /// Executions of a killed replica that were in flight at its kill
-    /// (their answers possibly unrecorded): the keys that may run again.
-    pub in_doubt: usize,
+    /// Executions of a killed replica in flight at its kill (not answered
+    /// yet), and those it had answered in the `RECORDED_WITHIN` before
+    /// (possibly not recorded yet): their keys may run again.
+    pub in_flight_at_kill: usize,
+    pub answered_before_kill: usize,
     /// Keys re-run after the killed replica's lease ran out, with the
     /// execution numbers (first, again).
     pub taken_over: Vec<(String, u64, u64)>,
@@ -222,10 +224,14 @@ impl<'a> ConsumerChecker<'a> {
                 .iter()
                 .filter(|e| self.release_of(e).is_some())
                 .count();
-            self.out.in_doubt += chain
-                .iter()
-                .filter(|e| matches!(self.release_of(e), Some(Release::Abandoned(_))))
-                .count();
+            for e in chain {
+                if let Some(Release::Abandoned(kill)) = self.release_of(e) {
+                    match e.answered {
+                        Some(a) if a <= kill => self.out.answered_before_kill += 1,
+                        _ => self.out.in_flight_at_kill += 1,
+                    }
+                }
+            }
             let recorded = chain
                 .iter()
                 .rev()
@@ -382,7 +388,8 @@ impl fmt::Display for ConsumerReport {
         writeln!(
             f,
             "  {} messages, {} keys, {} duplicates ({} never executed), {} executions, {} releases; \
-             {} execution(s) in flight on the killed replica at the kill, \
+             {} execution(s) in flight on the killed replica at the kill \
+             ({} more answered in the second before it), \
              {} key(s) of them ran again after its lease ran out{}; \
              {} dead letters ({} expected, {} extra copies); broker left {} ready, {} unacked",
             self.report.requests,
@@ -391,7 +398,8 @@ impl fmt::Display for ConsumerReport {
             self.suppressed,
             self.report.executions,
             self.report.releases,
-            self.in_doubt,
+            self.in_flight_at_kill,
+            self.answered_before_kill,
             self.taken_over.len(),
             if self.taken_over.is_empty() {
                 String::new()
