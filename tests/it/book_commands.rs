@@ -25,6 +25,10 @@
 //! - deploy.md's `check-config --connect` (PostgreSQL);
 //! - webhooks.md's walkthrough: the config it writes, the two processes
 //!   it starts, and each numbered step held to its comment;
+//! - consumers.md's RabbitMQ walkthrough: against a private RabbitMQ node
+//!   with the management plugin (for `rabbitmqadmin`) on free ports, which
+//!   the block's `RABBITMQ_*` variables name, each command held to its
+//!   comment;
 //! - in the prose of configuration.md and operations.md,
 //!   `idemgate check-config --config FILE` and
 //!   `idemgate reload --config FILE` (they sit in no block).
@@ -34,7 +38,10 @@
 //! renders and validates the manifests offline), `scripts/test.sh`,
 //! `soak.sh` and `fuzz.sh` (minutes by design; CI runs the suite), and,
 //! within the keys block, `--client-cert alice.pem` (needs a TLS listener
-//! with a client CA: tests/it/tls_listener.rs runs it).
+//! with a client CA: tests/it/tls_listener.rs runs it). consumers.md's
+//! NATS paragraph is prose, not a block: it uses the `nats` CLI, which is
+//! not installed here (tests/it/consumers.rs runs the same steps through
+//! async-nats: a stream, a durable, a duplicate suppressed).
 
 use crate::support::process::{command, Run, ServeProcess};
 use crate::support::services::{database_url, drop_schema, require_postgres, unique_schema};
@@ -49,10 +56,8 @@ use std::process::{Child, Stdio};
 const BLOCKS: &[(&str, &str, Coverage)] = &[
     (
         "consumers.md",
-        "rabbitmqadmin declare queue name=orders.dlq",
-        Coverage::NotHere(
-            "needs RabbitMQ's management plugin (rabbitmqadmin), not enabled on the shared broker here; tests/it/consumers.rs runs the same steps through lapin (a duplicate message runs once, keys show --consumer)",
-        ),
+        "declare queue name=orders.dlq",
+        Coverage::Run("consumers_md_walkthrough_runs_a_duplicated_message_once"),
     ),
     (
         "containers.md",
@@ -1341,4 +1346,251 @@ async fn webhooks_md_walkthrough_answers_as_its_comments_say() {
     }
     assert!(checked >= 9, "only {checked} checks from the comments");
     drop(started);
+}
+
+// ===== consumers.md =====
+
+/// A block's shell commands as `sh` would read them: continuation lines
+/// joined, a here-document (`<<'EOF'` to `EOF`) kept whole with its
+/// command, each with its `# comment` apart; comment-only lines dropped.
+fn shell_commands(raw: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut lines = raw.lines();
+    let mut text = String::new();
+    let mut comment = String::new();
+    while let Some(line) = lines.next() {
+        if let Some(at) = line.find("<<'") {
+            let tag = line[at + 3..]
+                .split('\'')
+                .next()
+                .expect("a tag")
+                .to_string();
+            let mut doc = vec![line.to_string()];
+            for l in lines.by_ref() {
+                doc.push(l.to_string());
+                if l == tag {
+                    break;
+                }
+            }
+            out.push((doc.join("\n"), String::new()));
+            continue;
+        }
+        let (code, said) = split_comment(line);
+        if !said.is_empty() {
+            comment = said.to_string();
+        }
+        match code.strip_suffix('\\') {
+            Some(head) => {
+                text.push_str(head.trim());
+                text.push(' ');
+            }
+            None => {
+                text.push_str(code.trim());
+                if !text.is_empty() {
+                    out.push((std::mem::take(&mut text), std::mem::take(&mut comment)));
+                }
+                comment.clear();
+            }
+        }
+    }
+    out
+}
+
+/// consumers.md's walkthrough, against a private RabbitMQ node with the
+/// management plugin (never the shared broker's): the block's variables
+/// point `rabbitmqadmin` and idemgate at the node the way a user whose
+/// broker is elsewhere would set them, its addresses are moved to free
+/// ports, and each command is held to its comment: the message published
+/// twice is one order, one duplicate suppressed, the broker up, and
+/// `keys show --consumer` finds its completed record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumers_md_walkthrough_runs_a_duplicated_message_once() {
+    use crate::support::brokers::{rabbitmq_counts_on, PrivateRabbit};
+    let page = std::fs::read_to_string(book().join("consumers.md")).expect("read consumers.md");
+    let prose = page.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(
+        prose.contains("`rabbitmq-plugins enable rabbitmq_management`"),
+        "the walkthrough tells a user to enable the management plugin rabbitmqadmin needs"
+    );
+    let block = block("consumers.md", "rabbitmqadmin");
+    let rabbit = PrivateRabbit::start_management().await;
+    let management = rabbit.management_port.expect("management").to_string();
+    let amqp = rabbit.port.to_string();
+    let env = [
+        ("RABBITMQ_HOST", "127.0.0.1"),
+        ("RABBITMQ_PORT", amqp.as_str()),
+        ("RABBITMQ_MANAGEMENT_PORT", management.as_str()),
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let (proxy, admin, upstream) = (free_port(), free_port(), free_port());
+    let mut raw = block.raw.clone();
+    for (port, to) in [("8080", proxy), ("9090", admin), ("3000", upstream)] {
+        for host in ["127.0.0.1", "localhost"] {
+            raw = raw.replace(&format!("{host}:{port}"), &to.to_string());
+        }
+    }
+    let bin = Path::new(env!("CARGO_BIN_EXE_idemgate"));
+    let path = format!(
+        "{}:{}",
+        bin.parent().expect("the binary's directory").display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    // The variable lines (and the export) run before every later command,
+    // as in the user's one shell.
+    let mut prelude = String::new();
+    let mut started = Vec::new();
+    let mut checked = Vec::new();
+    for (text, comment) in shell_commands(&raw) {
+        let at = format!("consumers.md: {text}");
+        if text.starts_with("RABBITMQ_") {
+            // Its default is the ordinary local broker's.
+            let default = match text.split_once('=').expect("NAME=...").0 {
+                "RABBITMQ_HOST" => "127.0.0.1",
+                "RABBITMQ_PORT" => "5672",
+                "RABBITMQ_MANAGEMENT_PORT" => "15672",
+                other => panic!("{at}: an unknown variable {other}"),
+            };
+            assert!(text.ends_with(&format!(":-{default}}}")), "{at}");
+            prelude.push_str(&format!("{text}\n"));
+            continue;
+        }
+        if text.starts_with("export ") {
+            prelude.push_str(&format!("{text}\n"));
+            continue;
+        }
+        let script = format!("{prelude}{text}");
+        if let Some(command) = text.strip_suffix(" &") {
+            // In the background: started here, stopped at the end.
+            let mut sh = std::process::Command::new("sh");
+            sh.arg("-c")
+                .arg(format!("{prelude}exec {command}"))
+                .current_dir(dir.path())
+                .env("PATH", &path)
+                .envs(env)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(
+                    std::fs::File::create(dir.path().join(format!("bg-{}.log", started.len())))
+                        .unwrap(),
+                );
+            for (k, _) in std::env::vars() {
+                if k.starts_with("IDEMGATE_") {
+                    sh.env_remove(k);
+                }
+            }
+            started.push(Killed(sh.spawn().unwrap_or_else(|e| panic!("{at}: {e}"))));
+            let listens = if command.contains("demo-upstream") {
+                upstream
+            } else {
+                admin
+            };
+            wait_for("the walkthrough's process to listen", || async move {
+                tokio::net::TcpStream::connect(listens).await.ok()
+            })
+            .await;
+            continue;
+        }
+        // A command whose comment says what it prints is looked at again
+        // (bounded) until it does: the consumer takes its messages soon
+        // after they are published, not at once.
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            let run = sh(dir.path(), &script, &env).await;
+            let verdict: Result<(), String> = if text.starts_with("rabbitmqadmin") {
+                let want = if text.contains(" publish ") {
+                    "Message published"
+                } else {
+                    "queue declared"
+                };
+                (run.code == 0 && run.stdout.contains(want))
+                    .then_some(())
+                    .ok_or(format!("{want}: {run:?}"))
+            } else if text.starts_with("cat > consumer.toml") {
+                let written = std::fs::read_to_string(dir.path().join("consumer.toml"));
+                (run.code == 0 && written.is_ok_and(|t| t.contains("[[consumer]]")))
+                    .then_some(())
+                    .ok_or(format!("{run:?}"))
+            } else if text.starts_with("sleep ") {
+                (run.code == 0).then_some(()).ok_or(format!("{run:?}"))
+            } else if text.ends_with("/orders") {
+                assert_eq!(comment, "one order", "{at}");
+                let body: serde_json::Value =
+                    serde_json::from_str(run.stdout.trim()).unwrap_or_default();
+                (body["count"] == 1)
+                    .then_some(())
+                    .ok_or(format!("one order: {run:?}"))
+            } else if text.contains("/metrics | grep duplicates_suppressed") {
+                assert_eq!(comment, "1", "{at}");
+                let value = run
+                    .stdout
+                    .lines()
+                    .find(|l| l.starts_with("idemgate_consumer_duplicates_suppressed_total{"))
+                    .and_then(|l| l.rsplit(' ').next())
+                    .map(str::to_string);
+                (value.as_deref() == Some("1"))
+                    .then_some(())
+                    .ok_or(format!("{value:?}: {run:?}"))
+            } else if text.ends_with("/healthz") {
+                assert_eq!(comment, "ok, consumer orders: broker up", "{at}");
+                (run.stdout == "ok\nconsumer orders: broker up\n")
+                    .then_some(())
+                    .ok_or(format!("{run:?}"))
+            } else if text.starts_with("idemgate keys show ") {
+                assert_eq!(comment, "state completed, status 201", "{at}");
+                let ok = run.code == 0
+                    && shown(&run.stdout, "state") == Some("completed")
+                    && shown(&run.stdout, "status") == Some("201");
+                ok.then_some(()).ok_or(format!("{run:?}"))
+            } else {
+                panic!("{at}: not run here: add it");
+            };
+            match verdict {
+                Ok(()) => break,
+                Err(why) if tokio::time::Instant::now() >= deadline => {
+                    panic!("{at}: not as its comment says: {why}")
+                }
+                Err(_) => tokio::time::sleep(std::time::Duration::from_millis(250)).await,
+            }
+        }
+        checked.push(text);
+    }
+    assert_eq!(
+        checked.len(),
+        10,
+        "every command of the walkthrough ran: {checked:?}"
+    );
+    assert_eq!(started.len(), 2, "demo-upstream and serve");
+    // Nothing left: both copies acked, none dead-lettered, still one order.
+    let node = rabbit.node.clone();
+    let counts = tokio::task::spawn_blocking(move || {
+        (
+            rabbitmq_counts_on(&node, "orders"),
+            rabbitmq_counts_on(&node, "orders.dlq"),
+        )
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        counts,
+        ((0, 0), (0, 0)),
+        "orders, orders.dlq: (ready, unacked)"
+    );
+    let orders = sh(dir.path(), &format!("curl -s {upstream}/orders"), &[]).await;
+    let body: serde_json::Value = serde_json::from_str(orders.stdout.trim()).unwrap_or_default();
+    assert_eq!(body["count"], 1, "{orders:?}");
+    drop(started);
+}
+
+#[test]
+fn a_block_is_read_as_sh_reads_it() {
+    let raw = "A=${A:-1}   # the default\n# only a comment\nrun x \\\n  y   # joined\ncat > f <<'EOF'\n[s]\n# not a comment\nEOF\nlast\n";
+    let cmds = shell_commands(raw);
+    let want = [
+        ("A=${A:-1}", "the default"),
+        ("run x y", "joined"),
+        ("cat > f <<'EOF'\n[s]\n# not a comment\nEOF", ""),
+        ("last", ""),
+    ];
+    let got: Vec<(&str, &str)> = cmds.iter().map(|(t, c)| (t.as_str(), c.as_str())).collect();
+    assert_eq!(got, want);
 }

@@ -257,11 +257,23 @@ impl TestQueue {
 
     /// Publishes `body` (persistent, JSON) with `message_id` when given.
     pub async fn publish(&self, id: Option<&str>, body: &str) {
+        self.publish_with(id, &[], body).await;
+    }
+
+    /// [`TestQueue::publish`] with string `headers`.
+    pub async fn publish_with(&self, id: Option<&str>, headers: &[(&str, &str)], body: &str) {
         let mut props = BasicProperties::default()
             .with_delivery_mode(2)
             .with_content_type(ShortString::from("application/json"));
         if let Some(id) = id {
             props = props.with_message_id(ShortString::from(id));
+        }
+        if !headers.is_empty() {
+            let mut table = FieldTable::default();
+            for (n, v) in headers {
+                table.insert(ShortString::from(*n), AMQPValue::LongString((*v).into()));
+            }
+            props = props.with_headers(table);
         }
         self.channel
             .basic_publish(
@@ -298,6 +310,42 @@ impl TestQueue {
             d.acker.ack(BasicAckOptions::default()).await.unwrap();
         }
         out
+    }
+
+    /// Takes every message of the dead-letter queue: the value of their
+    /// string header `name` (`None` where they have none).
+    pub async fn drain_dead_letter_header(&self, name: &str) -> Vec<Option<String>> {
+        let mut out = Vec::new();
+        while let Some(m) = self
+            .channel
+            .basic_get(
+                ShortString::from(self.dlq.clone()),
+                BasicGetOptions::default(),
+            )
+            .await
+            .unwrap()
+        {
+            let d = m.delivery;
+            let value = d.properties.headers().as_ref().and_then(|h| {
+                h.inner().iter().find_map(|(n, v)| match v {
+                    AMQPValue::LongString(s) if n.as_str() == name => {
+                        Some(String::from_utf8_lossy(s.as_bytes()).into_owned())
+                    }
+                    _ => None,
+                })
+            });
+            out.push(value);
+            d.acker.ack(BasicAckOptions::default()).await.unwrap();
+        }
+        out
+    }
+
+    /// The same queues through a new connection (after a broker restart).
+    pub async fn reconnected(mut self) -> Self {
+        let connection = rabbitmq(&self.url).await;
+        self.channel = connection.create_channel().await.unwrap();
+        self._connection = connection;
+        self
     }
 
     pub async fn delete(&self) {
@@ -374,6 +422,9 @@ pub struct PrivateRabbit {
     pub port: u16,
     /// The TLS listener's port ([`PrivateRabbit::start_tls`]).
     pub tls_port: Option<u16>,
+    /// The management plugin's HTTP port, which `rabbitmqadmin` talks to
+    /// ([`PrivateRabbit::start_management`]).
+    pub management_port: Option<u16>,
     pub node: String,
     dir: tempfile::TempDir,
     /// The `rabbitmq-server` script, reaped once the node stops.
@@ -392,7 +443,17 @@ impl PrivateRabbit {
         Self::start_with(Some(pki)).await
     }
 
+    /// [`PrivateRabbit::start`] with the management plugin enabled (in
+    /// this node's own enabled-plugins file) on a free port of its own.
+    pub async fn start_management() -> Self {
+        Self::start_on(None, true).await
+    }
+
     async fn start_with(pki: Option<&TestPki>) -> Self {
+        Self::start_on(pki, false).await
+    }
+
+    async fn start_on(pki: Option<&TestPki>, management: bool) -> Self {
         let port = free_port().port();
         let dir = tempfile::TempDir::new().unwrap();
         let path = dir.path();
@@ -419,6 +480,14 @@ impl PrivateRabbit {
             ));
             tls_port
         });
+        let management_port = management.then(|| {
+            let port = free_port().port();
+            conf.push_str(&format!(
+                "management.tcp.ip = 127.0.0.1\nmanagement.tcp.port = {port}\n"
+            ));
+            std::fs::write(path.join("plugins"), "[rabbitmq_management].\n").unwrap();
+            port
+        });
         std::fs::write(path.join("rabbitmq.conf"), conf).unwrap();
         // rabbitmq-server run as root switches to the rabbitmq user.
         let status = Command::new("chown")
@@ -431,6 +500,7 @@ impl PrivateRabbit {
         let mut r = Self {
             port,
             tls_port,
+            management_port,
             node: format!("idemgate-test-{port}@localhost"),
             dir,
             child: None,
@@ -478,6 +548,21 @@ impl PrivateRabbit {
                 p.join("log").display()
             );
             tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        if let Some(port) = self.management_port {
+            // The plugin starts after the AMQP listener; it may take a while.
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+            while tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .is_err()
+            {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "the private RabbitMQ node's management plugin did not listen on {port} within 60 s (logs in {})",
+                    p.join("log").display()
+                );
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
         }
         if let Some(tls_port) = self.tls_port {
             wait_for("the private RabbitMQ node's TLS listener", || async move {
@@ -653,6 +738,18 @@ impl TestStream {
             out.push(m.message.clone());
         }
         out
+    }
+
+    /// The value of each dead letter's header `name`, in stream order.
+    pub async fn dead_letter_header(&self, name: &str) -> Vec<Option<String>> {
+        self.dead_letter_messages()
+            .await
+            .iter()
+            .map(|m| {
+                let h = m.headers.as_ref()?;
+                Some(h.get(name)?.as_str().to_string())
+            })
+            .collect()
     }
 
     /// The dead letters' headers (name, value), in stream order.

@@ -27,6 +27,12 @@
 //!    happen); no hangs; transport errors only from a replica that was
 //!    down, and never for a request a gracefully stopping replica had
 //!    already forwarded.
+//!
+//! [`consumer`] judges a message consumer's run by the same model of
+//! releases (an answer that releases the key, a holder SIGKILLed before
+//! recording) from what was published, executed and left behind.
+
+pub mod consumer;
 
 use super::recording_upstream::{Behaviour, Execution, Produced};
 use super::traffic::{Observation, Seen};
@@ -63,6 +69,10 @@ pub enum EventKind {
     RedisResumed,
     PostgresCut,
     PostgresRestored,
+    /// The broker a consumer reads was stopped (it excuses nothing: a
+    /// consumer's deliveries are answered from the record after it).
+    BrokerStopped,
+    BrokerStarted,
 }
 
 /// Everything one run recorded.
@@ -191,6 +201,23 @@ fn read_answer(r: &Resp) -> Answer {
                 .take(200)
                 .collect::<String>()
         )),
+    }
+}
+
+/// When the upstream's own answer released `e`'s key, if it did: a
+/// release status, a reset before the head, or an answer slower than the
+/// proxy's `upstream_timeout` (which gave up before the head).
+fn upstream_release(e: &Execution, upstream_timeout: Duration) -> Option<Instant> {
+    match e.behaviour {
+        Behaviour::Answer { status, .. } if releases_key(status) => {
+            Some(e.answered.unwrap_or(e.arrived))
+        }
+        Behaviour::ResetBeforeHead { .. } => Some(e.answered.unwrap_or(e.arrived)),
+        Behaviour::Answer { delay, .. } if delay >= upstream_timeout => {
+            // The proxy's timer started before the upstream's arrival.
+            Some(e.arrived + upstream_timeout - Duration::from_millis(100))
+        }
+        _ => None,
     }
 }
 
@@ -723,18 +750,7 @@ impl Checker<'_> {
     /// Whether, and from when, `e` let the key run again.
     fn release_of(&self, e: &Execution) -> Option<Release> {
         let own = e.request_id.and_then(|id| self.by_id.get(&id).copied());
-        let upstream = match e.behaviour {
-            Behaviour::Answer { status, .. } if releases_key(status) => {
-                Some(e.answered.unwrap_or(e.arrived))
-            }
-            Behaviour::ResetBeforeHead { .. } => Some(e.answered.unwrap_or(e.arrived)),
-            Behaviour::Answer { delay, .. } if delay >= self.t.upstream_timeout => {
-                // The proxy's timer started before the upstream's arrival.
-                Some(e.arrived + self.t.upstream_timeout - Duration::from_millis(100))
-            }
-            _ => None,
-        };
-        if let Some(at) = upstream {
+        if let Some(at) = upstream_release(e, self.t.upstream_timeout) {
             // A release the proxy could not write leaves the key in flight
             // until its lease runs out: only the same request may run then.
             let locked = own.is_some_and(|o| match &o.seen {

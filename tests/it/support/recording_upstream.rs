@@ -146,6 +146,9 @@ pub struct Produced {
 pub struct Execution {
     /// 1-based, in order of arrival.
     pub seq: u64,
+    /// Which of the upstream's addresses it came to (0 unless started
+    /// with [`RecordingUpstream::start_doors`]): who sent it.
+    pub door: usize,
     pub arrived: Instant,
     /// The `Authorization` value (the proxy's default scope header).
     pub scope: Option<String>,
@@ -168,8 +171,11 @@ struct Log {
 /// The recording upstream on 127.0.0.1:0.
 pub struct RecordingUpstream {
     pub addr: SocketAddr,
+    /// Every address it answers on ([`RecordingUpstream::start_doors`]);
+    /// `addr` is the first.
+    pub doors: Vec<SocketAddr>,
     log: Arc<Log>,
-    _server: TestServer,
+    _servers: Vec<TestServer>,
 }
 
 impl RecordingUpstream {
@@ -177,18 +183,32 @@ impl RecordingUpstream {
     /// `upstream_timeout`, which the slow kinds are measured against. The
     /// n-th execution of a scope's key draws from `seed` and (scope, key, n).
     pub async fn start(mix: Mix, timeout: Duration, seed: Seed) -> Self {
+        Self::start_doors(mix, timeout, seed, 1).await
+    }
+
+    /// [`RecordingUpstream::start`] on `doors` addresses sharing one log,
+    /// each execution recording the door it came to: one door per sender
+    /// (a replica's deliveries, which carry no client of the harness's)
+    /// tells whose an execution was.
+    pub async fn start_doors(mix: Mix, timeout: Duration, seed: Seed, doors: usize) -> Self {
         let log = Arc::new(Log::default());
-        let (l, mix) = (log.clone(), Arc::new(mix));
-        let server = server()
-            .serve(move |req, _| {
-                let (log, mix) = (l.clone(), mix.clone());
-                async move { handle(&log, &mix, timeout, seed, req).await }
-            })
-            .await;
+        let mix = Arc::new(mix);
+        let mut servers = Vec::new();
+        for door in 0..doors.max(1) {
+            let (l, mix) = (log.clone(), mix.clone());
+            let server = server()
+                .serve(move |req, _| {
+                    let (log, mix) = (l.clone(), mix.clone());
+                    async move { handle(&log, &mix, timeout, seed, door, req).await }
+                })
+                .await;
+            servers.push(server);
+        }
         Self {
-            addr: server.addr,
+            addr: servers[0].addr,
+            doors: servers.iter().map(|s| s.addr).collect(),
             log,
-            _server: server,
+            _servers: servers,
         }
     }
 
@@ -245,6 +265,7 @@ async fn handle(
     mix: &Mix,
     timeout: Duration,
     seed: Seed,
+    door: usize,
     req: Request<Incoming>,
 ) -> Result<Response<ProxyBody>, std::io::Error> {
     log.active.fetch_add(1, Ordering::SeqCst);
@@ -271,6 +292,7 @@ async fn handle(
         let behaviour = mix.draw(timeout, &mut rng);
         all.push(Execution {
             seq,
+            door,
             arrived: Instant::now(),
             scope: scope.clone(),
             key: key.clone(),
