@@ -114,15 +114,19 @@ impl Proxy {
 
         let (tx, rx) = tokio::sync::oneshot::channel();
         let (this, task_log) = (Arc::clone(self), log.clone());
-        self.services.tasks.spawn(trace::in_current(async move {
-            let result = this.claim_and_execute(req).await;
-            let (outcome, resp) = task_log.respond(result);
-            // Counted and logged before the client can see the answer, so a
-            // client that reads its response also sees it in the metrics.
-            let client_left = tx.is_closed();
-            task_log.finish(&this.services.metrics, outcome, &resp, client_left);
-            let _ = tx.send(resp);
-        }));
+        // Boxed: the claim-and-execute future is kilobytes, and a task
+        // holding it unboxed copies it whole on spawn and at completion.
+        self.services
+            .tasks
+            .spawn(Box::pin(trace::in_current(async move {
+                let result = this.claim_and_execute(req).await;
+                let (outcome, resp) = task_log.respond(result);
+                // Counted and logged before the client can see the answer, so a
+                // client that reads its response also sees it in the metrics.
+                let client_left = tx.is_closed();
+                task_log.finish(&this.services.metrics, outcome, &resp, client_left);
+                let _ = tx.send(resp);
+            })));
         match rx.await {
             Ok(resp) => resp,
             Err(_) => {
