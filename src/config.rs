@@ -424,6 +424,23 @@ impl Config {
                 }
                 _ => {}
             }
+            // The name is the scope of the consumer's keys; a route with
+            // the same fixed scope would share that namespace, so an HTTP
+            // client's key could replay (or block) a message's, and the
+            // reverse.
+            if let Some(r) = self
+                .routes
+                .iter()
+                .find(|r| r.scope_value.as_deref() == Some(&*c.name))
+            {
+                return Err(Invalid::field(
+                    format!("consumer.{i}.name"),
+                    format!(
+                        "consumer {:?}: its name is the scope of its keys, and route #{} {} has scope = {{ value = {:?} }}: their keys would share one namespace; rename the consumer or change the route's scope",
+                        &*c.name, r.index, r.path, &*c.name
+                    ),
+                ));
+            }
         }
         if restart.store.plaintext_responses == PlaintextResponses::Refuse
             && self.store_keys.is_none()

@@ -637,6 +637,10 @@ mod tests {
             ("[[consumer]]\nname = \"a\"\nsource = { jetstream = { url = \"nats://h\", stream = \"S\", durable = \"d\", key_file = \"/k.pem\" } }\ndeliver = { path = \"/in\" }\n", "key_file only applies to a TLS URL (tls://), but url is nats://h"),
             ("[[consumer]]\nname = \"a\"\nsource = { amqp = { url = \"amqps://h\", queue = \"q\", cert_file = \"/c.pem\" } }\ndeliver = { path = \"/in\" }\n", "cert_file is set without key_file"),
             ("[[consumer]]\nname = \"a\"\nsource = { jetstream = { url = \"tls://h\", stream = \"S\", durable = \"d\", key_file = \"/k.pem\" } }\ndeliver = { path = \"/in\" }\n", "key_file is set without cert_file"),
+            // Pins consumer review L8: a route's fixed scope equal to a
+            // consumer's name was accepted, sharing one key namespace.
+            (&format!("[[route]]\nmethods = [\"POST\"]\npath = \"/pay\"\nscope = {{ value = \"a\" }}\n[[consumer]]\nname = \"a\"\n{AMQP}"), "line 8: consumer \"a\": its name is the scope of its keys, and route #1 /pay has scope = { value = \"a\" }"),
+            (&format!("[defaults]\nscope = {{ value = \"a\" }}\n[[route]]\nmethods = [\"POST\"]\npath = \"/pay\"\n[[consumer]]\nname = \"a\"\n{AMQP}"), "line 9: consumer \"a\": its name is the scope of its keys, and route #1 /pay"),
         ];
         for (text, want) in rows {
             let e = parse(text).unwrap_err();
