@@ -571,6 +571,16 @@ impl Config {
             }
         }
         out.extend(routes::shadowing_warnings(&self.routes));
+        // A broker redelivers what was unacked at a restart: on the memory
+        // store the records are gone by then, so those messages run again.
+        if self.restart.store.backend == Backend::Memory {
+            for c in &self.restart.consumers {
+                out.push(format!(
+                    "consumer {:?}: store.backend = \"memory\" forgets every record on restart, so a message the broker redelivers after one (unacked, or published twice) executes again; use sqlite or postgres",
+                    &*c.name
+                ));
+            }
+        }
         // The URI (so HTTP/2's :authority) is always the upstream's; a kept
         // client Host then disagrees with it, which RFC 9113 §8.3.1 lets an
         // HTTP/2 server refuse as malformed.

@@ -649,6 +649,36 @@ mod tests {
         }
     }
 
+    /// Pins consumer review L7: the memory store was accepted with
+    /// consumers in silence, though a restart forgets every record and the
+    /// broker then redelivers what was unacked. A warning (printed by
+    /// `serve` at start-up and by `check-config`) names each consumer.
+    #[test]
+    fn the_memory_store_with_consumers_warns_naming_each() {
+        let two = format!("[[consumer]]\nname = \"a\"\n{AMQP}[[consumer]]\nname = \"b\"\n{AMQP}");
+        let memory = parse(&format!("[store]\nbackend = \"memory\"\n{two}")).unwrap();
+        let about = |c: &Config| -> Vec<String> {
+            c.warnings()
+                .into_iter()
+                .filter(|w| w.contains("forgets every record on restart"))
+                .collect()
+        };
+        let warned = about(&memory);
+        assert_eq!(warned.len(), 2, "{warned:?}");
+        assert!(
+            warned[0].starts_with("consumer \"a\": store.backend = \"memory\""),
+            "{warned:?}"
+        );
+        assert!(warned[1].starts_with("consumer \"b\": "), "{warned:?}");
+        // Without consumers, or on a durable store: no such warning.
+        assert!(about(&parse("[store]\nbackend = \"memory\"\n").unwrap()).is_empty());
+        let sqlite = parse(&format!(
+            "[store]\nbackend = \"sqlite\"\npath = \"s.db\"\n{two}"
+        ))
+        .unwrap();
+        assert!(about(&sqlite).is_empty());
+    }
+
     /// TLS URLs verify the chain and the name, against `ca_file` or the
     /// system roots; a client certificate goes with its key.
     #[test]
