@@ -13,7 +13,10 @@
 //!   as `Idemgate-Original-Msg-Id`. A `duplicate` answer for that id is an
 //!   error (the copy may not be stored), so the message is not termed.
 //! - retry: `-NAK` with the delay; the broker redelivers it then.
-//! - progress: `+WPI` every half of `ack_wait` while the upstream runs.
+//! - progress: `+WPI` every half of `ack_wait` while the upstream runs
+//!   under a lease that is still ours (`lease::Holding`: claimed, renewed
+//!   within the last lease length, not lost); once it is lost the broker
+//!   is let to redeliver, and the refused completion is never acked.
 //! - attempt: the broker's `num_delivered` for the message (kept by the
 //!   broker across redeliveries and idemgate restarts; a delivery that
 //!   found the key in flight elsewhere counts too).

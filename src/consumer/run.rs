@@ -10,6 +10,7 @@ use super::link::Link;
 use super::source::{Delivery, Source, SourceError};
 use super::{amqp, jetstream};
 use crate::config::consumers::{ConsumerConfig, SourceConfig};
+use crate::lease::Holding;
 use crate::metrics::Metrics;
 use crate::net::backoff::Backoff;
 use crate::proxy::Proxy;
@@ -164,9 +165,12 @@ async fn handle(ctx: &Context, delivery: Box<dyn Delivery>) -> bool {
     let proxy = ctx.current.load_full();
     let (happened, key_id) = match deliver::request(&ctx.consumer, msg, proxy.scope_secret()) {
         None => (Happened::NoKey, None),
-        Some(req) => {
+        Some(mut req) => {
             let key_id = req.record_key.log_id();
-            let result = with_progress(&*delivery, proxy.deliver(req)).await;
+            let holding = Arc::new(Holding::default());
+            req.holding = Some(holding.clone());
+            let ours = || holding.is_ours();
+            let result = with_progress(&*delivery, ours, proxy.deliver(req)).await;
             let happened = deliver::happened(&result);
             match happened {
                 Happened::Executed { .. } => metrics.executed(name),
@@ -217,8 +221,16 @@ async fn handle(ctx: &Context, delivery: Box<dyn Delivery>) -> bool {
 }
 
 /// Runs `work`, telling the broker the delivery is still being worked on
-/// every `progress_every` (JetStream `+WPI`) until it ends.
-async fn with_progress<F: std::future::Future>(delivery: &dyn Delivery, work: F) -> F::Output {
+/// every `progress_every` (JetStream `+WPI`) while `ours()` says so, until
+/// it ends. For a delivery, `ours` is its claim's [`Holding`]: once the
+/// lease is lost (or unconfirmed for a whole lease) another claimant may
+/// hold the key, so the broker is let to redeliver the message; the
+/// completion, fenced by the token, is then refused and nothing is acked.
+async fn with_progress<F: std::future::Future>(
+    delivery: &dyn Delivery,
+    ours: impl Fn() -> bool,
+    work: F,
+) -> F::Output {
     let Some(every) = delivery.progress_every() else {
         return work.await;
     };
@@ -228,7 +240,9 @@ async fn with_progress<F: std::future::Future>(delivery: &dyn Delivery, work: F)
         tokio::select! {
             out = &mut work => return out,
             _ = tick.tick() => {
-                if let Err(e) = delivery.progress().await {
+                if !ours() {
+                    debug!("the claim is not ours (not yet, lost, or unconfirmed for a lease): no progress sent");
+                } else if let Err(e) = delivery.progress().await {
                     debug!(error = %e, "progress not sent");
                 }
             }

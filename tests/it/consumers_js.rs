@@ -1,10 +1,100 @@
 //! JetStream consumers and their config, against the real broker and
 //! stores (consumer review findings; L8 is a row of the config unit
-//! table): the memory store warned about.
+//! table): progress only while the claim's lease is ours, the memory
+//! store warned about.
 
 use crate::consumers::{consumer, jetstream, s, table, Replica, Store, CONSUMER};
 use crate::support::brokers::{Handler, TestStream, NATS_URL};
-use crate::support::{run_on_config_text, wait_for};
+use crate::support::{run_on_config_text, run_to_completion, wait_for};
+use async_nats::jetstream::consumer::PullConsumer;
+use std::time::Duration;
+
+/// How many times the broker delivered the durable's messages, first
+/// deliveries and redeliveries together.
+async fn delivered(stream: &TestStream) -> u64 {
+    let s = stream.js.get_stream(&stream.name).await.unwrap();
+    let mut c: PullConsumer = s.get_consumer(CONSUMER).await.unwrap();
+    c.info().await.unwrap().delivered.consumer_sequence
+}
+
+async fn keys(args: &[&str], replica: &Replica) -> crate::support::Run {
+    let config = replica.config.display().to_string();
+    let mut all = vec!["keys"];
+    all.extend_from_slice(args);
+    all.extend(["--consumer", CONSUMER, "k1", "--config", &config]);
+    run_to_completion(&all, &[]).await
+}
+
+/// Pins consumer review L2: `+WPI` went out on a timer while the upstream
+/// ran, whether or not the claim was still ours, so a delivery whose
+/// lease was lost kept the broker from redelivering until its upstream
+/// call ended. Now progress follows the lease: once a renewal finds the
+/// claim gone (here an operator deletes the in-flight key, which a
+/// takeover looks like to the holder), no more `+WPI`, and the broker
+/// redelivers within `ack_wait` while the first call still runs. The
+/// first delivery's completion is refused and never acked; the
+/// redelivery's is recorded and acked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_progress_stops_once_the_lease_is_lost_so_the_broker_redelivers() {
+    let handler = Handler::start().await;
+    let stream = TestStream::new(NATS_URL, "idemgate_lost").await;
+    let dir = tempfile::TempDir::new().unwrap();
+    // lease 1s: renewed every third of it; ack_wait 2s: +WPI every 1s.
+    let c = consumer(
+        jetstream(NATS_URL, &stream, "2s"),
+        &[("key", table(&[("header", s("x-order-id"))]))],
+    );
+    let replica = Replica::start(dir.path(), 0, &handler, c, Store::Sqlite).await;
+    stream
+        .publish(None, &[("x-order-id", "k1")], r#"{"delay_ms":7000}"#)
+        .await;
+    wait_for("the key in flight", || async {
+        let shown = keys(&["show"], &replica).await;
+        shown.stdout.contains("in_flight").then_some(())
+    })
+    .await;
+    // Progress kept the message while the lease was ours.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(
+        delivered(&stream).await,
+        1,
+        "redelivered under a live lease"
+    );
+    let deleted = keys(&["delete"], &replica).await;
+    assert_eq!(deleted.code, 0, "{deleted:?}");
+    let redelivered = wait_for("a redelivery, or the first call's end", || async {
+        if delivered(&stream).await >= 2 {
+            return Some(true);
+        }
+        (!handler.runs("k1").is_empty()).then_some(false)
+    })
+    .await;
+    assert!(
+        redelivered,
+        "the first call ended before the broker redelivered: progress outlived the lease"
+    );
+    assert!(handler.runs("k1").is_empty(), "the first call still runs");
+    wait_for("both calls to end, and the message acked", || async {
+        let done =
+            handler.runs("k1").len() == 2 && stream.consumer_counts(CONSUMER).await == Some((0, 0));
+        done.then_some(())
+    })
+    .await;
+    let log = replica.p().log();
+    assert!(
+        log.contains("completion refused: the lease ran out and another request took the key over"),
+        "{log}"
+    );
+    assert!(stream.dead_letters().await.is_empty());
+    assert_eq!(
+        replica
+            .counter("messages_dead_lettered_total", Some("exhausted"))
+            .await,
+        0
+    );
+    drop(replica);
+    stream.delete().await;
+}
 
 /// Pins consumer review L7: `store.backend = "memory"` was accepted with
 /// consumers in silence, though a restart forgets every record and the
