@@ -160,26 +160,13 @@ async fn handle(ctx: &Context, delivery: Box<dyn Delivery>) -> bool {
     metrics.received(name);
     let gauge = metrics.in_flight(name);
     gauge.inc();
-    let msg = delivery.message();
-    let attempt = msg.attempt.max(1);
-    let proxy = ctx.current.load_full();
-    let (happened, key_id) = match deliver::request(&ctx.consumer, msg, proxy.scope_secret()) {
-        None => (Happened::NoKey, None),
-        Some(mut req) => {
-            let key_id = req.record_key.log_id();
-            let holding = Arc::new(Holding::default());
-            req.holding = Some(holding.clone());
-            let ours = || holding.is_ours();
-            let result = with_progress(&*delivery, ours, proxy.deliver(req)).await;
-            let happened = deliver::happened(&result);
-            match happened {
-                Happened::Executed { .. } => metrics.executed(name),
-                Happened::Duplicate { .. } => metrics.duplicate(name),
-                _ => {}
-            }
-            (happened, Some(key_id))
-        }
-    };
+    let attempt = delivery.message().attempt.max(1);
+    let (happened, key_id) = run_once(ctx, &*delivery).await;
+    match happened {
+        Happened::Executed { .. } => metrics.executed(name),
+        Happened::Duplicate { .. } => metrics.duplicate(name),
+        _ => {}
+    }
     let c = &ctx.consumer;
     let policy = RetryPolicy {
         max_attempts: c.max_attempts,
@@ -218,6 +205,60 @@ async fn handle(ctx: &Context, delivery: Box<dyn Delivery>) -> bool {
     }
     gauge.dec();
     ok
+}
+
+/// The delivery through the protected path, and the key's log id (`None`:
+/// the message has no key), with progress while the claim is ours.
+///
+/// Where every redelivery counts as an attempt
+/// ([`Delivery::counts_redeliveries`], JetStream), a delivery that finds
+/// its key in flight elsewhere is not given back (its redelivery would be
+/// counted though the upstream was not called, and could exhaust
+/// `max_attempts`): it is held, with progress, and claimed again after
+/// the key's `Retry-After` (within `retry_initial..retry_max`), until
+/// the key is free or answered, or shutdown begins.
+async fn run_once(ctx: &Context, delivery: &dyn Delivery) -> (Happened, Option<String>) {
+    // The claim progress follows; `None` while held on purpose (busy).
+    let claim: std::sync::Mutex<Option<Arc<Holding>>> = Default::default();
+    let set = |h: Option<Arc<Holding>>| *claim.lock().unwrap_or_else(|p| p.into_inner()) = h;
+    let ours = || {
+        let claim = claim.lock().unwrap_or_else(|p| p.into_inner());
+        claim.as_ref().is_none_or(|h| h.is_ours())
+    };
+    let c = &ctx.consumer;
+    // One progress schedule for the whole delivery: a hold shorter than
+    // its interval must not restart it.
+    let work = async {
+        loop {
+            // Loaded again for each claim: a reload may have swapped it.
+            let proxy = ctx.current.load_full();
+            let Some(mut req) = deliver::request(c, delivery.message(), proxy.scope_secret())
+            else {
+                return (Happened::NoKey, None);
+            };
+            let key_id = req.record_key.log_id();
+            let holding = Arc::new(Holding::default());
+            req.holding = Some(holding.clone());
+            set(Some(holding));
+            let happened = deliver::happened(&proxy.deliver(req).await);
+            match happened {
+                Happened::InFlight { retry_after }
+                    if delivery.counts_redeliveries() && !ctx.stopping.is_cancelled() =>
+                {
+                    let wait = retry_after.clamp(c.retry_initial, c.retry_max);
+                    debug!(consumer = %c.name, key.id = %key_id, ?wait,
+                        "key in flight elsewhere; holding the delivery to claim it again");
+                    set(None);
+                    tokio::select! {
+                        _ = tokio::time::sleep(wait) => {}
+                        _ = ctx.stopping.cancelled() => {}
+                    }
+                }
+                _ => return (happened, Some(key_id)),
+            }
+        }
+    };
+    with_progress(delivery, ours, work).await
 }
 
 /// Runs `work`, telling the broker the delivery is still being worked on

@@ -1,13 +1,18 @@
 //! JetStream consumers and their config, against the real broker and
-//! stores (consumer review findings; L8 is a row of the config unit
-//! table): progress only while the claim's lease is ours, the memory
-//! store warned about.
+//! stores (review findings L2, L6, L7; L8 is a row of the config unit
+//! table): progress only while the claim's lease is ours, a key in flight
+//! elsewhere not using up `max_attempts`, the memory store warned about.
 
 use crate::consumers::{consumer, jetstream, s, table, Replica, Store, CONSUMER};
 use crate::support::brokers::{Handler, TestStream, NATS_URL};
-use crate::support::{run_on_config_text, run_to_completion, wait_for};
+use crate::support::services::{database_url, pg_store_config, require_postgres};
+use crate::support::{run_on_config_text, run_to_completion, wait_for, TestSchema};
 use async_nats::jetstream::consumer::PullConsumer;
+use idemgate::idempotency::{Fingerprint, IdempotencyKey, RecordKey, Scope};
+use idemgate::store::postgres::PostgresStore;
+use idemgate::store::{Claim, ClaimOutcome, Fence, LeaseToken, Store as _};
 use std::time::Duration;
+use toml::Value;
 
 /// How many times the broker delivered the durable's messages, first
 /// deliveries and redeliveries together.
@@ -92,6 +97,94 @@ async fn jetstream_progress_stops_once_the_lease_is_lost_so_the_broker_redeliver
             .await,
         0
     );
+    drop(replica);
+    stream.delete().await;
+}
+
+/// Pins consumer review L6: a JetStream delivery whose key was in flight
+/// elsewhere was nak'd, and each redelivery counted in `num_delivered`,
+/// the attempt number `max_attempts` is checked against: a message whose
+/// key another claim held for a while was dead-lettered `exhausted` at
+/// its first real attempt. Now such a delivery is held (with progress)
+/// and claimed again, adding no delivery: with `max_attempts = 2`, the
+/// key held by another claim for several retry periods and past
+/// `ack_wait`, then released, the message runs its two attempts (503,
+/// then 201) and is acked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_a_key_in_flight_elsewhere_does_not_use_up_max_attempts() {
+    let url = database_url();
+    require_postgres(&url).await;
+    let schema = TestSchema::new();
+    let handler = Handler::start().await;
+    let stream = TestStream::new(NATS_URL, "idemgate_busy").await;
+    let dir = tempfile::TempDir::new().unwrap();
+    let c = consumer(
+        jetstream(NATS_URL, &stream, "2s"),
+        &[
+            ("key", table(&[("header", s("x-order-id"))])),
+            ("max_attempts", Value::Integer(2)),
+        ],
+    );
+    let replica = Replica::start(dir.path(), 0, &handler, c, Store::Postgres(&schema)).await;
+    // Another claim on the message's key, as idemgate makes it: the
+    // consumer's name is the scope; the fingerprint covers the method,
+    // the path and the payload.
+    let body = r#"{"plan":[503,201]}"#;
+    let store = PostgresStore::connect(&pg_store_config(&url, &schema.schema))
+        .await
+        .unwrap();
+    let key = RecordKey::new(
+        Scope::of_value(CONSUMER, None),
+        &IdempotencyKey::from_value("k1").unwrap(),
+    );
+    let token = LeaseToken::random();
+    let claim = Claim {
+        key,
+        fingerprint: Fingerprint::compute(
+            &http::Method::POST,
+            "/reserve",
+            None,
+            &[],
+            body.as_bytes(),
+        ),
+        token,
+        now: idemgate::clock::Clock::system().now_millis(),
+        lease_ms: 60_000,
+        ttl_ms: 3_600_000,
+        first_use: None,
+    };
+    assert!(matches!(
+        store.claim(&claim).await.unwrap(),
+        ClaimOutcome::Claimed { .. }
+    ));
+    stream.publish(None, &[("x-order-id", "k1")], body).await;
+    // Several retry periods (retry_max 400ms) and longer than ack_wait.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert!(handler.runs("k1").is_empty(), "ran while held elsewhere");
+    assert_eq!(store.release(&key, &token).await.unwrap(), Fence::Held);
+    let settled = wait_for("the message to be acked or dead-lettered", || async {
+        let dead = replica
+            .counter("messages_dead_lettered_total", Some("exhausted"))
+            .await
+            + replica
+                .counter("messages_dead_lettered_total", Some("mismatch"))
+                .await;
+        if dead > 0 {
+            return Some(false);
+        }
+        let acked = handler.runs("k1") == [503, 201]
+            && stream.consumer_counts(CONSUMER).await == Some((0, 0));
+        acked.then_some(true)
+    })
+    .await;
+    assert!(
+        settled,
+        "dead-lettered after {:?}: {:?}",
+        handler.runs("k1"),
+        stream.dead_letters().await
+    );
+    assert_eq!(handler.runs("k1"), [503, 201]);
+    assert!(stream.dead_letters().await.is_empty());
     drop(replica);
     stream.delete().await;
 }
