@@ -424,6 +424,23 @@ impl Config {
                 }
                 _ => {}
             }
+            // The name is the scope of the consumer's keys; a route with
+            // the same fixed scope would share that namespace, so an HTTP
+            // client's key could replay (or block) a message's, and the
+            // reverse.
+            if let Some(r) = self
+                .routes
+                .iter()
+                .find(|r| r.scope_value.as_deref() == Some(&*c.name))
+            {
+                return Err(Invalid::field(
+                    format!("consumer.{i}.name"),
+                    format!(
+                        "consumer {:?}: its name is the scope of its keys, and route #{} {} has scope = {{ value = {:?} }}: their keys would share one namespace; rename the consumer or change the route's scope",
+                        &*c.name, r.index, r.path, &*c.name
+                    ),
+                ));
+            }
         }
         if restart.store.plaintext_responses == PlaintextResponses::Refuse
             && self.store_keys.is_none()
@@ -554,6 +571,16 @@ impl Config {
             }
         }
         out.extend(routes::shadowing_warnings(&self.routes));
+        // A broker redelivers what was unacked at a restart: on the memory
+        // store the records are gone by then, so those messages run again.
+        if self.restart.store.backend == Backend::Memory {
+            for c in &self.restart.consumers {
+                out.push(format!(
+                    "consumer {:?}: store.backend = \"memory\" forgets every record on restart, so a message the broker redelivers after one (unacked, or published twice) executes again; use sqlite or postgres",
+                    &*c.name
+                ));
+            }
+        }
         // The URI (so HTTP/2's :authority) is always the upstream's; a kept
         // client Host then disagrees with it, which RFC 9113 §8.3.1 lets an
         // HTTP/2 server refuse as malformed.

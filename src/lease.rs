@@ -197,6 +197,51 @@ pub struct ClaimRequest {
     pub route: Arc<String>,
     /// What the claim keeps of its request, for a later 422.
     pub first_use: Option<FirstUse>,
+    /// Told whether the claim is still ours, when someone asks.
+    pub holding: Option<Arc<Holding>>,
+}
+
+/// Whether a claim is still this process's, as its claim and renewals
+/// last said: for work beside the request that must stop once it is not
+/// (a JetStream consumer's `+WPI` keeps the broker from redelivering, so
+/// it is sent only while the lease is ours). Lost is final: a token never
+/// owns its record again.
+#[derive(Debug, Default)]
+pub struct Holding(std::sync::Mutex<Hold>);
+
+#[derive(Clone, Copy, Debug, Default)]
+enum Hold {
+    #[default]
+    Unclaimed,
+    /// Ours until then: a lease length after the claim or renewal that
+    /// last succeeded was sent (the store counted from then or later).
+    Until(tokio::time::Instant),
+    /// A write found the token no longer owns the record (taken over, or
+    /// deleted by an operator).
+    Lost,
+}
+
+impl Holding {
+    /// Won, and neither lost nor run out since the last good renewal.
+    pub fn is_ours(&self) -> bool {
+        matches!(*self.lock(), Hold::Until(t) if tokio::time::Instant::now() < t)
+    }
+
+    fn held(&self, asked: tokio::time::Instant, length: Duration) {
+        let mut hold = self.lock();
+        if !matches!(*hold, Hold::Lost) {
+            *hold = Hold::Until(asked + length);
+        }
+    }
+
+    fn lost(&self) {
+        *self.lock() = Hold::Lost;
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Hold> {
+        // A std mutex: no await happens while it is held.
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
 }
 
 /// The answer to a claim.
@@ -253,6 +298,7 @@ impl Leases {
             ttl_ms: millis(req.ttl),
             first_use: req.first_use,
         };
+        let asked = tokio::time::Instant::now();
         let answer = self.store.claim(&claim).await;
         let fenced = Fenced {
             leases: self.clone(),
@@ -260,6 +306,7 @@ impl Leases {
             token: claim.token,
             length: req.lease,
             route: req.route,
+            holding: req.holding,
         };
         match answer {
             Ok(ClaimOutcome::Existing(record)) => Ok(Acquired::Existing(record)),
@@ -268,6 +315,7 @@ impl Leases {
                     self.metrics.takeover(&fenced.route);
                     info!(key.id = %claim.key.log_id(), route = %fenced.route, "took over a claim whose lease ran out");
                 }
+                fenced.held(asked);
                 Ok(Acquired::Held(Lease {
                     fenced,
                     finished: false,
@@ -302,6 +350,7 @@ struct Fenced {
     /// The route's lease length.
     length: Duration,
     route: Arc<String>,
+    holding: Option<Arc<Holding>>,
 }
 
 impl Lease {
@@ -432,6 +481,19 @@ impl Fenced {
             .await
     }
 
+    /// A claim or renewal sent at `asked` took effect.
+    fn held(&self, asked: tokio::time::Instant) {
+        if let Some(h) = &self.holding {
+            h.held(asked, self.length);
+        }
+    }
+
+    fn lost(&self) {
+        if let Some(h) = &self.holding {
+            h.lost();
+        }
+    }
+
     /// One lease length from now.
     fn span(&self) -> Span {
         Span {
@@ -455,6 +517,7 @@ impl Fenced {
                 KeyFate::Kept
             }
             Fence::Lost => {
+                self.lost();
                 self.leases.metrics.lost_fence(&self.route);
                 warn!(key.id = %self.key.log_id(), route = %self.route,
                     "completion refused: the lease ran out and another request took the key over");
@@ -470,6 +533,7 @@ impl Fenced {
         let mut wait = every;
         loop {
             tokio::time::sleep(wait).await;
+            let asked = tokio::time::Instant::now();
             // Each renewal must give up in time for another try within the
             // lease, whatever the store's own bound (its latency is still
             // recorded: `Instrumented` records calls that are cancelled).
@@ -478,10 +542,12 @@ impl Fenced {
                 .unwrap_or(Err(StoreError::Timeout));
             match interpret(Write::Renew, &answer, false) {
                 Step::Done(Fence::Held) => {
+                    self.held(asked);
                     retries.reset();
                     wait = every;
                 }
                 Step::Done(Fence::Lost) => {
+                    self.lost();
                     // The completion will be refused too; it is counted there.
                     debug!(key.id = %self.key.log_id(), "lease lost");
                     return std::future::pending().await;

@@ -637,12 +637,46 @@ mod tests {
             ("[[consumer]]\nname = \"a\"\nsource = { jetstream = { url = \"nats://h\", stream = \"S\", durable = \"d\", key_file = \"/k.pem\" } }\ndeliver = { path = \"/in\" }\n", "key_file only applies to a TLS URL (tls://), but url is nats://h"),
             ("[[consumer]]\nname = \"a\"\nsource = { amqp = { url = \"amqps://h\", queue = \"q\", cert_file = \"/c.pem\" } }\ndeliver = { path = \"/in\" }\n", "cert_file is set without key_file"),
             ("[[consumer]]\nname = \"a\"\nsource = { jetstream = { url = \"tls://h\", stream = \"S\", durable = \"d\", key_file = \"/k.pem\" } }\ndeliver = { path = \"/in\" }\n", "key_file is set without cert_file"),
+            // Pins consumer review L8: a route's fixed scope equal to a
+            // consumer's name was accepted, sharing one key namespace.
+            (&format!("[[route]]\nmethods = [\"POST\"]\npath = \"/pay\"\nscope = {{ value = \"a\" }}\n[[consumer]]\nname = \"a\"\n{AMQP}"), "line 8: consumer \"a\": its name is the scope of its keys, and route #1 /pay has scope = { value = \"a\" }"),
+            (&format!("[defaults]\nscope = {{ value = \"a\" }}\n[[route]]\nmethods = [\"POST\"]\npath = \"/pay\"\n[[consumer]]\nname = \"a\"\n{AMQP}"), "line 9: consumer \"a\": its name is the scope of its keys, and route #1 /pay"),
         ];
         for (text, want) in rows {
             let e = parse(text).unwrap_err();
             assert!(e.starts_with("c.toml: "), "{e}");
             assert!(e.contains(want), "{text}\nwant {want:?}\ngot  {e}");
         }
+    }
+
+    /// Pins consumer review L7: the memory store was accepted with
+    /// consumers in silence, though a restart forgets every record and the
+    /// broker then redelivers what was unacked. A warning (printed by
+    /// `serve` at start-up and by `check-config`) names each consumer.
+    #[test]
+    fn the_memory_store_with_consumers_warns_naming_each() {
+        let two = format!("[[consumer]]\nname = \"a\"\n{AMQP}[[consumer]]\nname = \"b\"\n{AMQP}");
+        let memory = parse(&format!("[store]\nbackend = \"memory\"\n{two}")).unwrap();
+        let about = |c: &Config| -> Vec<String> {
+            c.warnings()
+                .into_iter()
+                .filter(|w| w.contains("forgets every record on restart"))
+                .collect()
+        };
+        let warned = about(&memory);
+        assert_eq!(warned.len(), 2, "{warned:?}");
+        assert!(
+            warned[0].starts_with("consumer \"a\": store.backend = \"memory\""),
+            "{warned:?}"
+        );
+        assert!(warned[1].starts_with("consumer \"b\": "), "{warned:?}");
+        // Without consumers, or on a durable store: no such warning.
+        assert!(about(&parse("[store]\nbackend = \"memory\"\n").unwrap()).is_empty());
+        let sqlite = parse(&format!(
+            "[store]\nbackend = \"sqlite\"\npath = \"s.db\"\n{two}"
+        ))
+        .unwrap();
+        assert!(about(&sqlite).is_empty());
     }
 
     /// TLS URLs verify the chain and the name, against `ca_file` or the

@@ -355,6 +355,10 @@ impl Delivery for AmqpDelivery {
         false
     }
 
+    fn counts_redeliveries(&self) -> bool {
+        false
+    }
+
     fn progress_every(&self) -> Option<Duration> {
         None
     }

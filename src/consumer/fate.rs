@@ -9,7 +9,7 @@
 //! | a recorded answer found (duplicate, redelivery): below 400 / 400 and up | ack / dead-letter (`rejected`), upstream not called |
 //! | released (a release status, refused, or ambiguous with `on_ambiguous = "release"`) | retry after a backoff (`Retry-After` honoured up to `retry_max`), counted; dead-letter (`exhausted`) after `max_attempts` |
 //! | parked as outcome unknown (`on_ambiguous = "keep"`) | dead-letter (`outcome_unknown`) for an operator |
-//! | in flight elsewhere | come back later (after its `Retry-After`), not counted |
+//! | in flight elsewhere | come back later (after its `Retry-After`), not counted (JetStream: held and claimed again first, `run.rs`) |
 //! | the key was used with a different payload | dead-letter (`mismatch`) |
 //! | no key | dead-letter (`no_key`) |
 //! | unsettled (store down, lease lost, key locked) | come back later, not counted |

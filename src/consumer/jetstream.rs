@@ -13,10 +13,18 @@
 //!   as `Idemgate-Original-Msg-Id`. A `duplicate` answer for that id is an
 //!   error (the copy may not be stored), so the message is not termed.
 //! - retry: `-NAK` with the delay; the broker redelivers it then.
-//! - progress: `+WPI` every half of `ack_wait` while the upstream runs.
+//! - progress: `+WPI` every half of `ack_wait` while the upstream runs
+//!   under a lease that is still ours (`lease::Holding`: claimed, renewed
+//!   within the last lease length, not lost); once it is lost the broker
+//!   is let to redeliver, and the refused completion is never acked. Also
+//!   while a delivery whose key is in flight elsewhere is held.
 //! - attempt: the broker's `num_delivered` for the message (kept by the
-//!   broker across redeliveries and idemgate restarts; a delivery that
-//!   found the key in flight elsewhere counts too).
+//!   broker across redeliveries, replicas and idemgate restarts). A
+//!   delivery that finds its key in flight elsewhere is held and claimed
+//!   again, not nak'd, so it adds no delivery (`counts_redeliveries`).
+//!   Still counted: deliveries cut short by a crash, a lost connection or
+//!   a shutdown, and naks of an unsettled delivery (store down, answer not
+//!   yet recorded, lease lost).
 
 use super::fate::Reason;
 use super::link::Link;
@@ -244,6 +252,10 @@ impl Delivery for JsDelivery {
         true
     }
 
+    fn counts_redeliveries(&self) -> bool {
+        true
+    }
+
     fn progress_every(&self) -> Option<Duration> {
         Some(self.progress_every)
     }
@@ -261,7 +273,7 @@ impl Delivery for JsDelivery {
 /// - explicit acks (`all` would ack a held or nak'd earlier message with a
 ///   later one's ack; `none` loses a message on a crash);
 /// - no `max_deliver` limit: the server drops a message silently after so
-///   many deliveries, the uncounted ones (its key in flight elsewhere)
+///   many deliveries, the uncounted ones (naks while the store is down)
 ///   included, with no dead letter; `max_attempts` is idemgate's limit;
 /// - `ack_wait` of at least a second (`+WPI` goes every half of it).
 fn check_durable(c: &jetstream::consumer::Config) -> Result<(), String> {

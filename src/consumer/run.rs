@@ -10,6 +10,7 @@ use super::link::Link;
 use super::source::{Delivery, Source, SourceError};
 use super::{amqp, jetstream};
 use crate::config::consumers::{ConsumerConfig, SourceConfig};
+use crate::lease::Holding;
 use crate::metrics::Metrics;
 use crate::net::backoff::Backoff;
 use crate::proxy::Proxy;
@@ -159,23 +160,13 @@ async fn handle(ctx: &Context, delivery: Box<dyn Delivery>) -> bool {
     metrics.received(name);
     let gauge = metrics.in_flight(name);
     gauge.inc();
-    let msg = delivery.message();
-    let attempt = msg.attempt.max(1);
-    let proxy = ctx.current.load_full();
-    let (happened, key_id) = match deliver::request(&ctx.consumer, msg, proxy.scope_secret()) {
-        None => (Happened::NoKey, None),
-        Some(req) => {
-            let key_id = req.record_key.log_id();
-            let result = with_progress(&*delivery, proxy.deliver(req)).await;
-            let happened = deliver::happened(&result);
-            match happened {
-                Happened::Executed { .. } => metrics.executed(name),
-                Happened::Duplicate { .. } => metrics.duplicate(name),
-                _ => {}
-            }
-            (happened, Some(key_id))
-        }
-    };
+    let attempt = delivery.message().attempt.max(1);
+    let (happened, key_id) = run_once(ctx, &*delivery).await;
+    match happened {
+        Happened::Executed { .. } => metrics.executed(name),
+        Happened::Duplicate { .. } => metrics.duplicate(name),
+        _ => {}
+    }
     let c = &ctx.consumer;
     let policy = RetryPolicy {
         max_attempts: c.max_attempts,
@@ -216,9 +207,71 @@ async fn handle(ctx: &Context, delivery: Box<dyn Delivery>) -> bool {
     ok
 }
 
+/// The delivery through the protected path, and the key's log id (`None`:
+/// the message has no key), with progress while the claim is ours.
+///
+/// Where every redelivery counts as an attempt
+/// ([`Delivery::counts_redeliveries`], JetStream), a delivery that finds
+/// its key in flight elsewhere is not given back (its redelivery would be
+/// counted though the upstream was not called, and could exhaust
+/// `max_attempts`): it is held, with progress, and claimed again after
+/// the key's `Retry-After` (within `retry_initial..retry_max`), until
+/// the key is free or answered, or shutdown begins.
+async fn run_once(ctx: &Context, delivery: &dyn Delivery) -> (Happened, Option<String>) {
+    // The claim progress follows; `None` while held on purpose (busy).
+    let claim: std::sync::Mutex<Option<Arc<Holding>>> = Default::default();
+    let set = |h: Option<Arc<Holding>>| *claim.lock().unwrap_or_else(|p| p.into_inner()) = h;
+    let ours = || {
+        let claim = claim.lock().unwrap_or_else(|p| p.into_inner());
+        claim.as_ref().is_none_or(|h| h.is_ours())
+    };
+    let c = &ctx.consumer;
+    // One progress schedule for the whole delivery: a hold shorter than
+    // its interval must not restart it.
+    let work = async {
+        loop {
+            // Loaded again for each claim: a reload may have swapped it.
+            let proxy = ctx.current.load_full();
+            let Some(mut req) = deliver::request(c, delivery.message(), proxy.scope_secret())
+            else {
+                return (Happened::NoKey, None);
+            };
+            let key_id = req.record_key.log_id();
+            let holding = Arc::new(Holding::default());
+            req.holding = Some(holding.clone());
+            set(Some(holding));
+            let happened = deliver::happened(&proxy.deliver(req).await);
+            match happened {
+                Happened::InFlight { retry_after }
+                    if delivery.counts_redeliveries() && !ctx.stopping.is_cancelled() =>
+                {
+                    let wait = retry_after.clamp(c.retry_initial, c.retry_max);
+                    debug!(consumer = %c.name, key.id = %key_id, ?wait,
+                        "key in flight elsewhere; holding the delivery to claim it again");
+                    set(None);
+                    tokio::select! {
+                        _ = tokio::time::sleep(wait) => {}
+                        _ = ctx.stopping.cancelled() => {}
+                    }
+                }
+                _ => return (happened, Some(key_id)),
+            }
+        }
+    };
+    with_progress(delivery, ours, work).await
+}
+
 /// Runs `work`, telling the broker the delivery is still being worked on
-/// every `progress_every` (JetStream `+WPI`) until it ends.
-async fn with_progress<F: std::future::Future>(delivery: &dyn Delivery, work: F) -> F::Output {
+/// every `progress_every` (JetStream `+WPI`) while `ours()` says so, until
+/// it ends. For a delivery, `ours` is its claim's [`Holding`]: once the
+/// lease is lost (or unconfirmed for a whole lease) another claimant may
+/// hold the key, so the broker is let to redeliver the message; the
+/// completion, fenced by the token, is then refused and nothing is acked.
+async fn with_progress<F: std::future::Future>(
+    delivery: &dyn Delivery,
+    ours: impl Fn() -> bool,
+    work: F,
+) -> F::Output {
     let Some(every) = delivery.progress_every() else {
         return work.await;
     };
@@ -228,7 +281,9 @@ async fn with_progress<F: std::future::Future>(delivery: &dyn Delivery, work: F)
         tokio::select! {
             out = &mut work => return out,
             _ = tick.tick() => {
-                if let Err(e) = delivery.progress().await {
+                if !ours() {
+                    debug!("the claim is not ours (not yet, lost, or unconfirmed for a lease): no progress sent");
+                } else if let Err(e) = delivery.progress().await {
                     debug!(error = %e, "progress not sent");
                 }
             }

@@ -84,6 +84,14 @@ pub trait Delivery: Send + Sync {
     /// first (AMQP has no delayed negative ack).
     fn delays_by_itself(&self) -> bool;
 
+    /// Whether the broker counts every redelivery as an attempt
+    /// (JetStream's `num_delivered`): then a delivery whose key is in
+    /// flight elsewhere is held and claimed again rather than given back
+    /// (`run.rs`), so only attempts that called the upstream (or were cut
+    /// short by a crash or lost connection) count. AMQP's retry copy
+    /// carries its own count, unchanged by such a retry.
+    fn counts_redeliveries(&self) -> bool;
+
     /// How often the handler must say it is still working, if at all
     /// (JetStream: half of `ack_wait`).
     fn progress_every(&self) -> Option<Duration>;

@@ -93,6 +93,7 @@ fn request(fp: u8) -> ClaimRequest {
         ttl: Duration::from_secs(3_600),
         route: Arc::new("r".into()),
         first_use: None,
+        holding: None,
     }
 }
 
@@ -326,4 +327,46 @@ async fn a_full_backlog_refuses_new_claims_until_it_drains() {
         h.leases.acquire(request(1)).await,
         Ok(Acquired::Held(_))
     ));
+}
+
+/// Pins consumer review L2's seam: a JetStream consumer sent `+WPI` on a
+/// timer whether or not the claim was still its own. [`Holding`] says
+/// so: ours once claimed and while renewals succeed; not once they have
+/// failed for a whole lease (another claimant may take the key over), and
+/// not once a renewal found the token gone (an operator deleted the key),
+/// for good.
+#[tokio::test(start_paused = true)]
+async fn holding_says_whether_the_claim_is_still_ours() {
+    let h = harness();
+    let holding = Arc::new(Holding::default());
+    assert!(!holding.is_ours(), "not before the claim");
+    let claim = ClaimRequest {
+        holding: Some(holding.clone()),
+        ..request(1)
+    };
+    let Acquired::Held(lease) = h.leases.acquire(claim).await.unwrap() else {
+        panic!("claim");
+    };
+    assert!(holding.is_ours());
+    let keeper = tokio::spawn(lease.keep_alive());
+    for _ in 0..6 {
+        tokio::time::sleep(LEASE / 2).await;
+        assert!(holding.is_ours(), "renewed");
+    }
+    // Renewals failing for longer than a lease.
+    h.store.script("renew", &[Act::Fail; 40]);
+    tokio::time::sleep(LEASE + LEASE / 2).await;
+    assert!(!holding.is_ours(), "unconfirmed for a whole lease");
+    while h.store.remaining("renew") > 0 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(LEASE / 2).await;
+    assert!(holding.is_ours(), "renewed again, nobody took it");
+    // Deleted under it: the next renewal finds the token gone.
+    assert!(h.store.delete(&key()).await.unwrap());
+    tokio::time::sleep(LEASE / 2).await;
+    assert!(!holding.is_ours(), "lost");
+    keeper.abort();
+    assert_eq!(lease.complete(stored()).await, KeyFate::TakenOver);
+    assert!(!holding.is_ours(), "lost for good");
 }

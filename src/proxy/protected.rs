@@ -239,6 +239,7 @@ impl Proxy {
             ttl: req.route.ttl,
             route: req.route.label.clone(),
             first_use: Some(req.first_use()),
+            holding: req.holding.clone(),
         }
     }
 

@@ -53,6 +53,15 @@ impl FlakyStore {
         script.push((op, acts.iter().copied().collect()));
     }
 
+    /// How many scripted acts of `op` are still to come.
+    pub(crate) fn remaining(&self, op: &'static str) -> usize {
+        let script = self.script.lock().unwrap();
+        script
+            .iter()
+            .find(|(o, _)| *o == op)
+            .map_or(0, |(_, acts)| acts.len())
+    }
+
     fn next(&self, op: &'static str) -> Option<Act> {
         let mut script = self.script.lock().unwrap();
         script

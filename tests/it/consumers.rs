@@ -19,9 +19,9 @@ use std::path::Path;
 use std::time::Duration;
 use toml::{Table, Value};
 
-const CONSUMER: &str = "reserve";
+pub(crate) const CONSUMER: &str = "reserve";
 
-fn table(pairs: &[(&str, Value)]) -> Value {
+pub(crate) fn table(pairs: &[(&str, Value)]) -> Value {
     Value::Table(
         pairs
             .iter()
@@ -30,12 +30,12 @@ fn table(pairs: &[(&str, Value)]) -> Value {
     )
 }
 
-fn s(v: &str) -> Value {
+pub(crate) fn s(v: &str) -> Value {
     Value::String(v.to_string())
 }
 
 /// A `[[consumer]]` reading `source`, delivering to `POST /reserve`.
-fn consumer(source: Value, extra: &[(&str, Value)]) -> Value {
+pub(crate) fn consumer(source: Value, extra: &[(&str, Value)]) -> Value {
     let mut t = Table::new();
     t.insert("name".into(), s(CONSUMER));
     t.insert("source".into(), source);
@@ -67,7 +67,7 @@ fn amqp_at(url: &str, queue: &str, prefetch: i64) -> Value {
     )])
 }
 
-fn jetstream(url: &str, stream: &TestStream, ack_wait: &str) -> Value {
+pub(crate) fn jetstream(url: &str, stream: &TestStream, ack_wait: &str) -> Value {
     table(&[(
         "jetstream",
         table(&[
@@ -83,7 +83,7 @@ fn jetstream(url: &str, stream: &TestStream, ack_wait: &str) -> Value {
 
 /// The store a replica runs on.
 #[derive(Clone, Copy)]
-enum Store<'a> {
+pub(crate) enum Store<'a> {
     /// In `dir`.
     Sqlite,
     Memory,
@@ -93,15 +93,15 @@ enum Store<'a> {
 }
 
 /// One `idemgate serve` with `consumer`, on `store`.
-struct Replica {
-    config: std::path::PathBuf,
+pub(crate) struct Replica {
+    pub(crate) config: std::path::PathBuf,
     listen: std::net::SocketAddr,
     admin: std::net::SocketAddr,
     process: Option<ServeProcess>,
 }
 
 impl Replica {
-    async fn start(
+    pub(crate) async fn start(
         dir: &Path,
         i: usize,
         handler: &Handler,
@@ -141,11 +141,11 @@ impl Replica {
         }
     }
 
-    fn p(&self) -> &ServeProcess {
+    pub(crate) fn p(&self) -> &ServeProcess {
         self.process.as_ref().expect("running")
     }
 
-    fn kill(&mut self) {
+    pub(crate) fn kill(&mut self) {
         if let Some(mut p) = self.process.take() {
             p.kill();
         }
@@ -161,7 +161,7 @@ impl Replica {
     }
 
     /// `idemgate_consumer_<name>_total{consumer="reserve"[,reason]}`.
-    async fn counter(&self, name: &str, reason: Option<&str>) -> u64 {
+    pub(crate) async fn counter(&self, name: &str, reason: Option<&str>) -> u64 {
         let labels = match reason {
             None => format!("{{consumer=\"{CONSUMER}\"}}"),
             Some(r) => format!("{{consumer=\"{CONSUMER}\",reason=\"{r}\"}}"),

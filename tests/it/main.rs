@@ -11,6 +11,7 @@ mod support;
 mod book_commands;
 mod config_traps;
 mod consumers;
+mod consumers_js;
 mod demo_docs;
 mod doc_commands;
 mod error_shapes;

@@ -35,6 +35,9 @@ pub struct ProtectedRequest {
     pub record_key: RecordKey,
     pub fingerprint: Fingerprint,
     pub peer: SocketAddr,
+    /// Told whether the claim is still ours (a message consumer's
+    /// progress follows it); `None` on the HTTP path.
+    pub holding: Option<Arc<crate::lease::Holding>>,
 }
 
 impl ProtectedRequest {
@@ -230,6 +233,7 @@ pub fn prepare(
         parts,
         body,
         peer,
+        holding: None,
     }
 }
 
