@@ -157,7 +157,7 @@ impl Source for Amqp {
                 }))
             }
             Some(Err(e)) => Err(SourceError::new("consume", e)),
-            None => Err(SourceError("the broker cancelled the consumer".into())),
+            None => Err(SourceError::text("the broker cancelled the consumer")),
         }
     }
 

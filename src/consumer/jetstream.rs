@@ -78,7 +78,7 @@ pub async fn connect(
     if let Some(dl) = &config.dead_letter_subject {
         let subjects = &stream.cached_info().config.subjects;
         if let Some(s) = subjects.iter().find(|s| subject_matches(s, dl)) {
-            return Err(SourceError(format!(
+            return Err(SourceError::refused(format!(
                 "refusing to consume: dead_letter_subject {dl:?} is captured by the consumed stream {:?} (subject {s:?}), so dead letters would come back as new messages; capture it in another stream",
                 config.stream
             )));
@@ -99,7 +99,7 @@ pub async fn connect(
         .map_err(|e| SourceError::new("bind the durable consumer", e))?;
     let bound = &consumer.cached_info().config;
     check_durable(bound).map_err(|e| {
-        SourceError(format!(
+        SourceError::refused(format!(
             "refusing to consume: the durable {:?} of stream {:?} {e}; delete it (idemgate creates it right) or fix it",
             config.durable, config.stream
         ))
@@ -137,7 +137,7 @@ impl Source for JetStream {
                 }))
             }
             Some(Err(e)) => Err(SourceError::new("pull", e)),
-            None => Err(SourceError("the message stream ended".into())),
+            None => Err(SourceError::text("the message stream ended")),
         }
     }
 
@@ -221,7 +221,7 @@ impl Delivery for JsDelivery {
                 .await
                 .map_err(|e| SourceError::new("publish the dead letter", e))?;
             if ack.duplicate {
-                return Err(SourceError(format!(
+                return Err(SourceError::text(format!(
                     "publish the dead letter: stream {:?} answered duplicate for a fresh Nats-Msg-Id (another publisher uses the idemgate-dl- prefix?)",
                     ack.stream
                 )));

@@ -3,6 +3,12 @@
 //! `max_ack_pending` at a time, hand each to the protected path and tell
 //! the broker its fate; on shutdown, stop taking new ones and finish those
 //! in flight within the grace period.
+//!
+//! A refusal (the consumer's settings cannot work with the broker's
+//! stream or durable) before the consumer ever consumed is reported to
+//! `idemgate serve`, which then fails like a config error; after that
+//! (the broker's side changed under a running consumer) it is logged and
+//! retried with backoff like an outage.
 
 use super::deliver;
 use super::fate::{fate, Fate, Happened, RetryPolicy};
@@ -17,7 +23,7 @@ use arc_swap::ArcSwap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::Semaphore;
+use tokio::sync::{mpsc, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
@@ -50,6 +56,9 @@ pub struct Context {
     pub up: Arc<AtomicBool>,
     /// TLS to the broker, built at start-up (`consumer::tls`).
     pub tls: Option<Arc<rustls::ClientConfig>>,
+    /// Told of a refusal before the consumer first consumed (the start
+    /// fails).
+    pub refusals: mpsc::UnboundedSender<String>,
 }
 
 /// Connects to the consumer's broker.
@@ -78,6 +87,7 @@ pub async fn run(ctx: Arc<Context>, grace: Duration) {
         SourceConfig::JetStream(j) => usize::try_from(j.max_ack_pending).unwrap_or(1),
     };
     let permits = Arc::new(Semaphore::new(limit.max(1)));
+    let mut consumed = false;
     loop {
         let connected = tokio::select! {
             c = connect(&ctx, &link) => c,
@@ -86,6 +96,9 @@ pub async fn run(ctx: Arc<Context>, grace: Duration) {
         let mut source = match connected {
             Ok(source) => source,
             Err(e) => {
+                if e.is_refused() && !consumed {
+                    let _ = ctx.refusals.send(format!("consumer \"{name}\": {e}"));
+                }
                 link.down(&e);
                 tokio::select! {
                     _ = tokio::time::sleep(retries.wait()) => continue,
@@ -94,6 +107,7 @@ pub async fn run(ctx: Arc<Context>, grace: Duration) {
             }
         };
         info!(consumer = %name, source = %ctx.consumer.source.url(), "consuming");
+        consumed = true;
         link.up();
         let up_since = std::time::Instant::now();
         let settled = Arc::new(AtomicBool::new(false));

@@ -10,12 +10,43 @@ use std::time::Duration;
 /// A broker failure: the connection (or channel) is gone, or an operation
 /// on it failed. The runner reconnects.
 #[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct SourceError(pub String);
+#[error("{text}")]
+pub struct SourceError {
+    text: String,
+    kind: Kind,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Failed,
+    /// The consumer's settings cannot work with what the broker has
+    /// (`run.rs`: fatal at start-up, retried after).
+    Refused,
+}
 
 impl SourceError {
     pub fn new(what: &str, e: impl std::fmt::Display) -> Self {
-        Self(format!("{what}: {e}"))
+        Self::text(format!("{what}: {e}"))
+    }
+
+    pub fn text(text: impl Into<String>) -> Self {
+        Self {
+            text: text.into(),
+            kind: Kind::Failed,
+        }
+    }
+
+    /// A refusal naming the setting to change: retrying cannot help
+    /// until the broker's side or the config changes.
+    pub fn refused(text: impl Into<String>) -> Self {
+        Self {
+            text: text.into(),
+            kind: Kind::Refused,
+        }
+    }
+
+    pub fn is_refused(&self) -> bool {
+        self.kind == Kind::Refused
     }
 }
 

@@ -1352,3 +1352,68 @@ async fn plain_jetstream(
         }
     })
 }
+
+// ===== review fixes: AMQP timeouts, settling, retry copies, holds, shutdown, refusals =====
+
+/// The fatal path: a consumer the broker's side refuses at start-up (a
+/// dead-letter subject its stream captures, review H1; an existing
+/// durable with a `max_deliver` limit, review M3) fails `idemgate serve`
+/// (exit non-zero, the consumer and the setting named), as a config
+/// error does, instead of running with the consumer down for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_fails_when_the_broker_refuses_a_consumer_at_start_up() {
+    use async_nats::jetstream::consumer::{pull, AckPolicy};
+    let handler = Handler::start().await;
+    let dir = tempfile::TempDir::new().unwrap();
+    let run = |source: Value, tag: &str| {
+        let (listen, admin) = (free_port(), free_port());
+        let c = consumer(source, &[("key", table(&[("header", s("x-order-id"))]))]);
+        let path = dir.path().join(format!("{tag}.toml"));
+        TestConfig::new(handler.addr)
+            .listen(listen, admin)
+            .set("store.backend", "memory")
+            .set("consumer", Value::Array(vec![c]))
+            .write(&path);
+        async move {
+            let path = path.display().to_string();
+            run_to_completion(&["serve", "--config", &path], &[]).await
+        }
+    };
+    let stream = TestStream::new(NATS_URL, "idemgate_fatal_dl").await;
+    let mut source = jetstream(NATS_URL, &stream, "5s");
+    source["jetstream"]["dead_letter_subject"] = s(&format!("{}.in", stream.name));
+    let out = run(source, "dl").await;
+    assert_ne!(out.code, 0, "{out:?}");
+    assert!(
+        out.stderr.contains(&format!("consumer \"{CONSUMER}\""))
+            && out.stderr.contains("dead_letter_subject"),
+        "{}",
+        out.stderr
+    );
+    stream.delete().await;
+    let stream = TestStream::new(NATS_URL, "idemgate_fatal_durable").await;
+    stream
+        .js
+        .get_stream(&stream.name)
+        .await
+        .unwrap()
+        .create_consumer(pull::Config {
+            durable_name: Some(CONSUMER.to_string()),
+            ack_policy: AckPolicy::Explicit,
+            ack_wait: Duration::from_secs(5),
+            max_deliver: 5,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let out = run(jetstream(NATS_URL, &stream, "5s"), "durable").await;
+    assert_ne!(out.code, 0, "{out:?}");
+    assert!(
+        out.stderr.contains(&format!("consumer \"{CONSUMER}\""))
+            && out.stderr.contains("max_deliver 5"),
+        "{}",
+        out.stderr
+    );
+    assert!(handler.counts().is_empty());
+    stream.delete().await;
+}
