@@ -15,6 +15,13 @@
 //!   A crash between the two leaves
 //!   both: the same key, so one runs. Should the publish fail, the
 //!   original is requeued (`basic.nack`) instead.
+//! - bounded: every broker operation (connect, publish until confirmed,
+//!   ack/reject/nack, cancel, close) has [`OPERATION_TIMEOUT`]. RabbitMQ
+//!   stops reading from a connection that publishes during a memory or
+//!   disk alarm (`connection.blocked`), and lapin then writes nothing,
+//!   acks included. An operation that times out gives the connection up:
+//!   its TCP socket is shut down (a Close would not get through), the
+//!   broker returns its unacked deliveries, the runner reconnects.
 //! - attempt: `x-idemgate-attempts` (1 on a first delivery) plus a quorum
 //!   queue's `x-delivery-count` (redeliveries after a lost channel).
 
@@ -31,12 +38,21 @@ use lapin::tcp::{AsyncTcpStream, RustlsConnector};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::uri::AMQPUri;
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tokio_util::sync::CancellationToken;
 
-/// How long the TCP connect of an `amqps://` connection may take.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long one broker operation may take: the whole connect (TCP, TLS,
+/// AMQP handshake, channels, consume), a publish until its confirm, an
+/// ack, reject or nack until written, a cancel, a close. A healthy broker
+/// answers in milliseconds; one that blocked the connection
+/// (`connection.blocked`: a memory or disk alarm) never does, and without
+/// a bound the connection's acks would wait behind it until the alarm
+/// clears.
+pub const OPERATION_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The header a retried copy carries: its attempt number.
 pub const ATTEMPTS_HEADER: &str = "x-idemgate-attempts";
@@ -48,10 +64,82 @@ pub struct Amqp {
     publish: Channel,
     consumer: lapin::Consumer,
     queue: String,
+    give_up: Arc<GiveUp>,
+}
+
+/// What a connection shares with its deliveries: a way to give it up.
+#[derive(Default)]
+struct GiveUp {
+    /// Cancelled once the connection is given up; `next` then fails.
+    given_up: CancellationToken,
+    /// Why (the first operation that timed out).
+    why: Mutex<Option<String>>,
+    /// A duplicate of the connection's TCP socket: shutting it down ends
+    /// the connection whatever lapin is waiting for (a blocked connection
+    /// writes nothing, a Close neither), so the broker returns its
+    /// unacked deliveries at once.
+    socket: Mutex<Option<OwnedFd>>,
+}
+
+impl GiveUp {
+    /// Gives the connection up; the runner logs `why` once, with the
+    /// consumer's name, and reconnects.
+    fn give_up(&self, why: String) -> SourceError {
+        lock(&self.why).get_or_insert(why.clone());
+        self.given_up.cancel();
+        self.shut();
+        SourceError::lost(why)
+    }
+
+    fn why(&self) -> String {
+        lock(&self.why).clone().unwrap_or_default()
+    }
+
+    /// Keeps `fd`, a duplicate of the last socket connected.
+    fn keep(&self, fd: OwnedFd) {
+        if let Some(old) = lock(&self.socket).replace(fd) {
+            shut(old);
+        }
+    }
+
+    /// Ends the TCP connection (if one was made). Also needed after a
+    /// clean close: the duplicate would keep the socket open otherwise.
+    fn shut(&self) {
+        if let Some(fd) = lock(&self.socket).take() {
+            shut(fd);
+        }
+    }
+}
+
+/// `shutdown(2)` ends the connection for every descriptor of the socket
+/// (lapin's too); closing our duplicate alone would not.
+fn shut(fd: OwnedFd) {
+    let _ = std::net::TcpStream::from(fd).shutdown(std::net::Shutdown::Both);
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn err(what: &'static str) -> impl Fn(lapin::Error) -> SourceError {
     move |e| SourceError::new(what, e)
+}
+
+/// `op` within [`OPERATION_TIMEOUT`]; past it, the connection is given up.
+async fn bounded<T>(
+    give_up: &GiveUp,
+    what: &'static str,
+    op: impl Future<Output = lapin::Result<T>>,
+) -> Result<T, SourceError> {
+    match tokio::time::timeout(OPERATION_TIMEOUT, op).await {
+        // Failed because the connection was given up (logged once).
+        Ok(Err(e)) if give_up.given_up.is_cancelled() => Err(SourceError::lost(format!("{what}: {e}"))),
+        Ok(done) => done.map_err(err(what)),
+        Err(_) => Err(give_up.give_up(format!(
+            "{what}: no answer from RabbitMQ within {}s (it blocks a connection that publishes during a memory or disk alarm); connection given up, its unacked deliveries return to the queue",
+            OPERATION_TIMEOUT.as_secs()
+        ))),
+    }
 }
 
 /// `tls`: the consumer's rustls configuration (`consumer::tls`), for an
@@ -60,66 +148,96 @@ pub async fn connect(
     config: &AmqpSource,
     tls: Option<&Arc<rustls::ClientConfig>>,
 ) -> Result<Amqp, SourceError> {
+    let give_up = Arc::new(GiveUp::default());
+    let opened = tokio::time::timeout(OPERATION_TIMEOUT, open(config, tls, &give_up)).await;
+    let opened = opened.unwrap_or_else(|_| {
+        Err(SourceError::text(format!(
+            "connect: no answer from RabbitMQ within {}s",
+            OPERATION_TIMEOUT.as_secs()
+        )))
+    });
+    if opened.is_err() {
+        // Whatever half-open connection is left ends now.
+        give_up.shut();
+    }
+    opened
+}
+
+async fn open(
+    config: &AmqpSource,
+    tls: Option<&Arc<rustls::ClientConfig>>,
+    give_up: &Arc<GiveUp>,
+) -> Result<Amqp, SourceError> {
     // Named after the queue, so an operator (or a test) can find it in
     // `rabbitmqctl list_connections client_properties`.
     let properties = ConnectionProperties::default()
         .with_connection_name(format!("idemgate/{}", config.queue).as_str().into());
-    let connected = match tls {
-        None => Connection::connect(config.url.expose(), properties).await,
-        Some(tls) => connect_tls(config, tls, properties).await,
+    let connection = connect_with(config, tls, properties, give_up.clone())
+        .await
+        .map_err(|e| SourceError::new("connect", super::tls::describe("RabbitMQ", &e)))?;
+    let ready = async {
+        let channel = connection
+            .create_channel()
+            .await
+            .map_err(err("open a channel"))?;
+        channel
+            .basic_qos(config.prefetch, BasicQosOptions::default())
+            .await
+            .map_err(err("basic.qos"))?;
+        let publish = connection
+            .create_channel()
+            .await
+            .map_err(err("open a channel"))?;
+        publish
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(err("confirm.select"))?;
+        let tag = format!("idemgate-{:016x}", rand::random::<u64>());
+        let consumer = channel
+            .basic_consume(
+                ShortString::from(config.queue.clone()),
+                ShortString::from(tag),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(err("basic.consume"))?;
+        Ok((channel, publish, consumer))
     };
-    let connection =
-        connected.map_err(|e| SourceError::new("connect", super::tls::describe("RabbitMQ", &e)))?;
-    let channel = connection
-        .create_channel()
-        .await
-        .map_err(err("open a channel"))?;
-    channel
-        .basic_qos(config.prefetch, BasicQosOptions::default())
-        .await
-        .map_err(err("basic.qos"))?;
-    let publish = connection
-        .create_channel()
-        .await
-        .map_err(err("open a channel"))?;
-    publish
-        .confirm_select(ConfirmSelectOptions::default())
-        .await
-        .map_err(err("confirm.select"))?;
-    let tag = format!("idemgate-{:016x}", rand::random::<u64>());
-    let consumer = channel
-        .basic_consume(
-            ShortString::from(config.queue.clone()),
-            ShortString::from(tag),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .map_err(err("basic.consume"))?;
-    Ok(Amqp {
-        connection: Some(connection),
-        channel,
-        publish,
-        consumer,
-        queue: config.queue.clone(),
-    })
+    match ready.await {
+        Ok((channel, publish, consumer)) => Ok(Amqp {
+            connection: Some(connection),
+            channel,
+            publish,
+            consumer,
+            queue: config.queue.clone(),
+            give_up: give_up.clone(),
+        }),
+        Err(e) => {
+            // Closed before its socket is shut (by `connect`).
+            let _ = connection.close(200, ShortString::from("idemgate")).await;
+            Err(e)
+        }
+    }
 }
 
-/// An `amqps://` connection over a stream `tls` secured, rather than
-/// lapin's own TLS (which builds its rustls configuration itself from
-/// PEM text or PKCS#12): lapin drives AMQP over whatever transport its
-/// connector hands it, here and on its own reconnects.
-async fn connect_tls(
+/// A connection over a TCP stream we connect (and keep a duplicate of, to
+/// give it up), secured by `tls` for `amqps://` rather than by lapin's
+/// own TLS (which builds its rustls configuration itself from PEM text or
+/// PKCS#12): lapin drives AMQP over whatever transport its connector
+/// hands it, here and on its own reconnects.
+async fn connect_with(
     config: &AmqpSource,
-    tls: &Arc<rustls::ClientConfig>,
+    tls: Option<&Arc<rustls::ClientConfig>>,
     properties: ConnectionProperties,
+    give_up: Arc<GiveUp>,
 ) -> lapin::Result<Connection> {
     let uri: AMQPUri = config
         .url
         .expose()
         .parse()
         .map_err(|e: String| lapin::Error::from(std::io::Error::other(e)))?;
-    let connector = RustlsConnector::from(tls.clone());
+    let connector = tls.map(|tls| RustlsConnector::from(tls.clone()));
     let runtime = lapin::runtime::default_runtime()?;
     Connection::connector(
         uri,
@@ -133,10 +251,18 @@ async fn connect_tls(
                         .collect();
                 AsyncTcpStream::connect(&runtime, addrs).await
             };
-            let stream = tokio::time::timeout(CONNECT_TIMEOUT, tcp)
+            let stream = tokio::time::timeout(OPERATION_TIMEOUT, tcp)
                 .await
                 .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
-            Ok(stream.into_rustls(&connector, &host).await?)
+            if let AsyncTcpStream::Plain(tcp) = &stream {
+                if let Ok(fd) = tcp.get_ref().as_fd().try_clone_to_owned() {
+                    give_up.keep(fd);
+                }
+            }
+            Ok(match &connector {
+                None => stream,
+                Some(connector) => stream.into_rustls(connector, &host).await?,
+            })
         },
         properties,
     )
@@ -146,7 +272,13 @@ async fn connect_tls(
 #[async_trait::async_trait]
 impl Source for Amqp {
     async fn next(&mut self) -> Result<Box<dyn Delivery>, SourceError> {
-        match self.consumer.next().await {
+        let next = tokio::select! {
+            next = self.consumer.next() => next,
+            () = self.give_up.given_up.cancelled() => {
+                return Err(SourceError::lost(self.give_up.why()));
+            }
+        };
+        match next {
             Some(Ok(delivery)) => {
                 let msg = message(&delivery.properties, &delivery.data);
                 Ok(Box::new(AmqpDelivery {
@@ -154,6 +286,7 @@ impl Source for Amqp {
                     msg,
                     publish: self.publish.clone(),
                     queue: self.queue.clone(),
+                    give_up: self.give_up.clone(),
                 }))
             }
             Some(Err(e)) => Err(SourceError::new("consume", e)),
@@ -163,32 +296,38 @@ impl Source for Amqp {
 
     async fn close(&mut self) {
         let bye = || ShortString::from("idemgate stopping");
-        let _ = self.channel.close(200, bye()).await;
-        let _ = self.publish.close(200, bye()).await;
-        if let Some(connection) = self.connection.take() {
-            let _ = connection.close(200, bye()).await;
-        }
+        let closing = async {
+            let _ = self.channel.close(200, bye()).await;
+            let _ = self.publish.close(200, bye()).await;
+            if let Some(connection) = self.connection.take() {
+                let _ = connection.close(200, bye()).await;
+            }
+        };
+        let _ = tokio::time::timeout(OPERATION_TIMEOUT, closing).await;
+        self.give_up.shut();
     }
 
     async fn stop(&mut self) {
         let tag = self.consumer.tag();
-        let _ = self
+        let cancel = self
             .channel
-            .basic_cancel(tag, BasicCancelOptions::default())
-            .await;
+            .basic_cancel(tag, BasicCancelOptions::default());
+        let _ = tokio::time::timeout(OPERATION_TIMEOUT, cancel).await;
     }
 }
 
 impl Drop for Amqp {
     fn drop(&mut self) {
         // Unacked deliveries return to the queue when the connection closes.
+        let give_up = self.give_up.clone();
         let Some(connection) = self.connection.take() else {
+            give_up.shut();
             return;
         };
         tokio::spawn(async move {
-            let _ = connection
-                .close(200, ShortString::from("idemgate stopping"))
-                .await;
+            let bye = ShortString::from("idemgate stopping");
+            let _ = tokio::time::timeout(OPERATION_TIMEOUT, connection.close(200, bye)).await;
+            give_up.shut();
         });
     }
 }
@@ -294,6 +433,35 @@ struct AmqpDelivery {
     msg: Message,
     publish: Channel,
     queue: String,
+    give_up: Arc<GiveUp>,
+}
+
+impl AmqpDelivery {
+    /// An ack, reject or nack: lapin answers `Ok(false)` when it did not
+    /// send it (the delivery's channel is closed, or it was settled
+    /// already), which is no more a settlement than an error.
+    async fn settle(
+        &self,
+        what: &'static str,
+        op: impl Future<Output = lapin::Result<bool>>,
+    ) -> Result<(), SourceError> {
+        if bounded(&self.give_up, what, op).await? {
+            Ok(())
+        } else {
+            Err(SourceError::text(format!(
+                "{what} not sent: the delivery's channel is closed (or it was settled already); the broker redelivers it"
+            )))
+        }
+    }
+
+    /// The original back to the queue (its copy was not published).
+    async fn requeue(&self) -> Result<(), SourceError> {
+        let nack = self.delivery.acker.nack(BasicNackOptions {
+            requeue: true,
+            multiple: false,
+        });
+        self.settle("basic.nack", nack).await
+    }
 }
 
 #[async_trait::async_trait]
@@ -303,26 +471,21 @@ impl Delivery for AmqpDelivery {
     }
 
     async fn ack(&self) -> Result<(), SourceError> {
-        self.delivery
-            .acker
-            .ack(BasicAckOptions::default())
-            .await
-            .map(drop)
-            .map_err(err("basic.ack"))
+        let ack = self.delivery.acker.ack(BasicAckOptions::default());
+        self.settle("basic.ack", ack).await
     }
 
     async fn dead_letter(&self, _reason: Reason) -> Result<(), SourceError> {
-        self.delivery
+        let reject = self
+            .delivery
             .acker
-            .reject(BasicRejectOptions { requeue: false })
-            .await
-            .map(drop)
-            .map_err(err("basic.reject"))
+            .reject(BasicRejectOptions { requeue: false });
+        self.settle("basic.reject", reject).await
     }
 
     async fn retry_later(&self, _delay: Duration, next_attempt: u32) -> Result<(), SourceError> {
         let properties = retry_properties(&self.delivery.properties, next_attempt);
-        let published = async {
+        let published = bounded(&self.give_up, "publish the retry copy", async {
             let confirm = self
                 .publish
                 .basic_publish(
@@ -334,20 +497,13 @@ impl Delivery for AmqpDelivery {
                 )
                 .await?;
             confirm.await
-        }
+        })
         .await;
         match published {
             Ok(c) if c.is_ack() => self.ack().await,
-            _ => self
-                .delivery
-                .acker
-                .nack(BasicNackOptions {
-                    requeue: true,
-                    multiple: false,
-                })
-                .await
-                .map(drop)
-                .map_err(err("basic.nack")),
+            // Given up: the original returns with the connection.
+            Err(e) if e.is_lost() => Err(e),
+            _ => self.requeue().await,
         }
     }
 

@@ -221,13 +221,25 @@ async fn handle(ctx: &Context, delivery: Box<dyn Delivery>) -> bool {
             delivery.retry_later(delay, next).await
         }
     };
-    let ok = told.is_ok();
-    if let Err(e) = told {
+    gauge.dec();
+    told_or_logged(ctx, told, key_id)
+}
+
+/// Whether the broker was told the fate; if not, logged and counted (a
+/// connection the source gave up is logged once by the runner instead).
+fn told_or_logged(ctx: &Context, told: Result<(), SourceError>, key_id: &str) -> bool {
+    let Err(e) = told else {
+        return true;
+    };
+    let name = &ctx.consumer.name;
+    ctx.metrics.consumers().not_told(name);
+    if e.is_lost() {
+        debug!(consumer = %name, key.id = %key_id, error = %e, "fate not told: connection given up");
+    } else {
         warn!(consumer = %name, key.id = %key_id, error = %e,
             "could not tell the broker the message's fate; it will redeliver it, and the record answers the redelivery");
     }
-    gauge.dec();
-    ok
+    false
 }
 
 /// Runs `work`, telling the broker the delivery is still being worked on

@@ -22,6 +22,9 @@ enum Kind {
     /// The consumer's settings cannot work with what the broker has
     /// (`run.rs`: fatal at start-up, retried after).
     Refused,
+    /// The source gave its connection up (an operation had no answer in
+    /// time); the runner logs that once for the whole connection.
+    Lost,
 }
 
 impl SourceError {
@@ -45,8 +48,20 @@ impl SourceError {
         }
     }
 
+    /// The connection was given up (already logged by the runner).
+    pub fn lost(text: impl Into<String>) -> Self {
+        Self {
+            text: text.into(),
+            kind: Kind::Lost,
+        }
+    }
+
     pub fn is_refused(&self) -> bool {
         self.kind == Kind::Refused
+    }
+
+    pub fn is_lost(&self) -> bool {
+        self.kind == Kind::Lost
     }
 }
 

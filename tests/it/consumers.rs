@@ -1417,3 +1417,163 @@ async fn serve_fails_when_the_broker_refuses_a_consumer_at_start_up() {
     assert!(handler.counts().is_empty());
     stream.delete().await;
 }
+/// `rabbitmqctl -n node <args>`, which must succeed.
+fn rabbitmqctl_on(node: &str, args: &[&str]) {
+    let out = std::process::Command::new("rabbitmqctl")
+        .args(["-q", "-n", node])
+        .args(args)
+        .output()
+        .expect("run rabbitmqctl");
+    assert!(out.status.success(), "rabbitmqctl {args:?}: {out:?}");
+}
+
+/// Whether `node` has a resource alarm in effect.
+fn alarm_on(node: &str) -> bool {
+    let out = std::process::Command::new("rabbitmq-diagnostics")
+        .args(["-q", "-n", node, "check_alarms"])
+        .output()
+        .expect("run rabbitmq-diagnostics");
+    !out.status.success()
+}
+
+/// [`wait_for`] with a longer deadline, for waits that include an
+/// operation timeout of idemgate's; a timeout shows `replica`'s log.
+async fn wait_long<T, F, Fut>(what: &str, deadline: Duration, replica: &Replica, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let until = tokio::time::Instant::now() + deadline;
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(
+            tokio::time::Instant::now() < until,
+            "timed out waiting for {what}:\n{}",
+            replica.p().log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Review L4: an ack lapin did not send (`Ok(false)`: the delivery's
+/// channel closed while the upstream ran) was taken as done, silently.
+/// It is now logged and counted; the redelivery is answered from the
+/// record, so the message still runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_an_ack_lapin_did_not_send_is_logged_and_counted() {
+    let handler = Handler::start().await;
+    let queue = TestQueue::new("idemgate_unsent").await;
+    let dir = tempfile::TempDir::new().unwrap();
+    let c = consumer(amqp(&queue.name, 1), &[]);
+    let replica = Replica::start(dir.path(), 0, &handler, c, Store::Sqlite).await;
+    // Long enough for two rabbitmqctl runs on a loaded machine.
+    queue.publish(Some("u1"), r#"{"delay_ms":5000}"#).await;
+    wait_for("the delivery to reach the handler", || async {
+        (replica.counter("in_flight", None).await == 1).then_some(())
+    })
+    .await;
+    close_idemgate_connection(&queue.name);
+    wait_for("the unsent ack to be counted", || async {
+        (replica.counter("fates_not_told_total", None).await >= 1).then_some(())
+    })
+    .await;
+    let log = replica.p().log();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("basic.ack not sent") && l.contains(CONSUMER)),
+        "{log}"
+    );
+    wait_for("the redelivery to be answered from the record", || async {
+        (replica.counter("duplicates_suppressed_total", None).await == 1).then_some(())
+    })
+    .await;
+    wait_for("the queue to end empty, nothing unacked", || async {
+        (rabbitmq_counts(&queue.name) == (0, 0)).then_some(())
+    })
+    .await;
+    assert_once(&handler, &["u1".to_string()]);
+    drop(replica);
+    queue.delete().await;
+}
+
+/// Review M5: a memory alarm on a private RabbitMQ node blocks the
+/// connection once a retry republishes its copy; lapin then writes
+/// nothing more (acks included), and the confirm never came. The
+/// operation now times out: the connection is given up (logged once,
+/// naming the consumer), its unacked deliveries return, and a new
+/// connection finishes every message during the alarm (acks from a
+/// connection that does not publish are still read). After the alarm:
+/// nothing lost, nothing run twice, the consumer still consuming.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_a_connection_blocked_by_an_alarm_is_given_up_and_loses_nothing() {
+    let rabbit = PrivateRabbit::start().await;
+    let url = rabbit.url();
+    let handler = Handler::start().await;
+    let queue = TestQueue::on(&url, "idemgate_alarm").await;
+    let dir = tempfile::TempDir::new().unwrap();
+    let mut keys = vec!["kr".to_string()];
+    queue.publish(Some("kr"), r#"{"plan":[503,201]}"#).await;
+    for i in 0..20 {
+        let k = format!("a{i}");
+        queue.publish(Some(&k), &order(i, ",\"delay_ms\":20")).await;
+        keys.push(k);
+    }
+    rabbitmqctl_on(&rabbit.node, &["set_vm_memory_high_watermark", "0"]);
+    wait_for("the memory alarm", || async {
+        alarm_on(&rabbit.node).then_some(())
+    })
+    .await;
+    let c = consumer(amqp_at(&url, &queue.name, 4), &[]);
+    let replica = Replica::start(dir.path(), 0, &handler, c, Store::Sqlite).await;
+    wait_long(
+        "every message to run during the alarm",
+        Duration::from_secs(90),
+        &replica,
+        || async {
+            let counts = handler.counts();
+            let done =
+                keys.iter().all(|k| counts.contains_key(k)) && handler.runs("kr") == [503, 201];
+            done.then_some(())
+        },
+    )
+    .await;
+    wait_long(
+        "the queue to be empty during the alarm",
+        Duration::from_secs(30),
+        &replica,
+        || async { (rabbitmq_counts_on(&rabbit.node, &queue.name) == (0, 0)).then_some(()) },
+    )
+    .await;
+    assert!(alarm_on(&rabbit.node));
+    let log = replica.p().log();
+    let given_up: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("no answer from RabbitMQ within"))
+        .collect();
+    assert!(!given_up.is_empty(), "{log}");
+    assert!(given_up.iter().all(|l| l.contains(CONSUMER)), "{log}");
+    rabbitmqctl_on(&rabbit.node, &["set_vm_memory_high_watermark", "0.4"]);
+    wait_for("the alarm to clear", || async {
+        (!alarm_on(&rabbit.node)).then_some(())
+    })
+    .await;
+    queue.publish(Some("after"), &order(99, "")).await;
+    keys.push("after".to_string());
+    wait_executed(&handler, &keys).await;
+    wait_for("the queue to end empty, nothing unacked", || async {
+        (rabbitmq_counts_on(&rabbit.node, &queue.name) == (0, 0)).then_some(())
+    })
+    .await;
+    let counts = handler.counts();
+    let twice: Vec<_> = counts
+        .iter()
+        .filter(|(k, n)| **n != 1 && k.as_str() != "kr")
+        .collect();
+    assert!(twice.is_empty(), "executed other than once: {twice:?}");
+    assert_eq!(handler.runs("kr"), [503, 201]);
+    assert!(queue.drain_dead_letters().await.is_empty());
+    assert_eq!(replica.counter("broker_up", None).await, 1);
+    drop(replica);
+}
