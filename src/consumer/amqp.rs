@@ -13,8 +13,9 @@
 //!   confirmed) and the original acked. The copy keeps the original's
 //!   properties and headers except `user_id` and `x-delivery-count`.
 //!   A crash between the two leaves
-//!   both: the same key, so one runs. Should the publish fail, the
-//!   original is requeued (`basic.nack`) instead.
+//!   both: the same key, so one runs. The copy is `mandatory`: should it
+//!   be returned (no such queue), nacked or fail, the original is
+//!   requeued (`basic.nack`) instead, never acked.
 //! - bounded: every broker operation (connect, publish until confirmed,
 //!   ack/reject/nack, cancel, close) has [`OPERATION_TIMEOUT`]. RabbitMQ
 //!   stops reading from a connection that publishes during a memory or
@@ -37,7 +38,7 @@ use lapin::options::{
 use lapin::tcp::{AsyncTcpStream, RustlsConnector};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::uri::AMQPUri;
-use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::os::fd::{AsFd, OwnedFd};
@@ -491,7 +492,11 @@ impl Delivery for AmqpDelivery {
                 .basic_publish(
                     ShortString::from(""),
                     ShortString::from(self.queue.clone()),
-                    BasicPublishOptions::default(),
+                    // Returned, not dropped, when no queue takes it.
+                    BasicPublishOptions {
+                        mandatory: true,
+                        immediate: false,
+                    },
                     &self.delivery.data,
                     properties,
                 )
@@ -499,12 +504,24 @@ impl Delivery for AmqpDelivery {
             confirm.await
         })
         .await;
-        match published {
-            Ok(c) if c.is_ack() => self.ack().await,
+        let failed = match published {
+            Ok(Confirmation::Ack(None)) => return self.ack().await,
+            Ok(Confirmation::Ack(Some(returned))) => format!(
+                "returned by the broker ({} {}): no queue {:?} took it",
+                returned.reply_code,
+                returned.reply_text.as_str(),
+                self.queue
+            ),
+            Ok(Confirmation::Nack(_)) => "nacked by the broker".to_string(),
+            Ok(Confirmation::NotRequested) => "not confirmed".to_string(),
             // Given up: the original returns with the connection.
-            Err(e) if e.is_lost() => Err(e),
-            _ => self.requeue().await,
-        }
+            Err(e) if e.is_lost() => return Err(e),
+            Err(e) => e.to_string(),
+        };
+        self.requeue().await?;
+        Err(SourceError::text(format!(
+            "the retry copy was not published ({failed}); the original was requeued instead"
+        )))
     }
 
     fn delays_by_itself(&self) -> bool {

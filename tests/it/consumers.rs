@@ -1577,3 +1577,53 @@ async fn amqp_a_connection_blocked_by_an_alarm_is_given_up_and_loses_nothing() {
     assert_eq!(replica.counter("broker_up", None).await, 1);
     drop(replica);
 }
+/// Review L5: the retry copy is published `mandatory`. With the queue
+/// deleted while the delivery is held, the copy comes back unroutable;
+/// that was taken as published (and the original acked). Now it is a
+/// failure: the original is requeued, not acked, and it is logged and
+/// counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_a_returned_retry_copy_is_a_failure_not_an_ack() {
+    let handler = Handler::start().await;
+    let queue = TestQueue::new("idemgate_returned").await;
+    let dir = tempfile::TempDir::new().unwrap();
+    // Prefetch 1: the runner waits for the held delivery before it sees
+    // the broker cancel the consumer.
+    let c = consumer(
+        amqp(&queue.name, 1),
+        &[
+            ("lease", s("10s")),
+            ("retry_initial", s("6s")),
+            ("retry_max", s("6s")),
+        ],
+    );
+    let replica = Replica::start(dir.path(), 0, &handler, c, Store::Sqlite).await;
+    queue.publish(Some("k1"), r#"{"plan":[503,201]}"#).await;
+    wait_for("the first attempt", || async {
+        (handler.runs("k1") == [503]).then_some(())
+    })
+    .await;
+    queue
+        .channel
+        .queue_delete(
+            lapin::types::ShortString::from(queue.name.clone()),
+            lapin::options::QueueDeleteOptions::default(),
+        )
+        .await
+        .unwrap();
+    wait_for("the returned copy in the log", || async {
+        let log = replica.p().log();
+        log.lines()
+            .find(|l| {
+                l.contains("the retry copy was not published")
+                    && l.contains("returned by the broker")
+                    && l.contains(CONSUMER)
+            })
+            .map(drop)
+    })
+    .await;
+    assert!(replica.counter("fates_not_told_total", None).await >= 1);
+    assert_eq!(handler.runs("k1"), [503]);
+    drop(replica);
+    queue.delete().await;
+}
