@@ -16,6 +16,11 @@
 //!   both: the same key, so one runs. The copy is `mandatory`: should it
 //!   be returned (no such queue), nacked or fail, the original is
 //!   requeued (`basic.nack`) instead, never acked.
+//! - hold: a delivery is held at most the consumer's `lease`; a longer
+//!   backoff republishes the copy at the end of the hold with
+//!   `x-idemgate-not-before` (unix milliseconds), and a copy delivered
+//!   before then is held (and republished) again without calling the
+//!   upstream, so no prefetch slot waits out a whole `retry_max`.
 //! - bounded: every broker operation (connect, publish until confirmed,
 //!   ack/reject/nack, cancel, close) has [`OPERATION_TIMEOUT`]. RabbitMQ
 //!   stops reading from a connection that publishes during a memory or
@@ -43,7 +48,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio_util::sync::CancellationToken;
 
 /// How long one broker operation may take: the whole connect (TCP, TLS,
@@ -57,6 +62,10 @@ pub const OPERATION_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The header a retried copy carries: its attempt number.
 pub const ATTEMPTS_HEADER: &str = "x-idemgate-attempts";
+
+/// The header of a copy republished before its backoff was over: when
+/// the backoff ends (unix milliseconds).
+pub const NOT_BEFORE_HEADER: &str = "x-idemgate-not-before";
 
 pub struct Amqp {
     /// Taken when dropped, to be closed.
@@ -369,7 +378,13 @@ fn message(properties: &BasicProperties, data: &[u8]) -> Message {
         .unwrap_or(1)
         .max(1)
         .saturating_add(number("x-delivery-count").unwrap_or(0));
+    let not_before = headers
+        .iter()
+        .find(|(n, _)| n == NOT_BEFORE_HEADER)
+        .and_then(|(_, v)| v.parse::<u64>().ok())
+        .map(|ms| UNIX_EPOCH + Duration::from_millis(ms));
     Message {
+        not_before,
         id: properties
             .message_id()
             .as_ref()
@@ -390,14 +405,19 @@ fn message(properties: &BasicProperties, data: &[u8]) -> Message {
 const NOT_COPIED: &[&str] = &["x-delivery-count"];
 
 /// The retry copy's properties: the original's, with `x-idemgate-attempts`
-/// set to `next_attempt`, without [`NOT_COPIED`] headers and without
-/// `user_id` (RabbitMQ checks it against the publishing connection's user:
-/// a message another user published would fail the copy's publish and
-/// close the publish channel).
-fn retry_properties(p: &BasicProperties, next_attempt: u32) -> BasicProperties {
+/// set to `next_attempt` and `x-idemgate-not-before` to `not_before` (or
+/// none), without [`NOT_COPIED`] headers and without `user_id` (RabbitMQ
+/// checks it against the publishing connection's user: a message another
+/// user published would fail the copy's publish and close the publish
+/// channel).
+fn retry_properties(
+    p: &BasicProperties,
+    next_attempt: u32,
+    not_before: Option<SystemTime>,
+) -> BasicProperties {
     let mut headers = FieldTable::default();
     for (name, value) in p.headers().iter().flat_map(|t| t.inner()) {
-        if !NOT_COPIED.contains(&name.as_str()) {
+        if !NOT_COPIED.contains(&name.as_str()) && name.as_str() != NOT_BEFORE_HEADER {
             headers.insert(name.clone(), value.clone());
         }
     }
@@ -405,6 +425,16 @@ fn retry_properties(p: &BasicProperties, next_attempt: u32) -> BasicProperties {
         ShortString::from(ATTEMPTS_HEADER),
         AMQPValue::LongLongInt(i64::from(next_attempt)),
     );
+    if let Some(at) = not_before {
+        let ms = at
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_millis();
+        headers.insert(
+            ShortString::from(NOT_BEFORE_HEADER),
+            AMQPValue::LongLongInt(i64::try_from(ms).unwrap_or(i64::MAX)),
+        );
+    }
     let mut out = BasicProperties::default().with_headers(headers);
     macro_rules! keep {
         ($($get:ident => $set:ident),*) => {$(
@@ -484,8 +514,11 @@ impl Delivery for AmqpDelivery {
         self.settle("basic.reject", reject).await
     }
 
-    async fn retry_later(&self, _delay: Duration, next_attempt: u32) -> Result<(), SourceError> {
-        let properties = retry_properties(&self.delivery.properties, next_attempt);
+    /// `delay`: what is left of the backoff after the hold (the copy
+    /// carries it as `x-idemgate-not-before`).
+    async fn retry_later(&self, delay: Duration, next_attempt: u32) -> Result<(), SourceError> {
+        let not_before = (!delay.is_zero()).then(|| SystemTime::now() + delay);
+        let properties = retry_properties(&self.delivery.properties, next_attempt, not_before);
         let published = bounded(&self.give_up, "publish the retry copy", async {
             let confirm = self
                 .publish
@@ -562,7 +595,7 @@ mod tests {
             .with_expiration("60000".into())
             .with_content_encoding("gzip".into())
             .with_cluster_id("x".into());
-        let copy = retry_properties(&original, 4);
+        let copy = retry_properties(&original, 4, None);
         assert_eq!(copy.user_id(), &None);
         let mut want = FieldTable::default();
         want.insert(ATTEMPTS_HEADER.into(), AMQPValue::LongLongInt(4));

@@ -175,6 +175,7 @@ fn message(m: &jetstream::Message) -> Result<Message, SourceError> {
         content_type,
         payload: m.message.payload.clone(),
         attempt: u32::try_from(info.delivered).unwrap_or(1).max(1),
+        not_before: None,
     })
 }
 

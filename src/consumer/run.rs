@@ -9,6 +9,12 @@
 //! `idemgate serve`, which then fails like a config error; after that
 //! (the broker's side changed under a running consumer) it is logged and
 //! retried with backoff like an outage.
+//!
+//! A source that cannot delay a retry by itself (AMQP) has its delivery
+//! held for the backoff, at most the consumer's `lease`: a longer backoff
+//! goes back to the broker with what is left of it, and a delivery whose
+//! `not_before` is still ahead is held and sent back again without
+//! calling the upstream (not an attempt).
 
 use super::deliver;
 use super::fate::{fate, Fate, Happened, RetryPolicy};
@@ -22,7 +28,7 @@ use crate::proxy::Proxy;
 use arc_swap::ArcSwap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 use tokio::sync::{mpsc, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -175,6 +181,19 @@ async fn handle(ctx: &Context, delivery: Box<dyn Delivery>) -> bool {
     gauge.inc();
     let msg = delivery.message();
     let attempt = msg.attempt.max(1);
+    let early = msg
+        .not_before
+        .and_then(|t| t.duration_since(SystemTime::now()).ok())
+        .filter(|left| !left.is_zero());
+    if let Some(left) = early {
+        // A copy sent back before its backoff was over: the rest of it,
+        // not an attempt, the upstream not called.
+        metrics.retried(name);
+        let left = hold(ctx, &*delivery, left).await;
+        let told = delivery.retry_later(left, attempt).await;
+        gauge.dec();
+        return told_or_logged(ctx, told, "-");
+    }
     let proxy = ctx.current.load_full();
     let (happened, key_id) = match deliver::request(&ctx.consumer, msg, proxy.scope_secret()) {
         None => (Happened::NoKey, None),
@@ -209,16 +228,8 @@ async fn handle(ctx: &Context, delivery: Box<dyn Delivery>) -> bool {
         Fate::Retry { delay, counted } => {
             metrics.retried(name);
             let next = if counted { attempt + 1 } else { attempt };
-            let mut delay = delay;
-            if !delivery.delays_by_itself() {
-                // Held (unacked) while backing off; shutdown cuts it short.
-                tokio::select! {
-                    _ = tokio::time::sleep(delay) => {}
-                    _ = ctx.stopping.cancelled() => {}
-                }
-                delay = Duration::ZERO;
-            }
-            delivery.retry_later(delay, next).await
+            let left = hold(ctx, &*delivery, delay).await;
+            delivery.retry_later(left, next).await
         }
     };
     gauge.dec();
@@ -240,6 +251,24 @@ fn told_or_logged(ctx: &Context, told: Result<(), SourceError>, key_id: &str) ->
             "could not tell the broker the message's fate; it will redeliver it, and the record answers the redelivery");
     }
     false
+}
+
+/// For a source that does not delay by itself: holds the delivery
+/// (unacked) for `delay`, at most the consumer's `lease`, so a prefetch
+/// slot is not kept for a whole `retry_max`; shutdown cuts it short.
+/// Returns what is left of `delay` for the retry (all of it for a source
+/// that delays by itself).
+async fn hold(ctx: &Context, delivery: &dyn Delivery, delay: Duration) -> Duration {
+    if delivery.delays_by_itself() {
+        return delay;
+    }
+    let held = delay.min(ctx.consumer.route.lease);
+    let started = tokio::time::Instant::now();
+    tokio::select! {
+        _ = tokio::time::sleep(held) => {}
+        _ = ctx.stopping.cancelled() => {}
+    }
+    delay.saturating_sub(started.elapsed())
 }
 
 /// Runs `work`, telling the broker the delivery is still being worked on

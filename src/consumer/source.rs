@@ -79,6 +79,9 @@ pub struct Message {
     /// `num_delivered`; AMQP's `x-idemgate-attempts` header (set on the
     /// copy a retry republishes) or a quorum queue's `x-delivery-count`.
     pub attempt: u32,
+    /// Not to be delivered before then: a copy republished before its
+    /// backoff was over (AMQP `x-idemgate-not-before`; see `run.rs`).
+    pub not_before: Option<std::time::SystemTime>,
 }
 
 impl Message {
@@ -122,7 +125,9 @@ pub trait Delivery: Send + Sync {
     /// `dead_letter_subject` when set, then `term`).
     async fn dead_letter(&self, reason: Reason) -> Result<(), SourceError>;
 
-    /// Redelivered after `delay` as attempt `next_attempt`.
+    /// Redelivered after `delay` as attempt `next_attempt` (a source that
+    /// does not delay by itself gets what is left of the backoff after
+    /// the core's hold, and carries it with the message).
     async fn retry_later(&self, delay: Duration, next_attempt: u32) -> Result<(), SourceError>;
 
     /// Whether [`Delivery::retry_later`] waits by itself (JetStream's

@@ -1627,3 +1627,53 @@ async fn amqp_a_returned_retry_copy_is_a_failure_not_an_ack() {
     drop(replica);
     queue.delete().await;
 }
+/// Review L9: a backoff longer than the lease held the delivery (and its
+/// prefetch slot) for all of it. Now it is held at most the lease, then
+/// sent back with when its backoff ends: with prefetch 1, the next
+/// message runs meanwhile, and the held one still waits out its backoff.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_a_backoff_longer_than_the_lease_frees_the_prefetch_slot() {
+    let handler = Handler::start().await;
+    let queue = TestQueue::new("idemgate_hold").await;
+    let dir = tempfile::TempDir::new().unwrap();
+    // The backoff: between 4 s and 8 s (equal jitter); the lease 1 s.
+    let c = consumer(
+        amqp(&queue.name, 1),
+        &[("retry_initial", s("8s")), ("retry_max", s("8s"))],
+    );
+    let replica = Replica::start(dir.path(), 0, &handler, c, Store::Sqlite).await;
+    queue.publish(Some("slow"), r#"{"plan":[503,201]}"#).await;
+    queue.publish(Some("next"), r#"{"plan":[201]}"#).await;
+    wait_for("the first attempt", || async {
+        (handler.runs("slow") == [503]).then_some(())
+    })
+    .await;
+    let first = tokio::time::Instant::now();
+    wait_for("the next message", || async {
+        (handler.runs("next") == [201]).then_some(())
+    })
+    .await;
+    assert!(
+        first.elapsed() < Duration::from_secs(3),
+        "the slot was held {:?}",
+        first.elapsed()
+    );
+    assert_eq!(handler.runs("slow"), [503], "its backoff is not over");
+    wait_for("the second attempt", || async {
+        (handler.runs("slow") == [503, 201]).then_some(())
+    })
+    .await;
+    assert!(
+        first.elapsed() >= Duration::from_millis(3800),
+        "ran again after {:?}, before its backoff (>= 4 s)",
+        first.elapsed()
+    );
+    wait_for("the queue to end empty, nothing unacked", || async {
+        (rabbitmq_counts(&queue.name) == (0, 0)).then_some(())
+    })
+    .await;
+    assert_eq!(handler.runs("next"), [201]);
+    assert!(replica.counter("messages_retried_total", None).await >= 2);
+    drop(replica);
+    queue.delete().await;
+}
