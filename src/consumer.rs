@@ -45,7 +45,8 @@ pub struct Consumers {
 impl Consumers {
     /// Starts every consumer: each connects (and reconnects) by itself,
     /// so a broker that is down delays nothing else. `stopping` begins
-    /// their shutdown; each then has `grace` to finish what it holds.
+    /// their shutdown; all of it (finishing what they hold, closing) ends
+    /// by `grace` after it.
     /// Each one's TLS files are read first: a bad one fails the start
     /// (nothing is started then).
     pub fn start(

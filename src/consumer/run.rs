@@ -2,7 +2,8 @@
 //! logged once per outage), take deliveries at most `prefetch` /
 //! `max_ack_pending` at a time, hand each to the protected path and tell
 //! the broker its fate; on shutdown, stop taking new ones and finish those
-//! in flight within the grace period.
+//! in flight, and close, all by one deadline (`shutdown_grace` after
+//! shutdown began).
 //!
 //! A refusal (the consumer's settings cannot work with the broker's
 //! stream or durable) before the consumer ever consumed is reported to
@@ -76,7 +77,8 @@ async fn connect(ctx: &Context, link: &Arc<Link>) -> Result<Box<dyn Source>, Sou
     }
 }
 
-/// Runs until `ctx.stopping`, then finishes what is in flight by `grace`.
+/// Runs until `ctx.stopping`, then finishes what is in flight and closes
+/// by `grace` after it.
 pub async fn run(ctx: Arc<Context>, grace: Duration) {
     let name = ctx.consumer.name.clone();
     let link = Arc::new(Link {
@@ -94,10 +96,11 @@ pub async fn run(ctx: Arc<Context>, grace: Duration) {
     };
     let permits = Arc::new(Semaphore::new(limit.max(1)));
     let mut consumed = false;
-    loop {
+    // The source still connected when shutdown began.
+    let mut open = loop {
         let connected = tokio::select! {
             c = connect(&ctx, &link) => c,
-            _ = ctx.stopping.cancelled() => break,
+            _ = ctx.stopping.cancelled() => break None,
         };
         let mut source = match connected {
             Ok(source) => source,
@@ -108,7 +111,7 @@ pub async fn run(ctx: Arc<Context>, grace: Duration) {
                 link.down(&e);
                 tokio::select! {
                     _ = tokio::time::sleep(retries.wait()) => continue,
-                    _ = ctx.stopping.cancelled() => break,
+                    _ = ctx.stopping.cancelled() => break None,
                 }
             }
         };
@@ -140,34 +143,39 @@ pub async fn run(ctx: Arc<Context>, grace: Duration) {
                 Err(e) => break Some(e),
             }
         };
-        match lost {
-            Some(e) => {
-                link.down(&e);
-                if starts_over(up_since.elapsed(), settled.load(Ordering::Relaxed)) {
-                    retries.reset();
-                }
-                tokio::select! {
-                    _ = tokio::time::sleep(retries.wait()) => {}
-                    _ = ctx.stopping.cancelled() => break,
-                }
-            }
-            None => {
-                // Shutdown: no new deliveries; those in flight finish on
-                // this connection (their acks need it), within the grace.
-                source.stop().await;
-                handlers.close();
-                if tokio::time::timeout(grace, handlers.wait()).await.is_err() {
-                    warn!(consumer = %name, "grace period over with deliveries in flight; the broker redelivers them");
-                }
-                source.close().await;
-                break;
-            }
+        let Some(e) = lost else {
+            break Some(source);
+        };
+        link.down(&e);
+        drop(source);
+        if starts_over(up_since.elapsed(), settled.load(Ordering::Relaxed)) {
+            retries.reset();
         }
+        tokio::select! {
+            _ = tokio::time::sleep(retries.wait()) => {}
+            _ = ctx.stopping.cancelled() => break None,
+        }
+    };
+    // Shutdown began just now: one deadline for all of it. No new
+    // deliveries; those in flight finish on their connection (their acks
+    // need it), then it closes.
+    let deadline = tokio::time::Instant::now() + grace;
+    if let Some(source) = open.as_mut() {
+        let _ = tokio::time::timeout_at(deadline, source.stop()).await;
     }
+    handlers.close();
+    if tokio::time::timeout_at(deadline, handlers.wait())
+        .await
+        .is_err()
+    {
+        warn!(consumer = %name, "grace period over with deliveries in flight; the broker redelivers them");
+    }
+    if let Some(source) = open.as_mut() {
+        let _ = tokio::time::timeout_at(deadline, source.close()).await;
+    }
+    drop(open);
     ctx.metrics.consumers().broker_up(&name, false);
     ctx.up.store(false, Ordering::Relaxed);
-    handlers.close();
-    let _ = tokio::time::timeout(grace, handlers.wait()).await;
     info!(consumer = %name, "consumer stopped");
 }
 

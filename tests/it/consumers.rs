@@ -1677,3 +1677,39 @@ async fn amqp_a_backoff_longer_than_the_lease_frees_the_prefetch_slot() {
     drop(replica);
     queue.delete().await;
 }
+/// Review L3: finishing the deliveries in flight and closing each had
+/// their own `shutdown_grace`, so a handler slower than the grace kept
+/// the process twice as long. All of it now ends by one deadline; the
+/// unfinished message goes back to the queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_shutdown_with_a_handler_slower_than_the_grace_takes_one_grace() {
+    let handler = Handler::start().await;
+    let queue = TestQueue::new("idemgate_grace").await;
+    let dir = tempfile::TempDir::new().unwrap();
+    let c = consumer(amqp(&queue.name, 1), &[("lease", s("30s"))]);
+    let mut replica = Replica::start(dir.path(), 0, &handler, c, Store::Sqlite).await;
+    queue.publish(Some("s1"), r#"{"delay_ms":20000}"#).await;
+    wait_for("the delivery to reach the handler", || async {
+        (replica.counter("in_flight", None).await == 1).then_some(())
+    })
+    .await;
+    let mut p = replica.process.take().unwrap();
+    let asked = tokio::time::Instant::now();
+    p.terminate();
+    let code = p.exited().await;
+    let took = asked.elapsed();
+    // shutdown_grace is 3 s (Replica::start).
+    assert!(took < Duration::from_millis(4800), "shutdown took {took:?}");
+    assert_eq!(code, Some(0), "{}", p.log());
+    assert!(
+        p.log()
+            .contains("grace period over with deliveries in flight"),
+        "{}",
+        p.log()
+    );
+    wait_for("the message back in the queue", || async {
+        (rabbitmq_counts(&queue.name) == (1, 0)).then_some(())
+    })
+    .await;
+    queue.delete().await;
+}
