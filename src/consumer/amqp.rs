@@ -620,4 +620,17 @@ mod tests {
         let m = message(&copy, b"{}");
         assert_eq!(m.attempt, 4);
     }
+
+    #[test]
+    fn a_copy_carries_the_end_of_its_backoff_and_the_next_copy_replaces_it() {
+        let at = UNIX_EPOCH + Duration::from_millis(1_700_000_000_123);
+        let copy = retry_properties(&BasicProperties::default(), 2, Some(at));
+        assert_eq!(message(&copy, b"").not_before, Some(at));
+        let later = at + Duration::from_secs(1);
+        let again = retry_properties(&copy, 2, Some(later));
+        assert_eq!(message(&again, b"").not_before, Some(later));
+        let due = retry_properties(&again, 3, None);
+        assert_eq!(message(&due, b"").not_before, None);
+        assert_eq!(message(&due, b"").attempt, 3);
+    }
 }
