@@ -32,18 +32,21 @@ use arc_swap::ArcSwap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 /// The running consumers.
 pub struct Consumers {
     running: Vec<(Arc<str>, Arc<AtomicBool>, JoinHandle<()>)>,
+    refusals: Option<mpsc::UnboundedReceiver<String>>,
 }
 
 impl Consumers {
     /// Starts every consumer: each connects (and reconnects) by itself,
     /// so a broker that is down delays nothing else. `stopping` begins
-    /// their shutdown; each then has `grace` to finish what it holds.
+    /// their shutdown; all of it (finishing what they hold, closing) ends
+    /// by `grace` after it.
     /// Each one's TLS files are read first: a bad one fails the start
     /// (nothing is started then).
     pub fn start(
@@ -58,6 +61,7 @@ impl Consumers {
             .iter()
             .map(tls::client_config)
             .collect::<Result<Vec<_>, String>>()?;
+        let (refused, refusals) = mpsc::unbounded_channel();
         let running = configs
             .iter()
             .zip(tls)
@@ -71,11 +75,32 @@ impl Consumers {
                     stopping: stopping.clone(),
                     up: up.clone(),
                     tls,
+                    refusals: refused.clone(),
                 });
                 (c.name.clone(), up, tokio::spawn(run::run(ctx, grace)))
             })
             .collect();
-        Ok(Self { running })
+        Ok(Self {
+            running,
+            refusals: Some(refusals),
+        })
+    }
+
+    /// Resolves with the first refusal of a consumer that never consumed
+    /// yet (its settings cannot work with the broker's stream or durable,
+    /// named): `idemgate serve` fails with it. Pending forever when taken
+    /// twice.
+    pub fn refused(&mut self) -> impl std::future::Future<Output = String> + Send + 'static {
+        let refusals = self.refusals.take();
+        async move {
+            match refusals {
+                Some(mut r) => match r.recv().await {
+                    Some(refusal) => refusal,
+                    None => std::future::pending().await,
+                },
+                None => std::future::pending().await,
+            }
+        }
     }
 
     /// Each consumer's broker state, shared, for `/healthz`.

@@ -190,7 +190,7 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
     let stop = drain.stop.clone();
     // Consumers stop taking messages when shutdown begins and finish
     // what they hold within the grace period.
-    let consumers = crate::consumer::Consumers::start(
+    let mut consumers = crate::consumer::Consumers::start(
         &config.restart.consumers,
         current.clone(),
         metrics.clone(),
@@ -319,11 +319,25 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
             }
         },
     );
+    // A consumer refused at start-up (its settings cannot work with the
+    // broker's side) stops the proxy as a config error would, after the
+    // same graceful shutdown.
+    let refused = consumers.refused();
+    let refusal = std::sync::Mutex::new(None);
+    let shutdown_or_refused = async {
+        tokio::select! {
+            () = shutdown => {}
+            why = refused => {
+                error!(error = %why, "a consumer's configuration is refused by its broker; stopping");
+                *refusal.lock().unwrap_or_else(|p| p.into_inner()) = Some(why);
+            }
+        }
+    };
     // Readiness fails first; the listener keeps accepting for
     // shutdown_delay so load balancers notice before connections are refused.
     tokio::join!(
         accepting,
-        drain.request_on(shutdown, config.restart.server.shutdown_delay)
+        drain.request_on(shutdown_or_refused, config.restart.server.shutdown_delay)
     );
     info!(grace = ?config.restart.server.shutdown_grace, "shutting down: no new connections, draining");
     let deadline = tokio::time::Instant::now() + config.restart.server.shutdown_grace;
@@ -354,7 +368,10 @@ async fn serve(server: Server, shutdown: impl Future<Output = ()>) -> anyhow::Re
         let _ = tokio::time::timeout_at(deadline, t).await;
     }
     info!("stopped");
-    Ok(())
+    match refusal.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        Some(why) => Err(anyhow::anyhow!(why)),
+        None => Ok(()),
+    }
 }
 
 /// A listener's TLS, read now, if it has any.

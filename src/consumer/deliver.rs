@@ -197,6 +197,7 @@ mod tests {
             content_type: Some("application/json".into()),
             payload: bytes::Bytes::from(payload.to_string()),
             attempt: 2,
+            not_before: None,
         }
     }
 

@@ -34,6 +34,7 @@ use async_nats::jetstream::{self, consumer::pull, AckKind};
 use futures_util::StreamExt;
 use std::sync::Arc;
 use std::time::Duration;
+use tracing::debug;
 
 /// How long a connect may take before the runner backs off and retries.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -86,7 +87,7 @@ pub async fn connect(
     if let Some(dl) = &config.dead_letter_subject {
         let subjects = &stream.cached_info().config.subjects;
         if let Some(s) = subjects.iter().find(|s| subject_matches(s, dl)) {
-            return Err(SourceError(format!(
+            return Err(SourceError::refused(format!(
                 "refusing to consume: dead_letter_subject {dl:?} is captured by the consumed stream {:?} (subject {s:?}), so dead letters would come back as new messages; capture it in another stream",
                 config.stream
             )));
@@ -107,7 +108,7 @@ pub async fn connect(
         .map_err(|e| SourceError::new("bind the durable consumer", e))?;
     let bound = &consumer.cached_info().config;
     check_durable(bound).map_err(|e| {
-        SourceError(format!(
+        SourceError::refused(format!(
             "refusing to consume: the durable {:?} of stream {:?} {e}; delete it (idemgate creates it right) or fix it",
             config.durable, config.stream
         ))
@@ -145,7 +146,7 @@ impl Source for JetStream {
                 }))
             }
             Some(Err(e)) => Err(SourceError::new("pull", e)),
-            None => Err(SourceError("the message stream ended".into())),
+            None => Err(SourceError::text("the message stream ended")),
         }
     }
 
@@ -183,6 +184,7 @@ fn message(m: &jetstream::Message) -> Result<Message, SourceError> {
         content_type,
         payload: m.message.payload.clone(),
         attempt: u32::try_from(info.delivered).unwrap_or(1).max(1),
+        not_before: None,
     })
 }
 
@@ -228,11 +230,14 @@ impl Delivery for JsDelivery {
             let ack = ack
                 .await
                 .map_err(|e| SourceError::new("publish the dead letter", e))?;
+            // The copy's Nats-Msg-Id is derived from this message's stream
+            // and sequence, so `duplicate` means an earlier delivery of this
+            // very message stored its copy and its +TERM was lost (a broker
+            // restart, a dropped connection): the copy is there, term it
+            // now, or it would come back every ack_wait and, after the
+            // dead-letter stream's duplicate window, be stored twice.
             if ack.duplicate {
-                return Err(SourceError(format!(
-                    "publish the dead letter: stream {:?} answered duplicate for a fresh Nats-Msg-Id (another publisher uses the idemgate-dl- prefix?)",
-                    ack.stream
-                )));
+                debug!(stream = %ack.stream, "dead letter already stored by an earlier delivery; terming");
             }
         }
         self.m

@@ -2,7 +2,20 @@
 //! logged once per outage), take deliveries at most `prefetch` /
 //! `max_ack_pending` at a time, hand each to the protected path and tell
 //! the broker its fate; on shutdown, stop taking new ones and finish those
-//! in flight within the grace period.
+//! in flight, and close, all by one deadline (`shutdown_grace` after
+//! shutdown began).
+//!
+//! A refusal (the consumer's settings cannot work with the broker's
+//! stream or durable) before the consumer ever consumed is reported to
+//! `idemgate serve`, which then fails like a config error; after that
+//! (the broker's side changed under a running consumer) it is logged and
+//! retried with backoff like an outage.
+//!
+//! A source that cannot delay a retry by itself (AMQP) has its delivery
+//! held for the backoff, at most the consumer's `lease`: a longer backoff
+//! goes back to the broker with what is left of it, and a delivery whose
+//! `not_before` is still ahead is held and sent back again without
+//! calling the upstream (not an attempt).
 
 use super::deliver;
 use super::fate::{fate, Fate, Happened, RetryPolicy};
@@ -17,8 +30,8 @@ use crate::proxy::Proxy;
 use arc_swap::ArcSwap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
-use tokio::sync::Semaphore;
+use std::time::{Duration, SystemTime};
+use tokio::sync::{mpsc, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
@@ -51,6 +64,9 @@ pub struct Context {
     pub up: Arc<AtomicBool>,
     /// TLS to the broker, built at start-up (`consumer::tls`).
     pub tls: Option<Arc<rustls::ClientConfig>>,
+    /// Told of a refusal before the consumer first consumed (the start
+    /// fails).
+    pub refusals: mpsc::UnboundedSender<String>,
 }
 
 /// Connects to the consumer's broker.
@@ -62,7 +78,8 @@ async fn connect(ctx: &Context, link: &Arc<Link>) -> Result<Box<dyn Source>, Sou
     }
 }
 
-/// Runs until `ctx.stopping`, then finishes what is in flight by `grace`.
+/// Runs until `ctx.stopping`, then finishes what is in flight and closes
+/// by `grace` after it.
 pub async fn run(ctx: Arc<Context>, grace: Duration) {
     let name = ctx.consumer.name.clone();
     let link = Arc::new(Link {
@@ -79,22 +96,28 @@ pub async fn run(ctx: Arc<Context>, grace: Duration) {
         SourceConfig::JetStream(j) => usize::try_from(j.max_ack_pending).unwrap_or(1),
     };
     let permits = Arc::new(Semaphore::new(limit.max(1)));
-    loop {
+    let mut consumed = false;
+    // The source still connected when shutdown began.
+    let mut open = loop {
         let connected = tokio::select! {
             c = connect(&ctx, &link) => c,
-            _ = ctx.stopping.cancelled() => break,
+            _ = ctx.stopping.cancelled() => break None,
         };
         let mut source = match connected {
             Ok(source) => source,
             Err(e) => {
+                if e.is_refused() && !consumed {
+                    let _ = ctx.refusals.send(format!("consumer \"{name}\": {e}"));
+                }
                 link.down(&e);
                 tokio::select! {
                     _ = tokio::time::sleep(retries.wait()) => continue,
-                    _ = ctx.stopping.cancelled() => break,
+                    _ = ctx.stopping.cancelled() => break None,
                 }
             }
         };
         info!(consumer = %name, source = %ctx.consumer.source.url(), "consuming");
+        consumed = true;
         link.up();
         let up_since = std::time::Instant::now();
         let settled = Arc::new(AtomicBool::new(false));
@@ -121,34 +144,39 @@ pub async fn run(ctx: Arc<Context>, grace: Duration) {
                 Err(e) => break Some(e),
             }
         };
-        match lost {
-            Some(e) => {
-                link.down(&e);
-                if starts_over(up_since.elapsed(), settled.load(Ordering::Relaxed)) {
-                    retries.reset();
-                }
-                tokio::select! {
-                    _ = tokio::time::sleep(retries.wait()) => {}
-                    _ = ctx.stopping.cancelled() => break,
-                }
-            }
-            None => {
-                // Shutdown: no new deliveries; those in flight finish on
-                // this connection (their acks need it), within the grace.
-                source.stop().await;
-                handlers.close();
-                if tokio::time::timeout(grace, handlers.wait()).await.is_err() {
-                    warn!(consumer = %name, "grace period over with deliveries in flight; the broker redelivers them");
-                }
-                source.close().await;
-                break;
-            }
+        let Some(e) = lost else {
+            break Some(source);
+        };
+        link.down(&e);
+        drop(source);
+        if starts_over(up_since.elapsed(), settled.load(Ordering::Relaxed)) {
+            retries.reset();
         }
+        tokio::select! {
+            _ = tokio::time::sleep(retries.wait()) => {}
+            _ = ctx.stopping.cancelled() => break None,
+        }
+    };
+    // Shutdown began just now: one deadline for all of it. No new
+    // deliveries; those in flight finish on their connection (their acks
+    // need it), then it closes.
+    let deadline = tokio::time::Instant::now() + grace;
+    if let Some(source) = open.as_mut() {
+        let _ = tokio::time::timeout_at(deadline, source.stop()).await;
     }
+    handlers.close();
+    if tokio::time::timeout_at(deadline, handlers.wait())
+        .await
+        .is_err()
+    {
+        warn!(consumer = %name, "grace period over with deliveries in flight; the broker redelivers them");
+    }
+    if let Some(source) = open.as_mut() {
+        let _ = tokio::time::timeout_at(deadline, source.close()).await;
+    }
+    drop(open);
     ctx.metrics.consumers().broker_up(&name, false);
     ctx.up.store(false, Ordering::Relaxed);
-    handlers.close();
-    let _ = tokio::time::timeout(grace, handlers.wait()).await;
     info!(consumer = %name, "consumer stopped");
 }
 
@@ -160,7 +188,21 @@ async fn handle(ctx: &Context, delivery: Box<dyn Delivery>) -> bool {
     metrics.received(name);
     let gauge = metrics.in_flight(name);
     gauge.inc();
-    let attempt = delivery.message().attempt.max(1);
+    let msg = delivery.message();
+    let attempt = msg.attempt.max(1);
+    let early = msg
+        .not_before
+        .and_then(|t| t.duration_since(SystemTime::now()).ok())
+        .filter(|left| !left.is_zero());
+    if let Some(left) = early {
+        // A copy sent back before its backoff was over: the rest of it,
+        // not an attempt, the upstream not called.
+        metrics.retried(name);
+        let left = hold(ctx, &*delivery, left).await;
+        let told = delivery.retry_later(left, attempt).await;
+        gauge.dec();
+        return told_or_logged(ctx, told, "-");
+    }
     let (happened, key_id) = run_once(ctx, &*delivery).await;
     match happened {
         Happened::Executed { .. } => metrics.executed(name),
@@ -186,25 +228,47 @@ async fn handle(ctx: &Context, delivery: Box<dyn Delivery>) -> bool {
         Fate::Retry { delay, counted } => {
             metrics.retried(name);
             let next = if counted { attempt + 1 } else { attempt };
-            let mut delay = delay;
-            if !delivery.delays_by_itself() {
-                // Held (unacked) while backing off; shutdown cuts it short.
-                tokio::select! {
-                    _ = tokio::time::sleep(delay) => {}
-                    _ = ctx.stopping.cancelled() => {}
-                }
-                delay = Duration::ZERO;
-            }
-            delivery.retry_later(delay, next).await
+            let left = hold(ctx, &*delivery, delay).await;
+            delivery.retry_later(left, next).await
         }
     };
-    let ok = told.is_ok();
-    if let Err(e) = told {
+    gauge.dec();
+    told_or_logged(ctx, told, key_id)
+}
+
+/// Whether the broker was told the fate; if not, logged and counted (a
+/// connection the source gave up is logged once by the runner instead).
+fn told_or_logged(ctx: &Context, told: Result<(), SourceError>, key_id: &str) -> bool {
+    let Err(e) = told else {
+        return true;
+    };
+    let name = &ctx.consumer.name;
+    ctx.metrics.consumers().not_told(name);
+    if e.is_lost() {
+        debug!(consumer = %name, key.id = %key_id, error = %e, "fate not told: connection given up");
+    } else {
         warn!(consumer = %name, key.id = %key_id, error = %e,
             "could not tell the broker the message's fate; it will redeliver it, and the record answers the redelivery");
     }
-    gauge.dec();
-    ok
+    false
+}
+
+/// For a source that does not delay by itself: holds the delivery
+/// (unacked) for `delay`, at most the consumer's `lease`, so a prefetch
+/// slot is not kept for a whole `retry_max`; shutdown cuts it short.
+/// Returns what is left of `delay` for the retry (all of it for a source
+/// that delays by itself).
+async fn hold(ctx: &Context, delivery: &dyn Delivery, delay: Duration) -> Duration {
+    if delivery.delays_by_itself() {
+        return delay;
+    }
+    let held = delay.min(ctx.consumer.route.lease);
+    let started = tokio::time::Instant::now();
+    tokio::select! {
+        _ = tokio::time::sleep(held) => {}
+        _ = ctx.stopping.cancelled() => {}
+    }
+    delay.saturating_sub(started.elapsed())
 }
 
 /// The delivery through the protected path, and the key's log id (`None`:

@@ -10,12 +10,58 @@ use std::time::Duration;
 /// A broker failure: the connection (or channel) is gone, or an operation
 /// on it failed. The runner reconnects.
 #[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct SourceError(pub String);
+#[error("{text}")]
+pub struct SourceError {
+    text: String,
+    kind: Kind,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Failed,
+    /// The consumer's settings cannot work with what the broker has
+    /// (`run.rs`: fatal at start-up, retried after).
+    Refused,
+    /// The source gave its connection up (an operation had no answer in
+    /// time); the runner logs that once for the whole connection.
+    Lost,
+}
 
 impl SourceError {
     pub fn new(what: &str, e: impl std::fmt::Display) -> Self {
-        Self(format!("{what}: {e}"))
+        Self::text(format!("{what}: {e}"))
+    }
+
+    pub fn text(text: impl Into<String>) -> Self {
+        Self {
+            text: text.into(),
+            kind: Kind::Failed,
+        }
+    }
+
+    /// A refusal naming the setting to change: retrying cannot help
+    /// until the broker's side or the config changes.
+    pub fn refused(text: impl Into<String>) -> Self {
+        Self {
+            text: text.into(),
+            kind: Kind::Refused,
+        }
+    }
+
+    /// The connection was given up (already logged by the runner).
+    pub fn lost(text: impl Into<String>) -> Self {
+        Self {
+            text: text.into(),
+            kind: Kind::Lost,
+        }
+    }
+
+    pub fn is_refused(&self) -> bool {
+        self.kind == Kind::Refused
+    }
+
+    pub fn is_lost(&self) -> bool {
+        self.kind == Kind::Lost
     }
 }
 
@@ -33,6 +79,9 @@ pub struct Message {
     /// `num_delivered`; AMQP's `x-idemgate-attempts` header (set on the
     /// copy a retry republishes) or a quorum queue's `x-delivery-count`.
     pub attempt: u32,
+    /// Not to be delivered before then: a copy republished before its
+    /// backoff was over (AMQP `x-idemgate-not-before`; see `run.rs`).
+    pub not_before: Option<std::time::SystemTime>,
 }
 
 impl Message {
@@ -76,7 +125,9 @@ pub trait Delivery: Send + Sync {
     /// `dead_letter_subject` when set, then `term`).
     async fn dead_letter(&self, reason: Reason) -> Result<(), SourceError>;
 
-    /// Redelivered after `delay` as attempt `next_attempt`.
+    /// Redelivered after `delay` as attempt `next_attempt` (a source that
+    /// does not delay by itself gets what is left of the backoff after
+    /// the core's hold, and carries it with the message).
     async fn retry_later(&self, delay: Duration, next_attempt: u32) -> Result<(), SourceError>;
 
     /// Whether [`Delivery::retry_later`] waits by itself (JetStream's

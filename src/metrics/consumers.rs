@@ -26,6 +26,7 @@ pub struct ConsumerMetrics {
     duplicates: Family<ConsumerLabels, Counter>,
     dead_lettered: Family<DeadLetterLabels, Counter>,
     retried: Family<ConsumerLabels, Counter>,
+    not_told: Family<ConsumerLabels, Counter>,
     in_flight: Family<ConsumerLabels, Gauge>,
     broker_up: Family<ConsumerLabels, Gauge>,
 }
@@ -38,6 +39,7 @@ impl ConsumerMetrics {
             duplicates: add(registry, "consumer_duplicates_suppressed", "Deliveries answered from a recorded answer without calling the upstream (duplicates, redeliveries), by consumer"),
             dead_lettered: add(registry, "consumer_messages_dead_lettered", "Messages dead-lettered, by consumer and reason: rejected (a stored 4xx), exhausted (max_attempts), outcome_unknown, mismatch (key reused with another payload), no_key"),
             retried: add(registry, "consumer_messages_retried", "Deliveries returned to the broker to come back later (released, in flight elsewhere, or unsettled), by consumer"),
+            not_told: add(registry, "consumer_fates_not_told", "Fates (ack, dead-letter, retry) the broker was not told: the connection or channel was gone (lapin did not send an ack or reject), the operation failed or had no answer in time; the broker redelivers the message and its record answers. By consumer"),
             in_flight: add(registry, "consumer_in_flight", "Deliveries being handled now, by consumer"),
             broker_up: add(registry, "consumer_broker_up", "1 while the consumer's broker connection is up and consuming, 0 while it reconnects"),
         }
@@ -57,6 +59,7 @@ impl ConsumerMetrics {
         drop(self.executed.get_or_create(&l));
         drop(self.duplicates.get_or_create(&l));
         drop(self.retried.get_or_create(&l));
+        drop(self.not_told.get_or_create(&l));
         drop(self.in_flight.get_or_create(&l));
         self.broker_up.get_or_create(&l).set(0);
         for &reason in reasons {
@@ -91,6 +94,10 @@ impl ConsumerMetrics {
 
     pub fn retried(&self, consumer: &Arc<str>) {
         self.retried.get_or_create(&Self::labels(consumer)).inc();
+    }
+
+    pub fn not_told(&self, consumer: &Arc<str>) {
+        self.not_told.get_or_create(&Self::labels(consumer)).inc();
     }
 
     pub fn in_flight(&self, consumer: &Arc<str>) -> Gauge {

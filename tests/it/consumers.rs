@@ -1366,7 +1366,6 @@ async fn plain_jetstream(
 /// simulated by storing that copy first, exactly as the lost attempt
 /// would have. Expected: the message is termed, one dead letter.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "defect: src/consumer/jetstream.rs dead_letter treats the duplicate ack of its own earlier copy as a failure (see NOTES-consumers.md, Left)"]
 async fn jetstream_a_dead_letter_whose_term_was_lost_is_termed_on_its_redelivery() {
     let handler = Handler::start().await;
     let stream = TestStream::new(NATS_URL, "idemgate_dlterm").await;
@@ -1415,4 +1414,365 @@ async fn jetstream_a_dead_letter_whose_term_was_lost_is_termed_on_its_redelivery
         "the dead-lettered message is still (pending, unacked) 8 s later (ack_wait 1 s): its +TERM never came; log:\n{log}"
     );
     assert_eq!(dead.len(), 1, "one dead letter: {dead:?}");
+}
+
+// ===== review fixes: AMQP timeouts, settling, retry copies, holds, shutdown, refusals =====
+
+/// The fatal path: a consumer the broker's side refuses at start-up (a
+/// dead-letter subject its stream captures, review H1; an existing
+/// durable with a `max_deliver` limit, review M3) fails `idemgate serve`
+/// (exit non-zero, the consumer and the setting named), as a config
+/// error does, instead of running with the consumer down for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_fails_when_the_broker_refuses_a_consumer_at_start_up() {
+    use async_nats::jetstream::consumer::{pull, AckPolicy};
+    let handler = Handler::start().await;
+    let dir = tempfile::TempDir::new().unwrap();
+    let run = |source: Value, tag: &str| {
+        let (listen, admin) = (free_port(), free_port());
+        let c = consumer(source, &[("key", table(&[("header", s("x-order-id"))]))]);
+        let path = dir.path().join(format!("{tag}.toml"));
+        TestConfig::new(handler.addr)
+            .listen(listen, admin)
+            .set("store.backend", "memory")
+            .set("consumer", Value::Array(vec![c]))
+            .write(&path);
+        async move {
+            let path = path.display().to_string();
+            run_to_completion(&["serve", "--config", &path], &[]).await
+        }
+    };
+    let stream = TestStream::new(NATS_URL, "idemgate_fatal_dl").await;
+    let mut source = jetstream(NATS_URL, &stream, "5s");
+    source["jetstream"]["dead_letter_subject"] = s(&format!("{}.in", stream.name));
+    let out = run(source, "dl").await;
+    assert_ne!(out.code, 0, "{out:?}");
+    assert!(
+        out.stderr.contains(&format!("consumer \"{CONSUMER}\""))
+            && out.stderr.contains("dead_letter_subject"),
+        "{}",
+        out.stderr
+    );
+    stream.delete().await;
+    let stream = TestStream::new(NATS_URL, "idemgate_fatal_durable").await;
+    stream
+        .js
+        .get_stream(&stream.name)
+        .await
+        .unwrap()
+        .create_consumer(pull::Config {
+            durable_name: Some(CONSUMER.to_string()),
+            ack_policy: AckPolicy::Explicit,
+            ack_wait: Duration::from_secs(5),
+            max_deliver: 5,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let out = run(jetstream(NATS_URL, &stream, "5s"), "durable").await;
+    assert_ne!(out.code, 0, "{out:?}");
+    assert!(
+        out.stderr.contains(&format!("consumer \"{CONSUMER}\""))
+            && out.stderr.contains("max_deliver 5"),
+        "{}",
+        out.stderr
+    );
+    assert!(handler.counts().is_empty());
+    stream.delete().await;
+}
+/// `rabbitmqctl -n node <args>`, which must succeed.
+fn rabbitmqctl_on(node: &str, args: &[&str]) {
+    let out = std::process::Command::new("rabbitmqctl")
+        .args(["-q", "-n", node])
+        .args(args)
+        .output()
+        .expect("run rabbitmqctl");
+    assert!(out.status.success(), "rabbitmqctl {args:?}: {out:?}");
+}
+
+/// Whether `node` has a resource alarm in effect.
+fn alarm_on(node: &str) -> bool {
+    let out = std::process::Command::new("rabbitmq-diagnostics")
+        .args(["-q", "-n", node, "check_alarms"])
+        .output()
+        .expect("run rabbitmq-diagnostics");
+    !out.status.success()
+}
+
+/// [`wait_for`] with a longer deadline, for waits that include an
+/// operation timeout of idemgate's; a timeout shows `replica`'s log.
+async fn wait_long<T, F, Fut>(what: &str, deadline: Duration, replica: &Replica, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let until = tokio::time::Instant::now() + deadline;
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(
+            tokio::time::Instant::now() < until,
+            "timed out waiting for {what}:\n{}",
+            replica.p().log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Review L4: an ack lapin did not send (`Ok(false)`: the delivery's
+/// channel closed while the upstream ran) was taken as done, silently.
+/// It is now logged and counted; the redelivery is answered from the
+/// record, so the message still runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_an_ack_lapin_did_not_send_is_logged_and_counted() {
+    let handler = Handler::start().await;
+    let queue = TestQueue::new("idemgate_unsent").await;
+    let dir = tempfile::TempDir::new().unwrap();
+    let c = consumer(amqp(&queue.name, 1), &[]);
+    let replica = Replica::start(dir.path(), 0, &handler, c, Store::Sqlite).await;
+    // Long enough for two rabbitmqctl runs on a loaded machine.
+    queue.publish(Some("u1"), r#"{"delay_ms":5000}"#).await;
+    wait_for("the delivery to reach the handler", || async {
+        (replica.counter("in_flight", None).await == 1).then_some(())
+    })
+    .await;
+    close_idemgate_connection(&queue.name);
+    wait_for("the unsent ack to be counted", || async {
+        (replica.counter("fates_not_told_total", None).await >= 1).then_some(())
+    })
+    .await;
+    let log = replica.p().log();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("basic.ack not sent") && l.contains(CONSUMER)),
+        "{log}"
+    );
+    wait_for("the redelivery to be answered from the record", || async {
+        (replica.counter("duplicates_suppressed_total", None).await == 1).then_some(())
+    })
+    .await;
+    wait_for("the queue to end empty, nothing unacked", || async {
+        (rabbitmq_counts(&queue.name) == (0, 0)).then_some(())
+    })
+    .await;
+    assert_once(&handler, &["u1".to_string()]);
+    drop(replica);
+    queue.delete().await;
+}
+
+/// Review M5: a memory alarm on a private RabbitMQ node blocks the
+/// connection once a retry republishes its copy; lapin then writes
+/// nothing more (acks included), and the confirm never came. The
+/// operation now times out: the connection is given up (logged once,
+/// naming the consumer), its unacked deliveries return, and a new
+/// connection finishes every message during the alarm (acks from a
+/// connection that does not publish are still read). After the alarm:
+/// nothing lost, nothing run twice, the consumer still consuming.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_a_connection_blocked_by_an_alarm_is_given_up_and_loses_nothing() {
+    let rabbit = PrivateRabbit::start().await;
+    let url = rabbit.url();
+    let handler = Handler::start().await;
+    let queue = TestQueue::on(&url, "idemgate_alarm").await;
+    let dir = tempfile::TempDir::new().unwrap();
+    let mut keys = vec!["kr".to_string()];
+    queue.publish(Some("kr"), r#"{"plan":[503,201]}"#).await;
+    for i in 0..20 {
+        let k = format!("a{i}");
+        queue.publish(Some(&k), &order(i, ",\"delay_ms\":20")).await;
+        keys.push(k);
+    }
+    rabbitmqctl_on(&rabbit.node, &["set_vm_memory_high_watermark", "0"]);
+    wait_for("the memory alarm", || async {
+        alarm_on(&rabbit.node).then_some(())
+    })
+    .await;
+    let c = consumer(amqp_at(&url, &queue.name, 4), &[]);
+    let replica = Replica::start(dir.path(), 0, &handler, c, Store::Sqlite).await;
+    wait_long(
+        "every message to run during the alarm",
+        Duration::from_secs(90),
+        &replica,
+        || async {
+            let counts = handler.counts();
+            let done =
+                keys.iter().all(|k| counts.contains_key(k)) && handler.runs("kr") == [503, 201];
+            done.then_some(())
+        },
+    )
+    .await;
+    wait_long(
+        "the queue to be empty during the alarm",
+        Duration::from_secs(30),
+        &replica,
+        || async { (rabbitmq_counts_on(&rabbit.node, &queue.name) == (0, 0)).then_some(()) },
+    )
+    .await;
+    assert!(alarm_on(&rabbit.node));
+    let log = replica.p().log();
+    let given_up: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("no answer from RabbitMQ within"))
+        .collect();
+    assert!(!given_up.is_empty(), "{log}");
+    assert!(given_up.iter().all(|l| l.contains(CONSUMER)), "{log}");
+    rabbitmqctl_on(&rabbit.node, &["set_vm_memory_high_watermark", "0.4"]);
+    wait_for("the alarm to clear", || async {
+        (!alarm_on(&rabbit.node)).then_some(())
+    })
+    .await;
+    queue.publish(Some("after"), &order(99, "")).await;
+    keys.push("after".to_string());
+    wait_executed(&handler, &keys).await;
+    wait_for("the queue to end empty, nothing unacked", || async {
+        (rabbitmq_counts_on(&rabbit.node, &queue.name) == (0, 0)).then_some(())
+    })
+    .await;
+    let counts = handler.counts();
+    let twice: Vec<_> = counts
+        .iter()
+        .filter(|(k, n)| **n != 1 && k.as_str() != "kr")
+        .collect();
+    assert!(twice.is_empty(), "executed other than once: {twice:?}");
+    assert_eq!(handler.runs("kr"), [503, 201]);
+    assert!(queue.drain_dead_letters().await.is_empty());
+    assert_eq!(replica.counter("broker_up", None).await, 1);
+    drop(replica);
+}
+/// Review L5: the retry copy is published `mandatory`. With the queue
+/// deleted while the delivery is held, the copy comes back unroutable;
+/// that was taken as published (and the original acked). Now it is a
+/// failure: the original is requeued, not acked, and it is logged and
+/// counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_a_returned_retry_copy_is_a_failure_not_an_ack() {
+    let handler = Handler::start().await;
+    let queue = TestQueue::new("idemgate_returned").await;
+    let dir = tempfile::TempDir::new().unwrap();
+    // Prefetch 1: the runner waits for the held delivery before it sees
+    // the broker cancel the consumer.
+    let c = consumer(
+        amqp(&queue.name, 1),
+        &[
+            ("lease", s("10s")),
+            ("retry_initial", s("6s")),
+            ("retry_max", s("6s")),
+        ],
+    );
+    let replica = Replica::start(dir.path(), 0, &handler, c, Store::Sqlite).await;
+    queue.publish(Some("k1"), r#"{"plan":[503,201]}"#).await;
+    wait_for("the first attempt", || async {
+        (handler.runs("k1") == [503]).then_some(())
+    })
+    .await;
+    queue
+        .channel
+        .queue_delete(
+            lapin::types::ShortString::from(queue.name.clone()),
+            lapin::options::QueueDeleteOptions::default(),
+        )
+        .await
+        .unwrap();
+    wait_for("the returned copy in the log", || async {
+        let log = replica.p().log();
+        log.lines()
+            .find(|l| {
+                l.contains("the retry copy was not published")
+                    && l.contains("returned by the broker")
+                    && l.contains(CONSUMER)
+            })
+            .map(drop)
+    })
+    .await;
+    assert!(replica.counter("fates_not_told_total", None).await >= 1);
+    assert_eq!(handler.runs("k1"), [503]);
+    drop(replica);
+    queue.delete().await;
+}
+/// Review L9: a backoff longer than the lease held the delivery (and its
+/// prefetch slot) for all of it. Now it is held at most the lease, then
+/// sent back with when its backoff ends: with prefetch 1, the next
+/// message runs meanwhile, and the held one still waits out its backoff.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_a_backoff_longer_than_the_lease_frees_the_prefetch_slot() {
+    let handler = Handler::start().await;
+    let queue = TestQueue::new("idemgate_hold").await;
+    let dir = tempfile::TempDir::new().unwrap();
+    // The backoff: between 4 s and 8 s (equal jitter); the lease 1 s.
+    let c = consumer(
+        amqp(&queue.name, 1),
+        &[("retry_initial", s("8s")), ("retry_max", s("8s"))],
+    );
+    let replica = Replica::start(dir.path(), 0, &handler, c, Store::Sqlite).await;
+    queue.publish(Some("slow"), r#"{"plan":[503,201]}"#).await;
+    queue.publish(Some("next"), r#"{"plan":[201]}"#).await;
+    wait_for("the first attempt", || async {
+        (handler.runs("slow") == [503]).then_some(())
+    })
+    .await;
+    let first = tokio::time::Instant::now();
+    wait_for("the next message", || async {
+        (handler.runs("next") == [201]).then_some(())
+    })
+    .await;
+    assert!(
+        first.elapsed() < Duration::from_secs(3),
+        "the slot was held {:?}",
+        first.elapsed()
+    );
+    assert_eq!(handler.runs("slow"), [503], "its backoff is not over");
+    wait_for("the second attempt", || async {
+        (handler.runs("slow") == [503, 201]).then_some(())
+    })
+    .await;
+    assert!(
+        first.elapsed() >= Duration::from_millis(3800),
+        "ran again after {:?}, before its backoff (>= 4 s)",
+        first.elapsed()
+    );
+    wait_for("the queue to end empty, nothing unacked", || async {
+        (rabbitmq_counts(&queue.name) == (0, 0)).then_some(())
+    })
+    .await;
+    assert_eq!(handler.runs("next"), [201]);
+    assert!(replica.counter("messages_retried_total", None).await >= 2);
+    drop(replica);
+    queue.delete().await;
+}
+/// Review L3: finishing the deliveries in flight and closing each had
+/// their own `shutdown_grace`, so a handler slower than the grace kept
+/// the process twice as long. All of it now ends by one deadline; the
+/// unfinished message goes back to the queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_shutdown_with_a_handler_slower_than_the_grace_takes_one_grace() {
+    let handler = Handler::start().await;
+    let queue = TestQueue::new("idemgate_grace").await;
+    let dir = tempfile::TempDir::new().unwrap();
+    let c = consumer(amqp(&queue.name, 1), &[("lease", s("30s"))]);
+    let mut replica = Replica::start(dir.path(), 0, &handler, c, Store::Sqlite).await;
+    queue.publish(Some("s1"), r#"{"delay_ms":20000}"#).await;
+    wait_for("the delivery to reach the handler", || async {
+        (replica.counter("in_flight", None).await == 1).then_some(())
+    })
+    .await;
+    let mut p = replica.process.take().unwrap();
+    let asked = tokio::time::Instant::now();
+    p.terminate();
+    let code = p.exited().await;
+    let took = asked.elapsed();
+    // shutdown_grace is 3 s (Replica::start).
+    assert!(took < Duration::from_millis(4800), "shutdown took {took:?}");
+    assert_eq!(code, Some(0), "{}", p.log());
+    assert!(
+        p.log()
+            .contains("grace period over with deliveries in flight"),
+        "{}",
+        p.log()
+    );
+    wait_for("the message back in the queue", || async {
+        (rabbitmq_counts(&queue.name) == (1, 0)).then_some(())
+    })
+    .await;
+    queue.delete().await;
 }
