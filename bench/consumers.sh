@@ -4,9 +4,9 @@
 # max_ack_pending 32) against the same consumer without dedup (consume,
 # POST, ack, in-process), on RabbitMQ and on NATS JetStream, delivering to
 # the same in-process counting upstream. Needs the brokers running
-# (scripts/test.sh starts them). Each row counts from the consumer's start
-# to the last of IDEMGATE_BENCH_MESSAGES (default 2000) messages executed,
-# so idemgate's rows include its process start (a few hundred ms).
+# (scripts/test.sh starts them) and PostgreSQL at IDEMGATE_TEST_DATABASE_URL.
+# Each row counts IDEMGATE_BENCH_MESSAGES (default 2000) queued messages
+# from the first one executed to the last (start-up not counted).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export IDEMGATE_BENCH_MESSAGES="${IDEMGATE_BENCH_MESSAGES:-2000}"
