@@ -225,7 +225,16 @@ impl Pinned {
     /// with an epoch, `{prefix}:{epoch}:{scope}:{key}`.
     pub(crate) fn name(&self, base: &str, prefix: &str) -> String {
         match &self.epoch {
-            Some(epoch) => format!("{prefix}:{epoch}{}", &base[prefix.len()..]),
+            Some(epoch) => {
+                // Pushed, not `format!`ed: this is on every Redis call.
+                let rest = &base[prefix.len()..];
+                let mut name = String::with_capacity(prefix.len() + 1 + epoch.len() + rest.len());
+                name.push_str(prefix);
+                name.push(':');
+                name.push_str(epoch);
+                name.push_str(rest);
+                name
+            }
             None => base.to_string(),
         }
     }
