@@ -5,7 +5,7 @@
 use super::pool::{Core, Param};
 use super::PostgresStore;
 use crate::idempotency::{RecordKey, Scope};
-use crate::store::batch::{Batcher, Completing};
+use crate::store::batch::{Batcher, Completing, Sharing};
 use crate::store::codec::{array_from, RecordRow};
 use crate::store::sql::{KeyParams, OwnerParams, RECORD_COLUMNS};
 use crate::store::{is_claimable, Claim, ClaimOutcome, Fence, Record, RecordState, StoreError};
@@ -27,7 +27,14 @@ impl PostgresStore {
         self.claims.get_or_init(|| {
             let core = self.core.clone();
             let key = |claim: &Claim| claim.key;
-            Batcher::start(BATCH_LANES, BATCH_MAX, key, move |claims| {
+            // A duplicate storm on one key: one read answers the claims
+            // queued behind it (`crate::store::batch`, "Sharing").
+            let sharing = Sharing {
+                same: |leader: &Claim, follower: &Claim| leader.fingerprint == follower.fingerprint,
+                copy: Claim::clone,
+                answer: shared_claim,
+            };
+            Batcher::start_sharing(BATCH_LANES, BATCH_MAX, key, Some(sharing), move |claims| {
                 let core = core.clone();
                 async move { core.claim_many(claims).await }
             })
@@ -59,6 +66,26 @@ fn shifted(mut record: Record, by: i64) -> Record {
     record.created_at += by;
     record.expires_at += by;
     record
+}
+
+/// The answer `follower` (same key and fingerprint, queued before
+/// `leader`'s statement was sent) takes from `leader`'s: the record it
+/// found, on the follower's clock, unless the follower may claim it by
+/// then; never a claim granted (the follower must find that claim in
+/// flight, which only its own statement can say), nor an error.
+fn shared_claim(
+    leader: &Claim,
+    follower: &Claim,
+    answer: &Result<ClaimOutcome, StoreError>,
+) -> Option<Result<ClaimOutcome, StoreError>> {
+    let Ok(ClaimOutcome::Existing(record)) = answer else {
+        return None;
+    };
+    let record = shifted(record.clone(), follower.now - leader.now);
+    if is_claimable(&record, &follower.fingerprint, follower.now) {
+        return None;
+    }
+    Some(Ok(ClaimOutcome::Existing(record)))
 }
 
 /// The record columns starting at column `at`.
@@ -370,5 +397,61 @@ impl Core {
         )
         .await
         .map(Fence::from_rows)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::sample_claim;
+
+    fn in_flight(claim: &Claim, locked_until: i64, expires_at: i64) -> Record {
+        Record {
+            fingerprint: claim.fingerprint,
+            state: RecordState::InFlight { locked_until },
+            created_at: claim.now,
+            expires_at,
+            first_use: None,
+        }
+    }
+
+    /// What a claim queued behind another for the same key takes from its
+    /// answer: the record found, on its own clock; never a claim granted,
+    /// an error, or a record it may claim by its own clock.
+    #[test]
+    fn a_follower_takes_a_found_record_on_its_own_clock_and_nothing_else() {
+        let leader = sample_claim();
+        let follower = Claim {
+            now: leader.now + 3,
+            token: crate::store::LeaseToken([9; 16]),
+            ..leader.clone()
+        };
+        let found = in_flight(&leader, leader.now + 1_000, leader.now + 60_000);
+        let shared = shared_claim(&leader, &follower, &Ok(ClaimOutcome::Existing(found)));
+        let Some(Ok(ClaimOutcome::Existing(record))) = shared else {
+            panic!("an in-flight record is shared: {shared:?}");
+        };
+        assert_eq!(
+            record.state,
+            RecordState::InFlight {
+                locked_until: leader.now + 1_003
+            },
+            "shifted to the follower's clock"
+        );
+        assert_eq!(record.expires_at, leader.now + 60_003);
+
+        let claimed = Ok(ClaimOutcome::Claimed { takeover: false });
+        assert!(
+            shared_claim(&leader, &follower, &claimed).is_none(),
+            "a claim granted is the leader's alone"
+        );
+        let failed = Err(StoreError::Timeout);
+        assert!(shared_claim(&leader, &follower, &failed).is_none());
+
+        // Expired by the follower's clock (0 ms left on the leader's): the
+        // follower may claim it, so it asks the store itself.
+        let expiring = in_flight(&leader, leader.now - 1, leader.now);
+        let answer = Ok(ClaimOutcome::Existing(expiring));
+        assert!(shared_claim(&leader, &follower, &answer).is_none());
     }
 }
