@@ -261,10 +261,21 @@ mod tests {
 
     /// Records the batches it ran; each call answers its own value doubled.
     fn doubling(lanes: usize, max: usize, batches: Arc<Mutex<Vec<Vec<u32>>>>) -> Doubling {
-        Batcher::start(
+        doubling_sharing(lanes, max, None, batches)
+    }
+
+    /// [`doubling`], with `sharing`.
+    fn doubling_sharing(
+        lanes: usize,
+        max: usize,
+        sharing: Option<Sharing<(u32, u32), u32>>,
+        batches: Arc<Mutex<Vec<Vec<u32>>>>,
+    ) -> Doubling {
+        Batcher::start_sharing(
             lanes,
             max,
             |item: &(u32, u32)| item.0,
+            sharing,
             move |items| {
                 let batches = batches.clone();
                 async move {
@@ -277,10 +288,10 @@ mod tests {
         )
     }
 
-    /// [`doubling`], sharing a leader's answer with followers whose value
-    /// is odd (`same`) when the leader's answer is under 100 (`answer`):
-    /// a follower then answers the leader's answer plus one, which no run
-    /// gives, so a shared answer is told from a run one.
+    /// [`doubling`] on one lane, sharing a leader's answer with followers
+    /// whose value is odd (`same`) when the leader's answer is under 100
+    /// (`answer`): a follower then answers the leader's answer plus one,
+    /// which no run gives, so a shared answer is told from a run one.
     fn sharing(batches: Arc<Mutex<Vec<Vec<u32>>>>) -> Doubling {
         let sharing = Sharing {
             same: |_: &(u32, u32), follower: &(u32, u32)| follower.1 % 2 == 1,
@@ -289,21 +300,7 @@ mod tests {
                 (*answer < 100).then_some(answer + 1)
             },
         };
-        Batcher::start_sharing(
-            1,
-            64,
-            |item: &(u32, u32)| item.0,
-            Some(sharing),
-            move |items| {
-                let batches = batches.clone();
-                async move {
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                    let values = items.iter().map(|i| i.1).collect();
-                    batches.lock().unwrap().push(values);
-                    items.iter().map(|i| i.1 * 2).collect()
-                }
-            },
-        )
+        doubling_sharing(1, 64, Some(sharing), batches)
     }
 
     /// A duplicate storm on one record: calls queued behind a batch that
